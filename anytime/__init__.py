@@ -1,0 +1,13 @@
+"""anytime: anytime-inference research in PyTorch.
+
+Models that answer at several points of cost, measured on the device that runs them.
+The public API is small; everything else lives in the sub-packages.
+"""
+
+from __future__ import annotations
+
+from anytime.backbones import create_model, list_models
+from anytime.errors import AnytimeError
+
+__all__ = ["AnytimeError", "create_model", "list_models"]
+__version__ = "0.1.0"

@@ -1,0 +1,11 @@
+"""The one exception type that reaches the user as a one-line message."""
+
+from __future__ import annotations
+
+
+class AnytimeError(Exception):
+    """A problem caused by the user's input (a path, a file, a value).
+
+    The CLI prints ``str(error)`` on one line and exits with status 2, with no traceback;
+    the message must therefore say what was wrong and what to do about it.
+    """

@@ -1,0 +1,1 @@
+"""Small helpers shared by the library: atomic file writes, seeding, machine description."""
