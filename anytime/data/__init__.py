@@ -1,0 +1,147 @@
+"""Datasets held in memory as uint8 tensors, seeded stratified splits, and a fast batched loader.
+
+``load_dataset(name, root)`` returns train/val/test :class:`Split` objects; ``make_loader``
+turns a split into batches of normalised float images (augmented for training).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from anytime.data.augment import normalize, random_crop_flip
+from anytime.data.base import (
+    DatasetInfo,
+    DatasetSplits,
+    RawDataset,
+    Split,
+    channel_stats,
+    default_cache_dir,
+    derive_seed,
+    make_split,
+    stratified_pick,
+)
+from anytime.data.cifar10 import load_cifar10
+from anytime.data.digits import load_digits_raw
+from anytime.data.imagefolder import cache_path_for, load_folder
+from anytime.data.loader import BatchLoader, make_loader
+from anytime.data.synthetic import load_synthetic_raw
+from anytime.errors import AnytimeError
+
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "folder", "synthetic")
+DIGITS_TEST_FRACTION = 0.2
+
+__all__ = [
+    "DATASETS",
+    "BatchLoader",
+    "DatasetInfo",
+    "DatasetSplits",
+    "Split",
+    "cache_path_for",
+    "default_cache_dir",
+    "load_dataset",
+    "make_loader",
+    "normalize",
+    "random_crop_flip",
+]
+
+
+def _resize(images: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear (antialiased) resize of uint8 [N,C,H,W] to ``size`` x ``size``, in chunks to bound memory."""
+    out = np.empty((images.shape[0], images.shape[1], size, size), dtype=np.uint8)
+    for start in range(0, images.shape[0], 4096):
+        chunk = torch.from_numpy(images[start : start + 4096]).float()
+        resized = F.interpolate(chunk, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        out[start : start + 4096] = resized.round_().clamp_(0, 255).to(torch.uint8).numpy()
+    return out
+
+
+def _load_raw(
+    name: str, root: str | os.PathLike[str] | None, *, seed: int, cache_dir: str | os.PathLike[str] | None,
+    image_size: int | None,
+) -> RawDataset:  # fmt: skip
+    if name in ("digits", "synthetic") and root is not None:
+        raise AnytimeError(f"the {name} dataset takes no data root (got {root}); leave --data-root out")
+    if name == "digits":
+        return load_digits_raw(image_size)
+    if name == "synthetic":
+        return load_synthetic_raw(seed, image_size)
+    if name == "cifar10":
+        return load_cifar10(root, image_size=image_size, cache_dir=cache_dir)
+    if root is None:
+        raise AnytimeError(
+            "the folder dataset needs a root: pass --data-root PATH holding train/<class>/* and test/<class>/*"
+        )
+    return load_folder(root, name="folder", image_size=image_size, cache_dir=cache_dir, hflip=True)
+
+
+def load_dataset(
+    name: str,
+    root: str | os.PathLike[str] | None = None,
+    *,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    cache_dir: str | os.PathLike[str] | None = None,
+    image_size: int | None = None,
+    limit_train: int | None = None,
+) -> DatasetSplits:
+    """Load dataset ``name`` into train/val/test splits of uint8 tensors.
+
+    The validation split is carved from the training data (stratified, drawn with ``seed``) and
+    is disjoint from train. ``limit_train`` keeps a seeded, stratified subset of that many
+    training samples (after the carve). For digits, which has no official test split, a fixed
+    stratified 20% test split is carved first; it does not depend on ``seed``, so every run is
+    tested on the same images. ``cache_dir`` (cifar10 and folder) defaults to ``$ANYTIME_CACHE``
+    or ``~/.cache/anytime``.
+    """
+    if name not in DATASETS:
+        raise AnytimeError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise AnytimeError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if image_size is not None and image_size < 1:
+        raise AnytimeError(f"image_size must be a positive number of pixels, got {image_size}")
+    if limit_train is not None and limit_train < 1:
+        raise AnytimeError(f"limit_train must be >= 1, got {limit_train}")
+    raw = _load_raw(name, root, seed=seed, cache_dir=cache_dir, image_size=image_size)
+    train_x, train_y = raw.train_images, raw.train_labels
+    test_x, test_y = raw.test_images, raw.test_labels
+    if image_size is not None and train_x.shape[2:] != (image_size, image_size):
+        train_x = _resize(train_x, image_size)
+        test_x = None if test_x is None else _resize(test_x, image_size)
+
+    if test_x is None or test_y is None:
+        count = round(DIGITS_TEST_FRACTION * len(train_y))
+        test_idx, pool_idx = stratified_pick(train_y, count, derive_seed("test", name))
+        test = make_split("test", train_x[test_idx], train_y[test_idx], test_idx)
+    else:
+        pool_idx = np.arange(len(train_y), dtype=np.int64)
+        test = make_split("test", test_x, test_y, np.arange(len(test_y), dtype=np.int64))
+    pool_y = train_y[pool_idx]
+    val_rel, train_rel = stratified_pick(pool_y, round(val_fraction * len(pool_idx)), derive_seed("val", seed))
+    val_idx, train_idx = pool_idx[val_rel], pool_idx[train_rel]
+    if limit_train is not None and limit_train < len(train_idx):
+        keep_rel, _ = stratified_pick(train_y[train_idx], limit_train, derive_seed("limit", seed))
+        train_idx = train_idx[keep_rel]
+    train = make_split("train", train_x[train_idx], train_y[train_idx], train_idx)
+    val = make_split("val", train_x[val_idx], train_y[val_idx], val_idx)
+
+    if raw.mean is not None and raw.std is not None:
+        mean, std = raw.mean, raw.std
+    else:
+        mean, std = channel_stats(train.images.numpy())
+    info = DatasetInfo(
+        name=raw.name,
+        num_classes=len(raw.classes),
+        in_channels=int(train_x.shape[1]),
+        image_size=(int(train_x.shape[2]), int(train_x.shape[3])),
+        classes=tuple(raw.classes),
+        mean=tuple(float(m) for m in mean),
+        std=tuple(float(s) for s in std),
+        hflip=raw.hflip,
+        source=raw.source,
+        fingerprint=raw.fingerprint,
+    )
+    return DatasetSplits(info=info, train=train, val=val, test=test)

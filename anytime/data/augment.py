@@ -1,0 +1,52 @@
+"""Batched augmentation and normalisation on uint8 tensors (no PIL, no per-image Python loop)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def random_crop_flip(
+    images_uint8: torch.Tensor, *, padding: int, hflip: bool, generator: torch.Generator
+) -> torch.Tensor:
+    """Random crops of a zero-padded batch, plus random horizontal flips when ``hflip``; uint8 [N,C,H,W] in and out.
+
+    The batch is padded once, then rows and columns are gathered with per-sample offsets;
+    a flip just reverses that sample's column index. Draws, in order: row
+    offsets, column offsets, then (if ``hflip``) flip coins, all from ``generator``.
+    """
+    if images_uint8.dim() != 4:
+        raise ValueError(f"expected [N,C,H,W] images, got shape {tuple(images_uint8.shape)}")
+    n, c, h, w = images_uint8.shape
+    p = int(padding)
+    if p < 0:
+        raise ValueError(f"padding must be >= 0, got {padding}")
+    dy = torch.randint(0, 2 * p + 1, (n,), generator=generator)
+    dx = torch.randint(0, 2 * p + 1, (n,), generator=generator)
+    flip = torch.rand(n, generator=generator) < 0.5 if hflip else None
+    if p:
+        padded = images_uint8.new_zeros((n, c, h + 2 * p, w + 2 * p))
+        padded[:, :, p : p + h, p : p + w] = images_uint8
+    else:
+        padded = images_uint8
+    cols = torch.arange(w).expand(n, w)
+    if flip is not None:
+        cols = torch.where(flip[:, None], (w - 1) - cols, cols)
+    rows = dy[:, None] + torch.arange(h)  # [N, H]
+    cols = dx[:, None] + cols  # [N, W]
+    # Two gathers with per-sample offsets: rows first (keeping the padded width), then columns.
+    picked_rows = padded.gather(2, rows[:, None, :, None].expand(n, c, h, padded.shape[3]))
+    return picked_rows.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+
+def normalize(images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """``(x/255 - mean)/std`` per channel, as float32 [N,C,H,W]."""
+    c = images_uint8.shape[1]
+    mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(1, c, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32).reshape(1, c, 1, 1)
+    # One single-operation kernel per step (no fused multiply-add), so results are bit-identical
+    # whatever the thread count or vector width of the process computing them.
+    out = images_uint8.to(torch.float32)
+    out.sub_(mean_t * 255.0)
+    out.div_(std_t * 255.0)
+    return out

@@ -1,0 +1,141 @@
+"""Batches of normalised (and, for training, augmented) images from an in-memory uint8 split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from anytime.data.augment import normalize, random_crop_flip
+from anytime.data.base import DatasetInfo, Split, derive_seed
+
+
+class _BatchMaker:
+    """Computes batch ``b`` of epoch ``e`` from (seed, epoch, b) alone, in any process."""
+
+    def __init__(
+        self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int, padding: int,
+        drop_last: bool,
+    ) -> None:  # fmt: skip
+        self.images = split.images
+        self.labels = split.labels
+        self.mean = info.mean
+        self.std = info.std
+        self.hflip = info.hflip
+        self.batch_size = batch_size
+        self.train = train
+        self.seed = seed
+        self.padding = padding
+        self.drop_last = drop_last
+
+    def num_batches(self) -> int:
+        n = int(self.labels.shape[0])
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self, epoch: int) -> torch.Tensor | None:
+        if not self.train:
+            return None
+        generator = torch.Generator().manual_seed(derive_seed("order", self.seed, epoch))
+        return torch.randperm(int(self.labels.shape[0]), generator=generator)
+
+    def batch(self, order: torch.Tensor | None, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, stop = index * self.batch_size, (index + 1) * self.batch_size
+        if order is None:
+            images, labels = self.images[start:stop], self.labels[start:stop]
+        else:
+            picked = order[start:stop]
+            images, labels = self.images.index_select(0, picked), self.labels.index_select(0, picked)
+            generator = torch.Generator().manual_seed(derive_seed("augment", self.seed, epoch, index))
+            images = random_crop_flip(images, padding=self.padding, hflip=self.hflip, generator=generator)
+        return normalize(images, self.mean, self.std), labels.clone()
+
+
+class _EpochBatches(Dataset):
+    """Item ``b`` is the whole batch ``b`` of one epoch (for a DataLoader with ``batch_size=None``)."""
+
+    def __init__(self, maker: _BatchMaker, order: torch.Tensor | None, epoch: int) -> None:
+        self.maker = maker
+        self.order = order
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.maker.num_batches()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.maker.batch(self.order, self.epoch, index)
+
+
+class BatchLoader:
+    """Iterates ``(images float32 [B,C,H,W] normalised, labels int64 [B])``.
+
+    ``train=True``: shuffled each epoch and augmented (random crop with zero padding
+    ``padding``, plus horizontal flip when ``info.hflip``) with batched tensor ops.
+    ``train=False``: fixed order, normalised only. Shuffling and augmentation depend only on
+    ``(seed, epoch)`` (set with :meth:`set_epoch`), never on the number of workers or on
+    earlier iteration, so a resumed run sees the same batches.
+    """
+
+    def __init__(
+        self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
+        prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, padding: int = 4,
+        device: torch.device | str | None = None,
+    ) -> None:  # fmt: skip
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0, got {workers}")
+        self._maker = _BatchMaker(split, info, batch_size=batch_size, train=train, seed=seed, padding=padding,
+                                  drop_last=drop_last)  # fmt: skip
+        self.num_samples: int = len(split)
+        self.batch_size: int = batch_size
+        self.train = train
+        self.seed = seed
+        self.workers = workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.device = torch.device(device) if device is not None else None
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose shuffle order and augmentation the next iteration yields."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self._maker.num_batches()
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch = self.epoch
+        order = self._maker.order(epoch)
+        if self.workers == 0:
+            for index in range(len(self)):
+                images, labels = self._maker.batch(order, epoch, index)
+                if self.pin_memory and torch.cuda.is_available():
+                    images, labels = images.pin_memory(), labels.pin_memory()
+                yield images, labels
+            return
+        loader = DataLoader(
+            _EpochBatches(self._maker, order, epoch), batch_size=None, shuffle=False, num_workers=self.workers,
+            prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory and torch.cuda.is_available(),
+        )  # fmt: skip
+        yield from loader
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels in self._batches():
+            if self.device is not None:
+                non_blocking = self.pin_memory and images.is_pinned()
+                images = images.to(self.device, non_blocking=non_blocking)
+                labels = labels.to(self.device, non_blocking=non_blocking)
+            yield images, labels
+
+
+def make_loader(
+    split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
+    prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, padding: int = 4,
+    device: torch.device | str | None = None,
+) -> BatchLoader:  # fmt: skip
+    """A :class:`BatchLoader` over ``split``; see its docstring for what the batches are."""
+    return BatchLoader(
+        split, info, batch_size=batch_size, train=train, seed=seed, workers=workers,
+        prefetch_factor=prefetch_factor, pin_memory=pin_memory, drop_last=drop_last, padding=padding, device=device,
+    )  # fmt: skip
