@@ -1,0 +1,91 @@
+"""Peak-memory probes, each meant to run in a fresh process through :func:`run_isolated`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from anytime.train.memory import TreeMemorySampler, current_rss_bytes, peak_rss_bytes
+
+MIB = 2**20
+
+
+def train_step_memory(
+    model_name: str,
+    batch_size: int,
+    *,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    image_size: int = 32,
+    iterations: int = 3,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Peak RSS of a process that builds ``model_name`` and trains it for a few SGD iterations on CPU."""
+    from anytime.backbones import create_model
+    from anytime.profile.training import measure_train_step
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    baseline = current_rss_bytes()
+    torch.manual_seed(0)
+    model = create_model(model_name, num_classes=num_classes, in_channels=in_channels)
+    images = torch.randn(batch_size, in_channels, image_size, image_size)
+    labels = torch.randint(0, num_classes, (batch_size,))
+    timing = measure_train_step(model, images, labels, warmup=1, repeats=iterations)
+    return {
+        "model": model_name,
+        "batch_size": batch_size,
+        "baseline_rss_mb": baseline / MIB,
+        "peak_rss_mb": peak_rss_bytes() / MIB,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "iteration_p50_s": timing.summary()["total_p50_s"],
+    }
+
+
+def loader_memory(
+    pipeline: str,
+    root: str | os.PathLike[str],
+    *,
+    workers: int,
+    batches: int,
+    batch_size: int = 128,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Peak memory of this process and its DataLoader workers while ``batches`` training batches are drawn.
+
+    ``pipeline`` is ``anytime`` (the uint8 tensor cache with batched augmentation) or ``torchvision``
+    (ImageFolder with per-image PIL transforms). ``root`` is an image-folder tree with ``train/``.
+    """
+    from anytime.data import load_dataset, make_loader
+    from anytime.data.torchvision_pipeline import torchvision_loader
+
+    baseline = current_rss_bytes()
+    if pipeline == "anytime":
+        splits = load_dataset("folder", root, cache_dir=cache_dir)
+        loader: Any = make_loader(splits.train, splits.info, batch_size=batch_size, train=True, workers=workers)
+    elif pipeline == "torchvision":
+        loader = torchvision_loader(os.path.join(root, "train"), batch_size=batch_size, workers=workers)
+    else:
+        raise ValueError(f"unknown pipeline {pipeline!r}")
+    images = 0
+    with TreeMemorySampler(interval_s=0.02) as sampler:
+        start = time.perf_counter()
+        for i, (x, _) in enumerate(loader):
+            images += x.shape[0]
+            if i + 1 >= batches:
+                break
+        elapsed = time.perf_counter() - start
+    return {
+        "pipeline": pipeline,
+        "workers": workers,
+        "batches": batches,
+        "batch_size": batch_size,
+        "baseline_rss_mb": baseline / MIB,
+        "peak_rss_mb": sampler.peak_rss_bytes_ / MIB,
+        "peak_pss_mb": sampler.peak_pss_bytes_ / MIB,
+        "processes": sampler.peak_processes_,
+        "images_per_s": images / elapsed if elapsed > 0 else float("nan"),
+    }

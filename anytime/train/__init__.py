@@ -1,0 +1,11 @@
+"""Training: the recipe, the instrumented loop, checkpoints and model cards."""
+
+from anytime.train.cards import ModelCard, load_card, record_results
+from anytime.train.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
+from anytime.train.config import SCHEDULES, TrainConfig
+from anytime.train.trainer import EpochEnd, Trainer, evaluate, lr_factor
+
+__all__ = [
+    "SCHEDULES", "EpochEnd", "ModelCard", "TrainConfig", "Trainer", "evaluate", "load_card", "load_checkpoint",
+    "load_weights", "lr_factor", "record_results", "save_checkpoint", "save_weights",
+]  # fmt: skip

@@ -1,0 +1,100 @@
+"""Model cards: a declarative training recipe in TOML, with the results measured with it.
+
+A card has the tables ``[card]`` (name, description), ``[model]`` (``name``), ``[data]`` (``name``,
+optional ``root``, ``image_size``, ``val_fraction``, ``limit_train``), ``[train]`` (the rest of
+:class:`TrainConfig`) and ``[results]`` (what a run of the card measured: accuracy, time, device,
+date). ``[results]`` is the card's last table so that :func:`record_results` can rewrite it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from anytime.errors import AnytimeError
+from anytime.train.config import TrainConfig
+from anytime.utils.io import write_text
+
+_TABLES = ("card", "model", "data", "train", "results")
+_DATA_KEYS = {"name": "data", "root": "data_root", "image_size": "image_size", "val_fraction": "val_fraction",
+              "limit_train": "limit_train"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A parsed card: its recipe as a :class:`TrainConfig` and the results recorded so far."""
+
+    path: Path
+    name: str
+    description: str
+    config: TrainConfig
+    results: dict[str, Any]
+
+
+def load_card(path: str | os.PathLike[str]) -> ModelCard:
+    """Read and validate a card; every problem is a one-line :class:`AnytimeError`."""
+    card_path = Path(path)
+    if not card_path.is_file():
+        raise AnytimeError(f"no model card at {card_path}; cards live in models/*.toml")
+    try:
+        raw = tomllib.loads(card_path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise AnytimeError(f"{card_path} is not valid TOML ({exc})") from None
+    unknown = sorted(set(raw) - set(_TABLES))
+    if unknown:
+        raise AnytimeError(f"{card_path}: unknown table(s) {', '.join(unknown)}; a card has {', '.join(_TABLES)}")
+    model = raw.get("model", {})
+    data = raw.get("data", {})
+    if "name" not in model or "name" not in data:
+        raise AnytimeError(f"{card_path}: a card needs [model] name and [data] name")
+    values: dict[str, Any] = {"model": model["name"]}
+    extra_model = sorted(set(model) - {"name"})
+    if extra_model:
+        raise AnytimeError(f"{card_path}: [model] takes only 'name' for now (got {', '.join(extra_model)})")
+    for key, value in data.items():
+        if key not in _DATA_KEYS:
+            raise AnytimeError(f"{card_path}: unknown [data] key '{key}'; valid: {', '.join(_DATA_KEYS)}")
+        values[_DATA_KEYS[key]] = value
+    values.update(raw.get("train", {}))
+    config = TrainConfig.from_dict(values, where=str(card_path))
+    meta = raw.get("card", {})
+    return ModelCard(
+        path=card_path,
+        name=str(meta.get("name", card_path.stem)),
+        description=str(meta.get("description", "")),
+        config=config,
+        results=dict(raw.get("results", {})),
+    )
+
+
+def record_results(card: ModelCard, results: dict[str, Any]) -> Path:
+    """Rewrite the card's ``[results]`` table with ``results`` (atomically), keeping the rest verbatim."""
+    text = card.path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.strip() == "[results]"), None)
+    if cut is not None and any(line.strip().startswith("[") for line in lines[cut + 1 :]):
+        raise AnytimeError(f"{card.path}: [results] must be the last table for results to be recorded")
+    head = lines if cut is None else lines[:cut]
+    while head and not head[-1].strip():
+        head.pop()
+    body = ["[results]", *(f"{key} = {_toml_value(key, value)}" for key, value in results.items())]
+    return write_text(card.path, "\n".join([*head, "", *body]) + "\n")
+
+
+def _toml_value(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise AnytimeError(f"result '{key}' is {value}; cards record finite numbers only")
+        return repr(round(value, 6))
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    raise AnytimeError(f"result '{key}' has type {type(value).__name__}; cards record numbers, text and booleans")

@@ -1,0 +1,75 @@
+"""Checkpoints that are written atomically and loaded without running code from the file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from anytime.errors import AnytimeError
+from anytime.utils.io import atomic_path
+
+CHECKPOINT_FORMAT = "anytime-checkpoint-v1"
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
+    """Save ``state`` (tensors, numbers, strings, lists, dicts only) atomically with a format tag."""
+    with atomic_path(path) as tmp:
+        torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
+    return Path(path)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``: a file that would need to run code is refused."""
+    target = Path(path)
+    if not target.is_file():
+        raise AnytimeError(f"no checkpoint at {target}; train first, or point at a run's checkpoint.pt")
+    try:
+        state = torch.load(target, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
+        raise AnytimeError(
+            f"{target} is not a safe anytime checkpoint ({first}); only weights-only files are loaded"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise AnytimeError(f"{target} is not a readable checkpoint ({type(exc).__name__}); is it truncated?") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise AnytimeError(f"{target} is a torch file but not an anytime checkpoint (no '{CHECKPOINT_FORMAT}' tag)")
+    return state
+
+
+def save_weights(model: nn.Module, path: str | os.PathLike[str]) -> Path:
+    """Export the model's weights as safetensors (no pickle at all), atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+    return Path(path)
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
+    """Load weights from a ``.safetensors`` file or an anytime checkpoint into ``model``."""
+    target = Path(path)
+    if target.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        if not target.is_file():
+            raise AnytimeError(f"no weights file at {target}")
+        try:
+            weights = load_file(str(target))
+        except (SafetensorError, OSError) as exc:
+            raise AnytimeError(f"{target} is not a valid safetensors file ({exc})") from None
+    else:
+        weights = load_checkpoint(target)["model"]
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise AnytimeError(f"weights in {target} do not fit this model ({first})") from None
+    return model

@@ -1,0 +1,116 @@
+"""The training recipe, as one frozen dataclass that round-trips through JSON and model cards."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from anytime.errors import AnytimeError
+
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
+_OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run's result (and a few knobs that only decide its speed).
+
+    Defaults follow the field's usual recipe: SGD, learning rate 0.01, momentum 0.9, cross-entropy.
+    """
+
+    model: str = "lenet"
+    data: str = "digits"
+    data_root: str | None = None
+    image_size: int | None = None
+    val_fraction: float = 0.1
+    limit_train: int | None = None
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+    schedule: str = "cosine"
+    step_milestones: tuple[float, ...] = (0.5, 0.75)
+    step_gamma: float = 0.1
+    seed: int = 0
+    # Speed-only knobs: they change how fast, never what is computed.
+    device: str = "auto"
+    workers: int = 0
+    prefetch_factor: int = 2
+    pin_memory: bool = False
+    eval_batch_size: int = 512
+
+    RUNTIME_FIELDS = ("device", "workers", "prefetch_factor", "pin_memory", "eval_batch_size")
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.epochs >= 1, f"epochs must be at least 1 (got {self.epochs})"),
+            (self.batch_size >= 1, f"batch size must be at least 1 (got {self.batch_size})"),
+            (math.isfinite(self.lr) and self.lr > 0, f"learning rate must be a positive number (got {self.lr})"),
+            (0 <= self.momentum < 1, f"momentum must be in [0, 1) (got {self.momentum})"),
+            (
+                math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                f"weight decay must be >= 0 (got {self.weight_decay})",
+            ),
+            (0 < self.val_fraction < 1, f"validation fraction must be in (0, 1) (got {self.val_fraction})"),
+            (self.schedule in SCHEDULES, f"unknown lr schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}"),
+            (self.workers >= 0, f"workers must be >= 0 (got {self.workers})"),
+            (self.prefetch_factor >= 1, f"prefetch factor must be >= 1 (got {self.prefetch_factor})"),
+            (self.limit_train is None or self.limit_train >= 1, "limit_train must be a positive count"),
+            (all(0 < m < 1 for m in self.step_milestones), "step milestones are fractions of the run in (0, 1)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise AnytimeError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every field."""
+        out = dataclasses.asdict(self)
+        out["step_milestones"] = list(self.step_milestones)
+        return out
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> TrainConfig:
+        """Build from a dict, refusing unknown keys and values of the wrong type with a clear message."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise AnytimeError(
+                f"{where}: unknown setting(s) {', '.join(unknown)}; valid ones are {', '.join(known)}"
+            )
+        clean: dict[str, Any] = {}
+        for key, value in values.items():
+            clean[key] = _coerce(key, value, known[key].default, where)
+        return cls(**clean)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
+    if key == "step_milestones":
+        if not isinstance(value, (list, tuple)):
+            raise AnytimeError(f"{where}: {key} must be a list of fractions")
+        return tuple(float(v) for v in value)
+    if value is None:
+        return value
+    expected = _OPTIONAL_TYPES.get(key) if default is None else type(default)
+    if expected is None:
+        return value
+    if expected is bool and not isinstance(value, bool):
+        raise AnytimeError(f"{where}: {key} must be true or false (got {value!r})")
+    if expected is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if expected is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, expected):
+        return value
+    raise AnytimeError(f"{where}: {key} must be {expected.__name__} (got {value!r})")

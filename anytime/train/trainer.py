@@ -1,0 +1,339 @@
+"""The instrumented training loop: SGD, per-epoch metrics, per-iteration phase timing, exact resume."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from anytime.backbones import create_model
+from anytime.data import BatchLoader, DatasetSplits, load_dataset, make_loader
+from anytime.errors import AnytimeError
+from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
+from anytime.train.config import TrainConfig
+from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
+from anytime.train.timing import PHASES, Clock, PhaseLog
+from anytime.utils.io import write_json, write_text
+from anytime.utils.machine import describe_machine, device_label, git_sha
+from anytime.utils.seed import derive_seed, resolve_device, seed_everything
+
+CHECKPOINT = "checkpoint.pt"
+METRICS_COLUMNS: tuple[str, ...] = (
+    "epoch", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_s", "train_s", "eval_s", "elapsed_s",
+    "data_s", "forward_s", "backward_s", "step_s", "images_per_s", "peak_rss_mb", "cuda_peak_mb",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """What a callback sees after an epoch has been checkpointed."""
+
+    epoch: int
+    metrics: dict[str, float | None]
+    run_dir: Path
+
+
+def lr_factor(config: TrainConfig, epoch: int) -> float:
+    """The multiplier of the base learning rate used during ``epoch`` (0-based)."""
+    if config.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
+    if config.schedule == "step":
+        passed = sum(epoch >= round(m * config.epochs) for m in config.step_milestones)
+        return config.step_gamma**passed
+    return 1.0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` over ``loader``."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    correct = torch.zeros((), device=device, dtype=torch.int64)
+    count = 0
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        logits = model(images)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double()
+        correct += (logits.argmax(dim=1) == labels).sum()
+        count += labels.numel()
+    model.train(was_training)
+    if count == 0:
+        return float("nan"), float("nan")
+    return float(loss_sum) / count, int(correct) / count
+
+
+class Trainer:
+    """Trains one model on one dataset into a run directory.
+
+    The run directory holds ``config.json``, ``metrics.csv`` (one row per epoch), ``iterations.csv``
+    (data/forward/backward/step seconds of every iteration), ``checkpoint.pt`` (written atomically
+    after every epoch), ``model.safetensors`` and ``summary.json`` at the end.
+
+    Each epoch's randomness (shuffle, augmentation, dropout) is seeded from ``(seed, epoch)``, so a run
+    resumed from the checkpoint of epoch ``e`` ends exactly where an uninterrupted run would.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        run_dir: str | Path,
+        *,
+        progress: bool = False,
+        on_epoch_end: Callable[[EpochEnd], None] | None = None,
+        extra_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.on_epoch_end = on_epoch_end
+        self.extra_config = dict(extra_config or {})
+
+    def fit(self, *, resume: bool = False, splits: DatasetSplits | None = None) -> dict[str, Any]:
+        """Train (or continue training) and return the summary that is also written to ``summary.json``."""
+        cfg = self.config
+        checkpoint_path = self.run_dir / CHECKPOINT
+        state: dict[str, Any] | None = None
+        if resume:
+            state = load_checkpoint(checkpoint_path)
+            self._check_same_recipe(state["config"])
+        elif checkpoint_path.exists():
+            raise AnytimeError(
+                f"{self.run_dir} already holds a run; continue it with --resume or choose another --out"
+            )
+        device = resolve_device(cfg.device)
+        if splits is None:
+            splits = load_dataset(
+                cfg.data, cfg.data_root, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                image_size=cfg.image_size, limit_train=cfg.limit_train,
+            )  # fmt: skip
+        info = splits.info
+        seed_everything(cfg.seed)
+        model = create_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels).to(device)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: lr_factor(cfg, epoch))
+        history: list[dict[str, Any]] = []
+        start_epoch = 0
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            history = list(state["history"])
+            start_epoch = int(state["epoch"]) + 1
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None)
+
+        loader_kw = {"seed": cfg.seed, "workers": cfg.workers, "prefetch_factor": cfg.prefetch_factor,
+                     "pin_memory": cfg.pin_memory and device.type == "cuda"}  # fmt: skip
+        train_loader = make_loader(splits.train, info, batch_size=cfg.batch_size, train=True, **loader_kw)
+        val_loader = make_loader(splits.val, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
+        clock = Clock(device)
+        for epoch in range(start_epoch, cfg.epochs):
+            record, phases = self._run_epoch(model, optimizer, train_loader, val_loader, device, clock, epoch, history)
+            scheduler.step()
+            history.append({"metrics": record, "phases": phases})
+            save_checkpoint(
+                checkpoint_path,
+                {
+                    "epoch": epoch, "config": cfg.to_dict(), "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
+                    "dataset": info.to_dict(),
+                },
+            )  # fmt: skip
+            self._write_tables(history)
+            if self.on_epoch_end is not None:
+                self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
+
+        test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
+        test_loss, test_acc = evaluate(model, test_loader, device)
+        save_weights(model, self.run_dir / "model.safetensors")
+        summary = self._summary(history, model, device, test_loss, test_acc, info.to_dict())
+        write_json(self.run_dir / "summary.json", summary)
+        return summary
+
+    def _run_epoch(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: BatchLoader,
+        val_loader: BatchLoader,
+        device: torch.device,
+        clock: Clock,
+        epoch: int,
+        history: list[dict[str, Any]],
+    ) -> tuple[dict[str, Any], dict[str, list[float]]]:
+        cfg = self.config
+        torch.manual_seed(derive_seed(cfg.seed, epoch))
+        train_loader.set_epoch(epoch)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        model.train()
+        log = PhaseLog()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        correct = torch.zeros((), device=device, dtype=torch.int64)
+        seen = 0
+        bar = tqdm(total=len(train_loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
+                   disable=not self.progress, unit="batch")  # fmt: skip
+        epoch_start = tick = clock.now()
+        for iteration, (images, labels) in enumerate(train_loader):
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            t_data = clock.now()
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
+            with torch.no_grad():
+                loss_sum += loss.detach().double() * labels.numel()
+                correct += (logits.argmax(dim=1) == labels).sum()
+            t_forward = clock.now()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            t_backward = clock.now()
+            optimizer.step()
+            t_step = clock.now()
+            log.add(t_data - tick, t_forward - t_data, t_backward - t_forward, t_step - t_backward, labels.numel())
+            seen += labels.numel()
+            tick = t_step
+            bar.update(1)
+            if iteration % 50 == 0 and not math.isfinite(float(loss.detach())):
+                bar.close()
+                raise AnytimeError(
+                    f"training diverged in epoch {epoch + 1}, iteration {iteration + 1} (loss is {float(loss):.4g}); "
+                    f"lower --lr (now {cfg.lr}) and start again"
+                )
+        bar.close()
+        train_s = clock.now() - epoch_start
+        val_loss, val_acc = evaluate(model, val_loader, device)
+        epoch_s = clock.now() - epoch_start
+        train_loss = float(loss_sum) / max(seen, 1)
+        if not math.isfinite(train_loss):
+            raise AnytimeError(
+                f"training diverged in epoch {epoch + 1} (mean loss is {train_loss}); lower --lr (now {cfg.lr})"
+            )
+        totals = log.totals()
+        previous = history[-1]["metrics"]["elapsed_s"] if history else 0.0
+        cuda_peak = cuda_peak_bytes(device)
+        record: dict[str, Any] = {
+            "epoch": epoch, "lr": cfg.lr * lr_factor(cfg, epoch), "train_loss": train_loss,
+            "train_acc": int(correct) / max(seen, 1), "val_loss": val_loss, "val_acc": val_acc,
+            "epoch_s": epoch_s, "train_s": train_s, "eval_s": epoch_s - train_s, "elapsed_s": previous + epoch_s,
+            **{f"{phase}_s": totals[phase] for phase in PHASES},
+            "images_per_s": seen / train_s if train_s > 0 else float("nan"),
+            "peak_rss_mb": peak_rss_bytes() / 2**20,
+            "cuda_peak_mb": None if cuda_peak is None else cuda_peak / 2**20,
+        }  # fmt: skip
+        phases = {"data": log.data, "forward": log.forward, "backward": log.backward, "step": log.step,
+                  "batch": [float(b) for b in log.batch]}  # fmt: skip
+        return record, phases
+
+    def _check_same_recipe(self, saved: dict[str, Any]) -> None:
+        current = self.config.to_dict()
+        differing = [
+            f"{key}={current[key]!r} (run has {saved.get(key)!r})"
+            for key in current
+            if key not in TrainConfig.RUNTIME_FIELDS and saved.get(key) != current[key]
+        ]
+        if differing:
+            raise AnytimeError(
+                f"--resume continues {self.run_dir} as it was configured, but these differ: {'; '.join(differing)}; "
+                "drop those options or start a new --out"
+            )
+
+    def _write_config(self, dataset: dict[str, Any], device: torch.device, resumed_from: int | None) -> None:
+        path = self.run_dir / "config.json"
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        payload: dict[str, Any] = {
+            "train": self.config.to_dict(),
+            "dataset": dataset,
+            "device": str(device),
+            "machine": describe_machine(self.config.data_root),
+            "git_sha": git_sha(),
+            "created": now,
+            **self.extra_config,
+        }
+        if resumed_from is not None and path.exists():
+            old = json.loads(path.read_text())
+            payload["created"] = old.get("created", now)
+            payload["resumed"] = [*old.get("resumed", []), {"at_epoch": resumed_from, "time": now}]
+        write_json(path, payload)
+
+    def _write_tables(self, history: list[dict[str, Any]]) -> None:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(METRICS_COLUMNS)
+        for entry in history:
+            writer.writerow([_fmt(entry["metrics"].get(col)) for col in METRICS_COLUMNS])
+        write_text(self.run_dir / "metrics.csv", buffer.getvalue())
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["epoch", "iteration", "batch", *(f"{phase}_s" for phase in PHASES)])
+        for entry in history:
+            phases = entry["phases"]
+            for i, batch in enumerate(phases["batch"]):
+                writer.writerow([entry["metrics"]["epoch"], i, int(batch), *(_fmt(phases[p][i]) for p in PHASES)])
+        write_text(self.run_dir / "iterations.csv", buffer.getvalue())
+
+    def _summary(
+        self,
+        history: list[dict[str, Any]],
+        model: nn.Module,
+        device: torch.device,
+        test_loss: float,
+        test_acc: float,
+        dataset: dict[str, Any],
+    ) -> dict[str, Any]:
+        last = history[-1]["metrics"]
+
+        def phase_summary(entries: list[dict[str, Any]]) -> dict[str, float] | None:
+            if not entries:
+                return None
+            log = PhaseLog()
+            for entry in entries:
+                p = entry["phases"]
+                for values in zip(p["data"], p["forward"], p["backward"], p["step"], p["batch"]):
+                    log.add(*values[:4], int(values[4]))
+            return log.summary()
+
+        return {
+            "run_dir": str(self.run_dir),
+            "model": self.config.model,
+            "data": self.config.data,
+            "dataset": {k: dataset[k] for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+            "epochs": len(history),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "final": {
+                "train_acc": last["train_acc"], "val_acc": last["val_acc"], "val_loss": last["val_loss"],
+                "test_acc": test_acc, "test_loss": test_loss,
+            },  # fmt: skip
+            "best_val_acc": max(h["metrics"]["val_acc"] for h in history),
+            "train_time_s": sum(h["metrics"]["train_s"] for h in history),
+            "wall_time_s": last["elapsed_s"],
+            "timing": {"epoch0": phase_summary(history[:1]), "steady": phase_summary(history[1:])},
+            "peak_rss_mb": max(h["metrics"]["peak_rss_mb"] for h in history),
+            "cuda_peak_mb": last["cuda_peak_mb"],
+            "device": device_label(device),
+            "torch_threads": torch.get_num_threads(),
+        }
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)

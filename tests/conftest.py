@@ -1,0 +1,26 @@
+"""Shared fixtures: the real CIFAR-10 folder (skipped cleanly when absent) and a small digits recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from anytime.train import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CIFAR10_ROOT = REPO.parent / "shared" / "data" / "cifar10"
+
+
+@pytest.fixture(scope="session")
+def cifar_root() -> Path:
+    """The CIFAR-10 image folder beside the repository, or a skip."""
+    if not (CIFAR10_ROOT / "train").is_dir():
+        pytest.skip(f"real CIFAR-10 images not found at {CIFAR10_ROOT}")
+    return CIFAR10_ROOT
+
+
+@pytest.fixture
+def tiny_config() -> TrainConfig:
+    """LeNet on 300 digits for 3 epochs: seconds on a CPU, enough to check behaviour."""
+    return TrainConfig(model="lenet", data="digits", epochs=3, batch_size=32, lr=0.05, limit_train=300, device="cpu")

@@ -1,0 +1,213 @@
+"""The trainer: learning, instrumentation, checkpoints, exact resume, and refusals."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from anytime.backbones import create_model
+from anytime.data import load_dataset, make_loader
+from anytime.errors import AnytimeError
+from anytime.train import EpochEnd, TrainConfig, Trainer, load_checkpoint, load_weights, lr_factor, save_checkpoint
+from anytime.train.timing import PhaseLog
+
+
+def _metrics(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_loss_falls_on_digits_within_a_few_dozen_steps():
+    splits = load_dataset("digits", seed=0)
+    torch.manual_seed(0)
+    model = create_model("lenet", num_classes=10, in_channels=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = make_loader(splits.train, splits.info, batch_size=32, train=True, seed=0)
+    losses = []
+    for step, (images, labels) in enumerate(loader):
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if step == 35:
+            break
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+
+
+def test_run_directory_holds_every_record(tmp_path, tiny_config):
+    summary = Trainer(tiny_config, tmp_path).fit()
+    for name in ("config.json", "metrics.csv", "iterations.csv", "checkpoint.pt", "model.safetensors", "summary.json"):
+        assert (tmp_path / name).is_file(), name
+    rows = _metrics(tmp_path)
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    assert summary["final"]["val_acc"] > 0.5
+    for r in rows:
+        phases = sum(float(r[f"{p}_s"]) for p in ("data", "forward", "backward", "step"))
+        assert 0 < phases <= float(r["train_s"]) * 1.01
+        assert float(r["peak_rss_mb"]) > 50
+    with open(tmp_path / "iterations.csv", newline="") as handle:
+        iterations = list(csv.DictReader(handle))
+    assert len(iterations) == 3 * -(-300 // 32)
+    assert summary["timing"]["epoch0"]["iterations"] == -(-300 // 32)
+    assert summary["timing"]["steady"]["iterations"] == 2 * -(-300 // 32)
+
+
+def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_config):
+    whole = tmp_path / "whole"
+    Trainer(tiny_config, whole).fit()
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_second_epoch(end: EpochEnd) -> None:
+        if end.epoch == 1:
+            raise Interrupt
+
+    broken = tmp_path / "broken"
+    with pytest.raises(Interrupt):
+        Trainer(tiny_config, broken, on_epoch_end=stop_after_second_epoch).fit()
+    assert len(_metrics(broken)) == 2
+    assert not (broken / "summary.json").exists()
+    summary = Trainer(tiny_config, broken).fit(resume=True)
+
+    for a, b in zip(_metrics(whole), _metrics(broken), strict=True):
+        for column in ("epoch", "lr", "train_loss", "train_acc", "val_loss", "val_acc"):
+            assert a[column] == b[column], column
+    weights_a = load_file(str(whole / "model.safetensors"))
+    weights_b = load_file(str(broken / "model.safetensors"))
+    assert weights_a.keys() == weights_b.keys()
+    for key in weights_a:
+        assert torch.equal(weights_a[key], weights_b[key]), key
+    assert summary["final"]["test_acc"] == Trainer(tiny_config, whole).fit(resume=True)["final"]["test_acc"]
+
+
+def test_resume_refuses_a_different_recipe(tmp_path, tiny_config):
+    Trainer(tiny_config, tmp_path).fit()
+    with pytest.raises(AnytimeError, match="lr"):
+        Trainer(tiny_config.replace(lr=0.1), tmp_path).fit(resume=True)
+
+
+def test_a_finished_run_is_not_overwritten(tmp_path, tiny_config):
+    Trainer(tiny_config.replace(epochs=1), tmp_path).fit()
+    with pytest.raises(AnytimeError, match="--resume"):
+        Trainer(tiny_config.replace(epochs=1), tmp_path).fit()
+
+
+def test_checkpoint_loads_weights_only(tmp_path, tiny_config):
+    Trainer(tiny_config.replace(epochs=1), tmp_path).fit()
+    raw = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert raw["epoch"] == 0
+    model = create_model("lenet", num_classes=10, in_channels=1)
+    load_weights(model, tmp_path / "checkpoint.pt")
+    load_weights(model, tmp_path / "model.safetensors")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = _Evil()
+    evil.marker = marker
+    path = tmp_path / "evil.pt"
+    torch.save({"format": "anytime-checkpoint-v1", "model": evil}, path)
+    with pytest.raises(AnytimeError, match="not a safe"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_not_a_checkpoint(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(AnytimeError, match="junk.pt"):
+        load_checkpoint(junk)
+    with pytest.raises(AnytimeError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(2)}, other)
+    with pytest.raises(AnytimeError, match="not an anytime checkpoint"):
+        load_checkpoint(other)
+
+
+def test_weights_of_another_model_are_refused(tmp_path, tiny_config):
+    Trainer(tiny_config.replace(epochs=1), tmp_path).fit()
+    with pytest.raises(AnytimeError, match="do not fit"):
+        load_weights(create_model("resnet20", num_classes=10, in_channels=1), tmp_path / "model.safetensors")
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"epoch": 1})
+
+    def failing_save(obj, f, *args, **kwargs):
+        with open(f, "wb") as handle:
+            handle.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError):
+        save_checkpoint(path, {"epoch": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(path)["epoch"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"lr": float("nan")}, "learning rate"),
+        ({"lr": -1.0}, "learning rate"),
+        ({"epochs": 0}, "epochs"),
+        ({"schedule": "linear"}, "schedule"),
+        ({"val_fraction": 1.5}, "validation"),
+    ],
+)
+def test_config_refuses_bad_values(changes, message):
+    with pytest.raises(AnytimeError, match=message):
+        TrainConfig(**changes)
+
+
+def test_config_from_dict_refuses_unknown_and_mistyped_keys():
+    with pytest.raises(AnytimeError, match="unknown setting"):
+        TrainConfig.from_dict({"learning_rate": 0.1})
+    with pytest.raises(AnytimeError, match="epochs must be int"):
+        TrainConfig.from_dict({"epochs": "ten"})
+    assert TrainConfig.from_dict(TrainConfig().to_dict()) == TrainConfig()
+
+
+def test_lr_schedules():
+    cosine = TrainConfig(epochs=4, schedule="cosine")
+    assert [lr_factor(cosine, e) for e in range(4)] == pytest.approx([1.0, 0.853553, 0.5, 0.146447], rel=1e-5)
+    step = TrainConfig(epochs=4, schedule="step")
+    assert [lr_factor(step, e) for e in range(4)] == pytest.approx([1.0, 1.0, 0.1, 0.01])
+    assert lr_factor(TrainConfig(schedule="constant"), 7) == 1.0
+
+
+def test_diverging_run_stops_with_advice(tmp_path, tiny_config):
+    with pytest.raises(AnytimeError, match="diverged.*lower --lr"):
+        Trainer(tiny_config.replace(lr=1e12, epochs=1), tmp_path).fit()
+
+
+def test_phase_log_summary():
+    log = PhaseLog()
+    log.add(0.1, 0.2, 0.3, 0.4, 10)
+    log.add(0.1, 0.2, 0.3, 0.4, 10)
+    summary = log.summary()
+    assert summary["iteration_mean_s"] == pytest.approx(1.0)
+    assert summary["images_per_s"] == pytest.approx(10.0)
+    assert log.totals()["step"] == pytest.approx(0.8)
+
+
+def test_checkpoint_round_trips_plain_values(tmp_path):
+    path = save_checkpoint(tmp_path / "c.pt", {"epoch": 3, "values": [1.0, None], "name": "x"})
+    state = load_checkpoint(path)
+    assert (state["epoch"], state["values"], state["name"]) == (3, [1.0, None], "x")
