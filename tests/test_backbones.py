@@ -1,0 +1,121 @@
+"""The zoo, parametrised over the registry: a new model is tested for free."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anytime.backbones import StagedBackbone, create_model, get_spec, list_models, model_cost, register_model
+from anytime.backbones.resnet import ResidualBlock
+from anytime.errors import AnytimeError
+
+ZOO = list_models(include_torchvision=False)
+TORCHVISION = ["tv:resnet18", "tv:mobilenet_v2", "tv:vgg11"]
+
+
+@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("in_channels", [1, 3])
+def test_zoo_forward_shapes(name, in_channels):
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=7, in_channels=in_channels).eval()
+    with torch.no_grad():
+        logits = model(torch.randn(2, in_channels, 32, 32))
+    assert logits.shape == (2, 7)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_stage_contract_matches_the_feature_maps(name):
+    model = create_model(name).eval()
+    assert isinstance(model, StagedBackbone)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        outputs = model.forward_stages(x)
+        assert torch.allclose(model(x), model.forward_head(model.forward_features(x)), atol=1e-5)
+    assert len(outputs) == len(model.stage_info) >= 2
+    for out, info in zip(outputs, model.stage_info):
+        assert out.shape[1] == info.channels, info
+        assert 32 // out.shape[-1] == info.stride, info
+        assert model.get_submodule(info.name) is not None
+    strides = [s.stride for s in model.stage_info]
+    assert strides == sorted(strides)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_runs_at_larger_inputs(name):
+    with torch.no_grad():
+        assert create_model(name, num_classes=3).eval()(torch.randn(1, 3, 64, 48)).shape == (1, 3)
+
+
+@pytest.mark.parametrize("name", ["resnet20", "mobilenetv2", "preact_resnet18"])
+def test_backward_reaches_every_parameter(name):
+    model = create_model(name, num_classes=5)
+    F.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.tensor([0, 1, 2, 3])).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing
+
+
+@pytest.mark.parametrize(
+    ("name", "millions"),
+    [("resnet18", 11.17), ("resnet50", 23.5), ("resnet20", 0.27), ("resnet56", 0.85), ("resnext29_2x64d", 9.13),
+     ("mobilenetv2", 2.24), ("vgg11", 9.23), ("lenet", 0.062)],
+)  # fmt: skip
+def test_parameter_counts_match_the_literature(name, millions):
+    count = sum(p.numel() for p in create_model(name).parameters())
+    assert abs(count / 1e6 - millions) / millions < 0.1
+
+
+def test_resnets_expose_branch_and_shortcut():
+    for name in ("resnet18", "resnet50", "resnet20", "resnext29_2x64d"):
+        blocks = [m for m in create_model(name).modules() if isinstance(m, ResidualBlock)]
+        assert blocks and all(hasattr(b, "branch") and hasattr(b, "shortcut") for b in blocks)
+
+
+def test_flops_are_counted_per_image():
+    cost = model_cost("resnet20")
+    assert 75e6 < cost.flops < 90e6  # 40.5M multiply-adds, counted as 2 FLOPs each
+    assert cost.parameters == sum(p.numel() for p in create_model("resnet20").parameters())
+
+
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_torchvision_models_by_name(name):
+    assert name in list_models()
+    with torch.no_grad():
+        assert create_model(name, num_classes=4).eval()(torch.randn(1, 3, 32, 32)).shape == (1, 4)
+
+
+def test_torchvision_model_with_grey_input():
+    with torch.no_grad():
+        assert create_model("tv:resnet18", in_channels=1).eval()(torch.randn(1, 1, 32, 32)).shape == (1, 10)
+
+
+@pytest.mark.parametrize("name", ["tv:vit_h_14", "tv:regnet_y_128gf"])  # RegNet cannot use the meta device context
+def test_huge_torchvision_model_is_costed_without_allocating_it(name):
+    start = time.perf_counter()
+    cost = model_cost(name, count_flops=False)
+    assert cost.parameters > 600e6
+    assert time.perf_counter() - start < 10
+
+
+def test_unknown_names_suggest_a_close_match():
+    with pytest.raises(AnytimeError, match="did you mean .*'resnet20'"):
+        create_model("resnet2O")
+    with pytest.raises(AnytimeError, match="tv:resnet18"):
+        create_model("tv:resnet-18")
+    with pytest.raises(AnytimeError, match="anytime models"):
+        get_spec("nothing-like-it")
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(AnytimeError, match="2 classes"):
+        create_model("lenet", num_classes=1)
+    with pytest.raises(AnytimeError, match="in_channels"):
+        create_model("lenet", in_channels=0)
+
+
+def test_duplicate_registration_raises():
+    with pytest.raises(ValueError, match="twice"):
+        register_model("lenet", family="x", description="x")(lambda **kw: None)
