@@ -22,5 +22,5 @@ def cifar_root() -> Path:
 
 @pytest.fixture
 def tiny_config() -> TrainConfig:
-    """LeNet on 300 digits for 3 epochs: seconds on a CPU, enough to check behaviour."""
-    return TrainConfig(model="lenet", data="digits", epochs=3, batch_size=32, lr=0.05, limit_train=300, device="cpu")
+    """LeNet on the digits for 3 epochs: seconds on a CPU, enough to check behaviour."""
+    return TrainConfig(model="lenet", data="digits", epochs=3, batch_size=32, lr=0.05, device="cpu")

@@ -94,12 +94,14 @@ class Trainer:
         *,
         progress: bool = False,
         on_epoch_end: Callable[[EpochEnd], None] | None = None,
+        on_start: Callable[[str], None] | None = None,
         extra_config: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.progress = progress
         self.on_epoch_end = on_epoch_end
+        self.on_start = on_start
         self.extra_config = dict(extra_config or {})
 
     def fit(self, *, resume: bool = False, splits: DatasetSplits | None = None) -> dict[str, Any]:
@@ -143,6 +145,12 @@ class Trainer:
         train_loader = make_loader(splits.train, info, batch_size=cfg.batch_size, train=True, **loader_kw)
         val_loader = make_loader(splits.val, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
         clock = Clock(device)
+        if self.on_start is not None:
+            self.on_start(
+                f"{'resuming' if state is not None else 'training'} {cfg.model} on {info.name} "
+                f"({len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test images) "
+                f"from epoch {start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
+            )
         for epoch in range(start_epoch, cfg.epochs):
             record, phases = self._run_epoch(model, optimizer, train_loader, val_loader, device, clock, epoch, history)
             scheduler.step()

@@ -1,0 +1,114 @@
+"""Figures for runs and studies, saved as PNG and SVG side by side."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.figure import Figure  # noqa: E402
+
+from anytime.utils.io import atomic_path  # noqa: E402
+
+PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "step": "#55A868", "data": "#8172B3"}
+
+
+def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+    """Save ``fig`` as ``stem.png`` and ``stem.svg`` (atomically) and close it."""
+    paths = []
+    for fmt in formats:
+        path = Path(f"{os.fspath(stem)}.{fmt}")
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight")
+        paths.append(path)
+    plt.close(fig)
+    return paths
+
+
+def plot_training_curves(rows: Sequence[Mapping[str, Any]], title: str, stem: str | os.PathLike[str]) -> list[Path]:
+    """Loss and accuracy per epoch (train and validation) of one run, from its ``metrics.csv`` rows."""
+    epochs = [int(r["epoch"]) + 1 for r in rows]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_loss.plot(epochs, [float(r["train_loss"]) for r in rows], marker="o", label="train")
+    ax_loss.plot(epochs, [float(r["val_loss"]) for r in rows], marker="s", label="validation")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_acc.plot(epochs, [100 * float(r["train_acc"]) for r in rows], marker="o", label="train")
+    ax_acc.plot(epochs, [100 * float(r["val_acc"]) for r in rows], marker="s", label="validation")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    return save_figure(fig, stem)
+
+
+def plot_batch_time(
+    model: str, results: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], device: str
+) -> list[Path]:
+    """Stacked bars of forward / backward / optimizer-step time per mini-batch, one bar per batch size."""
+    sizes = [str(int(r["batch_size"])) for r in results]
+    fig, (ax_time, ax_rate) = plt.subplots(1, 2, figsize=(10, 3.8))
+    bottom = [0.0] * len(results)
+    for phase in ("forward", "backward", "step"):
+        values = [1000 * float(r[f"{phase}_p50_s"]) for r in results]
+        ax_time.bar(sizes, values, bottom=bottom, label=phase, color=PHASE_COLOURS[phase])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_time.set(xlabel="batch size (images)", ylabel="time per mini-batch (ms, median)", title="time per mini-batch")
+    ax_time.legend()
+    ax_rate.bar(sizes, [float(r["images_per_s"]) for r in results], color="#937860")
+    ax_rate.set(xlabel="batch size (images)", ylabel="training throughput (images/s)", title="throughput")
+    for ax in (ax_time, ax_rate):
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{model} on {device}")
+    return save_figure(fig, stem)
+
+
+def plot_memory(
+    by_batch: Mapping[str, Sequence[Mapping[str, Any]]],
+    by_workers: Sequence[Mapping[str, Any]],
+    stem: str | os.PathLike[str],
+    device: str,
+) -> list[Path]:
+    """Peak memory vs batch size (one line per model) and vs DataLoader workers (one bar group per pipeline)."""
+    fig, (ax_batch, ax_workers) = plt.subplots(1, 2, figsize=(11, 4))
+    for model, rows in by_batch.items():
+        ax_batch.plot(
+            [int(r["batch_size"]) for r in rows], [float(r["peak_rss_mb"]) for r in rows], marker="o", label=model
+        )
+    ax_batch.set(xlabel="batch size (images)", ylabel="peak RSS of the process (MiB)", title="training memory")
+    ax_batch.set_xscale("log", base=2)
+    ax_batch.grid(alpha=0.3)
+    ax_batch.legend(fontsize=8)
+    labels = [f"{r['pipeline']}\n{int(r['workers'])} workers" for r in by_workers]
+    xs = range(len(by_workers))
+    ax_workers.bar([x - 0.2 for x in xs], [float(r["peak_pss_mb"]) for r in by_workers], width=0.4, label="PSS")
+    ax_workers.bar([x + 0.2 for x in xs], [float(r["peak_rss_mb"]) for r in by_workers], width=0.4, label="RSS sum")
+    ax_workers.set_xticks(list(xs), labels, fontsize=8)
+    ax_workers.set(ylabel="peak memory of process + workers (MiB)", title="data loading workers")
+    ax_workers.grid(alpha=0.3, axis="y")
+    ax_workers.legend(fontsize=8)
+    fig.suptitle(f"memory on {device}")
+    return save_figure(fig, stem)
+
+
+def plot_time_accuracy(
+    curves: Mapping[str, Sequence[Mapping[str, Any]]], stem: str | os.PathLike[str], title: str
+) -> list[Path]:
+    """Validation accuracy against cumulative wall-clock training time, one curve per model."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for model, rows in curves.items():
+        ax.plot(
+            [float(r["elapsed_s"]) / 60 for r in rows],
+            [100 * float(r["val_acc"]) for r in rows],
+            marker="o",
+            label=model,
+        )
+    ax.set(xlabel="wall-clock time (minutes, training + validation)", ylabel="validation accuracy (%)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(fig, stem)

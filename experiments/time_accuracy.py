@@ -1,0 +1,87 @@
+"""Study: validation accuracy against wall-clock training time on CIFAR-10, one curve per model.
+
+Each model is trained with the trainer (SGD, cosine schedule) on the real CIFAR-10 images; the
+validation split (carved from the training images, never trained on) is scored after every epoch.
+Epoch 0 (start-up costs) and the steady-state epochs are reported apart.
+
+Run: `anytime experiment time-accuracy [--quick] [--out DIR]`
+(full: about an hour on 2 CPU cores; --quick trains on 2,000 images for 2 epochs, a few minutes).
+Writes: curves.csv, results.json, config.json, time_accuracy.png / .svg and each model's run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+from pathlib import Path
+
+from anytime.data import load_dataset
+from anytime.plotting import plot_time_accuracy
+from anytime.train import TrainConfig, Trainer
+from anytime.utils.io import write_json, write_text
+from anytime.utils.machine import cpu_model, drop_page_cache
+from anytime.utils.results import staged_dir, write_study_config
+
+# ---- hyper-parameters -------------------------------------------------------------------------------
+MODELS = {"lenet": 20, "resnet20": 15, "resnet32": 10}  # model -> epochs
+BATCH_SIZE = 128  # images per mini-batch
+LR = 0.05  # SGD learning rate (momentum 0.9, weight decay 5e-4, cosine schedule)
+LIMIT_TRAIN = None  # train on all 45,000 training images (5,000 held out for validation)
+SEED = 0
+QUICK = {"MODELS": {"lenet": 2, "resnet20": 2}, "LIMIT_TRAIN": 2000}
+# ------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="anytime experiment time-accuracy", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="results/time-accuracy")
+    args = parser.parse_args(argv)
+    models, limit = (QUICK["MODELS"], QUICK["LIMIT_TRAIN"]) if args.quick else (MODELS, LIMIT_TRAIN)
+
+    splits = load_dataset("cifar10", seed=SEED, limit_train=limit)  # a clear error when the images are absent
+    notes = []
+    curves: dict[str, list[dict]] = {}
+    summaries = {}
+    with staged_dir(args.out) as out:
+        for model, epochs in models.items():
+            _, cache_note = drop_page_cache()
+            config = TrainConfig(model=model, data="cifar10", epochs=epochs, batch_size=BATCH_SIZE, lr=LR, seed=SEED,
+                                 limit_train=limit)  # fmt: skip
+            summary = Trainer(config, out / "runs" / model).fit(splits=splits)
+            with open(out / "runs" / model / "metrics.csv", newline="") as handle:
+                curves[model] = list(csv.DictReader(handle))
+            summaries[model] = summary
+            steady = summary["timing"]["steady"]
+            print(f"{model:<10} {epochs} epochs: val {100 * summary['final']['val_acc']:.2f}%, "
+                  f"test {100 * summary['final']['test_acc']:.2f}%, {summary['wall_time_s'] / 60:.1f} min; "
+                  f"epoch 0 {summary['timing']['epoch0']['images_per_s']:.0f} images/s"
+                  + (f", steady {steady['images_per_s']:.0f} images/s" if steady else ""))  # fmt: skip
+        notes.append(cache_note)
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["model", "epoch", "elapsed_s", "train_s", "val_acc", "train_acc", "images_per_s"])
+        for model, rows in curves.items():
+            for r in rows:
+                writer.writerow([model, r["epoch"], r["elapsed_s"], r["train_s"], r["val_acc"], r["train_acc"],
+                                 r["images_per_s"]])  # fmt: skip
+        write_text(out / "curves.csv", buffer.getvalue())
+        write_json(out / "results.json", summaries)
+        title = f"CIFAR-10{' (quick: 2,000 images)' if args.quick else ''} on {cpu_model()}"
+        plot_time_accuracy(curves, out / "time_accuracy", title)
+        write_study_config(
+            out,
+            study="time-accuracy",
+            hyper={"models": models, "batch_size": BATCH_SIZE, "lr": LR, "limit_train": limit, "seed": SEED,
+                   "quick": args.quick},  # fmt: skip
+            data_path=splits.info.source,
+            notes=notes,
+        )
+    print(f"results in {Path(args.out)}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

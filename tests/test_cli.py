@@ -1,0 +1,127 @@
+"""The command line: help for every command, smoke runs, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anytime.cli import COMMANDS, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _assert_one_line_error(code, err, *words):
+    assert code == 2
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    for word in words:
+        assert word in lines[0]
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name, description in COMMANDS.items():
+        assert name in out and description in out
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_has_help(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: anytime " + command in capsys.readouterr().out
+
+
+def test_python_dash_m_and_console_script():
+    done = subprocess.run([sys.executable, "-m", "anytime", "--help"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "experiment" in done.stdout
+
+
+def test_models_lists_the_zoo_with_parameters(capsys):
+    code, out, _ = _run(capsys, "models", "--no-torchvision", "--json")
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert {"lenet", "resnet18", "resnet20", "mobilenetv2", "resnext29_2x64d"} <= set(rows)
+    assert 0.2e6 < rows["resnet20"]["parameters"] < 0.3e6
+    code, out, _ = _run(capsys, "models")
+    assert code == 0 and "tv:resnet18" in out and "tv:mobilenet_v2" in out
+
+
+def test_train_digits_end_to_end(capsys, tmp_path):
+    run = tmp_path / "run"
+    code, out, _ = _run(capsys, "train", "--model", "lenet", "--data", "digits", "--epochs", "2", "--batch-size",
+                        "64", "--lr", "0.05", "--out", str(run), "--no-progress")  # fmt: skip
+    assert code == 0
+    assert "accuracy" in out and "iteration" in out and "memory" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["final"]["test_acc"] > 0.5
+    code, _, err = _run(capsys, "train", "--model", "lenet", "--out", str(run))
+    _assert_one_line_error(code, err, "--resume")
+    code, out, _ = _run(capsys, "train", "--out", str(run), "--resume", "--no-progress")
+    assert code == 0 and "2 epochs" in out
+
+
+def test_train_from_a_card_and_record_results(capsys, tmp_path):
+    card = tmp_path / "digits-lenet.toml"
+    shutil.copy(REPO / "models" / "digits-lenet.toml", card)
+    run = tmp_path / "run"
+    code, out, _ = _run(capsys, "train", "--card", str(card), "--epochs", "1", "--limit-train", "200", "--out",
+                        str(run), "--update-card", "--no-progress")  # fmt: skip
+    assert code == 0 and "results recorded" in out
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["epochs"] == 1 and config["train"]["lr"] == 0.05 and config["card"] == str(card)
+    text = card.read_text()
+    assert "[results]" in text and "test_acc = " in text and 'date = "' in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["train", "--model", "resnet2O", "--epochs", "1"], ["resnet2O", "resnet20"]),
+        (["train", "--data", "cifar10", "--data-root", "/nonexistent/cifar"], ["/nonexistent/cifar"]),
+        (["train", "--card", "/nonexistent/card.toml"], ["card"]),
+        (["train", "--resume", "--out", "/nonexistent/run"], ["checkpoint"]),
+        (["train", "--update-card"], ["--card"]),
+        (["train", "--device", "tpu"], ["device"]),
+        (["experiment", "nonsense"], ["nonsense", "batch-time"]),
+    ],
+)
+def test_bad_input_is_one_line(capsys, tmp_path, argv, words):
+    code, _, err = _run(capsys, *argv, *([] if "--out" in argv else ["--out", str(tmp_path / "r")]))
+    _assert_one_line_error(code, err, *words)
+
+
+def test_argument_errors_are_reported_by_argparse(capsys):
+    for argv in (["train", "--epochs", "0"], ["train", "--lr", "nan"], ["train", "--data", "mnist"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error:" in err
+
+
+def test_demo_writes_results_and_plots(capsys, tmp_path):
+    out_dir = tmp_path / "demo"
+    code, out, _ = _run(capsys, "demo", "--out", str(out_dir))
+    assert code == 0
+    assert "test accuracy" in out and str(out_dir) in out
+    for name in ("demo.json", "training_curves.png", "training_curves.svg", "batch_time.png", "run/metrics.csv"):
+        assert (out_dir / name).is_file(), name
+    demo = json.loads((out_dir / "demo.json").read_text())
+    assert demo["summary"]["final"]["test_acc"] > 0.8
+    assert [int(r["batch_size"]) for r in demo["batch_time"]] == [8, 16, 32, 64]

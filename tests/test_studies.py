@@ -1,0 +1,78 @@
+"""The edge-training studies and the benchmarks, run in their quick modes (slow: `make test-slow`)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anytime.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _rows(path):
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _check_config(out):
+    config = json.loads((out / "config.json").read_text())
+    assert config["hyper_parameters"]["quick"] is True
+    assert "git_sha" in config and config["machine"]["cpu_model"]
+    assert any("page cache" in note for note in config["notes"])
+
+
+def test_batch_time_quick(tmp_path):
+    out = tmp_path / "batch-time"
+    assert main(["experiment", "batch-time", "--quick", "--out", str(out)]) == 0
+    rows = _rows(out / "results.csv")
+    assert {r["model"] for r in rows} == {"lenet", "resnet18", "preact_resnet18", "resnext29_2x64d",
+                                          "mobilenetv2", "vgg11"}  # fmt: skip
+    for r in rows:
+        assert float(r["forward_p50_s"]) > 0 and float(r["backward_p50_s"]) > 0
+    assert (out / "batch_time_resnet18.png").is_file()
+    _check_config(out)
+
+
+def test_memory_quick(tmp_path):
+    out = tmp_path / "memory"
+    assert main(["experiment", "memory", "--quick", "--out", str(out)]) == 0
+    by_batch = _rows(out / "by_batch_size.csv")
+    lenet = [float(r["peak_rss_mb"]) for r in by_batch if r["model"] == "resnet20"]
+    assert lenet[0] <= lenet[-1]
+    workers = {(r["pipeline"], int(r["workers"])): r for r in _rows(out / "by_workers.csv")}
+    assert int(workers[("torchvision", 4)]["processes"]) >= 5
+    assert float(workers[("torchvision", 4)]["peak_rss_mb"]) > float(workers[("torchvision", 0)]["peak_rss_mb"])
+    assert (out / "memory.png").is_file()
+    _check_config(out)
+
+
+@pytest.mark.needs_data
+def test_time_accuracy_quick(tmp_path, cifar_root):
+    out = tmp_path / "time-accuracy"
+    assert main(["experiment", "time-accuracy", "--quick", "--out", str(out)]) == 0
+    rows = _rows(out / "curves.csv")
+    assert {r["model"] for r in rows} == {"lenet", "resnet20"}
+    for model in ("lenet", "resnet20"):
+        times = [float(r["elapsed_s"]) for r in rows if r["model"] == model]
+        assert times == sorted(times)
+    assert (out / "time_accuracy.svg").is_file()
+    _check_config(out)
+
+
+@pytest.mark.parametrize("name", ["trainer_overhead", "data_pipeline"])
+def test_benchmark_quick_writes_its_report(tmp_path, name):
+    if name == "data_pipeline" and not (REPO.parent / "shared" / "data" / "cifar10" / "train").is_dir():
+        pytest.skip("needs the CIFAR-10 image folder")
+    report = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--json", str(report)],
+                          capture_output=True, text=True, check=False, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(report.read_text())
+    assert data["benchmark"] == name and data["verdict"] in ("pass", "fail") and data["ratio"] > 0
