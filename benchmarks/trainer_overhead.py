@@ -51,7 +51,7 @@ def bare_loop(config: TrainConfig, splits) -> float:
 
 def main() -> int:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    epochs, rounds = (1, 1) if args.quick else (3, 3)
+    epochs, rounds = (1, 1) if args.quick else (3, 5)
     config = TrainConfig(model="resnet20", data="digits", epochs=epochs, batch_size=64, lr=0.05, device="cpu")
     splits = load_dataset("digits", seed=config.seed)
     bare, ours, fit_wall = [], [], []

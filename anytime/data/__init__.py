@@ -20,7 +20,6 @@ from anytime.data.base import (
     Split,
     channel_stats,
     default_cache_dir,
-    derive_seed,
     make_split,
     stratified_pick,
 )
@@ -30,6 +29,7 @@ from anytime.data.imagefolder import cache_path_for, load_folder
 from anytime.data.loader import BatchLoader, make_loader
 from anytime.data.synthetic import load_synthetic_raw
 from anytime.errors import AnytimeError
+from anytime.utils.seed import derive_seed
 
 DATASETS: tuple[str, ...] = ("digits", "cifar10", "folder", "synthetic")
 DIGITS_TEST_FRACTION = 0.2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,12 +98,6 @@ class RawDataset:
     fingerprint: str
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed mixed from ``parts``, so that distinct uses of one seed draw independent streams."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def stratified_pick(labels: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from anytime.data.augment import normalize, random_crop_flip
-from anytime.data.base import DatasetInfo, Split, derive_seed
+from anytime.data.base import DatasetInfo, Split
+from anytime.utils.seed import derive_seed
 
 
 class _BatchMaker:

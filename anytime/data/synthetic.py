@@ -6,7 +6,8 @@ import hashlib
 
 import numpy as np
 
-from anytime.data.base import RawDataset, derive_seed
+from anytime.data.base import RawDataset
+from anytime.utils.seed import derive_seed
 
 SYNTHETIC_TRAIN = 512
 SYNTHETIC_TEST = 128
