@@ -179,7 +179,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"accuracy   val {100 * final['val_acc']:.2f}%  test {100 * final['test_acc']:.2f}%  "
           f"(best val {100 * summary['best_val_acc']:.2f}%)")  # fmt: skip
     print(f"time       {summary['train_time_s']:.1f} s training, {summary['wall_time_s']:.1f} s with validation, "
-          f"{summary['epochs']} epochs on {summary['device']} ({summary['torch_threads']} threads)")  # fmt: skip
+          f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads)")  # fmt: skip
     it = steady["iteration_mean_s"]
     print(f"iteration  {1000 * it:.1f} ms: data {100 * steady['data_mean_s'] / it:.0f}%  "
           f"forward {100 * steady['forward_mean_s'] / it:.0f}%  backward {100 * steady['backward_mean_s'] / it:.0f}%  "

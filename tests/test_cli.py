@@ -73,7 +73,7 @@ def test_train_digits_end_to_end(capsys, tmp_path):
     code, _, err = _run(capsys, "train", "--model", "lenet", "--out", str(run))
     _assert_one_line_error(code, err, "--resume")
     code, out, _ = _run(capsys, "train", "--out", str(run), "--resume", "--no-progress")
-    assert code == 0 and "2 epochs" in out
+    assert code == 0 and "2 epoch(s)" in out
 
 
 def test_train_from_a_card_and_record_results(capsys, tmp_path):

@@ -36,7 +36,7 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], title: str, stem: st
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax_loss.plot(epochs, [float(r["train_loss"]) for r in rows], marker="o", label="train")
     ax_loss.plot(epochs, [float(r["val_loss"]) for r in rows], marker="s", label="validation")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log scale)", title="loss", yscale="log")
     ax_acc.plot(epochs, [100 * float(r["train_acc"]) for r in rows], marker="o", label="train")
     ax_acc.plot(epochs, [100 * float(r["val_acc"]) for r in rows], marker="s", label="validation")
     ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
