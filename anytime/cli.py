@@ -31,24 +31,21 @@ def _experiment_names() -> list[str]:
     return sorted(p.stem.replace("_", "-") for p in folder.glob("*.py") if not p.name.startswith("_"))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _finite_float(text: str) -> float:
@@ -81,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--card", metavar="FILE", help="a model card (models/NAME.toml); other options override it")
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
     train.add_argument("--data", choices=["digits", "cifar10", "folder", "synthetic"], help="default digits")
-    train.add_argument("--data-root", metavar="PATH", help="dataset folder (cifar10: default ../shared/data/cifar10)")
+    train.add_argument("--data-root", metavar="PATH",
+                       help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10)")
     train.add_argument("--image-size", type=_positive_int, metavar="PX", help="resize images (folder data)")
     train.add_argument("--val-fraction", type=_finite_float, metavar="F", help="share of training data held out")
     train.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only (quick runs)")
@@ -95,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="auto | cpu | cuda (default auto)")
     train.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader worker processes")
     train.add_argument("--prefetch-factor", type=_positive_int, metavar="N", help="batches prefetched per worker")
-    train.add_argument("--pin-memory", action="store_true", default=None, help="pin host memory (CUDA)")
+    train.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
+                       help="pin host memory for faster copies to a CUDA GPU")
     train.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/MODEL-DATA or runs/CARD)")
     train.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
@@ -138,12 +137,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-_TRAIN_FLAGS = {
-    "model": "model", "data": "data", "data_root": "data_root", "image_size": "image_size",
-    "val_fraction": "val_fraction", "limit_train": "limit_train", "epochs": "epochs", "batch_size": "batch_size",
-    "lr": "lr", "momentum": "momentum", "weight_decay": "weight_decay", "schedule": "schedule", "seed": "seed",
-    "device": "device", "workers": "workers", "prefetch_factor": "prefetch_factor", "pin_memory": "pin_memory",
-}  # fmt: skip
+# Options of `anytime train` that are TrainConfig fields of the same name.
+_TRAIN_FIELDS = (
+    "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
+    "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory",
+)  # fmt: skip
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -151,9 +149,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from anytime.train.trainer import CHECKPOINT
 
     card = load_card(args.card) if args.card else None
-    overrides = {field: getattr(args, flag) for flag, field in _TRAIN_FLAGS.items() if getattr(args, flag) is not None}
+    overrides = {field: getattr(args, field) for field in _TRAIN_FIELDS if getattr(args, field) is not None}
     if args.update_card and card is None:
         raise AnytimeError("--update-card needs --card FILE")
+    changed = sorted(set(overrides) - set(TrainConfig.RUNTIME_FIELDS))
+    if args.update_card and changed:
+        raise AnytimeError(
+            f"--update-card records the card's own recipe, but {', '.join('--' + c.replace('_', '-') for c in changed)} "
+            "change it; drop those options or edit the card"
+        )
     default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
     run_dir = Path(args.out or Path("runs") / default_name.replace(":", "_"))
     if args.resume:
@@ -254,6 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return HANDLERS[args.command](args)
     except AnytimeError as exc:
         print(f"anytime {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the user gave that cannot be read or written
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"anytime {args.command}: error: {exc.strerror or exc}{where}; check the path and its permissions",
+              file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

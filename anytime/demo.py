@@ -6,7 +6,6 @@ and where the training time went, and times one mini-batch at several batch size
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from anytime.backbones import create_model
 from anytime.data import load_dataset, make_loader
 from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
-from anytime.train import TrainConfig, Trainer
+from anytime.train import TrainConfig, Trainer, read_metrics
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
 from anytime.utils.results import staged_dir
@@ -49,9 +48,7 @@ def _run(work: Path, config: TrainConfig, progress: bool) -> tuple[dict[str, Any
     run_dir = work / "run"
     splits = load_dataset(config.data, config.data_root, val_fraction=config.val_fraction, seed=config.seed)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    plot_training_curves(rows, f"{config.model} on {config.data}", work / "training_curves")
+    plot_training_curves(read_metrics(run_dir), f"{config.model} on {config.data}", work / "training_curves")
 
     info = splits.info
     loader = make_loader(splits.train, info, batch_size=max(DEMO_BATCH_SIZES), train=True, seed=config.seed)

@@ -23,6 +23,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def median(values: list[float]) -> float:
+    """The median of a list of measurements."""
     return float(statistics.median(values))
 
 

@@ -11,8 +11,6 @@ Writes: results.csv, results.json, config.json and one bar plot per model (PNG +
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import time
 from pathlib import Path
 
@@ -23,10 +21,9 @@ from anytime.data import load_dataset, make_loader
 from anytime.errors import AnytimeError
 from anytime.plotting import plot_batch_time
 from anytime.profile import measure_train_step
-from anytime.utils.io import write_json, write_text
-from anytime.utils.machine import cpu_model, drop_page_cache
+from anytime.utils.io import write_csv, write_json
+from anytime.utils.machine import device_label, drop_page_cache, resolve_device
 from anytime.utils.results import staged_dir, write_study_config
-from anytime.utils.seed import resolve_device
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
 MODELS = ("lenet", "resnet18", "preact_resnet18", "resnext29_2x64d", "mobilenetv2", "vgg11")
@@ -84,14 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{model_name:<18} batch {batch_size:>4}: {1000 * row['total_p50_s']:8.1f} ms/batch "
                       f"(fwd {1000 * row['forward_p50_s']:.1f}, bwd {1000 * row['backward_p50_s']:.1f}, "
                       f"step {1000 * row['step_p50_s']:.1f}); first iteration {1000 * cold_s:.0f} ms")  # fmt: skip
-            plot_batch_time(model_name, model_rows, out / f"batch_time_{model_name}", cpu_model())
+            plot_batch_time(model_name, model_rows, out / f"batch_time_{model_name}", device_label(device))
             rows.extend(model_rows)
 
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        write_text(out / "results.csv", buffer.getvalue())
+        write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)
         write_study_config(
             out,

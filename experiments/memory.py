@@ -13,8 +13,6 @@ Writes: by_batch_size.csv, by_workers.csv, results.json, config.json and memory.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import tempfile
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from anytime.errors import AnytimeError
 from anytime.plotting import plot_memory
 from anytime.profile import run_isolated
 from anytime.profile.memory import loader_memory, train_step_memory
-from anytime.utils.io import write_json, write_text
+from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import cpu_model, drop_page_cache
 from anytime.utils.results import staged_dir, write_study_config
 
@@ -38,14 +36,6 @@ LOADER_BATCHES = 60  # batches of 128 drawn per loader probe
 DATA_ROOT = "../shared/data/cifar10"  # image folder with train/<class>/*; generated when absent
 QUICK = {"MODELS": ("lenet", "resnet20"), "BATCH_SIZES": (8, 32), "LOADER_BATCHES": 10}
 # ------------------------------------------------------------------------------------------------------
-
-
-def _csv(rows: list[dict]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
 
 
 def _generated_folder(root: Path, per_class: int = 100) -> Path:
@@ -74,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         by_batch[model] = []
         for batch_size in batch_sizes:
-            row = run_isolated(train_step_memory, model, batch_size, iterations=ITERATIONS)
+            try:
+                row = run_isolated(train_step_memory, model, batch_size, iterations=ITERATIONS)
+            except RuntimeError as exc:
+                raise AnytimeError(f"the memory probe of {model} at batch {batch_size} failed ({exc})") from None
             by_batch[model].append(row)
             print(f"{model:<14} batch {batch_size:>4}: peak RSS {row['peak_rss_mb']:7.0f} MiB "
                   f"(process before the model: {row['baseline_rss_mb']:.0f} MiB)")  # fmt: skip
@@ -104,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with staged_dir(args.out) as out:
         flat = [row for rows in by_batch.values() for row in rows]
-        write_text(out / "by_batch_size.csv", _csv(flat))
-        write_text(out / "by_workers.csv", _csv(by_workers))
+        write_csv(out / "by_batch_size.csv", flat)
+        write_csv(out / "by_workers.csv", by_workers)
         write_json(out / "results.json", {"by_batch_size": flat, "by_workers": by_workers})
         plot_memory(by_batch, by_workers, out / "memory", cpu_model())
         write_study_config(

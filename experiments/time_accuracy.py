@@ -12,15 +12,13 @@ Writes: curves.csv, results.json, config.json, time_accuracy.png / .svg and each
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 from pathlib import Path
 
 from anytime.data import load_dataset
 from anytime.plotting import plot_time_accuracy
-from anytime.train import TrainConfig, Trainer
-from anytime.utils.io import write_json, write_text
-from anytime.utils.machine import cpu_model, drop_page_cache
+from anytime.train import TrainConfig, Trainer, read_metrics
+from anytime.utils.io import write_csv, write_json
+from anytime.utils.machine import device_label, drop_page_cache, resolve_device
 from anytime.utils.results import staged_dir, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -40,36 +38,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     models, limit = (QUICK["MODELS"], QUICK["LIMIT_TRAIN"]) if args.quick else (MODELS, LIMIT_TRAIN)
 
+    # Dropped before the images are read from disk, the only cold read of the study.
+    _, cache_note = drop_page_cache()
     splits = load_dataset("cifar10", seed=SEED, limit_train=limit)  # a clear error when the images are absent
-    notes = []
+    notes = [cache_note]
     curves: dict[str, list[dict]] = {}
     summaries = {}
     with staged_dir(args.out) as out:
         for model, epochs in models.items():
-            _, cache_note = drop_page_cache()
             config = TrainConfig(model=model, data="cifar10", epochs=epochs, batch_size=BATCH_SIZE, lr=LR, seed=SEED,
                                  limit_train=limit)  # fmt: skip
             summary = Trainer(config, out / "runs" / model).fit(splits=splits)
-            with open(out / "runs" / model / "metrics.csv", newline="") as handle:
-                curves[model] = list(csv.DictReader(handle))
+            curves[model] = read_metrics(out / "runs" / model)
             summaries[model] = summary
             steady = summary["timing"]["steady"]
             print(f"{model:<10} {epochs} epochs: val {100 * summary['final']['val_acc']:.2f}%, "
                   f"test {100 * summary['final']['test_acc']:.2f}%, {summary['wall_time_s'] / 60:.1f} min; "
                   f"epoch 0 {summary['timing']['epoch0']['images_per_s']:.0f} images/s"
                   + (f", steady {steady['images_per_s']:.0f} images/s" if steady else ""))  # fmt: skip
-        notes.append(cache_note)
-
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["model", "epoch", "elapsed_s", "train_s", "val_acc", "train_acc", "images_per_s"])
-        for model, rows in curves.items():
-            for r in rows:
-                writer.writerow([model, r["epoch"], r["elapsed_s"], r["train_s"], r["val_acc"], r["train_acc"],
-                                 r["images_per_s"]])  # fmt: skip
-        write_text(out / "curves.csv", buffer.getvalue())
+        columns = ["model", "epoch", "elapsed_s", "train_s", "val_acc", "train_acc", "images_per_s"]
+        write_csv(out / "curves.csv", [{"model": m, **r} for m, rows in curves.items() for r in rows], columns)
         write_json(out / "results.json", summaries)
-        title = f"CIFAR-10{' (quick: 2,000 images)' if args.quick else ''} on {cpu_model()}"
+        title = f"CIFAR-10{' (quick: 2,000 images)' if args.quick else ''} on {device_label(resolve_device('auto'))}"
         plot_time_accuracy(curves, out / "time_accuracy", title)
         write_study_config(
             out,

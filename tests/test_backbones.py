@@ -68,10 +68,15 @@ def test_parameter_counts_match_the_literature(name, millions):
     assert abs(count / 1e6 - millions) / millions < 0.1
 
 
-def test_resnets_expose_branch_and_shortcut():
-    for name in ("resnet18", "resnet50", "resnet20", "resnext29_2x64d"):
-        blocks = [m for m in create_model(name).modules() if isinstance(m, ResidualBlock)]
-        assert blocks and all(hasattr(b, "branch") and hasattr(b, "shortcut") for b in blocks)
+@pytest.mark.parametrize(("name", "count"), [("resnet18", 8), ("resnet50", 16), ("resnet20", 9), ("resnext29_2x64d", 9)])
+def test_residual_blocks_are_branch_plus_shortcut(name, count):
+    blocks = [m for m in create_model(name).eval().modules() if isinstance(m, ResidualBlock)]
+    assert len(blocks) == count
+    for block in blocks[:: max(1, count // 3)]:
+        channels = next(m for m in block.branch.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+        x = torch.randn(1, channels, 8, 8)
+        with torch.no_grad():
+            assert torch.allclose(block(x), torch.relu(block.branch(x) + block.shortcut(x)))
 
 
 def test_flops_are_counted_per_image():

@@ -43,6 +43,9 @@ def test_bad_cards_are_refused_in_one_line(tmp_path):
         "[model]\nname = 'lenet'\n[data]\nname = 'digits'\n[optimizer]\n": "unknown table",
         "[model]\nname = 'lenet'\n[data]\nname = 'digits'\nsize = 3\n": "unknown \\[data\\] key",
         "[model]\nname = 'lenet'\n[data]\nname = 'digits'\n[train]\nepochs = 'ten'\n": "epochs must be int",
+        "model = 'lenet'\n[data]\nname = 'digits'\n": "must be \\[tables\\]",
+        "[model]\nname = 'lenet'\n[data]\nname = 'digits'\n[train]\nmodel = 'vgg11'\n": "belong in",
+        "[model]\nname = 'lenet'\n[data]\nname = 'digits'\n[train]\nstep_milestones = ['a']\n": "fractions",
     }
     for text, message in cases.items():
         with pytest.raises(AnytimeError, match=message) as info:
@@ -56,10 +59,13 @@ def test_results_are_recorded_and_the_recipe_kept(tmp_path):
     path = tmp_path / "c.toml"
     shutil.copy(CARDS[0], path)
     card = load_card(path)
-    record_results(card, {"test_acc": 0.9712345678, "device": 'cpu "x"', "epochs": 3, "ok": True})
+    path.write_text(path.read_text().replace("[results]", "[results]  # measured"))
+    odd = 'cpu "x"\nline\ttab \\ ü'
+    record_results(card, {"test_acc": 0.9712345678, "device": odd, "epochs": 3, "ok": True})
     again = load_card(path)
     assert again.config == card.config
-    assert again.results == {"test_acc": 0.971235, "device": 'cpu "x"', "epochs": 3, "ok": True}
+    assert again.results == {"test_acc": 0.971235, "device": odd, "epochs": 3, "ok": True}
+    assert path.read_text().count("[results]") == 1
     record_results(again, {"test_acc": 0.5})
     assert load_card(path).results == {"test_acc": 0.5}
     with pytest.raises(AnytimeError, match="finite"):

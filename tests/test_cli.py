@@ -48,8 +48,10 @@ def test_every_command_has_help(capsys, command):
 
 
 def test_python_dash_m_and_console_script():
-    done = subprocess.run([sys.executable, "-m", "anytime", "--help"], capture_output=True, text=True, check=False)
-    assert done.returncode == 0 and "experiment" in done.stdout
+    script = Path(sys.executable).with_name("anytime")
+    for argv in ([sys.executable, "-m", "anytime", "--help"], [str(script), "--help"]):
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        assert done.returncode == 0 and "experiment" in done.stdout, argv
 
 
 def test_models_lists_the_zoo_with_parameters(capsys):
@@ -76,15 +78,25 @@ def test_train_digits_end_to_end(capsys, tmp_path):
     assert code == 0 and "2 epoch(s)" in out
 
 
-def test_train_from_a_card_and_record_results(capsys, tmp_path):
-    card = tmp_path / "digits-lenet.toml"
-    shutil.copy(REPO / "models" / "digits-lenet.toml", card)
+def test_train_from_a_card_with_overrides(capsys, tmp_path):
+    card = REPO / "models" / "digits-lenet.toml"
     run = tmp_path / "run"
-    code, out, _ = _run(capsys, "train", "--card", str(card), "--epochs", "1", "--limit-train", "200", "--out",
-                        str(run), "--update-card", "--no-progress")  # fmt: skip
-    assert code == 0 and "results recorded" in out
+    code, _, _ = _run(capsys, "train", "--card", str(card), "--epochs", "1", "--limit-train", "200", "--out",
+                      str(run), "--no-progress")  # fmt: skip
+    assert code == 0
     config = json.loads((run / "config.json").read_text())
     assert config["train"]["epochs"] == 1 and config["train"]["lr"] == 0.05 and config["card"] == str(card)
+
+
+def test_a_card_records_only_its_own_recipe(capsys, tmp_path):
+    card = tmp_path / "digits-lenet.toml"
+    shutil.copy(REPO / "models" / "digits-lenet.toml", card)
+    code, _, err = _run(capsys, "train", "--card", str(card), "--epochs", "1", "--update-card", "--out",
+                        str(tmp_path / "a"))  # fmt: skip
+    _assert_one_line_error(code, err, "--epochs")
+    code, out, _ = _run(capsys, "train", "--card", str(card), "--update-card", "--out", str(tmp_path / "b"),
+                        "--no-progress")  # fmt: skip
+    assert code == 0 and "results recorded" in out
     text = card.read_text()
     assert "[results]" in text and "test_acc = " in text and 'date = "' in text
 
@@ -98,6 +110,7 @@ def test_train_from_a_card_and_record_results(capsys, tmp_path):
         (["train", "--resume", "--out", "/nonexistent/run"], ["checkpoint"]),
         (["train", "--update-card"], ["--card"]),
         (["train", "--device", "tpu"], ["device"]),
+        (["train", "--out", "/proc/version/run"], ["/proc/version"]),
         (["experiment", "nonsense"], ["nonsense", "batch-time"]),
     ],
 )

@@ -44,8 +44,8 @@ def test_memory_quick(tmp_path):
     out = tmp_path / "memory"
     assert main(["experiment", "memory", "--quick", "--out", str(out)]) == 0
     by_batch = _rows(out / "by_batch_size.csv")
-    lenet = [float(r["peak_rss_mb"]) for r in by_batch if r["model"] == "resnet20"]
-    assert lenet[0] <= lenet[-1]
+    resnet20 = [float(r["peak_rss_mb"]) for r in by_batch if r["model"] == "resnet20"]
+    assert len(resnet20) == 2 and resnet20[0] <= resnet20[-1]
     workers = {(r["pipeline"], int(r["workers"])): r for r in _rows(out / "by_workers.csv")}
     assert int(workers[("torchvision", 4)]["processes"]) >= 5
     assert float(workers[("torchvision", 4)]["peak_rss_mb"]) > float(workers[("torchvision", 0)]["peak_rss_mb"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,23 +12,39 @@ import pytest
 
 from anytime.train.memory import TreeMemorySampler, peak_rss_bytes, tree_memory
 from anytime.utils.io import write_json, write_text
-from anytime.utils.machine import describe_machine, drop_page_cache, git_sha, storage_of
+from anytime.utils.machine import describe_machine, git_sha, resolve_device, storage_of
 from anytime.utils.results import staged_dir
 from anytime.utils.seed import derive_seed
 
 
-def test_write_text_is_atomic(tmp_path, monkeypatch):
+def test_a_failed_write_leaves_the_old_file_and_no_debris(tmp_path, monkeypatch):
     path = tmp_path / "out.txt"
     write_text(path, "old")
 
-    def broken_dumps(*args, **kwargs):
-        raise ValueError("boom")
+    class HalfWritten(OSError):
+        pass
 
-    monkeypatch.setattr(json, "dumps", broken_dumps)
-    with pytest.raises(ValueError):
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        real_fsync(fd)
+        raise HalfWritten("disk full")  # the new bytes are on disk in the temporary file, not yet renamed
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(HalfWritten):
         write_json(path, {"a": 1})
+    monkeypatch.undo()
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    write_json(path, {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert (path.stat().st_mode & 0o777) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_staged_dir_keeps_old_results_when_a_run_fails(tmp_path):
@@ -53,10 +70,18 @@ def test_machine_description_names_cpu_threads_and_software(tmp_path):
     assert storage_of(tmp_path / "missing") is None
 
 
-def test_drop_page_cache_says_what_happened():
-    dropped, note = drop_page_cache()
-    assert isinstance(dropped, bool)
-    assert ("dropped" in note) if dropped else note.startswith("page cache not dropped")
+def test_device_names_are_checked():
+    import torch
+
+    from anytime.errors import AnytimeError
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(AnytimeError, match="unknown device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(AnytimeError, match="no CUDA GPU"):
+            resolve_device("cuda:0")
 
 
 def test_git_sha_of_a_folder_outside_git(tmp_path):

@@ -56,10 +56,7 @@ class StagedBackbone(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """The output of the last stage."""
-        x = self.stem(x)
-        for stage in self.stages:
-            x = stage(x)
-        return x
+        return self.forward_stages(x)[-1]
 
     def forward_head(self, features: Tensor) -> Tensor:
         """Logits from the last stage's output."""

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import multiprocessing
 import os
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,7 +201,7 @@ def _read_cache(path: Path, fingerprint: str) -> Arrays | None:
             if str(npz["fingerprint"]) != fingerprint or int(npz["version"]) != CACHE_VERSION:
                 return None
             return {k: npz[k] for k in npz.files}
-    except (OSError, KeyError, ValueError, EOFError):
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         # A missing, truncated or foreign file is simply rebuilt.
         return None
 

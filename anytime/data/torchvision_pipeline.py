@@ -10,10 +10,8 @@ import os
 
 from torch.utils.data import DataLoader
 
+from anytime.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
 from anytime.errors import AnytimeError
-
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
 def torchvision_loader(

@@ -7,33 +7,33 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from matplotlib.figure import Figure  # noqa: E402
-
-from anytime.utils.io import atomic_path  # noqa: E402
+from anytime.utils.io import atomic_path
 
 PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "step": "#55A868", "data": "#8172B3"}
 
 
 def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg")) -> list[Path]:
-    """Save ``fig`` as ``stem.png`` and ``stem.svg`` (atomically) and close it."""
+    """Save ``fig`` as ``stem.png`` and ``stem.svg`` (atomically).
+
+    Figures are built with :class:`matplotlib.figure.Figure` directly, never through pyplot, so plotting
+    neither selects a backend for the user's process nor leaves figures open in it.
+    """
     paths = []
     for fmt in formats:
         path = Path(f"{os.fspath(stem)}.{fmt}")
         with atomic_path(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight")
         paths.append(path)
-    plt.close(fig)
     return paths
 
 
 def plot_training_curves(rows: Sequence[Mapping[str, Any]], title: str, stem: str | os.PathLike[str]) -> list[Path]:
     """Loss and accuracy per epoch (train and validation) of one run, from its ``metrics.csv`` rows."""
     epochs = [int(r["epoch"]) + 1 for r in rows]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = Figure(figsize=(10, 3.8))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     ax_loss.plot(epochs, [float(r["train_loss"]) for r in rows], marker="o", label="train")
     ax_loss.plot(epochs, [float(r["val_loss"]) for r in rows], marker="s", label="validation")
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log scale)", title="loss", yscale="log")
@@ -52,7 +52,8 @@ def plot_batch_time(
 ) -> list[Path]:
     """Stacked bars of forward / backward / optimizer-step time per mini-batch, one bar per batch size."""
     sizes = [str(int(r["batch_size"])) for r in results]
-    fig, (ax_time, ax_rate) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = Figure(figsize=(10, 3.8))
+    ax_time, ax_rate = fig.subplots(1, 2)
     bottom = [0.0] * len(results)
     for phase in ("forward", "backward", "step"):
         values = [1000 * float(r[f"{phase}_p50_s"]) for r in results]
@@ -75,7 +76,8 @@ def plot_memory(
     device: str,
 ) -> list[Path]:
     """Peak memory vs batch size (one line per model) and vs DataLoader workers (one bar group per pipeline)."""
-    fig, (ax_batch, ax_workers) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_batch, ax_workers = fig.subplots(1, 2)
     for model, rows in by_batch.items():
         ax_batch.plot(
             [int(r["batch_size"]) for r in rows], [float(r["peak_rss_mb"]) for r in rows], marker="o", label=model
@@ -100,7 +102,8 @@ def plot_time_accuracy(
     curves: Mapping[str, Sequence[Mapping[str, Any]]], stem: str | os.PathLike[str], title: str
 ) -> list[Path]:
     """Validation accuracy against cumulative wall-clock training time, one curve per model."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
     for model, rows in curves.items():
         ax.plot(
             [float(r["elapsed_s"]) / 60 for r in rows],

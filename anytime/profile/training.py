@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+from multiprocessing.connection import wait
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anytime.errors import AnytimeError
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.timing import Clock
 
@@ -96,29 +98,49 @@ def measure_train_step(
     )
 
 
-def _child(queue: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     try:
-        queue.put(("ok", fn(*args, **kwargs)))
+        conn.send(("ok", fn(*args, **kwargs)))
+    except AnytimeError as exc:
+        conn.send(("user", str(exc)))
     except BaseException as exc:  # the parent re-raises it with the child's message
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
 
 
 def run_isolated(fn: Callable[..., T], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` in a fresh spawned process and return its (picklable) result.
 
     Peak memory (``ru_maxrss``) only ever grows within a process, so each memory measurement gets
-    a process of its own. ``fn`` must be importable at module level.
+    a process of its own. ``fn`` must be importable at module level. An :class:`AnytimeError` in the
+    child is raised again as one; a child that dies (e.g. killed for memory) or overruns ``timeout_s``
+    raises :class:`RuntimeError` saying so, instead of leaving the caller waiting.
     """
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(queue, fn, args, kwargs))
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_child, args=(sender, fn, args, kwargs))
     process.start()
+    sender.close()
     try:
-        status, value = queue.get(timeout=timeout_s)
+        wait([receiver, process.sentinel], timeout=timeout_s)
+        outcome = receiver.recv() if receiver.poll() else None
+    except EOFError:
+        outcome = None
     finally:
-        process.join(timeout=30)
+        process.join(timeout=30 if process.exitcode is None else None)
         if process.is_alive():
             process.kill()
+            process.join()
+        receiver.close()
+    if outcome is None:
+        raise RuntimeError(
+            f"isolated measurement of {getattr(fn, '__name__', fn)} ended without a result "
+            f"(exit code {process.exitcode}; a negative code is the signal that killed it, e.g. -9 when out of memory)"
+        )
+    status, value = outcome
+    if status == "user":
+        raise AnytimeError(value)
     if status != "ok":
         raise RuntimeError(f"isolated measurement failed: {value}")
     return value

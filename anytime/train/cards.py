@@ -8,8 +8,10 @@ date). ``[results]`` is the card's last table so that :func:`record_results` can
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from anytime.train.config import TrainConfig
 from anytime.utils.io import write_text
 
 _TABLES = ("card", "model", "data", "train", "results")
+_RESULTS_HEADER = re.compile(r"^\s*\[results\]\s*(#.*)?$")
 _DATA_KEYS = {"name": "data", "root": "data_root", "image_size": "image_size", "val_fraction": "val_fraction",
               "limit_train": "limit_train"}  # fmt: skip
 
@@ -47,6 +50,9 @@ def load_card(path: str | os.PathLike[str]) -> ModelCard:
     unknown = sorted(set(raw) - set(_TABLES))
     if unknown:
         raise AnytimeError(f"{card_path}: unknown table(s) {', '.join(unknown)}; a card has {', '.join(_TABLES)}")
+    not_tables = sorted(key for key in _TABLES if key in raw and not isinstance(raw[key], dict))
+    if not_tables:
+        raise AnytimeError(f"{card_path}: {', '.join(not_tables)} must be [tables], e.g. [model] then name = \"lenet\"")
     model = raw.get("model", {})
     data = raw.get("data", {})
     if "name" not in model or "name" not in data:
@@ -59,6 +65,9 @@ def load_card(path: str | os.PathLike[str]) -> ModelCard:
         if key not in _DATA_KEYS:
             raise AnytimeError(f"{card_path}: unknown [data] key '{key}'; valid: {', '.join(_DATA_KEYS)}")
         values[_DATA_KEYS[key]] = value
+    misplaced = sorted({"model", *_DATA_KEYS.values()} & set(raw.get("train", {})))
+    if misplaced:
+        raise AnytimeError(f"{card_path}: {', '.join(misplaced)} belong in [model] / [data], not [train]")
     values.update(raw.get("train", {}))
     config = TrainConfig.from_dict(values, where=str(card_path))
     meta = raw.get("card", {})
@@ -75,7 +84,7 @@ def record_results(card: ModelCard, results: dict[str, Any]) -> Path:
     """Rewrite the card's ``[results]`` table with ``results`` (atomically), keeping the rest verbatim."""
     text = card.path.read_text(encoding="utf-8")
     lines = text.splitlines()
-    cut = next((i for i, line in enumerate(lines) if line.strip() == "[results]"), None)
+    cut = next((i for i, line in enumerate(lines) if _RESULTS_HEADER.match(line)), None)
     if cut is not None and any(line.strip().startswith("[") for line in lines[cut + 1 :]):
         raise AnytimeError(f"{card.path}: [results] must be the last table for results to be recorded")
     head = lines if cut is None else lines[:cut]
@@ -95,6 +104,5 @@ def _toml_value(key: str, value: Any) -> str:
             raise AnytimeError(f"result '{key}' is {value}; cards record finite numbers only")
         return repr(round(value, 6))
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid TOML basic string
     raise AnytimeError(f"result '{key}' has type {type(value).__name__}; cards record numbers, text and booleans")

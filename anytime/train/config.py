@@ -73,10 +73,6 @@ class TrainConfig:
         return out
 
     @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
     def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> TrainConfig:
         """Build from a dict, refusing unknown keys and values of the wrong type with a clear message."""
         known = {f.name: f for f in dataclasses.fields(cls)}
@@ -97,8 +93,10 @@ class TrainConfig:
 
 def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
     if key == "step_milestones":
-        if not isinstance(value, (list, tuple)):
-            raise AnytimeError(f"{where}: {key} must be a list of fractions")
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            raise AnytimeError(f"{where}: {key} must be a list of fractions of the run, e.g. [0.5, 0.75]")
         return tuple(float(v) for v in value)
     if value is None:
         return value

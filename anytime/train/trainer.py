@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import time
@@ -25,9 +23,9 @@ from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weig
 from anytime.train.config import TrainConfig
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.timing import PHASES, Clock, PhaseLog
-from anytime.utils.io import write_json, write_text
-from anytime.utils.machine import describe_machine, device_label, git_sha
-from anytime.utils.seed import derive_seed, resolve_device, seed_everything
+from anytime.utils.io import read_csv, write_csv, write_json
+from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
+from anytime.utils.seed import derive_seed, seed_everything
 
 CHECKPOINT = "checkpoint.pt"
 METRICS_COLUMNS: tuple[str, ...] = (
@@ -50,7 +48,7 @@ def lr_factor(config: TrainConfig, epoch: int) -> float:
     if config.schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
     if config.schedule == "step":
-        passed = sum(epoch >= round(m * config.epochs) for m in config.step_milestones)
+        passed = sum(epoch >= math.floor(m * config.epochs) for m in config.step_milestones)
         return config.step_gamma**passed
     return 1.0
 
@@ -84,7 +82,10 @@ class Trainer:
     after every epoch), ``model.safetensors`` and ``summary.json`` at the end.
 
     Each epoch's randomness (shuffle, augmentation, dropout) is seeded from ``(seed, epoch)``, so a run
-    resumed from the checkpoint of epoch ``e`` ends exactly where an uninterrupted run would.
+    resumed from the checkpoint of epoch ``e`` ends exactly where an uninterrupted run would, bit for bit
+    on a CPU (on CUDA only up to the non-determinism of its kernels, unless the user enables
+    ``torch.use_deterministic_algorithms``). ``peak_rss_mb`` is the process's peak resident memory so
+    far (model, optimizer and the dataset held in memory; DataLoader workers not included).
     """
 
     def __init__(
@@ -274,27 +275,24 @@ class Trainer:
             **self.extra_config,
         }
         if resumed_from is not None and path.exists():
-            old = json.loads(path.read_text())
+            try:
+                old = json.loads(path.read_text())
+            except ValueError:
+                old = {}  # the checkpoint, not this record, is what the run resumes from
             payload["created"] = old.get("created", now)
             payload["resumed"] = [*old.get("resumed", []), {"at_epoch": resumed_from, "time": now}]
         write_json(path, payload)
 
     def _write_tables(self, history: list[dict[str, Any]]) -> None:
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(METRICS_COLUMNS)
-        for entry in history:
-            writer.writerow([_fmt(entry["metrics"].get(col)) for col in METRICS_COLUMNS])
-        write_text(self.run_dir / "metrics.csv", buffer.getvalue())
-
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["epoch", "iteration", "batch", *(f"{phase}_s" for phase in PHASES)])
-        for entry in history:
-            phases = entry["phases"]
-            for i, batch in enumerate(phases["batch"]):
-                writer.writerow([entry["metrics"]["epoch"], i, int(batch), *(_fmt(phases[p][i]) for p in PHASES)])
-        write_text(self.run_dir / "iterations.csv", buffer.getvalue())
+        write_csv(self.run_dir / "metrics.csv", [entry["metrics"] for entry in history], METRICS_COLUMNS)
+        iterations = [
+            {"epoch": entry["metrics"]["epoch"], "iteration": i, "batch": int(batch),
+             **{f"{p}_s": entry["phases"][p][i] for p in PHASES}}
+            for entry in history
+            for i, batch in enumerate(entry["phases"]["batch"])
+        ]  # fmt: skip
+        write_csv(self.run_dir / "iterations.csv", iterations, ["epoch", "iteration", "batch",
+                                                                *(f"{p}_s" for p in PHASES)])  # fmt: skip
 
     def _summary(
         self,
@@ -333,15 +331,13 @@ class Trainer:
             "wall_time_s": last["elapsed_s"],
             "timing": {"epoch0": phase_summary(history[:1]), "steady": phase_summary(history[1:])},
             "peak_rss_mb": max(h["metrics"]["peak_rss_mb"] for h in history),
-            "cuda_peak_mb": last["cuda_peak_mb"],
+            "cuda_peak_mb": None if last["cuda_peak_mb"] is None else max(h["metrics"]["cuda_peak_mb"] for h in history),
             "device": device_label(device),
             "torch_threads": torch.get_num_threads(),
         }
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
+    """The rows of a run's ``metrics.csv`` (one per epoch), as strings."""
+    return read_csv(Path(run_dir) / "metrics.csv")

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from anytime.errors import AnytimeError
+
 
 def _read(path: str) -> str | None:
     try:
@@ -159,8 +161,27 @@ def describe_machine(data_path: str | os.PathLike[str] | None = None) -> dict[st
     return info
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without a GPU is an error the user can act on."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise AnytimeError(f"--device {name} asked for, but torch sees no CUDA GPU here; use --device cpu or auto")
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise AnytimeError(f"'{name}' is not a device name; use cuda or cuda:N") from None
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise AnytimeError(f"{name} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+        return device
+    raise AnytimeError(f"unknown device '{name}'; use auto, cpu or cuda")
+
+
 def device_label(device: torch.device) -> str:
-    """A short name for a device, used in file names and plot titles."""
+    """A short name for a device, for records and plot titles: the GPU's name, or the CPU's model."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-")
-    return f"cpu-{platform.machine()}"
+        return torch.cuda.get_device_name(device)
+    return cpu_model()

@@ -21,18 +21,3 @@ def derive_seed(*parts: int | str) -> int:
     of one seed draw independent streams; stable across processes and Python versions."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; ``cuda`` without a GPU is an error the user can act on."""
-    from anytime.errors import AnytimeError
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise AnytimeError(f"--device {name} asked for, but torch sees no CUDA GPU here; use --device cpu or auto")
-        return torch.device(name)
-    raise AnytimeError(f"unknown device '{name}'; use auto, cpu or cuda")
