@@ -67,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="commands:\n" + "\n".join(f"  {name:<11} {text}" for name, text in COMMANDS.items())
         + "\n\nrun 'anytime COMMAND --help' for a command's options",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help="one of the commands below")
 
-    models = sub.add_parser("models", help=COMMANDS["models"], description=COMMANDS["models"])
+    models = sub.add_parser("models", description=COMMANDS["models"])
     models.add_argument("--no-torchvision", action="store_true", help="list only the zoo")
     models.add_argument("--flops", action="store_true", help="also count forward FLOPs per 32x32 image (slower)")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    train = sub.add_parser("train", help=COMMANDS["train"], description=COMMANDS["train"])
+    train = sub.add_parser("train", description=COMMANDS["train"])
     train.add_argument("--card", metavar="FILE", help="a model card (models/NAME.toml); other options override it")
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
     train.add_argument("--data", choices=["digits", "cifar10", "folder", "synthetic"], help="default digits")
@@ -100,12 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    experiment = sub.add_parser("experiment", help=COMMANDS["experiment"], description=COMMANDS["experiment"])
+    experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
     experiment.add_argument("--quick", action="store_true", help="a few minutes on a laptop-class CPU")
     experiment.add_argument("--out", metavar="DIR", help="results folder (default results/NAME)")
 
-    demo = sub.add_parser("demo", help=COMMANDS["demo"], description=COMMANDS["demo"])
+    demo = sub.add_parser("demo", description=COMMANDS["demo"])
     demo.add_argument("--out", metavar="DIR", default="runs/demo", help="results folder (default runs/demo)")
     return parser
 

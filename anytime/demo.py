@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from anytime.backbones import create_model
-from anytime.data import load_dataset, make_loader
+from anytime.data import make_loader
 from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
-from anytime.train import TrainConfig, Trainer, read_metrics
+from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
 from anytime.utils.results import staged_dir
@@ -46,7 +46,7 @@ def run_demo(out_dir: str | Path, *, config: TrainConfig = DEMO_CONFIG, progress
 
 def _run(work: Path, config: TrainConfig, progress: bool) -> tuple[dict[str, Any], list[dict[str, float]]]:
     run_dir = work / "run"
-    splits = load_dataset(config.data, config.data_root, val_fraction=config.val_fraction, seed=config.seed)
+    splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
     plot_training_curves(read_metrics(run_dir), f"{config.model} on {config.data}", work / "training_curves")
 

@@ -53,6 +53,14 @@ def lr_factor(config: TrainConfig, epoch: int) -> float:
     return 1.0
 
 
+def load_splits(config: TrainConfig) -> DatasetSplits:
+    """The train / validation / test splits a recipe trains on."""
+    return load_dataset(
+        config.data, config.data_root, val_fraction=config.val_fraction, seed=config.seed,
+        image_size=config.image_size, limit_train=config.limit_train,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` over ``loader``."""
@@ -119,10 +127,7 @@ class Trainer:
             )
         device = resolve_device(cfg.device)
         if splits is None:
-            splits = load_dataset(
-                cfg.data, cfg.data_root, val_fraction=cfg.val_fraction, seed=cfg.seed,
-                image_size=cfg.image_size, limit_train=cfg.limit_train,
-            )  # fmt: skip
+            splits = load_splits(cfg)
         info = splits.info
         seed_everything(cfg.seed)
         model = create_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels).to(device)
