@@ -212,3 +212,12 @@ def test_checkpoint_round_trips_plain_values(tmp_path):
     path = save_checkpoint(tmp_path / "c.pt", {"epoch": 3, "values": [1.0, None], "name": "x"})
     state = load_checkpoint(path)
     assert (state["epoch"], state["values"], state["name"]) == (3, [1.0, None], "x")
+
+
+def test_resume_refuses_changed_data(tmp_path, tiny_config):
+    Trainer(tiny_config.replace(epochs=1), tmp_path).fit()
+    other = load_dataset("digits")
+    changed = type(other)(info=other.info.__class__(**{**other.info.__dict__, "fingerprint": "0" * 40}),
+                          train=other.train, val=other.val, test=other.test)  # fmt: skip
+    with pytest.raises(AnytimeError, match="changed since"):
+        Trainer(tiny_config.replace(epochs=1), tmp_path).fit(resume=True, splits=changed)

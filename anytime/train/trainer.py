@@ -138,6 +138,12 @@ class Trainer:
         history: list[dict[str, Any]] = []
         start_epoch = 0
         if state is not None:
+            saved = state.get("dataset", {}).get("fingerprint")
+            if saved != info.fingerprint:
+                raise AnytimeError(
+                    f"the {info.name} data at {info.source} changed since {self.run_dir} was checkpointed; "
+                    "a resumed run would not match the interrupted one, so start a new --out"
+                )
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
