@@ -10,7 +10,11 @@ from typing import Any
 from anytime.errors import AnytimeError
 
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
-_OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int}
+EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
+EXIT_HEADS: tuple[str, ...] = ("pool", "linear", "conv")  # the designs of anytime.wrappers.exit_head
+_OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str}
+_FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
+                                "exit_weights": "one loss weight per exit, e.g. [1, 1, 1]"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,10 @@ class TrainConfig:
     """Everything that decides a training run's result (and a few knobs that only decide its speed).
 
     Defaults follow the field's usual recipe: SGD, learning rate 0.01, momentum 0.9, cross-entropy.
+    ``exits`` turns the model into a multi-exit one (points as :func:`anytime.attach_exits` takes them);
+    its loss is the weighted sum of the exits' cross-entropies (by default SDN's weights: each exit's
+    share of the backbone's FLOPs, the last exit 1), plus ``distill`` times the distillation loss from the last exit to the
+    others. ``heads-only`` trains the exit heads on a frozen backbone loaded from ``init``.
     """
 
     model: str = "lenet"
@@ -36,6 +44,13 @@ class TrainConfig:
     step_milestones: tuple[float, ...] = (0.5, 0.75)
     step_gamma: float = 0.1
     seed: int = 0
+    init: str | None = None
+    exits: str | None = None
+    exit_head: str = "pool"
+    exit_mode: str = "joint"
+    exit_weights: tuple[float, ...] | None = None
+    distill: float = 0.0
+    distill_temperature: float = 3.0
     # Speed-only knobs: they change how fast, never what is computed.
     device: str = "auto"
     workers: int = 0
@@ -61,6 +76,18 @@ class TrainConfig:
             (self.prefetch_factor >= 1, f"prefetch factor must be >= 1 (got {self.prefetch_factor})"),
             (self.limit_train is None or self.limit_train >= 1, "limit_train must be a positive count"),
             (all(0 < m < 1 for m in self.step_milestones), "step milestones are fractions of the run in (0, 1)"),
+            (self.exit_mode in EXIT_MODES, f"unknown exit mode '{self.exit_mode}'; choose one of {', '.join(EXIT_MODES)}"),
+            (self.exit_head in EXIT_HEADS, f"unknown exit head '{self.exit_head}'; choose one of {', '.join(EXIT_HEADS)}"),
+            (self.exits is not None or self.exit_mode == "joint", "--exit-mode heads-only needs --exits"),
+            (self.exit_mode == "joint" or self.init is not None,
+             "--exit-mode heads-only trains exits on a trained backbone: give it with --init CHECKPOINT"),
+            (self.exit_weights is None or self.exits is not None, "exit weights need --exits"),
+            (self.exit_weights is None or all(math.isfinite(w) and w >= 0 for w in self.exit_weights)
+             and sum(self.exit_weights) > 0, "exit weights must be finite, >= 0 and not all 0"),
+            (math.isfinite(self.distill) and self.distill >= 0, f"distillation weight must be >= 0 (got {self.distill})"),
+            (self.distill == 0 or self.exits is not None, "distillation (from the last exit to the others) needs --exits"),
+            (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
+             f"distillation temperature must be > 0 (got {self.distill_temperature})"),
         ]
         for ok, message in checks:
             if not ok:
@@ -70,6 +97,7 @@ class TrainConfig:
         """A JSON-able dict of every field."""
         out = dataclasses.asdict(self)
         out["step_milestones"] = list(self.step_milestones)
+        out["exit_weights"] = None if self.exit_weights is None else list(self.exit_weights)
         return out
 
     @classmethod
@@ -92,11 +120,13 @@ class TrainConfig:
 
 
 def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
-    if key == "step_milestones":
+    if key in _FLOAT_LISTS:
+        if value is None and key == "exit_weights":
+            return None
         if not isinstance(value, (list, tuple)) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
         ):
-            raise AnytimeError(f"{where}: {key} must be a list of fractions of the run, e.g. [0.5, 0.75]")
+            raise AnytimeError(f"{where}: {key} must be a list of {_FLOAT_LISTS[key]}")
         return tuple(float(v) for v in value)
     if value is None:
         return value

@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from anytime.backbones import create_model
 from anytime.data import BatchLoader, DatasetSplits, load_dataset, make_loader
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
+from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.timing import PHASES, Clock, PhaseLog
 from anytime.utils.io import read_csv, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -61,24 +61,33 @@ def load_splits(config: TrainConfig) -> DatasetSplits:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` over ``loader``."""
+def evaluate_exits(model: nn.Module, loader: BatchLoader, device: torch.device) -> tuple[float, list[float]]:
+    """Mean cross-entropy of the model's (last) output and the accuracy of every exit (one for a plain model)."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    correct = torch.zeros((), device=device, dtype=torch.int64)
+    correct: Tensor | None = None
     count = 0
     for images, labels in loader:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double()
-        correct += (logits.argmax(dim=1) == labels).sum()
+        if logits.dim() == 2:
+            logits = logits.unsqueeze(0)
+        loss_sum += F.cross_entropy(logits[-1], labels, reduction="sum").double()
+        hits = (logits.argmax(dim=2) == labels).sum(dim=1)
+        correct = hits if correct is None else correct + hits
         count += labels.numel()
     model.train(was_training)
-    if count == 0:
-        return float("nan"), float("nan")
-    return float(loss_sum) / count, int(correct) / count
+    if count == 0 or correct is None:
+        return float("nan"), [float("nan")]
+    return float(loss_sum) / count, [int(c) / count for c in correct]
+
+
+def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` (its last exit, for a multi-exit model) over ``loader``."""
+    loss, accuracies = evaluate_exits(model, loader, device)
+    return loss, accuracies[-1]
 
 
 class Trainer:
@@ -129,9 +138,11 @@ class Trainer:
             splits = load_splits(cfg)
         info = splits.info
         seed_everything(cfg.seed)
-        model = create_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels).to(device)
+        model = build_model(
+            cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+        ).to(device)
         optimizer = torch.optim.SGD(
-            model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: lr_factor(cfg, epoch))
         history: list[dict[str, Any]] = []
@@ -179,9 +190,9 @@ class Trainer:
                 self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
 
         test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
-        test_loss, test_acc = evaluate(model, test_loader, device)
+        test_loss, test_accs = evaluate_exits(model, test_loader, device)
         save_weights(model, self.run_dir / "model.safetensors")
-        summary = self._summary(history, model, device, test_loss, test_acc, info.to_dict())
+        summary = self._summary(history, model, device, test_loss, test_accs, info.to_dict())
         write_json(self.run_dir / "summary.json", summary)
         return summary
 
@@ -202,6 +213,7 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
+        weights = exit_weights(cfg, model).to(device)
         log = PhaseLog()
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         correct = torch.zeros((), device=device, dtype=torch.int64)
@@ -214,7 +226,13 @@ class Trainer:
             labels = labels.to(device, non_blocking=True)
             t_data = clock.now()
             logits = model(images)
-            loss = F.cross_entropy(logits, labels)
+            if logits.dim() == 3:
+                loss = multi_exit_loss(
+                    logits, labels, weights, distill=cfg.distill, temperature=cfg.distill_temperature
+                )
+                logits = logits[-1]
+            else:
+                loss = F.cross_entropy(logits, labels)
             with torch.no_grad():
                 loss_sum += loss.detach().double() * labels.numel()
                 correct += (logits.argmax(dim=1) == labels).sum()
@@ -236,7 +254,8 @@ class Trainer:
                 )
         bar.close()
         train_s = clock.now() - epoch_start
-        val_loss, val_acc = evaluate(model, val_loader, device)
+        val_loss, val_accs = evaluate_exits(model, val_loader, device)
+        val_acc = val_accs[-1]
         epoch_s = clock.now() - epoch_start
         train_loss = float(loss_sum) / max(seen, 1)
         if not math.isfinite(train_loss):
@@ -255,6 +274,8 @@ class Trainer:
             "peak_rss_mb": peak_rss_bytes() / 2**20,
             "cuda_peak_mb": None if cuda_peak is None else cuda_peak / 2**20,
         }  # fmt: skip
+        if len(val_accs) > 1:
+            record.update({f"val_acc_exit{k}": acc for k, acc in enumerate(val_accs)})
         phases = {"data": log.data, "forward": log.forward, "backward": log.backward, "step": log.step,
                   "batch": [float(b) for b in log.batch]}  # fmt: skip
         return record, phases
@@ -294,7 +315,9 @@ class Trainer:
         write_json(path, payload)
 
     def _write_tables(self, history: list[dict[str, Any]]) -> None:
-        write_csv(self.run_dir / "metrics.csv", [entry["metrics"] for entry in history], METRICS_COLUMNS)
+        rows = [entry["metrics"] for entry in history]
+        exit_columns = [key for key in rows[-1] if key.startswith("val_acc_exit")]
+        write_csv(self.run_dir / "metrics.csv", rows, [*METRICS_COLUMNS, *exit_columns])
         iterations = [
             {"epoch": entry["metrics"]["epoch"], "iteration": i, "batch": int(batch),
              **{f"{p}_s": entry["phases"][p][i] for p in PHASES}}
@@ -310,10 +333,11 @@ class Trainer:
         model: nn.Module,
         device: torch.device,
         test_loss: float,
-        test_acc: float,
+        test_accs: list[float],
         dataset: dict[str, Any],
     ) -> dict[str, Any]:
         last = history[-1]["metrics"]
+        test_acc = test_accs[-1]
 
         def phase_summary(entries: list[dict[str, Any]]) -> dict[str, float] | None:
             if not entries:
@@ -344,6 +368,20 @@ class Trainer:
             "cuda_peak_mb": None if last["cuda_peak_mb"] is None else max(h["metrics"]["cuda_peak_mb"] for h in history),
             "device": device_label(device),
             "torch_threads": torch.get_num_threads(),
+            **self._exit_summary(model, last, test_accs),
+        }
+
+    @staticmethod
+    def _exit_summary(model: nn.Module, last: dict[str, Any], test_accs: list[float]) -> dict[str, Any]:
+        info = getattr(model, "exit_info", None)
+        if info is None:
+            return {}
+        return {
+            "exits": [
+                {**e.to_dict(), "val_acc": last[f"val_acc_exit{e.index}"], "test_acc": test_accs[e.index]}
+                for e in info
+            ],
+            "backbone_flops": model.backbone_flops,  # type: ignore[union-attr]
         }
 
 

@@ -1,0 +1,122 @@
+"""Building the model a recipe names (plain or multi-exit) and the multi-exit training loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from anytime.backbones import create_model
+from anytime.errors import AnytimeError
+from anytime.train.config import TrainConfig
+
+
+def _read_state_dict(path: Path) -> dict[str, Tensor]:
+    from anytime.train.checkpoint import load_checkpoint
+
+    if path.is_dir():
+        if (path / "model.safetensors").is_file():
+            path = path / "model.safetensors"
+        elif (path / "checkpoint.pt").is_file():
+            path = path / "checkpoint.pt"
+        else:
+            raise AnytimeError(f"{path} holds no model.safetensors or checkpoint.pt; point --init at a trained run")
+    if not path.is_file():
+        raise AnytimeError(f"--init {path}: no such file; give a run directory, a checkpoint or a weights file")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise AnytimeError(f"--init {path} is not a valid safetensors file ({exc})") from None
+    try:
+        return load_checkpoint(path)["model"]
+    except AnytimeError:
+        pass
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001  any unreadable or unsafe file gets the same answer
+        raise AnytimeError(f"--init {path} is not a checkpoint or a state dict that loads weights-only") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise AnytimeError(f"--init {path} holds no state dict of tensors")
+    return state
+
+
+def load_backbone_weights(backbone: nn.Module, path: str | Path) -> None:
+    """Load trained weights into ``backbone`` from a run directory, an anytime checkpoint, a ``.safetensors``
+    file or a plain state dict (``torch.save(model.state_dict())``). A multi-exit run's backbone is taken
+    out of its weights, so exits can be trained again on it."""
+    state = _read_state_dict(Path(path))
+    if any(k.startswith("backbone.") for k in state):
+        state = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
+    result = backbone.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        parts = []
+        if result.missing_keys:
+            parts.append(f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[0]})")
+        if result.unexpected_keys:
+            parts.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[0]})")
+        raise AnytimeError(
+            f"--init {path} does not hold weights of {type(backbone).__name__}: {', '.join(parts)}; "
+            "check --model matches the checkpoint"
+        )
+
+
+def build_model(config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int]) -> nn.Module:
+    """The model a recipe trains: the backbone (its weights from ``config.init`` if given), with exits
+    attached when ``config.exits`` is set."""
+    from anytime.wrappers import attach_exits
+
+    backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
+    if config.init is not None:
+        load_backbone_weights(backbone, config.init)
+    if config.exits is None:
+        return backbone
+    model = attach_exits(
+        backbone, config.exits, head=config.exit_head, num_classes=num_classes,
+        input_shape=(in_channels, *image_size),
+    )  # fmt: skip
+    if config.exit_weights is not None and len(config.exit_weights) != model.num_steps:
+        raise AnytimeError(
+            f"{len(config.exit_weights)} exit weights given for {model.num_steps} exits "
+            f"({', '.join(e.name for e in model.exit_info)}); give one per exit"
+        )
+    if config.exit_mode == "heads-only":
+        model.freeze_backbone()
+    return model
+
+
+def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
+    """The loss weight of every exit: the recipe's, or SDN's default, each exit weighted by the share of the
+    backbone's FLOPs it has run (the last exit weighs 1), so that cheap early exits do not pull the shared
+    layers away from the final classifier. A plain model has one weight, 1."""
+    if config.exit_weights is not None:
+        return torch.tensor(config.exit_weights, dtype=torch.float32)
+    info = getattr(model, "exit_info", None)
+    if info is None:
+        return torch.ones(1)
+    total = float(model.backbone_flops)  # type: ignore[union-attr]
+    return torch.tensor([min(1.0, e.flops / total) for e in info[:-1]] + [1.0], dtype=torch.float32)
+
+
+def multi_exit_loss(
+    logits: Tensor, labels: Tensor, weights: Tensor, *, distill: float = 0.0, temperature: float = 3.0
+) -> Tensor:
+    """``sum_k w_k CE(logits_k, y)`` over exits (``logits`` is ``[K, B, C]``), plus ``distill`` times the
+    self-distillation loss: each earlier exit matches the last exit's softened output
+    (KL divergence at ``temperature``, scaled by its square as in Hinton et al.)."""
+    num_steps, batch, classes = logits.shape
+    per_exit = F.cross_entropy(logits.reshape(-1, classes), labels.repeat(num_steps), reduction="none")
+    loss = (per_exit.view(num_steps, batch).mean(dim=1) * weights.to(logits.device)).sum()
+    if distill > 0 and num_steps > 1:
+        teacher = F.softmax(logits[-1].detach() / temperature, dim=1)
+        students = F.log_softmax(logits[:-1] / temperature, dim=2)
+        kl = F.kl_div(students, teacher.expand_as(students), reduction="none").sum(dim=2).mean(dim=1)
+        loss = loss + distill * temperature**2 * kl.sum()
+    return loss

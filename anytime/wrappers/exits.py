@@ -1,0 +1,321 @@
+"""Early exits on any backbone: ``attach_exits`` turns a classifier into a ladder of exits (the step contract).
+
+Step k is the exit after the k-th chosen point; the backbone's own head is the last step, so the last
+step computes exactly what the backbone computes. Exit heads read the feature map at their point and are
+sized to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from anytime.backbones.base import StagedBackbone
+from anytime.errors import AnytimeError
+from anytime.wrappers.tracing import Chain, Cut, staged_chain, traced_chain
+
+HEADS: tuple[str, ...] = ("pool", "linear", "conv")
+SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
+
+
+def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """An exit classifier for features of ``shape`` (``(C, H, W)`` or ``(F,)``).
+
+    ``linear``: global average pooling and a linear layer (the cheapest).
+    ``pool``: after SDN's head, average pooling to at most 4x4, then a linear layer (cheap in FLOPs, keeps
+    some spatial layout). SDN mixes max and average pooling; the max branch made training diverge at
+    learning rates the backbones train well with (0.05 on the digits), so it is left out. ``conv``: BranchyNet-like, a strided 3x3 conv-BN-ReLU, global pooling and
+    a linear layer (the most expressive and the most expensive).
+    """
+    if kind not in HEADS:
+        raise AnytimeError(f"unknown exit head '{kind}'; choose one of {', '.join(HEADS)}")
+    if len(shape) == 1:
+        return nn.Linear(shape[0], num_classes)
+    channels, height, width = shape
+    if kind == "linear":
+        return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
+    if kind == "pool":
+        size = min(4, height, width)
+        return nn.Sequential(nn.AdaptiveAvgPool2d(size), nn.Flatten(), nn.Linear(channels * size * size, num_classes))
+    stride = 2 if min(height, width) >= 8 else 1
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels),
+        nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """One exit: where it reads, and what answering there costs (one sample, a multiply-add = 2 FLOPs)."""
+
+    index: int
+    name: str  # the point it reads ("stages.1", "layer2"); "output" for the backbone's own head
+    shape: tuple[int, ...]  # per-sample shape of the features the head reads
+    flops: int  # backbone up to the point plus this exit's head: the cost of this step alone
+    cost_flops: int  # FLOPs spent by a sample that leaves here under early exit (every head on the way)
+    params: int  # parameters needed to answer here (backbone so far and this head)
+    head_flops: int
+    head_params: int
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-able dict."""
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+
+class MultiExitModel(nn.Module):
+    """A backbone with exits, obeying the step contract.
+
+    ``forward_all(x)`` gives ``[K, B, C]`` logits (cheapest exit first), ``forward_until(x, k)`` computes
+    no more than exit ``k`` needs, and ``steps(x)`` yields the exits one by one as they are ready.
+    ``forward`` is ``forward_all``. The backbone keeps its own parameter names under ``backbone.``; the
+    exit heads are ``heads.0`` ... ``heads.{K-2}``.
+    """
+
+    def __init__(
+        self, backbone: nn.Module, segments: list[nn.Module], heads: list[nn.Module], info: tuple[ExitInfo, ...],
+        *, points: str, head: str, backbone_flops: int,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if len(segments) != len(heads) + 1 or len(info) != len(segments):
+            raise ValueError("a multi-exit model needs one segment per exit and one head per early exit")
+        self.backbone = backbone
+        self.heads = nn.ModuleList(heads)
+        # The segments share the backbone's modules; they are kept out of the module tree so that the
+        # parameters are registered (and saved) once, under their backbone names.
+        self._segments: tuple[nn.Module, ...]
+        object.__setattr__(self, "_segments", tuple(segments))
+        self.exit_info = info
+        self.points = points
+        self.head_kind = head
+        self.backbone_flops = backbone_flops
+        self.backbone_frozen = False
+
+    def freeze_backbone(self) -> MultiExitModel:
+        """Train only the exit heads: the backbone's parameters stop taking gradients and its batch-norm
+        statistics stay as trained (the backbone stays in eval mode even under ``train()``)."""
+        for p in self.backbone.parameters():
+            p.requires_grad_(False)
+        self.backbone_frozen = True
+        self.backbone.eval()
+        return self
+
+    def train(self, mode: bool = True) -> MultiExitModel:
+        super().train(mode)
+        if self.backbone_frozen:
+            self.backbone.eval()
+        return self
+
+    @property
+    def num_steps(self) -> int:
+        """The number of exits, the backbone's own head included."""
+        return len(self._segments)
+
+    def steps(self, x: Tensor) -> Iterator[Tensor]:
+        """Yield the logits of exit 0, 1, ... computing each only when asked for."""
+        last = len(self._segments) - 1
+        for k, segment in enumerate(self._segments):
+            x = segment(x)
+            yield x if k == last else self.heads[k](x)
+
+    def forward_until(self, x: Tensor, k: int) -> Tensor:
+        """Logits ``[B, C]`` of exit ``k``: the backbone up to its point and its head, nothing else."""
+        k = self._check_step(k)
+        for segment in self._segments[: k + 1]:
+            x = segment(x)
+        return x if k == self.num_steps - 1 else self.heads[k](x)
+
+    def forward_all(self, x: Tensor) -> Tensor:
+        """Logits of every exit, ``[K, B, C]``, cheapest first."""
+        return torch.stack(list(self.steps(x)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Same as :meth:`forward_all`."""
+        return self.forward_all(x)
+
+    def segment(self, k: int) -> nn.Module:
+        """The part of the backbone between exit ``k - 1``'s point and exit ``k``'s."""
+        return self._segments[self._check_step(k)]
+
+    def head(self, k: int) -> nn.Module:
+        """Exit ``k``'s head (the identity for the last exit, whose segment ends in the backbone's head)."""
+        k = self._check_step(k)
+        return nn.Identity() if k == self.num_steps - 1 else self.heads[k]
+
+    def _check_step(self, k: int) -> int:
+        if not isinstance(k, int) or not -self.num_steps <= k < self.num_steps:
+            raise AnytimeError(f"exit {k} does not exist; this model has exits 0..{self.num_steps - 1}")
+        return k % self.num_steps
+
+    def extra_repr(self) -> str:
+        return f"exits={[e.name for e in self.exit_info]}, head={self.head_kind!r}"
+
+
+def _parse_points(points: str | int | Sequence[str] | Sequence[float]) -> tuple[str, object]:
+    if isinstance(points, bool):
+        raise AnytimeError("exit points must be 'auto', 'sdn', a count, fractions of FLOPs or point names")
+    if isinstance(points, int):
+        return "count", points
+    if isinstance(points, str):
+        text = points.strip()
+        if text in ("auto", "sdn"):
+            return text, None
+        if text.isdigit():
+            return "count", int(text)
+        items = [p.strip() for p in text.split(",") if p.strip()]
+    else:
+        items = list(points)
+    if not items:
+        raise AnytimeError("no exit points given; use 'auto', 'sdn', a count, fractions like 0.25,0.5 or names")
+    try:
+        fractions = [float(p) for p in items]
+    except (TypeError, ValueError):
+        return "names", [str(p) for p in items]
+    if not all(0 < f < 1 for f in fractions):
+        raise AnytimeError(f"exit points given as numbers are fractions of the backbone's FLOPs in (0, 1): {items}")
+    return "fractions", sorted(fractions)
+
+
+def _at_fractions(chain: Chain, fractions: Sequence[float]) -> list[Cut]:
+    chosen: list[Cut] = []
+    candidates = [c for c in chain.cuts if c.flops < chain.total_flops]
+    for f in fractions:
+        best = min(candidates, key=lambda c: abs(c.flops / chain.total_flops - f))
+        if best not in chosen:
+            chosen.append(best)
+    return chosen
+
+
+def _choose(chain: Chain, kind: str, value: object, staged: bool) -> list[Cut]:
+    total = chain.total_flops
+    if kind == "auto":
+        ends = [c for c in chain.cuts if c.stage_end]
+        if staged:
+            return ends[:-1]
+        # Traced graphs have no declared stages: the ends of each resolution, skipping the stem's and
+        # those just before the classifier.
+        chosen: list[Cut] = []
+        for cut in ends:
+            if 0.1 <= cut.flops / total <= 0.95 and (not chosen or cut.flops > chosen[-1].flops):
+                chosen.append(cut)
+        return chosen
+    if kind == "sdn":
+        return _at_fractions(chain, SDN_FRACTIONS)
+    if kind == "fractions":
+        return _at_fractions(chain, value)  # type: ignore[arg-type]
+    if kind == "count":
+        count = int(value)  # type: ignore[call-overload]
+        if count < 1:
+            raise AnytimeError(f"an exit count must be at least 1 (got {count}); 1 is the backbone alone")
+        chosen = _at_fractions(chain, [k / count for k in range(1, count)])
+        if len(chosen) < count - 1:
+            raise AnytimeError(f"{count} exits asked, but this backbone has only {len(chain.cuts)} points to split at")
+        return chosen
+    aliases: dict[int, str] = getattr(chain, "aliases", {})
+    chosen = []
+    for name in value:  # type: ignore[attr-defined]
+        match = [c for c in chain.cuts if c.name == name or aliases.get(c.position) == name]
+        if not match:
+            valid = [c.name for c in chain.cuts] + list(aliases.values())
+            raise AnytimeError(f"no exit point named '{name}'; this backbone can exit after: {', '.join(valid)}")
+        chosen.append(match[0])
+    positions = [c.position for c in chosen]
+    if len(set(positions)) != len(positions):
+        raise AnytimeError(f"exit points {', '.join(value)} name the same point twice")  # type: ignore[arg-type]
+    return sorted(chosen, key=lambda c: c.position)
+
+
+def _params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _unique_params(modules: Sequence[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def attach_exits(
+    backbone: nn.Module,
+    points: str | int | Sequence[str] | Sequence[float] = "auto",
+    *,
+    head: str = "pool",
+    num_classes: int | None = None,
+    input_shape: tuple[int, int, int] | None = None,
+) -> MultiExitModel:
+    """Attach early exits to ``backbone`` and return a :class:`MultiExitModel`.
+
+    ``points``: ``"auto"`` (after every stage but the last), ``"sdn"`` (at 15, 30, ... 90% of the
+    backbone's FLOPs, as SDN places them), a count ``N`` (N exits in all, evenly spread over the FLOPs),
+    fractions of FLOPs (``[0.25, 0.5]``) or point names (``["stages.0", "stages.1.2"]``, or module names such
+    as ``layer2`` for a torchvision model). Zoo models split at their declared stages and blocks; any
+    other module is split on its torch.fx graph. ``head`` picks the exit head design (see :func:`exit_head`).
+    ``input_shape`` is one sample's ``(C, H, W)``; by default the backbone's ``in_channels`` at 32x32.
+    """
+    kind, value = _parse_points(points)
+    if head not in HEADS:
+        raise AnytimeError(f"unknown exit head '{head}'; choose one of {', '.join(HEADS)}")
+    if input_shape is None:
+        input_shape = (int(getattr(backbone, "in_channels", 3)), 32, 32)
+    try:
+        device = next(backbone.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    sample = torch.zeros(1, *input_shape, device=device)
+    staged = isinstance(backbone, StagedBackbone)
+    chain = staged_chain(backbone, sample) if staged else traced_chain(backbone, sample)
+    chosen = _choose(chain, kind, value, staged)
+    segments = chain.segments(chosen)
+    if num_classes is None:
+        with torch.no_grad():
+            was_training = backbone.training
+            num_classes = int(backbone.eval()(sample).shape[-1])
+            backbone.train(was_training)
+    heads = [exit_head(head, cut.shape, num_classes).to(device) for cut in chosen]
+    info = _costs(backbone, segments, heads, chosen, sample)
+    spec = str(points) if isinstance(points, (str, int)) else ",".join(str(p) for p in points)
+    return MultiExitModel(backbone, segments, heads, info, points=spec, head=head, backbone_flops=chain.total_flops)
+
+
+def _costs(
+    backbone: nn.Module, segments: list[nn.Module], heads: list[nn.Module], chosen: list[Cut], sample: Tensor
+) -> tuple[ExitInfo, ...]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops_of(module: nn.Module, x: Tensor) -> tuple[int, Tensor]:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            y = module(x)
+        return int(counter.get_total_flops()), y
+
+    was_training = backbone.training
+    backbone.eval()
+    for h in heads:
+        h.eval()
+    info: list[ExitInfo] = []
+    spent = 0  # backbone FLOPs so far
+    heads_spent = 0
+    x = sample
+    try:
+        for k, segment in enumerate(segments):
+            seg_flops, x = flops_of(segment, x)
+            spent += seg_flops
+            last = k == len(segments) - 1
+            head_flops, head_params = (0, 0) if last else (flops_of(heads[k], x)[0], _params(heads[k]))
+            heads_spent += head_flops
+            info.append(ExitInfo(
+                index=k, name="output" if last else chosen[k].name, shape=tuple(x.shape[1:]),
+                flops=spent + head_flops, cost_flops=spent + heads_spent,
+                params=_unique_params(segments[: k + 1]) + head_params, head_flops=head_flops, head_params=head_params,
+            ))  # fmt: skip
+    finally:
+        backbone.train(was_training)
+        for h in heads:
+            h.train(was_training)
+    return tuple(info)
