@@ -10,11 +10,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from anytime.errors import AnytimeError
 
 COMMANDS: dict[str, str] = {
     "models": "list the model zoo and torchvision classifiers, with parameter counts",
-    "train": "train a model (or a model card) and record time, memory and accuracy",
+    "train": "train a model (or a model card), plain or with early exits; record time, memory and accuracy",
+    "exits": "show the exits attach_exits puts on a model, with cumulative FLOPs and parameters",
+    "collect": "run a trained multi-exit model once over a split and cache every exit's logits",
+    "sweep": "sweep exit thresholds over the cached outputs: accuracy, FLOPs, exit shares, Pareto front",
+    "calibrate": "fit exit thresholds on validation for an accuracy drop or a FLOPs budget (RUN/calibration.json)",
+    "evaluate": "real early exit on a split: accuracy, exit shares, latency per sample vs the plain backbone",
+    "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy",
     "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
     "demo": "train on the embedded digits and show where the time goes (no files needed)",
 }
@@ -45,6 +53,7 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
+_CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin")
 _non_negative_int = _int_at_least(0)
 
 
@@ -99,6 +108,70 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    exits = train.add_argument_group("early exits")
+    exits.add_argument("--exits", metavar="POINTS",
+                       help="attach exits: auto (after each stage), sdn (15-90%% of FLOPs), N (exits in all), "
+                            "fractions of FLOPs (0.25,0.5) or point names (stages.0,stages.1.2; see 'anytime exits')")
+    exits.add_argument("--exit-mode", choices=["joint", "heads-only"],
+                       help="joint: train everything (default); heads-only: only the exits, backbone frozen (needs --init)")
+    exits.add_argument("--exit-head", choices=["pool", "linear", "conv"], help="exit head design (default pool)")
+    exits.add_argument("--exit-weights", metavar="W,W,...",
+                       help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)")
+    exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT",
+                       help="self-distillation from the last exit to the others, with this weight (default 0)")
+    exits.add_argument("--init", metavar="CHECKPOINT",
+                       help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict")
+
+    exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
+    exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
+    exits_cmd.add_argument("--exits", default="auto", metavar="POINTS", help="exit points (default auto)")
+    exits_cmd.add_argument("--exit-head", default="pool", choices=["pool", "linear", "conv"])
+    exits_cmd.add_argument("--in-channels", type=_positive_int, default=3, metavar="C")
+    exits_cmd.add_argument("--num-classes", type=_int_at_least(2), default=10, metavar="N")
+    exits_cmd.add_argument("--image-size", type=_positive_int, default=32, metavar="PX")
+    exits_cmd.add_argument("--points", action="store_true", help="list every point the model can exit after")
+    exits_cmd.add_argument("--json", action="store_true", help="print JSON")
+
+    collect = sub.add_parser("collect", description=COMMANDS["collect"])
+    collect.add_argument("run", metavar="RUN", help="a run directory written by 'anytime train --exits ...'")
+    collect.add_argument("--split", choices=["val", "test"], default="val")
+    collect.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    collect.add_argument("--batch-size", type=_positive_int, default=512, metavar="B")
+
+    sweep_cmd = sub.add_parser("sweep", description=COMMANDS["sweep"])
+    sweep_cmd.add_argument("run", metavar="RUN")
+    sweep_cmd.add_argument("--criterion", action="append", choices=list(_CRITERIA),
+                           help="exit criterion (repeat for several; default all four)")
+    sweep_cmd.add_argument("--settings", type=_int_at_least(2), default=1000, metavar="S",
+                           help="threshold settings to sweep (default 1000)")
+    sweep_cmd.add_argument("--split", choices=["val", "test"], default="val")
+    sweep_cmd.add_argument("--json", action="store_true", help="print the Pareto fronts as JSON")
+
+    calibrate = sub.add_parser("calibrate", description=COMMANDS["calibrate"])
+    calibrate.add_argument("run", metavar="RUN")
+    target = calibrate.add_mutually_exclusive_group(required=True)
+    target.add_argument("--max-drop", type=_finite_float, metavar="POINTS",
+                        help="cheapest thresholds within POINTS accuracy points of the last exit (validation)")
+    target.add_argument("--budget-flops", type=_finite_float, metavar="FRACTION",
+                        help="most accurate thresholds whose mean FLOPs are at most FRACTION of the backbone's")
+    calibrate.add_argument("--criterion", choices=list(_CRITERIA), default="entropy")
+    calibrate.add_argument("--rule", choices=["search", "msdnet"], default="search",
+                           help="budget rule: direct search (default) or MSDNet's shares proportional to q^k")
+    calibrate.add_argument("--temperature", action="store_true", help="fit a temperature per exit first")
+    calibrate.add_argument("--out", metavar="FILE", help="default RUN/calibration.json")
+    calibrate.add_argument("--json", action="store_true", help="print the whole report as JSON")
+
+    evaluate = sub.add_parser("evaluate", description=COMMANDS["evaluate"])
+    evaluate.add_argument("run", metavar="RUN")
+    evaluate.add_argument("--calibration", metavar="FILE", help="default RUN/calibration.json")
+    evaluate.add_argument("--split", choices=["val", "test"], default="test")
+    evaluate.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    evaluate.add_argument("--latency-samples", type=_non_negative_int, default=1000, metavar="N",
+                          help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
+    evaluate.add_argument("--json", action="store_true", help="print the whole report as JSON")
+
+    plot = sub.add_parser("plot", description=COMMANDS["plot"])
+    plot.add_argument("run", metavar="RUN")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
@@ -140,8 +213,16 @@ def _cmd_models(args: argparse.Namespace) -> int:
 # Options of `anytime train` that are TrainConfig fields of the same name.
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
-    "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory",
+    "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
+    "exit_head", "distill", "init",
 )  # fmt: skip
+
+
+def _float_list(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise AnytimeError(f"{what} must be numbers separated by commas, e.g. 0.5,1,1 (got '{text}')") from None
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -150,6 +231,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     card = load_card(args.card) if args.card else None
     overrides = {field: getattr(args, field) for field in _TRAIN_FIELDS if getattr(args, field) is not None}
+    if args.exit_weights is not None:
+        overrides["exit_weights"] = _float_list(args.exit_weights, "--exit-weights")
     if args.update_card and card is None:
         raise AnytimeError("--update-card needs --card FILE")
     changed = sorted(set(overrides) - set(TrainConfig.RUNTIME_FIELDS))
@@ -191,6 +274,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"{', steady state' if summary['timing']['steady'] else ', epoch 0 only'})")  # fmt: skip
     print(f"memory     peak RSS {summary['peak_rss_mb']:.0f} MiB"
           + (f", CUDA peak {summary['cuda_peak_mb']:.0f} MiB" if summary["cuda_peak_mb"] is not None else ""))
+    for e in summary.get("exits", []):
+        print(f"exit {e['index']:<5} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
+              f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
     if args.update_card and card is not None:
         from datetime import date
 
@@ -246,8 +332,157 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_exits(args: argparse.Namespace) -> int:
+    import torch
+
+    from anytime.backbones import StagedBackbone, create_model
+    from anytime.wrappers import attach_exits
+    from anytime.wrappers.tracing import staged_chain, traced_chain
+
+    backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
+    shape = (args.in_channels, args.image_size, args.image_size)
+    if args.points:
+        sample = torch.zeros(1, *shape)
+        chain = staged_chain(backbone, sample) if isinstance(backbone, StagedBackbone) else traced_chain(backbone, sample)
+        rows = [{"name": c.name, "shape": list(c.shape), "flops_fraction": c.flops / chain.total_flops,
+                 "stage_end": c.stage_end} for c in chain.cuts]  # fmt: skip
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"{'point':<34} {'features':<16} {'FLOPs so far':>12}  stage end")
+        for r in rows:
+            print(f"{r['name']:<34} {'x'.join(map(str, r['shape'])):<16} {100 * r['flops_fraction']:>11.1f}%  "
+                  f"{'yes' if r['stage_end'] else ''}")  # fmt: skip
+        return 0
+    model = attach_exits(backbone, args.exits, head=args.exit_head, num_classes=args.num_classes, input_shape=shape)
+    rows = [e.to_dict() for e in model.exit_info]
+    if args.json:
+        print(json.dumps({"model": args.model, "points": args.exits, "head": args.exit_head,
+                          "backbone_flops": model.backbone_flops, "exits": rows}, indent=2))  # fmt: skip
+        return 0
+    base = model.backbone_flops
+    print(f"{args.model} with {model.num_steps} exits ({args.exit_head} heads), {args.image_size}x{args.image_size} input")
+    print(f"{'exit':<5} {'point':<30} {'features':<12} {'MFLOPs':>9} {'of base':>8} {'params':>10} "
+          f"{'head MFLOPs':>12} {'head params':>12}")  # fmt: skip
+    for e in model.exit_info:
+        print(f"{e.index:<5} {e.name:<30} {'x'.join(map(str, e.shape)):<12} {e.flops / 1e6:>9.2f} "
+              f"{100 * e.flops / base:>7.1f}% {e.params:>10,} {e.head_flops / 1e6:>12.3f} {e.head_params:>12,}")  # fmt: skip
+    print("FLOPs for one image, a multiply-add counted as 2; cumulative: the backbone up to the exit and its head")
+    return 0
+
+
+def _cmd_collect(args: argparse.Namespace) -> int:
+    from anytime.outputs import cache_path
+    from anytime.pipeline import collect_run
+
+    cache = collect_run(args.run, args.split, device=args.device, batch_size=args.batch_size)
+    acc = cache.step_accuracy()
+    print(f"collected {cache.num_samples} {args.split} samples x {cache.num_steps} exits -> {cache_path(args.run, args.split)}")
+    for k, name in enumerate(cache.step_names):
+        print(f"  exit {k} {name:<16} {100 * cache.step_flops[k] / cache.base_flops:5.1f}% FLOPs  accuracy {100 * acc[k]:.2f}%")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from anytime.pipeline import sweep_run
+
+    criteria = args.criterion or list(_CRITERIA)
+    report = sweep_run(args.run, criteria, settings=args.settings, split=args.split)
+    if args.json:
+        print(json.dumps({name: r.rows(r.pareto()) for name, r in report.results.items()}, indent=2))
+        return 0
+    o = report.oracle
+    print(f"{args.settings} settings per criterion on {args.run} ({args.split}); "
+          f"last exit alone: {100 * report.steps[-1]['val_acc']:.2f}%")  # fmt: skip
+    print(f"oracle (first correct exit): {100 * o['accuracy']:.2f}% at {o['flops_ratio']:.3f}x FLOPs "
+          f"({o['flops_speedup']:.2f}x fewer)")  # fmt: skip
+    for name, result in report.results.items():
+        front = result.pareto()
+        print(f"{name}: {len(front)} Pareto points; e.g.")
+        last = report.steps[-1]["val_acc"]
+        for drop in (0.0, 0.01, 0.02, 0.05):
+            ok = [i for i in front if result.accuracy[i] >= last - drop]
+            if ok:
+                i = min(ok, key=lambda j: result.mean_flops[j])
+                print(f"  within {100 * drop:.0f} points: {100 * result.accuracy[i]:.2f}% at "
+                      f"{result.flops_ratio[i]:.3f}x FLOPs, thresholds {np.round(result.thresholds[i], 4).tolist()}")  # fmt: skip
+    print(f"all settings in {report.csv}, fronts in {report.json}")
+    return 0
+
+
+def _print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
+    if figures is None:
+        print(f"{label:<11} (not collected: run 'anytime collect RUN --split test' to report it)")
+        return
+    shares = " ".join(f"{100 * s:.1f}" for s in figures["exit_share"])
+    print(f"{label:<11} accuracy {100 * figures['accuracy']:.2f}% (last exit {100 * figures['last_exit_accuracy']:.2f}%)  "
+          f"FLOPs {figures['flops_ratio']:.3f}x ({figures['flops_speedup']:.2f}x fewer)  exits % [{shares}]")  # fmt: skip
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from anytime.pipeline import CALIBRATION, calibrate_run
+
+    report = calibrate_run(
+        args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion, rule=args.rule,
+        temperature=args.temperature, out=args.out,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    policy = report["policy"]
+    print(f"{report['rule']} {report['target']} with {policy['criterion']}: thresholds "
+          f"{[None if t is None else round(t, 4) for t in policy['thresholds']]}"
+          + (f", temperatures {[round(t, 3) for t in policy['temperatures']]}" if policy["temperatures"] else ""))  # fmt: skip
+    _print_policy_figures("validation", report["validation"])
+    _print_policy_figures("test", report["test"])
+    oracle_test = report["oracle"]["test"] or report["oracle"]["validation"]
+    print(f"oracle      {100 * oracle_test['accuracy']:.2f}% at {oracle_test['flops_ratio']:.3f}x FLOPs "
+          f"({'test' if report['oracle']['test'] else 'validation'})")  # fmt: skip
+    if "alternative" in report:
+        alt = report["alternative"]
+        print(f"({alt['rule']} would give validation {100 * alt['validation']['accuracy']:.2f}% at "
+              f"{alt['validation']['flops_ratio']:.3f}x FLOPs)")  # fmt: skip
+    print(f"saved to {args.out or Path(args.run) / CALIBRATION}")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from anytime.pipeline import evaluate_run
+
+    report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
+                          latency_samples=args.latency_samples)  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    shares = " ".join(f"{100 * s:.1f}" for s in report["exit_share"])
+    print(f"real early exit on {report['samples']} {args.split} samples: accuracy {100 * report['accuracy']:.2f}%, "
+          f"FLOPs {report['flops_ratio']:.3f}x of the backbone, exits % [{shares}]")  # fmt: skip
+    if "agreement_with_cache" in report:
+        a = report["agreement_with_cache"]
+        print(f"agreement with the cached sweep: exits {100 * a['exits']:.2f}%, predictions {100 * a['predictions']:.2f}%")
+    if "latency" in report:
+        lat = report["latency"]
+        e, b = lat["early_exit"], lat["backbone"]
+        print(f"latency per sample at batch 1 ({e['count']} samples, {report['torch_threads']} threads, {report['device']}):")
+        print(f"  early exit {e['mean_ms']:.3f} ms mean, p50 {e['p50_ms']:.3f}, p99 {e['p99_ms']:.3f}")
+        print(f"  backbone   {b['mean_ms']:.3f} ms mean, p50 {b['p50_ms']:.3f}, p99 {b['p99_ms']:.3f}")
+        print(f"  speed-up   {lat['speedup']:.2f}x (mean latency)")
+    print(f"saved to {Path(args.run) / f'evaluation-{args.split}.json'}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from anytime.pipeline import plot_run
+
+    for path in plot_run(args.run):
+        print(path)
+    return 0
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "models": _cmd_models, "train": _cmd_train, "experiment": _cmd_experiment, "demo": _cmd_demo,
+    "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
+    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "experiment": _cmd_experiment,
+    "demo": _cmd_demo,
 }  # fmt: skip
 
 

@@ -1,5 +1,11 @@
 """Plots of training runs and studies. The only package that imports matplotlib."""
 
+from anytime.plotting.exits import (
+    plot_exit_accuracy_epochs,
+    plot_exit_histogram,
+    plot_exit_pareto,
+    plot_threshold_curves,
+)
 from anytime.plotting.figures import (
     plot_batch_time,
     plot_memory,
@@ -8,4 +14,7 @@ from anytime.plotting.figures import (
     save_figure,
 )
 
-__all__ = ["plot_batch_time", "plot_memory", "plot_time_accuracy", "plot_training_curves", "save_figure"]
+__all__ = [
+    "plot_batch_time", "plot_exit_accuracy_epochs", "plot_exit_histogram", "plot_exit_pareto", "plot_memory",
+    "plot_threshold_curves", "plot_time_accuracy", "plot_training_curves", "save_figure",
+]  # fmt: skip

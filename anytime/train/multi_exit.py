@@ -68,13 +68,15 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> None:
         )
 
 
-def build_model(config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int]) -> nn.Module:
-    """The model a recipe trains: the backbone (its weights from ``config.init`` if given), with exits
-    attached when ``config.exits`` is set."""
+def build_model(
+    config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True
+) -> nn.Module:
+    """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
+    with exits attached when ``config.exits`` is set."""
     from anytime.wrappers import attach_exits
 
     backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
-    if config.init is not None:
+    if config.init is not None and load_init:
         load_backbone_weights(backbone, config.init)
     if config.exits is None:
         return backbone

@@ -137,6 +137,11 @@ class MultiExitModel(nn.Module):
         """Same as :meth:`forward_all`."""
         return self.forward_all(x)
 
+    @property
+    def segments(self) -> tuple[nn.Module, ...]:
+        """The backbone cut at the exit points: segment k turns exit k-1's features into exit k's."""
+        return self._segments
+
     def segment(self, k: int) -> nn.Module:
         """The part of the backbone between exit ``k - 1``'s point and exit ``k``'s."""
         return self._segments[self._check_step(k)]

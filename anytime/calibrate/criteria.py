@@ -1,0 +1,102 @@
+"""Exit criteria: how confident an exit's answer is, from its logits.
+
+Every criterion maps logits ``[..., C]`` to a score; a sample leaves at an exit when the score passes
+that exit's threshold. Scores are computed in float64 by one function used both at run time and on
+the cached outputs, so real early exit and the offline sweep agree sample for sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from anytime.errors import AnytimeError
+
+CRITERIA: tuple[str, ...] = ("entropy", "normalized-entropy", "confidence", "margin")
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """A confidence criterion. ``low_is_confident``: a sample leaves when its score is at most the
+    threshold (entropy); otherwise when it is at least the threshold (max-softmax, margin)."""
+
+    name: str
+    low_is_confident: bool
+    description: str
+
+    def score(self, logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
+        """The score of every row of ``logits`` (after dividing by ``temperature``), float64."""
+        z = logits.double() / temperature
+        if self.name in ("entropy", "normalized-entropy"):
+            logp = F.log_softmax(z, dim=-1)
+            entropy = -(logp.exp() * logp).sum(dim=-1)
+            return entropy / math.log(z.shape[-1]) if self.name == "normalized-entropy" else entropy
+        p = F.softmax(z, dim=-1)
+        if self.name == "confidence":
+            return p.amax(dim=-1)
+        top = p.topk(2, dim=-1).values
+        return top[..., 0] - top[..., 1]
+
+    def signed(self, scores: Tensor) -> Tensor:
+        """Scores turned so that lower is always more confident (a sample leaves when signed <= signed threshold)."""
+        return scores if self.low_is_confident else -scores
+
+    def bounds(self, num_classes: int) -> tuple[float, float]:
+        """The range a threshold can take for ``num_classes`` classes."""
+        return (0.0, math.log(num_classes)) if self.name == "entropy" else (0.0, 1.0)
+
+    def check_thresholds(self, thresholds: Sequence[float | None], num_classes: int, num_exits: int) -> None:
+        """Validate one threshold per early exit (every exit but the last; ``None`` = nobody leaves there)."""
+        if len(thresholds) != num_exits - 1:
+            raise AnytimeError(
+                f"{len(thresholds)} thresholds given for {num_exits - 1} early exits; give one per exit but the last"
+            )
+        lo, hi = self.bounds(num_classes)
+        for k, t in enumerate(thresholds):
+            if t is None:
+                continue
+            if not isinstance(t, (int, float)) or not math.isfinite(t):
+                raise AnytimeError(f"threshold of exit {k} is {t}; thresholds must be finite numbers")
+            if not lo <= t <= hi:
+                raise AnytimeError(
+                    f"threshold {t} of exit {k} is outside [{lo:.4g}, {hi:.4g}], the range of {self.name} "
+                    f"for {num_classes} classes"
+                )
+
+
+_CRITERIA = {
+    "entropy": Criterion("entropy", True, "softmax entropy in nats (BranchyNet); leave when at most the threshold"),
+    "normalized-entropy": Criterion(
+        "normalized-entropy", True, "entropy / log(classes) in [0, 1] (DDNN); leave when at most the threshold"
+    ),
+    "confidence": Criterion("confidence", False, "max softmax probability (SDN); leave when at least the threshold"),
+    "margin": Criterion("margin", False, "top-1 minus top-2 probability; leave when at least the threshold"),
+}
+
+
+def get_criterion(name: str) -> Criterion:
+    """The criterion called ``name`` (one of :data:`CRITERIA`)."""
+    if name not in _CRITERIA:
+        raise AnytimeError(f"unknown exit criterion '{name}'; choose one of {', '.join(CRITERIA)}")
+    return _CRITERIA[name]
+
+
+def fit_temperatures(logits: Tensor, labels: Tensor) -> list[float]:
+    """Per-exit temperature scaling (Guo et al. 2017): the temperature minimising each exit's negative
+    log-likelihood on ``logits`` ``[K, N, C]``, searched on a log grid from 0.05 to 20 and refined once."""
+    def nll(z: Tensor, grid: Tensor) -> Tensor:
+        return torch.stack([F.cross_entropy(z / t, labels) for t in grid])
+
+    temps: list[float] = []
+    coarse = torch.logspace(math.log10(0.05), math.log10(20.0), 161, dtype=torch.float64)
+    for z in logits.double():
+        i = int(nll(z, coarse).argmin())
+        fine = torch.linspace(float(coarse[max(i - 1, 0)]), float(coarse[min(i + 1, len(coarse) - 1)]), 81,
+                              dtype=torch.float64)  # fmt: skip
+        temps.append(float(fine[int(nll(z, fine).argmin())]))
+    return temps

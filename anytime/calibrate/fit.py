@@ -1,0 +1,200 @@
+"""Calibration: thresholds fit on the validation cache for a target accuracy or a mean-cost budget.
+
+Only the cache passed in is read; the caller passes the validation split's, and reports the test split
+with the thresholds fixed. Two ways to meet a budget: MSDNet's rule (the share of samples leaving at
+exit k proportional to q^k, thresholds set on validation so that those shares leave) and a direct
+search (the best setting of a shared-threshold sweep, refined exit by exit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from anytime.calibrate.criteria import fit_temperatures, get_criterion
+from anytime.calibrate.policy import ExitPolicy, PolicyResult
+from anytime.calibrate.sweep import Scores, evaluate_settings, scores_of, shared_grid
+from anytime.errors import AnytimeError
+from anytime.outputs import OutputCache
+
+RULES: tuple[str, ...] = ("search", "msdnet")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted policy, how it was fit, and what it does on the data it was fit on."""
+
+    policy: ExitPolicy
+    rule: str
+    target: dict[str, float]
+    fit: PolicyResult
+
+
+def _candidates(signed: Tensor, per_exit: int) -> list[Tensor]:
+    """Per exit: thresholds halfway between neighbouring observed scores (so that a sample never sits on a
+    threshold), at ``per_exit`` quantiles, plus "nobody leaves" and "everybody leaves"."""
+    out = []
+    for row in signed:
+        values = torch.unique(row)  # sorted
+        mids = (values[1:] + values[:-1]) / 2 if len(values) > 1 else values
+        picks = torch.linspace(0, len(mids) - 1, min(per_exit, len(mids))).round().long()
+        out.append(torch.cat([(values[0] - 1).view(1), mids[picks], (values[-1] + 1).view(1)]))
+    return out
+
+
+def _to_policy(scores: Scores, signed: Tensor, temperatures: list[float] | None, num_classes: int) -> ExitPolicy:
+    crit = scores.criterion
+    lo, hi = crit.bounds(num_classes)
+    floor = scores.signed.min(dim=1).values
+    thresholds: list[float | None] = []
+    for k, t in enumerate(signed.tolist()):
+        if t < float(floor[k]):
+            thresholds.append(None)
+        else:
+            natural = t if crit.low_is_confident else -t
+            thresholds.append(min(max(natural, lo), hi))
+    return ExitPolicy(crit.name, tuple(thresholds), None if temperatures is None else tuple(temperatures))
+
+
+def _search(
+    scores: Scores, pick: Callable[[Tensor, Tensor], int | None], *, per_exit: int = 64, rounds: int = 4
+) -> Tensor | None:
+    """The shared-threshold sweep's best setting under ``pick``, then coordinate descent over each exit's
+    candidate thresholds. ``pick(acc, cost)`` returns the index of the best feasible setting, or None."""
+    grid = shared_grid(scores, 1000)
+    acc, cost, _ = evaluate_settings(scores, grid)
+    best_index = pick(acc, cost)
+    if best_index is None:
+        return None
+    current = grid[best_index].clone()
+    candidates = _candidates(scores.signed, per_exit)
+    for _ in range(rounds):
+        before = current.clone()
+        for k, values in enumerate(candidates):
+            trial = current.repeat(len(values) + 1, 1)
+            trial[1:, k] = values  # row 0 keeps the current setting, so a feasible choice always exists
+            acc, cost, _ = evaluate_settings(scores, trial)
+            chosen = pick(acc, cost)
+            if chosen is not None:
+                current = trial[chosen].clone()
+        if torch.equal(before, current):
+            break
+    return current
+
+
+def _min_cost_reaching(target: float) -> Callable[[Tensor, Tensor], int | None]:
+    def pick(acc: Tensor, cost: Tensor) -> int | None:
+        ok = acc >= target - 1e-12
+        if not bool(ok.any()):
+            return None
+        key = torch.where(ok, cost - acc * 1e-9, torch.full_like(cost, math.inf))
+        return int(key.argmin())
+
+    return pick
+
+
+def _max_acc_within(budget: float) -> Callable[[Tensor, Tensor], int | None]:
+    def pick(acc: Tensor, cost: Tensor) -> int | None:
+        ok = cost <= budget * (1 + 1e-12)
+        if not bool(ok.any()):
+            return None
+        key = torch.where(ok, acc - cost * 1e-18, torch.full_like(acc, -math.inf))
+        return int(key.argmax())
+
+    return pick
+
+
+def _prepare(cache: OutputCache, criterion: str, temperature: bool) -> tuple[Scores, list[float] | None]:
+    get_criterion(criterion)
+    temps = None
+    if temperature:
+        temps = fit_temperatures(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels))
+    return scores_of(cache, criterion, temps), temps
+
+
+def calibrate_max_drop(
+    val: OutputCache, *, max_drop: float, criterion: str = "entropy", temperature: bool = False
+) -> Calibration:
+    """The cheapest thresholds whose validation accuracy is at most ``max_drop`` points below the last exit's."""
+    if not math.isfinite(max_drop) or not 0 <= max_drop <= 100:
+        raise AnytimeError(f"--max-drop is in accuracy points, between 0 and 100 (got {max_drop})")
+    scores, temps = _prepare(val, criterion, temperature)
+    last_acc = float(scores.correct[-1].double().mean())
+    target = last_acc - max_drop / 100
+    best = _search(scores, _min_cost_reaching(target))
+    if best is None:  # cannot happen: sending everybody to the last exit reaches the target
+        raise AnytimeError("no threshold setting reaches the target accuracy")
+    policy = _to_policy(scores, best, temps, val.num_classes)
+    return Calibration(policy, "max-drop", {"max_drop_points": max_drop, "target_accuracy": target},
+                       policy.evaluate(val))  # fmt: skip
+
+
+def _check_budget(scores: Scores, fraction: float) -> float:
+    if not math.isfinite(fraction) or fraction <= 0:
+        raise AnytimeError(f"--budget-flops is a fraction of the backbone's FLOPs, above 0 (got {fraction})")
+    budget = fraction * scores.base_flops
+    cheapest = float(scores.cost[0])
+    if budget < cheapest:
+        raise AnytimeError(
+            f"a budget of {fraction:.3g} of the backbone's FLOPs is below the first exit's own cost "
+            f"({cheapest / scores.base_flops:.3g}); no policy can meet it, so raise the budget"
+        )
+    return budget
+
+
+def calibrate_budget(
+    val: OutputCache, *, budget: float, criterion: str = "entropy", rule: str = "search", temperature: bool = False
+) -> Calibration:
+    """The most accurate thresholds whose mean cost on validation is at most ``budget`` times the backbone's
+    FLOPs, by ``rule``: ``search`` (direct search) or ``msdnet`` (shares proportional to q^k)."""
+    if rule not in RULES:
+        raise AnytimeError(f"unknown budget rule '{rule}'; choose one of {', '.join(RULES)}")
+    scores, temps = _prepare(val, criterion, temperature)
+    limit = _check_budget(scores, budget)
+    if rule == "msdnet":
+        best = msdnet_thresholds(scores, limit)
+    else:
+        found = _search(scores, _max_acc_within(limit))
+        assert found is not None  # everybody at the first exit fits, as _check_budget made sure
+        best = found
+    policy = _to_policy(scores, best, temps, val.num_classes)
+    return Calibration(policy, f"budget-{rule}", {"budget_flops_fraction": budget}, policy.evaluate(val))
+
+
+def msdnet_shares(cost: Tensor, budget: float) -> Tensor:
+    """MSDNet's exit distribution: share ``p_k`` proportional to ``q^k``, with ``q`` found by bisection so
+    that the expected cost ``sum_k p_k cost_k`` equals ``budget``."""
+    k = torch.arange(len(cost), dtype=torch.float64)
+    lo, hi = -30.0, 30.0  # log q; the expected cost grows with q
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if float((torch.softmax(k * mid, dim=0) * cost).sum()) > budget:
+            hi = mid
+        else:
+            lo = mid
+    return torch.softmax(k * lo, dim=0)
+
+
+def msdnet_thresholds(scores: Scores, budget: float) -> Tensor:
+    """Signed thresholds that send MSDNet's shares of the validation samples out at each exit, most
+    confident first."""
+    n = scores.signed.shape[1]
+    shares = msdnet_shares(scores.cost, budget)
+    remaining = torch.ones(n, dtype=torch.bool)
+    thresholds = []
+    for k, row in enumerate(scores.signed):
+        pool = row[remaining].sort().values
+        take = min(int(round(float(shares[k]) * n)), len(pool))
+        if take == 0:
+            t = float(row.min()) - 1
+        elif take >= len(pool):
+            t = float(row.max()) + 1
+        else:
+            t = float((pool[take - 1] + pool[take]) / 2)
+        thresholds.append(t)
+        remaining &= row > t
+    return torch.tensor(thresholds, dtype=torch.float64)

@@ -1,0 +1,169 @@
+"""An early-exit policy (a criterion, a threshold per exit, optional temperatures) and real early exit.
+
+The same policy is applied to the outputs cache (offline) and to a running model (online). Online, a
+batch is run stage by stage and the samples that are confident leave: the next stage computes only the
+samples still in, so no work is spent on a sample that has already left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from anytime.calibrate.criteria import get_criterion
+from anytime.calibrate.sweep import evaluate_settings, scores_of
+from anytime.errors import AnytimeError
+from anytime.outputs import OutputCache
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """How a policy does on a split: accuracy, mean FLOPs per sample and where samples leave."""
+
+    accuracy: float
+    mean_flops: float
+    flops_ratio: float
+    exit_share: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, with the speed-up in FLOPs (base / mean)."""
+        return {"accuracy": self.accuracy, "mean_flops": self.mean_flops, "flops_ratio": self.flops_ratio,
+                "flops_speedup": 1.0 / self.flops_ratio if self.flops_ratio > 0 else None,
+                "exit_share": list(self.exit_share)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EarlyExitOutput:
+    """Real early exit on a batch: each sample's predicted class, the exit it left at, and its logits."""
+
+    predictions: Tensor
+    exits: Tensor
+    logits: Tensor
+
+
+@dataclass(frozen=True)
+class ExitPolicy:
+    """Leave at the first exit whose criterion passes its threshold; the last exit answers the rest.
+
+    ``thresholds`` holds one value per early exit in the criterion's units; ``None`` means nobody leaves at
+    that exit. ``temperatures`` (one per exit, optional) divide the logits before scoring; they never change
+    an exit's predicted class.
+    """
+
+    criterion: str
+    thresholds: tuple[float | None, ...]
+    temperatures: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        crit = get_criterion(self.criterion)
+        for k, t in enumerate(self.thresholds):
+            if t is not None and (not isinstance(t, (int, float)) or not math.isfinite(t)):
+                raise AnytimeError(f"threshold of exit {k} is {t}; thresholds must be finite numbers (or null)")
+        if self.temperatures is not None:
+            if len(self.temperatures) != len(self.thresholds) + 1:
+                raise AnytimeError(f"{len(self.temperatures)} temperatures for {len(self.thresholds) + 1} exits")
+            if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
+                raise AnytimeError(f"temperatures must be positive numbers (got {list(self.temperatures)})")
+        object.__setattr__(self, "_criterion", crit)
+
+    @property
+    def num_steps(self) -> int:
+        """The number of exits this policy is for."""
+        return len(self.thresholds) + 1
+
+    def check(self, num_steps: int, num_classes: int) -> None:
+        """Refuse a policy for another number of exits, or a threshold outside the criterion's range."""
+        if num_steps != self.num_steps:
+            raise AnytimeError(
+                f"this policy has thresholds for {self.num_steps} exits but the model has {num_steps}; "
+                "calibrate it on this model's outputs"
+            )
+        get_criterion(self.criterion).check_thresholds(self.thresholds, num_classes, num_steps)
+
+    def signed_thresholds(self) -> Tensor:
+        """Thresholds turned so that a sample leaves when its signed score is at most them; -inf: never."""
+        crit = get_criterion(self.criterion)
+        values = [-math.inf if t is None else (t if crit.low_is_confident else -t) for t in self.thresholds]
+        return torch.tensor(values, dtype=torch.float64)
+
+    def evaluate(self, cache: OutputCache) -> PolicyResult:
+        """Accuracy, cost and exit shares of this policy on a cache (offline)."""
+        self.check(cache.num_steps, cache.num_classes)
+        scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
+        acc, cost, share = evaluate_settings(scores, self.signed_thresholds().view(1, -1))
+        return PolicyResult(
+            accuracy=float(acc[0]), mean_flops=float(cost[0]), flops_ratio=float(cost[0]) / cache.base_flops,
+            exit_share=tuple(float(s) for s in share[0]),
+        )  # fmt: skip
+
+    def assign(self, cache: OutputCache) -> np.ndarray:
+        """The exit every cached sample leaves at."""
+        from anytime.calibrate.sweep import assign_exits
+
+        scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
+        return assign_exits(scores.signed, self.signed_thresholds().view(1, -1))[0].numpy()
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
+        """Real early exit of a multi-exit model on the batch ``x``."""
+        segments: Sequence[torch.nn.Module] = getattr(model, "segments", ())
+        if len(segments) != self.num_steps:
+            raise AnytimeError(
+                f"this policy is for {self.num_steps} exits; the model has {len(segments) or 'no'} exits"
+            )
+        crit = get_criterion(self.criterion)
+        limits = self.signed_thresholds().tolist()
+        temps = self.temperatures or (1.0,) * self.num_steps
+        batch = x.shape[0]
+        last = self.num_steps - 1
+        predictions = torch.empty(batch, dtype=torch.long, device=x.device)
+        exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
+        out_logits: Tensor | None = None
+        index = torch.arange(batch, device=x.device)
+        h = x
+        for k, segment in enumerate(segments):
+            h = segment(h)
+            if k < last and limits[k] == -math.inf:
+                continue
+            logits = h if k == last else model.heads[k](h)  # type: ignore[union-attr, index]
+            if out_logits is None:
+                out_logits = torch.empty(batch, logits.shape[1], dtype=logits.dtype, device=x.device)
+            leave = None if k == last else crit.signed(crit.score(logits, temps[k])) <= limits[k]
+            if leave is None or bool(leave.all()):
+                predictions[index] = logits.argmax(dim=1)
+                exits[index] = k
+                out_logits[index] = logits
+                break
+            if bool(leave.any()):
+                gone = index[leave]
+                predictions[gone] = logits[leave].argmax(dim=1)
+                exits[gone] = k
+                out_logits[gone] = logits[leave]
+                stay = ~leave
+                index, h = index[stay], h[stay]
+        assert out_logits is not None
+        return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able."""
+        return {"criterion": self.criterion, "thresholds": list(self.thresholds),
+                "temperatures": None if self.temperatures is None else list(self.temperatures)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "policy") -> ExitPolicy:
+        """Rebuild from :meth:`to_dict`'s output; a clear error for anything malformed."""
+        try:
+            thresholds = tuple(None if t is None else float(t) for t in values["thresholds"])
+            temps = values.get("temperatures")
+            return cls(
+                criterion=str(values["criterion"]), thresholds=thresholds,
+                temperatures=None if temps is None else tuple(float(t) for t in temps),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            raise AnytimeError(f"{where}: not a valid exit policy (needs criterion and thresholds)") from None

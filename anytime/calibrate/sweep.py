@@ -1,0 +1,218 @@
+"""Threshold sweeps from the outputs cache: accuracy, expected cost and exit distribution of many settings at once.
+
+A *setting* is one threshold per early exit. For S settings, K exits and N samples the sweep is a
+handful of tensor operations on ``[S, K-1, N]`` booleans; nothing runs the network again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from anytime.calibrate.criteria import Criterion, get_criterion
+from anytime.errors import AnytimeError
+from anytime.outputs import OutputCache
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Every early exit's signed scores on a cache (lower = more confident), ``[K-1, N]`` float64, with
+    what the sweep needs to score a setting: which exits are right, and what leaving at each costs."""
+
+    criterion: Criterion
+    signed: Tensor
+    correct: Tensor  # [K, N] bool
+    cost: Tensor  # [K] float64, FLOPs of leaving at step k
+    base_flops: int
+
+    @property
+    def num_steps(self) -> int:
+        """K."""
+        return int(self.correct.shape[0])
+
+
+def scores_of(cache: OutputCache, criterion: str | Criterion, temperatures: list[float] | None = None) -> Scores:
+    """Score every early exit of ``cache`` under ``criterion`` (after per-exit temperature scaling, if given)."""
+    crit = get_criterion(criterion) if isinstance(criterion, str) else criterion
+    if cache.num_steps < 2:
+        raise AnytimeError("this cache has a single step: there is no exit decision to sweep")
+    logits = torch.from_numpy(cache.logits[:-1])
+    temps = torch.ones(cache.num_steps - 1, dtype=torch.float64)
+    if temperatures is not None:
+        if len(temperatures) != cache.num_steps:
+            raise AnytimeError(f"{len(temperatures)} temperatures for {cache.num_steps} exits; give one per exit")
+        temps = torch.tensor(temperatures[:-1], dtype=torch.float64)
+    raw = crit.score(logits, temps.view(-1, 1, 1))
+    return Scores(
+        criterion=crit, signed=crit.signed(raw), correct=torch.from_numpy(cache.correct()),
+        cost=torch.from_numpy(cache.cost_flops.astype(np.float64)), base_flops=cache.base_flops,
+    )  # fmt: skip
+
+
+def assign_exits(signed: Tensor, signed_thresholds: Tensor) -> Tensor:
+    """The exit each sample leaves at, ``[S, N]``, for S settings ``[S, K-1]`` of signed thresholds: the first
+    exit whose signed score is at most its threshold, else the last exit (index K-1)."""
+    settings, early = signed_thresholds.shape
+    exits = torch.full((settings, signed.shape[1]), early, dtype=torch.long)
+    for k in reversed(range(early)):  # the earliest passing exit is written last, so it wins
+        exits.masked_fill_(signed[k].unsqueeze(0) <= signed_thresholds[:, k : k + 1], k)
+    return exits
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """The outcome of S settings: thresholds in the criterion's own units ``[S, K-1]`` (NaN: nobody leaves
+    at that exit), accuracy ``[S]``, mean FLOPs per sample ``[S]`` and the share of samples leaving at each
+    exit ``[S, K]``."""
+
+    criterion: str
+    thresholds: np.ndarray
+    accuracy: np.ndarray
+    mean_flops: np.ndarray
+    exit_share: np.ndarray
+    base_flops: int
+
+    @property
+    def flops_ratio(self) -> np.ndarray:
+        """Mean FLOPs relative to the plain backbone's (below 1 saves compute)."""
+        return self.mean_flops / self.base_flops
+
+    def pareto(self) -> np.ndarray:
+        """Indices of the settings no other setting beats on both accuracy and cost, cheapest first."""
+        order = np.lexsort((-self.accuracy, self.mean_flops))
+        front, best = [], -np.inf
+        for i in order:
+            if self.accuracy[i] > best:
+                front.append(i)
+                best = self.accuracy[i]
+        return np.asarray(front, dtype=np.int64)
+
+    def rows(self, indices: np.ndarray | None = None) -> list[dict[str, float]]:
+        """One dict per setting (for CSV): thresholds, accuracy, FLOPs, ratio and exit shares."""
+        chosen = range(len(self.accuracy)) if indices is None else indices
+        rows = []
+        for i in chosen:
+            row: dict[str, float] = {f"threshold{k}": float(t) for k, t in enumerate(self.thresholds[i])}
+            row.update(accuracy=float(self.accuracy[i]), mean_flops=float(self.mean_flops[i]),
+                       flops_ratio=float(self.mean_flops[i] / self.base_flops))  # fmt: skip
+            row.update({f"share{k}": float(s) for k, s in enumerate(self.exit_share[i])})
+            rows.append(row)
+        return rows
+
+
+def evaluate_settings(scores: Scores, signed_thresholds: Tensor, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+    """Accuracy ``[S]``, mean cost ``[S]`` and exit shares ``[S, K]`` of any signed threshold settings ``[S, K-1]``."""
+    n = scores.signed.shape[1]
+    k_last = scores.num_steps - 1
+    accs, shares = [], []
+    for start in range(0, signed_thresholds.shape[0], chunk):
+        limits = signed_thresholds[start : start + chunk]
+        remaining = torch.ones(limits.shape[0], n, dtype=torch.bool)
+        hits = torch.zeros(limits.shape[0], dtype=torch.int64)
+        counts = torch.zeros(limits.shape[0], k_last + 1, dtype=torch.int64)
+        for k in range(k_last + 1):
+            leave = remaining if k == k_last else remaining & (scores.signed[k].unsqueeze(0) <= limits[:, k : k + 1])
+            counts[:, k] = leave.sum(dim=1)
+            hits += (leave & scores.correct[k].unsqueeze(0)).sum(dim=1)
+            if k < k_last:
+                remaining &= ~leave
+        accs.append(hits.double() / n)
+        shares.append(counts.double() / n)
+    share = torch.cat(shares)
+    return torch.cat(accs), share @ scores.cost, share
+
+
+def sweep_shared(scores: Scores, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`evaluate_settings` for S thresholds shared by every exit (``values`` ``[S]``, signed), in
+    O(K N log N + K S log N) rather than O(S K N).
+
+    With one threshold t for all exits, a sample leaves at the first exit k whose running minimum of
+    scores ``m_k = min(s_0..s_k)`` is at most t. So ``A_k(t) = #{n: m_k(n) <= t}`` samples have left by exit
+    k, the share of exit k is ``A_k - A_{k-1}``, and the accuracy gains, as t passes ``m_k(n)``, the
+    difference between exit k's and exit k+1's correctness on sample n. Sorting each ``m_k`` once and
+    binary-searching the S values gives every setting exactly, ties included.
+    """
+    n = scores.signed.shape[1]
+    k_last = scores.num_steps - 1
+    running = torch.cummin(scores.signed, dim=0).values  # [K-1, N]
+    correct = scores.correct.to(torch.int64)
+    left = torch.zeros(values.shape[0], k_last + 1, dtype=torch.int64)  # A_k(t), and N for the last exit
+    hits = torch.full((values.shape[0],), int(correct[k_last].sum()), dtype=torch.int64)
+    for k in range(k_last):
+        order = torch.argsort(running[k], stable=True)
+        sorted_m = running[k][order]
+        gain = (correct[k] - correct[k + 1])[order].cumsum(0)
+        idx = torch.searchsorted(sorted_m, values, right=True)
+        left[:, k] = idx
+        hits += torch.where(idx > 0, gain[(idx - 1).clamp(min=0)], torch.zeros_like(idx))
+    left[:, k_last] = n
+    counts = torch.diff(left, dim=1, prepend=torch.zeros(values.shape[0], 1, dtype=torch.int64))
+    share = counts.double() / n
+    return hits.double() / n, share @ scores.cost, share
+
+
+def shared_grid(scores: Scores, settings: int) -> Tensor:
+    """``settings`` signed thresholds shared by every exit: quantiles of the pooled scores, from "no sample
+    leaves early" to "every sample leaves at the first exit"."""
+    if settings < 2:
+        raise AnytimeError(f"a sweep needs at least 2 settings (got {settings})")
+    pooled = scores.signed.reshape(-1)
+    q = torch.linspace(0, 1, settings - 2, dtype=torch.float64)
+    inner = torch.quantile(pooled, q) if settings > 2 else torch.empty(0, dtype=torch.float64)
+    low = pooled.min() - 1.0  # below every score: nobody leaves early
+    high = pooled.max()
+    values = torch.cat([low.view(1), inner, high.view(1)])
+    return values.view(-1, 1).expand(-1, scores.num_steps - 1).contiguous()
+
+
+def to_natural(criterion: Criterion, signed_thresholds: Tensor, num_classes: int, floor: Tensor) -> np.ndarray:
+    """Signed thresholds back in the criterion's units. A threshold below every score of its exit (``floor``,
+    ``[K-1]``) means "nobody leaves here" and becomes NaN; one past the criterion's range is clipped to it
+    (everybody leaves)."""
+    lo, hi = criterion.bounds(num_classes)
+    natural = (signed_thresholds if criterion.low_is_confident else -signed_thresholds).clamp(lo, hi)
+    never = signed_thresholds < floor.view(1, -1)
+    return torch.where(never, torch.full_like(natural, float("nan")), natural).numpy()
+
+
+def sweep(
+    cache: OutputCache, criterion: str = "entropy", *, settings: int = 1000, temperatures: list[float] | None = None
+) -> SweepResult:
+    """Sweep ``settings`` thresholds shared by all exits (BranchyNet's single knob) over the cache."""
+    scores = scores_of(cache, criterion, temperatures)
+    grid = shared_grid(scores, settings)
+    acc, cost, share = sweep_shared(scores, grid[:, 0].contiguous())
+    return SweepResult(
+        criterion=scores.criterion.name,
+        thresholds=to_natural(scores.criterion, grid, cache.num_classes, scores.signed.min(dim=1).values),
+        accuracy=acc.numpy(), mean_flops=cost.numpy(), exit_share=share.numpy(), base_flops=cache.base_flops,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """Each sample leaves at its first correct exit (the last if none is right): the lower bound of cost."""
+
+    accuracy: float
+    mean_flops: float
+    exit_share: np.ndarray
+    base_flops: int
+
+    @property
+    def flops_ratio(self) -> float:
+        """Mean FLOPs relative to the plain backbone's."""
+        return self.mean_flops / self.base_flops
+
+
+def oracle(cache: OutputCache) -> Oracle:
+    """The oracle's accuracy, cost and exit distribution on ``cache``."""
+    correct = cache.correct()
+    k = cache.num_steps
+    first = np.where(correct.any(axis=0), correct.argmax(axis=0), k - 1)
+    return Oracle(
+        accuracy=float(correct.any(axis=0).mean()), mean_flops=float(cache.cost_flops[first].mean()),
+        exit_share=np.bincount(first, minlength=k) / cache.num_samples, base_flops=cache.base_flops,
+    )  # fmt: skip

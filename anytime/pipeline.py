@@ -1,0 +1,285 @@
+"""The multi-exit pipeline on a run directory: collect, sweep, calibrate, evaluate (real early exit), plot.
+
+Each function reads what the previous one wrote into the run and writes its own results there
+(atomically); the CLI commands of the same names print what these return.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from anytime.calibrate import (
+    Calibration,
+    ExitPolicy,
+    SweepResult,
+    calibrate_budget,
+    calibrate_max_drop,
+    oracle,
+    sweep,
+)
+from anytime.data import DatasetSplits, make_loader
+from anytime.errors import AnytimeError
+from anytime.outputs import OutputCache, cache_path, collect, load_cache
+from anytime.train import load_splits
+from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, weights_fingerprint
+from anytime.utils.io import write_csv, write_json
+from anytime.utils.machine import describe_machine, device_label, git_sha
+
+CALIBRATION = "calibration.json"
+CALIBRATION_FORMAT = "anytime-calibration-v1"
+
+
+def run_fingerprint(run_dir: str | Path) -> str:
+    """The fingerprint of a finished run's weights (what its caches and calibrations must name)."""
+    weights = Path(run_dir) / WEIGHTS
+    run_config(run_dir)  # a clear error if this is not a run at all
+    if not weights.is_file():
+        raise AnytimeError(f"{run_dir} has no {WEIGHTS}: its training has not finished")
+    return weights_fingerprint(weights)
+
+
+def _splits_of(run: LoadedRun) -> DatasetSplits:
+    splits = load_splits(run.config)
+    trained_on = run.dataset.get("fingerprint")
+    if trained_on is not None and splits.info.fingerprint != trained_on:
+        raise AnytimeError(
+            f"the {splits.info.name} data at {splits.info.source} changed since {run.run_dir} was trained; "
+            "its validation split may no longer be held out, so train again on the current data"
+        )
+    return splits
+
+
+def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_size: int = 512) -> OutputCache:
+    """Run a trained multi-exit model once over ``split`` and save every exit's logits to ``RUN/outputs/``."""
+    run = load_run(run_dir, device)
+    if run.num_steps < 2:
+        raise AnytimeError(f"{run_dir} holds a plain model; train it with --exits to collect exits' outputs")
+    splits = _splits_of(run)
+    data = getattr(splits, split) if split in ("val", "test") else None
+    if data is None:
+        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
+    cache = collect(
+        run.model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
+        meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.config.model, "run": str(run.run_dir)},
+    )  # fmt: skip
+    cache.save(cache_path(run_dir, split))
+    return cache
+
+
+def _cache(run_dir: str | Path, split: str) -> OutputCache:
+    return load_cache(run_dir, split, fingerprint=run_fingerprint(run_dir))
+
+
+def _steps_table(val: OutputCache, test: OutputCache | None) -> list[dict[str, Any]]:
+    val_acc = val.step_accuracy()
+    test_acc = None if test is None else test.step_accuracy()
+    return [
+        {"step": k, "name": name, "flops": int(val.step_flops[k]), "flops_ratio": float(val.step_flops[k] / val.base_flops),
+         "val_acc": float(val_acc[k]), "test_acc": None if test_acc is None else float(test_acc[k])}
+        for k, name in enumerate(val.step_names)
+    ]  # fmt: skip
+
+
+def _oracle_dict(cache: OutputCache) -> dict[str, Any]:
+    o = oracle(cache)
+    return {"accuracy": o.accuracy, "mean_flops": o.mean_flops, "flops_ratio": o.flops_ratio,
+            "flops_speedup": 1 / o.flops_ratio, "exit_share": o.exit_share.tolist()}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """Sweeps of one split, one per criterion, with the oracle and every exit on its own."""
+
+    split: str
+    results: dict[str, SweepResult]
+    oracle: dict[str, Any]
+    steps: list[dict[str, Any]]
+    csv: Path
+    json: Path
+
+
+def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000, split: str = "val") -> SweepReport:
+    """Sweep shared thresholds for each criterion over a run's cache; write ``RUN/sweep-SPLIT.csv`` (every
+    setting, with its Pareto flag) and ``RUN/sweep-SPLIT.json`` (the fronts, the oracle, the exits)."""
+    cache = _cache(run_dir, split)
+    results = {name: sweep(cache, name, settings=settings) for name in criteria}
+    rows = []
+    fronts: dict[str, list[dict[str, float]]] = {}
+    for name, result in results.items():
+        front = set(result.pareto().tolist())
+        for i, row in enumerate(result.rows()):
+            rows.append({"criterion": name, "setting": i, "pareto": int(i in front), **row})
+        fronts[name] = result.rows(result.pareto())
+    steps = _steps_table(cache, None)
+    report = {"split": split, "settings": settings, "base_flops": cache.base_flops, "steps": steps,
+              "oracle": _oracle_dict(cache), "pareto": fronts}  # fmt: skip
+    csv_path = write_csv(Path(run_dir) / f"sweep-{split}.csv", rows)
+    json_path = write_json(Path(run_dir) / f"sweep-{split}.json", report)
+    return SweepReport(split, results, report["oracle"], steps, csv_path, json_path)
+
+
+def calibrate_run(
+    run_dir: str | Path, *, max_drop: float | None = None, budget: float | None = None, criterion: str = "entropy",
+    rule: str = "search", temperature: bool = False, out: str | Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Fit thresholds on the validation cache; report validation and (if collected) test side by side.
+
+    The test cache is opened only after the thresholds are fixed, to report them.
+    """
+    if (max_drop is None) == (budget is None):
+        raise AnytimeError("give exactly one target: --max-drop POINTS or --budget-flops FRACTION")
+    fingerprint = run_fingerprint(run_dir)
+    val = load_cache(run_dir, "val", fingerprint=fingerprint)
+    calibration: Calibration
+    extra: dict[str, Any] = {}
+    if max_drop is not None:
+        calibration = calibrate_max_drop(val, max_drop=max_drop, criterion=criterion, temperature=temperature)
+    else:
+        assert budget is not None
+        calibration = calibrate_budget(val, budget=budget, criterion=criterion, rule=rule, temperature=temperature)
+        other = "msdnet" if rule == "search" else "search"
+        alt = calibrate_budget(val, budget=budget, criterion=criterion, rule=other, temperature=temperature)
+        extra["alternative"] = {"rule": alt.rule, "policy": alt.policy.to_dict(), "validation": alt.fit.to_dict()}
+    test_path = cache_path(run_dir, "test")
+    test = load_cache(run_dir, "test", fingerprint=fingerprint) if test_path.is_file() else None
+    if test is not None and "alternative" in extra:
+        alt_policy = ExitPolicy.from_dict(extra["alternative"]["policy"])
+        extra["alternative"]["test"] = alt_policy.evaluate(test).to_dict()
+    report = {
+        "format": CALIBRATION_FORMAT, "run": str(run_dir), "model_fingerprint": fingerprint,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rule": calibration.rule,
+        "target": calibration.target, "policy": calibration.policy.to_dict(), "base_flops": val.base_flops,
+        "validation": {**calibration.fit.to_dict(), "last_exit_accuracy": float(val.step_accuracy()[-1])},
+        "test": None if test is None else {
+            **calibration.policy.evaluate(test).to_dict(), "last_exit_accuracy": float(test.step_accuracy()[-1])},
+        "oracle": {"validation": _oracle_dict(val), "test": None if test is None else _oracle_dict(test)},
+        "steps": _steps_table(val, test), **extra,
+    }  # fmt: skip
+    write_json(Path(out) if out else Path(run_dir) / CALIBRATION, report)
+    return report
+
+
+def load_calibration(path: str | Path, *, fingerprint: str | None = None) -> tuple[ExitPolicy, dict[str, Any]]:
+    """The policy saved by :func:`calibrate_run`, refused if it was fit on another model."""
+    target = Path(path)
+    if not target.is_file():
+        raise AnytimeError(f"no calibration at {target}; run `anytime calibrate RUN --max-drop 1` first")
+    try:
+        report = json.loads(target.read_text())
+    except ValueError:
+        raise AnytimeError(f"{target} is not valid JSON; calibrate again") from None
+    if not isinstance(report, dict) or report.get("format") != CALIBRATION_FORMAT:
+        raise AnytimeError(f"{target} is not an anytime calibration (no '{CALIBRATION_FORMAT}' tag)")
+    if fingerprint is not None and report.get("model_fingerprint") != fingerprint:
+        raise AnytimeError(
+            f"{target} was fit on another model (weights {report.get('model_fingerprint')}, this run's are "
+            f"{fingerprint}); calibrate this run instead"
+        )
+    return ExitPolicy.from_dict(report.get("policy", {}), where=str(target)), report
+
+
+def evaluate_run(
+    run_dir: str | Path, *, calibration: str | Path | None = None, split: str = "test", device: str = "cpu",
+    latency_samples: int = 1000, batch_size: int = 256,
+) -> dict[str, Any]:  # fmt: skip
+    """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
+    with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
+    backbone (interleaved, same samples). Written to ``RUN/evaluation-SPLIT.json``."""
+    run = load_run(run_dir, device)
+    if run.num_steps < 2:
+        raise AnytimeError(f"{run_dir} holds a plain model; there is no early exit to evaluate")
+    policy, _ = load_calibration(calibration or Path(run_dir) / CALIBRATION, fingerprint=run.fingerprint)
+    num_classes = int(run.dataset["num_classes"])
+    policy.check(run.num_steps, num_classes)
+    splits = _splits_of(run)
+    if split not in ("val", "test"):
+        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    data = getattr(splits, split)
+    loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
+    predictions, exits, labels, images = [], [], [], []
+    for x, y in loader:
+        out = policy.run(run.model, x.to(run.device))
+        predictions.append(out.predictions.cpu())
+        exits.append(out.exits.cpu())
+        labels.append(y)
+        if sum(len(i) for i in images) < latency_samples:
+            images.append(x)
+    pred = torch.cat(predictions).numpy()
+    exit_of = torch.cat(exits).numpy()
+    truth = torch.cat(labels).numpy()
+    info = run.model.exit_info  # type: ignore[union-attr]
+    cost = np.array([e.cost_flops for e in info], dtype=np.float64)
+    base = int(run.model.backbone_flops)  # type: ignore[union-attr]
+    report: dict[str, Any] = {
+        "run": str(run_dir), "split": split, "policy": policy.to_dict(), "samples": int(truth.size),
+        "accuracy": float((pred == truth).mean()),
+        "exit_share": (np.bincount(exit_of, minlength=run.num_steps) / truth.size).tolist(),
+        "mean_flops": float(cost[exit_of].mean()), "base_flops": base,
+    }  # fmt: skip
+    report["flops_ratio"] = report["mean_flops"] / base
+    if cache_path(run_dir, split).is_file():
+        cache = load_cache(run_dir, split, fingerprint=run.fingerprint)
+        cached_exit = policy.assign(cache)
+        cached_pred = cache.logits[cached_exit, np.arange(cache.num_samples)].argmax(axis=1)
+        report["agreement_with_cache"] = {"exits": float((cached_exit == exit_of).mean()),
+                                          "predictions": float((cached_pred == pred).mean())}  # fmt: skip
+    if latency_samples > 0:
+        report["latency"] = _latency(run, policy, torch.cat(images)[:latency_samples].to(run.device))
+    report["machine"] = describe_machine()
+    report["device"] = device_label(run.device)
+    report["torch_threads"] = torch.get_num_threads()
+    report["git_sha"] = git_sha()
+    write_json(Path(run_dir) / f"evaluation-{split}.json", report)
+    return report
+
+
+def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor) -> dict[str, Any]:
+    from anytime.profile import latency_summary, per_sample_latency
+
+    model = run.model
+    times = per_sample_latency(
+        {"early_exit": lambda x: policy.run(model, x), "backbone": lambda x: model.backbone(x)},  # type: ignore[union-attr]
+        images, warmup=min(20, len(images)),
+    )  # fmt: skip
+    early, plain = latency_summary(times["early_exit"]), latency_summary(times["backbone"])
+    return {"batch_size": 1, "early_exit": early, "backbone": plain,
+            "mean_ratio": early["mean_ms"] / plain["mean_ms"],
+            "speedup": plain["mean_ms"] / early["mean_ms"] if early["mean_ms"] > 0 else math.nan}  # fmt: skip
+
+
+def plot_run(run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400) -> list[Path]:
+    """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
+    every exit alone), accuracy vs threshold, the calibrated exit histogram, per-exit accuracy by epoch."""
+    from anytime.calibrate import CRITERIA
+    from anytime.plotting import (
+        plot_exit_accuracy_epochs,
+        plot_exit_histogram,
+        plot_exit_pareto,
+        plot_threshold_curves,
+    )
+    from anytime.train import read_metrics
+
+    val = _cache(run_dir, "val")
+    names = list(criteria or CRITERIA)
+    results = {name: sweep(val, name, settings=settings) for name in names}
+    folder = Path(run_dir) / "plots"
+    title = Path(run_dir).name
+    paths = plot_exit_pareto(results, val, oracle(val), folder / "pareto", title)
+    paths += plot_threshold_curves(results, folder / "threshold", title)
+    calibration = Path(run_dir) / CALIBRATION
+    if calibration.is_file():
+        _, report = load_calibration(calibration, fingerprint=val.model_fingerprint)
+        paths += plot_exit_histogram(report, list(val.step_names), folder / "exit_histogram", title)
+    rows = read_metrics(run_dir)
+    if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
+        paths += plot_exit_accuracy_epochs(rows, list(val.step_names), folder / "exit_accuracy", title)
+    return paths

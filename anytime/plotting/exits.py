@@ -1,0 +1,92 @@
+"""Figures of multi-exit runs: accuracy vs cost, accuracy vs threshold, exit histograms, per-exit curves."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from anytime.plotting.figures import save_figure
+
+if TYPE_CHECKING:
+    from anytime.calibrate import Oracle, SweepResult
+    from anytime.outputs import OutputCache
+
+
+def plot_exit_pareto(
+    results: Mapping[str, SweepResult], cache: OutputCache, best: Oracle, stem: str | os.PathLike[str], title: str
+) -> list[Path]:
+    """Accuracy vs mean FLOPs per sample: the Pareto front of each criterion, every exit on its own, the oracle."""
+    fig = Figure(figsize=(7, 4.8))
+    ax = fig.subplots()
+    for name, result in results.items():
+        front = result.pareto()
+        ax.plot(result.flops_ratio[front], 100 * result.accuracy[front], marker=".", label=f"{name} (Pareto front)")
+    ratio = cache.step_flops / cache.base_flops
+    acc = 100 * cache.step_accuracy()
+    ax.scatter(ratio, acc, marker="s", color="black", zorder=3, label="each exit alone")
+    for k, name in enumerate(cache.step_names):
+        ax.annotate(name, (ratio[k], acc[k]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.scatter([best.flops_ratio], [100 * best.accuracy], marker="*", s=150, color="#C44E52", zorder=4,
+               label="oracle (first correct exit)")  # fmt: skip
+    ax.set(xlabel="mean FLOPs per sample / backbone FLOPs", ylabel=f"{cache.split} accuracy (%)",
+           title=f"{title}: accuracy vs cost ({cache.num_samples} {cache.split} samples)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return save_figure(fig, stem)
+
+
+def plot_threshold_curves(results: Mapping[str, SweepResult], stem: str | os.PathLike[str], title: str) -> list[Path]:
+    """Accuracy and mean FLOPs against the shared threshold, one panel per criterion."""
+    fig = Figure(figsize=(4 * len(results), 3.6))
+    axes = np.atleast_1d(fig.subplots(1, len(results)))
+    for ax, (name, result) in zip(axes, results.items()):
+        t = result.thresholds[:, 0]
+        keep = np.isfinite(t)
+        ax.plot(t[keep], 100 * result.accuracy[keep], color="#4C72B0", label="accuracy")
+        ax.set(xlabel=f"{name} threshold", ylabel="accuracy (%)", title=name)
+        ax.grid(alpha=0.3)
+        twin = ax.twinx()
+        twin.plot(t[keep], result.flops_ratio[keep], color="#DD8452", label="FLOPs ratio")
+        twin.set_ylabel("mean FLOPs / backbone FLOPs", color="#DD8452")
+    fig.suptitle(f"{title}: accuracy (blue) and cost (orange) vs threshold")
+    fig.tight_layout()
+    return save_figure(fig, stem)
+
+
+def plot_exit_histogram(
+    report: Mapping[str, Any], names: Sequence[str], stem: str | os.PathLike[str], title: str
+) -> list[Path]:
+    """Share of samples leaving at each exit under the calibrated policy, validation and test side by side."""
+    fig = Figure(figsize=(7, 3.8))
+    ax = fig.subplots()
+    x = np.arange(len(names))
+    splits = [(s, report[s]) for s in ("validation", "test") if report.get(s)]
+    width = 0.8 / max(len(splits), 1)
+    for i, (split, figures) in enumerate(splits):
+        ax.bar(x + i * width, 100 * np.asarray(figures["exit_share"]), width=width,
+               label=f"{split}: {100 * figures['accuracy']:.2f}% at {figures['flops_ratio']:.2f}x FLOPs")  # fmt: skip
+    ax.set_xticks(x + width * (len(splits) - 1) / 2, list(names), rotation=20, fontsize=8)
+    ax.set(xlabel="exit", ylabel="samples leaving here (%)", title=f"{title}: exits under {report.get('rule')}")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return save_figure(fig, stem)
+
+
+def plot_exit_accuracy_epochs(
+    rows: Sequence[Mapping[str, Any]], names: Sequence[str], stem: str | os.PathLike[str], title: str
+) -> list[Path]:
+    """Validation accuracy of every exit after each epoch, from a run's ``metrics.csv``."""
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    epochs = [int(r["epoch"]) + 1 for r in rows]
+    for k, name in enumerate(names):
+        ax.plot(epochs, [100 * float(r[f"val_acc_exit{k}"]) for r in rows], marker=".", label=f"exit {k}: {name}")
+    ax.set(xlabel="epoch", ylabel="validation accuracy (%)", title=f"{title}: accuracy of each exit")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, stem)

@@ -1,0 +1,49 @@
+"""Wall-clock latency per sample, measured side by side for several ways of answering."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def per_sample_latency(
+    functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor, *, warmup: int = 10, batch_size: int = 1
+) -> dict[str, np.ndarray]:
+    """Seconds each function takes on every batch of ``batch_size`` samples of ``inputs``.
+
+    The functions run interleaved on the same batch (A, B, A, B, ...), so that a machine that slows
+    down or speeds up during the measurement affects them alike. The first ``warmup`` batches run
+    untimed. On CUDA every call is synchronised.
+    """
+    device = inputs.device
+    batches = [inputs[i : i + batch_size] for i in range(0, inputs.shape[0], batch_size)]
+    for x in batches[:warmup]:
+        for fn in functions.values():
+            fn(x)
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for x in batches:
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            fn(x)
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: np.asarray(values) for name, values in times.items()}
+
+
+def latency_summary(seconds: np.ndarray) -> dict[str, float]:
+    """Mean, std, p50, p90, p99 (milliseconds) and count of a latency sample."""
+    ms = 1000 * np.asarray(seconds, dtype=np.float64)
+    return {"mean_ms": float(ms.mean()), "std_ms": float(ms.std()), "p50_ms": float(np.percentile(ms, 50)),
+            "p90_ms": float(np.percentile(ms, 90)), "p99_ms": float(np.percentile(ms, 99)), "count": int(ms.size)}  # fmt: skip

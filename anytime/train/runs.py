@@ -1,0 +1,79 @@
+"""Loading a finished run: its recipe, its dataset's description and its trained model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from anytime.errors import AnytimeError
+from anytime.train.checkpoint import load_weights
+from anytime.train.config import TrainConfig
+from anytime.train.multi_exit import build_model
+
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class LoadedRun:
+    """A trained run: ``model`` is in eval mode on ``device``; ``fingerprint`` names its weights."""
+
+    run_dir: Path
+    config: TrainConfig
+    dataset: dict[str, Any]
+    model: nn.Module
+    fingerprint: str
+    device: torch.device
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of the model (1 for a plain classifier)."""
+        return int(getattr(self.model, "num_steps", 1))
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """A short SHA-256 of a weights file: two runs share it only if their weights are byte-identical."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
+    """The recipe and dataset description recorded in a run's ``config.json``."""
+    path = Path(run_dir) / "config.json"
+    if not Path(run_dir).is_dir():
+        raise AnytimeError(f"no run directory at {run_dir}; train one with `anytime train --out {run_dir}`")
+    try:
+        record = json.loads(path.read_text())
+        return TrainConfig.from_dict(record["train"], where=str(path)), dict(record["dataset"])
+    except FileNotFoundError:
+        raise AnytimeError(f"{run_dir} is not a run (no config.json); point at a folder `anytime train` wrote") from None
+    except (ValueError, KeyError, TypeError):
+        raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?") from None
+
+
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
+    """Rebuild a finished run's model from its recipe and load its final weights (``model.safetensors``)."""
+    run = Path(run_dir)
+    config, dataset = run_config(run)
+    weights = run / WEIGHTS
+    if not weights.is_file():
+        raise AnytimeError(
+            f"{run} has no {WEIGHTS}: its training has not finished; continue it with "
+            f"`anytime train --out {run} --resume`"
+        )
+    size = dataset.get("image_size") or [32, 32]
+    model = build_model(
+        config, num_classes=int(dataset["num_classes"]), in_channels=int(dataset["in_channels"]),
+        image_size=(int(size[0]), int(size[1])), load_init=False,
+    )  # fmt: skip
+    load_weights(model, weights)
+    target = torch.device(device)
+    return LoadedRun(run, config, dataset, model.to(target).eval(), weights_fingerprint(weights), target)
