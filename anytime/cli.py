@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "evaluate": "real early exit on a split: accuracy, exit shares, latency per sample vs the plain backbone",
     "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy",
     "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
-    "demo": "train on the embedded digits and show where the time goes (no files needed)",
+    "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
 
 
@@ -321,6 +321,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     final = result.summary["final"]
     print(f"test accuracy {100 * final['test_acc']:.2f}% (validation {100 * final['val_acc']:.2f}%) "
           f"in {result.summary['train_time_s']:.1f} s of training")  # fmt: skip
+    for e in result.summary["exits"]:
+        print(f"  exit {e['index']} after {e['name']:<11} {100 * e['flops'] / result.summary['backbone_flops']:5.1f}% "
+              f"of the FLOPs: test {100 * e['test_acc']:.2f}%")  # fmt: skip
+    cal, ev = result.calibration, result.evaluation
+    print(f"calibrated on validation for at most {cal['target']['max_drop_points']:g} point below the last exit "
+          f"({cal['policy']['criterion']} thresholds {[None if t is None else round(t, 3) for t in cal['policy']['thresholds']]}):")  # fmt: skip
+    _print_policy_figures("  validation", cal["validation"])
+    _print_policy_figures("  test", cal["test"])
+    lat = ev["latency"]
+    print(f"real early exit on the test split: {100 * ev['accuracy']:.2f}%, {lat['speedup']:.2f}x faster per sample "
+          f"at batch 1 than the plain backbone ({lat['early_exit']['mean_ms']:.2f} vs {lat['backbone']['mean_ms']:.2f} ms)")  # fmt: skip
     print("time per training mini-batch (median):")
     for row in result.batch_time:
         print(f"  batch {int(row['batch_size']):>4}: {1000 * row['total_p50_s']:7.1f} ms "

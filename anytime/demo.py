@@ -1,7 +1,9 @@
 """The demo: the main job on the embedded digits, with no files needed.
 
-It trains a small CIFAR-style ResNet on scikit-learn's handwritten digits, reports test accuracy
-and where the training time went, and times one mini-batch at several batch sizes.
+It trains a multi-exit CIFAR-style ResNet on scikit-learn's handwritten digits, caches every exit's
+outputs, sweeps the exit thresholds, calibrates them on validation for at most one point of accuracy
+below the last exit, runs real early exit on the test split, plots the run, and times one training
+mini-batch at several batch sizes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any
 import torch
 
 from anytime.backbones import create_model
+from anytime.calibrate import CRITERIA
 from anytime.data import make_loader
+from anytime.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, sweep_run
 from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
@@ -21,7 +25,10 @@ from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
 from anytime.utils.results import staged_dir
 
-DEMO_CONFIG = TrainConfig(model="resnet20", data="digits", epochs=8, batch_size=64, lr=0.05, schedule="cosine")
+DEMO_CONFIG = TrainConfig(
+    model="resnet20", data="digits", epochs=8, batch_size=64, lr=0.05, schedule="cosine", exits="auto"
+)
+DEMO_MAX_DROP = 1.0  # accuracy points below the last exit that calibration may give up
 DEMO_BATCH_SIZES: tuple[int, ...] = (8, 16, 32, 64)
 
 
@@ -32,6 +39,8 @@ class DemoResult:
     out_dir: Path
     summary: dict[str, Any]
     batch_time: list[dict[str, float]]
+    calibration: dict[str, Any]
+    evaluation: dict[str, Any]
     files: list[Path]
 
 
@@ -41,14 +50,23 @@ def run_demo(out_dir: str | Path, *, config: TrainConfig = DEMO_CONFIG, progress
     with staged_dir(target) as work:
         result = _run(work, config, progress)
     files = sorted(p for p in target.rglob("*") if p.is_file() and p.suffix in {".png", ".svg", ".csv", ".json"})
-    return DemoResult(out_dir=target, summary=result[0], batch_time=result[1], files=files)
+    summary, batch_rows, calibration, evaluation = result
+    return DemoResult(target, summary, batch_rows, calibration, evaluation, files)
 
 
-def _run(work: Path, config: TrainConfig, progress: bool) -> tuple[dict[str, Any], list[dict[str, float]]]:
+def _run(
+    work: Path, config: TrainConfig, progress: bool
+) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any], dict[str, Any]]:
     run_dir = work / "run"
     splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
     plot_training_curves(read_metrics(run_dir), f"{config.model} on {config.data}", work / "training_curves")
+    for split in ("val", "test"):
+        collect_run(run_dir, split)
+    sweep_run(run_dir, list(CRITERIA))
+    calibration = calibrate_run(run_dir, max_drop=DEMO_MAX_DROP)
+    evaluation = evaluate_run(run_dir, latency_samples=200)
+    plot_run(run_dir)
 
     info = splits.info
     loader = make_loader(splits.train, info, batch_size=max(DEMO_BATCH_SIZES), train=True, seed=config.seed)
@@ -66,4 +84,4 @@ def _run(work: Path, config: TrainConfig, progress: bool) -> tuple[dict[str, Any
         {"config": config.to_dict(), "summary": summary, "batch_time": batch_rows, "machine": machine,
          "git_sha": git_sha()},
     )  # fmt: skip
-    return summary, batch_rows
+    return summary, batch_rows, calibration, evaluation

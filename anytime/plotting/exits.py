@@ -36,7 +36,7 @@ def plot_exit_pareto(
     ax.set(xlabel="mean FLOPs per sample / backbone FLOPs", ylabel=f"{cache.split} accuracy (%)",
            title=f"{title}: accuracy vs cost ({cache.num_samples} {cache.split} samples)")  # fmt: skip
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     return save_figure(fig, stem)
 
 
