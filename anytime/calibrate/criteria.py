@@ -31,10 +31,11 @@ class Criterion:
 
     def score(self, logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
         """The score of every row of ``logits`` (after dividing by ``temperature``), float64."""
-        z = logits.double() / temperature
+        z = logits.double()
+        if not (isinstance(temperature, float) and temperature == 1.0):
+            z = z / temperature
         if self.name in ("entropy", "normalized-entropy"):
-            logp = F.log_softmax(z, dim=-1)
-            entropy = -(logp.exp() * logp).sum(dim=-1)
+            entropy = torch.special.entr(F.softmax(z, dim=-1)).sum(dim=-1)
             return entropy / math.log(z.shape[-1]) if self.name == "normalized-entropy" else entropy
         p = F.softmax(z, dim=-1)
         if self.name == "confidence":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,8 @@ class ExitPolicy:
     criterion: str
     thresholds: tuple[float | None, ...]
     temperatures: tuple[float, ...] | None = None
+    _limits: list[float] = field(init=False, repr=False, compare=False)
+    _temps: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         crit = get_criterion(self.criterion)
@@ -70,7 +72,10 @@ class ExitPolicy:
                 raise AnytimeError(f"{len(self.temperatures)} temperatures for {len(self.thresholds) + 1} exits")
             if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
                 raise AnytimeError(f"temperatures must be positive numbers (got {list(self.temperatures)})")
-        object.__setattr__(self, "_criterion", crit)
+        signed = [-math.inf if t is None else (t if crit.low_is_confident else -t) for t in self.thresholds]
+        # Plain floats, computed once: the batch-1 path compares against them with no tensor work.
+        object.__setattr__(self, "_limits", signed)
+        object.__setattr__(self, "_temps", tuple(self.temperatures or (1.0,) * (len(self.thresholds) + 1)))
 
     @property
     def num_steps(self) -> int:
@@ -88,9 +93,7 @@ class ExitPolicy:
 
     def signed_thresholds(self) -> Tensor:
         """Thresholds turned so that a sample leaves when its signed score is at most them; -inf: never."""
-        crit = get_criterion(self.criterion)
-        values = [-math.inf if t is None else (t if crit.low_is_confident else -t) for t in self.thresholds]
-        return torch.tensor(values, dtype=torch.float64)
+        return torch.tensor(self._limits, dtype=torch.float64)
 
     def evaluate(self, cache: OutputCache) -> PolicyResult:
         """Accuracy, cost and exit shares of this policy on a cache (offline)."""
@@ -109,17 +112,20 @@ class ExitPolicy:
         scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
         return assign_exits(scores.signed, self.signed_thresholds().view(1, -1))[0].numpy()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
-        """Real early exit of a multi-exit model on the batch ``x``."""
+        """Real early exit of a multi-exit model on the batch ``x`` (in inference mode: the outputs carry
+        no autograd history and cannot enter one)."""
         segments: Sequence[torch.nn.Module] = getattr(model, "segments", ())
         if len(segments) != self.num_steps:
             raise AnytimeError(
                 f"this policy is for {self.num_steps} exits; the model has {len(segments) or 'no'} exits"
             )
+        heads = list(model.heads)  # type: ignore[union-attr, arg-type]
+        if x.shape[0] == 1:
+            return self._run_one(segments, heads, x)
         crit = get_criterion(self.criterion)
-        limits = self.signed_thresholds().tolist()
-        temps = self.temperatures or (1.0,) * self.num_steps
+        limits, temps = self._limits, self._temps
         batch = x.shape[0]
         last = self.num_steps - 1
         predictions = torch.empty(batch, dtype=torch.long, device=x.device)
@@ -131,7 +137,7 @@ class ExitPolicy:
             h = segment(h)
             if k < last and limits[k] == -math.inf:
                 continue
-            logits = h if k == last else model.heads[k](h)  # type: ignore[union-attr, index]
+            logits = h if k == last else heads[k](h)
             if out_logits is None:
                 out_logits = torch.empty(batch, logits.shape[1], dtype=logits.dtype, device=x.device)
             leave = None if k == last else crit.signed(crit.score(logits, temps[k])) <= limits[k]
@@ -149,6 +155,25 @@ class ExitPolicy:
                 index, h = index[stay], h[stay]
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
+
+    def _run_one(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
+        # One sample: no bookkeeping of who is still in, one scalar decision per exit (the latency path).
+        crit = get_criterion(self.criterion)
+        limits, temps = self._limits, self._temps
+        last = len(segments) - 1
+        h = x
+        for k, segment in enumerate(segments):
+            h = segment(h)
+            if k == last:
+                logits = h
+                break
+            if limits[k] == -math.inf:
+                continue
+            logits = heads[k](h)
+            score = float(crit.score(logits, temps[k]))
+            if (score if crit.low_is_confident else -score) <= limits[k]:
+                break
+        return EarlyExitOutput(logits.argmax(dim=1), torch.tensor([k], device=x.device), logits)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able."""

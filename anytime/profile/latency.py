@@ -16,7 +16,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def per_sample_latency(
     functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor, *, warmup: int = 10, batch_size: int = 1
 ) -> dict[str, np.ndarray]:
@@ -24,7 +24,7 @@ def per_sample_latency(
 
     The functions run interleaved on the same batch (A, B, A, B, ...), so that a machine that slows
     down or speeds up during the measurement affects them alike. The first ``warmup`` batches run
-    untimed. On CUDA every call is synchronised.
+    untimed. On CUDA every call is synchronised. Everything runs in inference mode.
     """
     device = inputs.device
     batches = [inputs[i : i + batch_size] for i in range(0, inputs.shape[0], batch_size)]
