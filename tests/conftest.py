@@ -24,3 +24,14 @@ def cifar_root() -> Path:
 def tiny_config() -> TrainConfig:
     """LeNet on the digits for 3 epochs: seconds on a CPU, enough to check behaviour."""
     return TrainConfig(model="lenet", data="digits", epochs=3, batch_size=32, lr=0.05, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def exit_run(tmp_path_factory) -> Path:
+    """A trained multi-exit ResNet-20 on the digits (exits after stages 0 and 1, 3 epochs; about 10 s)."""
+    from anytime.train import Trainer
+
+    run_dir = tmp_path_factory.mktemp("exit-run") / "run"
+    config = TrainConfig(model="resnet20", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto", device="cpu")
+    Trainer(config, run_dir).fit()
+    return run_dir

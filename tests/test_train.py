@@ -170,6 +170,12 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         ({"epochs": 0}, "epochs"),
         ({"schedule": "linear"}, "schedule"),
         ({"val_fraction": 1.5}, "validation"),
+        ({"exit_mode": "frozen", "exits": "auto"}, "unknown exit mode"),
+        ({"exit_head": "mlp", "exits": "auto"}, "unknown exit head"),
+        ({"exit_weights": (1.0, float("nan")), "exits": "auto"}, "exit weights"),
+        ({"exit_weights": (1.0, 1.0)}, "exit weights need --exits"),
+        ({"distill": -1.0, "exits": "auto"}, "distillation weight"),
+        ({"distill_temperature": 0.0, "exits": "auto"}, "temperature"),
     ],
 )
 def test_config_refuses_bad_values(changes, message):
@@ -221,3 +227,47 @@ def test_resume_refuses_changed_data(tmp_path, tiny_config):
                           train=other.train, val=other.val, test=other.test)  # fmt: skip
     with pytest.raises(AnytimeError, match="changed since"):
         Trainer(tiny_config.replace(epochs=1), tmp_path).fit(resume=True, splits=changed)
+
+
+def test_multi_exit_loss_weights_and_distillation():
+    from anytime.train.multi_exit import multi_exit_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8, 10)
+    labels = torch.randint(0, 10, (8,))
+    only_last = multi_exit_loss(logits, labels, torch.tensor([0.0, 0.0, 1.0]))
+    assert torch.allclose(only_last, F.cross_entropy(logits[-1], labels))
+    weighted = multi_exit_loss(logits, labels, torch.tensor([0.5, 1.0, 2.0]))
+    expected = sum(w * F.cross_entropy(logits[k], labels) for k, w in enumerate((0.5, 1.0, 2.0)))
+    assert torch.allclose(weighted, expected)
+    distilled = multi_exit_loss(logits, labels, torch.ones(3), distill=1.0)
+    assert distilled > multi_exit_loss(logits, labels, torch.ones(3))
+    same = logits[-1].expand(3, 8, 10)
+    assert torch.allclose(multi_exit_loss(same, labels, torch.ones(3), distill=1.0),
+                          multi_exit_loss(same, labels, torch.ones(3)))  # fmt: skip
+
+
+def test_default_exit_weights_follow_sdn():
+    from anytime import attach_exits, create_model
+    from anytime.train.multi_exit import exit_weights
+
+    model = attach_exits(create_model("resnet20"), "auto")
+    weights = exit_weights(TrainConfig(model="resnet20", exits="auto"), model)
+    assert weights.tolist() == pytest.approx([e.flops / model.backbone_flops for e in model.exit_info[:-1]] + [1.0])
+
+
+def test_init_from_another_model_is_refused(tmp_path, tiny_config):
+    Trainer(tiny_config.replace(epochs=1), tmp_path / "lenet").fit()
+    with pytest.raises(AnytimeError, match="does not hold weights of CifarResNet"):
+        Trainer(TrainConfig(model="resnet20", exits="auto", init=str(tmp_path / "lenet"), epochs=1, device="cpu"),
+                tmp_path / "r").fit()  # fmt: skip
+
+
+def test_init_loads_the_backbone(tmp_path, tiny_config):
+    from anytime.train.multi_exit import build_model
+
+    Trainer(tiny_config.replace(epochs=1), tmp_path / "lenet").fit()
+    config = tiny_config.replace(exits="auto", init=str(tmp_path / "lenet" / "checkpoint.pt"))
+    model = build_model(config, num_classes=10, in_channels=1, image_size=(32, 32))
+    saved = load_checkpoint(tmp_path / "lenet" / "checkpoint.pt")["model"]
+    assert all(torch.equal(model.backbone.state_dict()[k], v) for k, v in saved.items())

@@ -55,7 +55,13 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> None:
     state = _read_state_dict(Path(path))
     if any(k.startswith("backbone.") for k in state):
         state = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
-    result = backbone.load_state_dict(state, strict=False)
+    try:
+        result = backbone.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that do not fit
+        detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), "shapes differ")
+        raise AnytimeError(
+            f"--init {path} does not hold weights of {type(backbone).__name__} ({detail}); check --model matches"
+        ) from None
     if result.missing_keys or result.unexpected_keys:
         parts = []
         if result.missing_keys:

@@ -171,18 +171,30 @@ def _parse_points(points: str | int | Sequence[str] | Sequence[float]) -> tuple[
             return text, None
         if text.isdigit():
             return "count", int(text)
-        items = [p.strip() for p in text.split(",") if p.strip()]
-    else:
-        items = list(points)
-    if not items:
+        items: list[str] = [p.strip() for p in text.split(",") if p.strip()]
+        if not items:
+            raise AnytimeError("no exit points given; use 'auto', 'sdn', a count, fractions like 0.25,0.5 or names")
+        if all(p.isdigit() for p in items):  # "3,7": indices of a Sequential, not fractions
+            return "names", items
+        try:
+            numbers = [float(p) for p in items]
+        except ValueError:
+            return "names", items
+        return "fractions", _fractions(numbers)
+    values = list(points)
+    if not values:
         raise AnytimeError("no exit points given; use 'auto', 'sdn', a count, fractions like 0.25,0.5 or names")
-    try:
-        fractions = [float(p) for p in items]
-    except (TypeError, ValueError):
-        return "names", [str(p) for p in items]
-    if not all(0 < f < 1 for f in fractions):
-        raise AnytimeError(f"exit points given as numbers are fractions of the backbone's FLOPs in (0, 1): {items}")
-    return "fractions", sorted(fractions)
+    if all(isinstance(p, str) for p in values):
+        return "names", values
+    if all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in values):
+        return "fractions", _fractions([float(p) for p in values])
+    raise AnytimeError("exit points must be all names (str) or all fractions of FLOPs (float)")
+
+
+def _fractions(values: list[float]) -> list[float]:
+    if not all(0 < f < 1 for f in values):
+        raise AnytimeError(f"exit points given as numbers are fractions of the backbone's FLOPs in (0, 1): {values}")
+    return sorted(values)
 
 
 def _at_fractions(chain: Chain, fractions: Sequence[float]) -> list[Cut]:

@@ -1,0 +1,219 @@
+"""Criteria, sweeps, the oracle and calibration, on hand-made and random caches (no network involved)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from anytime.calibrate import (
+    CRITERIA,
+    ExitPolicy,
+    calibrate_budget,
+    calibrate_max_drop,
+    fit_temperatures,
+    get_criterion,
+    msdnet_shares,
+    oracle,
+    sweep,
+)
+from anytime.calibrate.sweep import evaluate_settings, scores_of, shared_grid, sweep_shared
+from anytime.errors import AnytimeError
+from anytime.outputs import OutputCache
+
+
+def _logit(p: float, right: bool) -> list[float]:
+    z = math.log(p / (1 - p))
+    return [z, 0.0] if right else [0.0, z]  # class 0 is the label
+
+
+def hand_made() -> OutputCache:
+    """3 exits x 4 samples, 2 classes; confidences and rightness chosen by hand (label 0 everywhere)."""
+    table = [
+        [(0.9, True), (0.6, False), (0.95, False), (0.55, True)],
+        [(0.8, True), (0.9, True), (0.7, False), (0.6, True)],
+        [(0.99, True), (0.99, True), (0.99, True), (0.99, False)],
+    ]
+    logits = np.array([[_logit(p, r) for p, r in row] for row in table], dtype=np.float32)
+    return OutputCache(
+        logits=logits, labels=np.zeros(4, dtype=np.int64), step_names=("a", "b", "out"),
+        step_flops=np.array([10, 20, 30]), cost_flops=np.array([10, 20, 30]), base_flops=30, split="val",
+        model_fingerprint="hand",
+    )  # fmt: skip
+
+
+def random_cache(seed: int = 0, k: int = 4, n: int = 500, c: int = 10) -> OutputCache:
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, c, n)
+    logits = rng.normal(size=(k, n, c)).astype(np.float32)
+    for step in range(k):  # later exits are more often right and more confident
+        logits[step, np.arange(n), labels] += 1.0 + step
+    cost = np.cumsum(rng.integers(5, 20, k))
+    return OutputCache(logits, labels, tuple(f"e{i}" for i in range(k)), cost, cost + 1, int(cost[-1]), "val", "rnd")
+
+
+def test_the_hand_made_cache_right_to_the_sample():
+    cache = hand_made()
+    scores = scores_of(cache, "confidence")
+    settings = torch.tensor([[-0.85, -0.85], [-math.inf, -0.65]], dtype=torch.float64)  # signed: -confidence
+    acc, cost, share = evaluate_settings(scores, settings)
+    assert acc.tolist() == [0.5, 0.5]
+    assert cost.tolist() == [17.5, 22.5]
+    assert share.tolist() == [[0.5, 0.25, 0.25], [0.0, 0.75, 0.25]]
+    policy = ExitPolicy("confidence", (0.85, 0.85))
+    assert policy.assign(cache).tolist() == [0, 1, 0, 2]
+    result = policy.evaluate(cache)
+    assert (result.accuracy, result.mean_flops, result.exit_share) == (0.5, 17.5, (0.5, 0.25, 0.25))
+    assert ExitPolicy("confidence", (None, 0.65)).assign(cache).tolist() == [1, 1, 1, 2]
+
+
+def test_the_oracle_on_the_hand_made_cache():
+    o = oracle(hand_made())
+    assert o.accuracy == 1.0 and o.mean_flops == 17.5
+    assert o.exit_share.tolist() == [0.5, 0.25, 0.25]
+
+
+@pytest.mark.parametrize("criterion", CRITERIA)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_shared_sweep_equals_the_general_one(criterion, seed):
+    scores = scores_of(random_cache(seed), criterion)
+    grid = shared_grid(scores, 300)
+    fast = sweep_shared(scores, grid[:, 0].contiguous())
+    slow = evaluate_settings(scores, grid)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[2], slow[2])
+    assert torch.allclose(fast[1], slow[1])
+
+
+def test_sweep_spans_from_last_exit_to_first():
+    cache = random_cache()
+    result = sweep(cache, "entropy", settings=200)
+    assert result.exit_share[0].tolist() == [0, 0, 0, 1]  # nobody leaves early
+    assert result.exit_share[-1][0] == 1  # everybody leaves at the first exit
+    assert result.accuracy[0] == pytest.approx(cache.step_accuracy()[-1])
+    assert np.isnan(result.thresholds[0]).all()
+    assert np.allclose(result.exit_share.sum(axis=1), 1)
+
+
+def test_pareto_front_is_non_dominated_and_sorted():
+    result = sweep(random_cache(), "confidence", settings=300)
+    front = result.pareto()
+    assert np.all(np.diff(result.mean_flops[front]) > 0) and np.all(np.diff(result.accuracy[front]) > 0)
+    for i in range(len(result.accuracy)):
+        dominated_or_on = np.any((result.mean_flops[front] <= result.mean_flops[i]) &
+                                 (result.accuracy[front] >= result.accuracy[i]))  # fmt: skip
+        assert dominated_or_on
+
+
+def test_criteria_values():
+    uniform = torch.zeros(1, 10)
+    peaked = torch.tensor([[10.0, 0.0, 0.0]])
+    assert get_criterion("entropy").score(uniform).item() == pytest.approx(math.log(10))
+    assert get_criterion("normalized-entropy").score(uniform).item() == pytest.approx(1.0)
+    assert get_criterion("confidence").score(uniform).item() == pytest.approx(0.1)
+    assert get_criterion("margin").score(uniform).item() == pytest.approx(0.0)
+    p = torch.softmax(peaked.double(), dim=1)[0]
+    assert get_criterion("margin").score(peaked).item() == pytest.approx(float(p[0] - p[1]))
+    assert get_criterion("confidence").score(peaked, 2.0).item() == pytest.approx(
+        float(torch.softmax(peaked.double() / 2, dim=1).max())
+    )
+
+
+def test_max_drop_calibration_meets_its_target_and_saves():
+    cache = random_cache(n=2000)
+    last = cache.step_accuracy()[-1]
+    for drop in (0.0, 1.0, 5.0):
+        cal = calibrate_max_drop(cache, max_drop=drop)
+        assert cal.fit.accuracy >= last - drop / 100 - 1e-12
+        assert cal.fit.mean_flops <= cache.cost_flops[-1]
+    assert calibrate_max_drop(cache, max_drop=5.0).fit.mean_flops < calibrate_max_drop(cache, max_drop=0.0).fit.mean_flops
+
+
+def test_budget_calibration_stays_within_budget():
+    cache = random_cache(n=2000)
+    for fraction in (0.4, 0.6, 0.9):
+        cal = calibrate_budget(cache, budget=fraction)
+        assert cal.fit.mean_flops <= fraction * cache.base_flops + 1e-9
+    msd = calibrate_budget(cache, budget=0.6, rule="msdnet")
+    assert msd.fit.mean_flops == pytest.approx(0.6 * cache.base_flops, rel=0.05)
+
+
+def test_msdnet_shares_follow_a_geometric_law_and_the_budget():
+    cost = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    shares = msdnet_shares(cost, 2.0)
+    assert float(shares.sum()) == pytest.approx(1.0)
+    assert float((shares * cost).sum()) == pytest.approx(2.0, abs=1e-9)
+    ratios = (shares[1:] / shares[:-1]).tolist()
+    assert max(ratios) - min(ratios) < 1e-9  # p_k proportional to q^k
+
+
+def test_impossible_budget_is_refused():
+    with pytest.raises(AnytimeError, match="below the first exit"):
+        calibrate_budget(random_cache(), budget=0.01)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), -1.0, 0.0])
+def test_nonsense_budget_is_refused(budget):
+    with pytest.raises(AnytimeError, match="--budget-flops"):
+        calibrate_budget(random_cache(), budget=budget)
+
+
+@pytest.mark.parametrize("drop", [float("nan"), -1.0, 101.0])
+def test_nonsense_max_drop_is_refused(drop):
+    with pytest.raises(AnytimeError, match="--max-drop"):
+        calibrate_max_drop(random_cache(), max_drop=drop)
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (lambda: ExitPolicy("entropy", (float("nan"), 0.1, 0.1)), "finite"),
+        (lambda: ExitPolicy("perplexity", (0.1, 0.1, 0.1)), "unknown exit criterion"),
+        (lambda: ExitPolicy("entropy", (0.1, 0.1, 0.1), temperatures=(1.0, 1.0)), "temperatures"),
+        (lambda: ExitPolicy("entropy", (0.1, 0.1, 0.1), temperatures=(1.0, 1.0, -1.0, 1.0)), "positive"),
+    ],
+)
+def test_malformed_policies_are_refused(policy, message):
+    with pytest.raises(AnytimeError, match=message):
+        policy()
+
+
+def test_thresholds_out_of_range_or_miscounted_are_refused():
+    cache = random_cache()
+    with pytest.raises(AnytimeError, match="outside"):
+        ExitPolicy("confidence", (1.5, 0.5, 0.5)).evaluate(cache)
+    with pytest.raises(AnytimeError, match="outside"):
+        ExitPolicy("entropy", (0.5, 3.0, 0.5)).evaluate(cache)  # log(10) = 2.30 is the most entropy can be
+    with pytest.raises(AnytimeError, match="exits"):
+        ExitPolicy("entropy", (0.5, 0.5)).evaluate(cache)
+
+
+def test_policy_round_trips_through_json_values():
+    policy = ExitPolicy("margin", (0.3, None, 0.1), temperatures=(1.0, 2.0, 0.5, 1.0))
+    assert ExitPolicy.from_dict(policy.to_dict()) == policy
+    with pytest.raises(AnytimeError, match="not a valid exit policy"):
+        ExitPolicy.from_dict({"thresholds": [0.1]})
+
+
+def test_temperature_scaling_lowers_the_nll():
+    cache = random_cache(n=2000)
+    logits = torch.from_numpy(cache.logits).double()
+    labels = torch.from_numpy(cache.labels)
+    base = fit_temperatures(logits, labels)
+    sharp = fit_temperatures(logits * 3, labels)  # logits 3x too confident want a 3x higher temperature
+    for k, t in enumerate(sharp):
+        before = torch.nn.functional.cross_entropy(logits[k] * 3, labels)
+        after = torch.nn.functional.cross_entropy(logits[k] * 3 / t, labels)
+        assert after <= before
+        assert t / base[k] == pytest.approx(3, rel=0.02)
+
+
+def test_calibration_with_temperatures_is_saved_in_the_policy():
+    cal = calibrate_max_drop(random_cache(), max_drop=1.0, temperature=True)
+    assert cal.policy.temperatures is not None and len(cal.policy.temperatures) == 4
+
+
+def test_a_sweep_of_1000_settings_over_10000_samples_runs():
+    result = sweep(random_cache(n=10_000, k=5), "entropy", settings=1000)
+    assert result.accuracy.shape == (1000,) and result.exit_share.shape == (1000, 5)

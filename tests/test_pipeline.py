@@ -1,0 +1,258 @@
+"""The multi-exit pipeline on a trained run: collect, sweep, calibrate, real early exit, plots, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from anytime.calibrate import ExitPolicy
+from anytime.cli import main
+from anytime.data import make_loader
+from anytime.errors import AnytimeError
+from anytime.outputs import OutputCache, cache_path, load_cache
+from anytime.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, sweep_run
+from anytime.train import TrainConfig, Trainer, load_splits
+from anytime.train.runs import load_run
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line_error(code, err, *words):
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def collected(exit_run, tmp_path_factory):
+    """A copy of the trained multi-exit run with both splits collected."""
+    run = tmp_path_factory.mktemp("collected") / "run"
+    shutil.copytree(exit_run, run)
+    for split in ("val", "test"):
+        collect_run(run, split)
+    return run
+
+
+def test_collect_caches_every_exit(collected):
+    summary = json.loads((collected / "summary.json").read_text())
+    for split, key in (("val", "val_acc"), ("test", "test_acc")):
+        cache = load_cache(collected, split)
+        assert cache.num_steps == 3 and cache.split == split
+        assert cache.step_names == ("stages.0.2", "stages.1.2", "output")
+        assert np.all(np.diff(cache.cost_flops) > 0)
+        # the cache agrees with the trainer's own per-exit evaluation
+        assert cache.step_accuracy().tolist() == pytest.approx([e[key] for e in summary["exits"]])
+
+
+def _threshold_splitting(cache: OutputCache) -> ExitPolicy:
+    # midway between observed entropies, so that some samples leave at each exit
+    from anytime.calibrate import get_criterion
+
+    scores = get_criterion("entropy").score(torch.from_numpy(cache.logits[:-1])).numpy()
+    thresholds = []
+    for row in scores:
+        values = np.unique(row)
+        i = len(values) // 3
+        thresholds.append(float((values[i] + values[i + 1]) / 2))
+    return ExitPolicy("entropy", tuple(thresholds))
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 128])
+def test_real_early_exit_equals_the_cached_sweep(collected, batch_size):
+    cache = load_cache(collected, "test")
+    policy = _threshold_splitting(cache)
+    expected_exits = policy.assign(cache)
+    assert len(set(expected_exits.tolist())) == 3  # every exit is used
+    expected_pred = cache.logits[expected_exits, np.arange(cache.num_samples)].argmax(axis=1)
+    run = load_run(collected)
+    splits = load_splits(run.config)
+    loader = make_loader(splits.test, splits.info, batch_size=batch_size, train=False, seed=0)
+    exits, preds = [], []
+    for x, _ in loader:
+        out = policy.run(run.model, x)
+        exits.append(out.exits)
+        preds.append(out.predictions)
+        if batch_size == 1 and len(exits) == 120:
+            break
+    exits_t, preds_t = torch.cat(exits).numpy(), torch.cat(preds).numpy()
+    assert np.array_equal(exits_t, expected_exits[: len(exits_t)])
+    assert np.array_equal(preds_t, expected_pred[: len(preds_t)])
+
+
+def test_early_exit_skips_the_rest_of_the_network(collected):
+    run = load_run(collected)
+    calls = []
+    handles = [s.register_forward_hook(lambda m, i, o, k=k: calls.append((k, i[0].shape[0])))
+               for k, s in enumerate(run.model.segments)]  # fmt: skip
+    try:
+        everyone_leaves = ExitPolicy("entropy", (float(np.log(10)), 0.0))
+        out = everyone_leaves.run(run.model, torch.randn(5, 1, 32, 32))
+    finally:
+        for h in handles:
+            h.remove()
+    assert out.exits.tolist() == [0] * 5
+    assert calls == [(0, 5)]  # segments 1 and 2 never ran
+
+
+def test_calibration_never_reads_the_test_split(collected, tmp_path):
+    first = calibrate_run(collected, max_drop=1.0, out=tmp_path / "a.json")
+    test = load_cache(collected, "test")
+    rng = np.random.default_rng(0)
+    scrambled = OutputCache(rng.normal(size=test.logits.shape).astype(np.float32), test.labels, test.step_names,
+                            test.step_flops, test.cost_flops, test.base_flops, "test", test.model_fingerprint)  # fmt: skip
+    saved = cache_path(collected, "test").read_bytes()
+    try:
+        scrambled.save(cache_path(collected, "test"))
+        second = calibrate_run(collected, max_drop=1.0, out=tmp_path / "b.json")
+        cache_path(collected, "test").unlink()
+        third = calibrate_run(collected, max_drop=1.0, out=tmp_path / "c.json")
+    finally:
+        cache_path(collected, "test").write_bytes(saved)
+    assert first["policy"] == second["policy"] == third["policy"]
+    assert first["validation"] == second["validation"] == third["validation"]
+    assert first["test"] != second["test"] and third["test"] is None
+    assert first["validation"]["accuracy"] >= first["validation"]["last_exit_accuracy"] - 0.01 - 1e-12
+
+
+def test_a_cache_from_another_model_or_split_is_refused(collected, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(collected, other)
+    (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes() + b" ")
+    with pytest.raises(AnytimeError, match="collected from another model"):
+        sweep_run(other, ["entropy"])
+    shutil.copy(cache_path(collected, "val"), cache_path(other, "test"))
+    with pytest.raises(AnytimeError, match="holds the val split, not test"):
+        load_cache(other, "test")
+    cache_path(other, "val").write_bytes(b"not a cache")
+    with pytest.raises(AnytimeError, match="not a readable outputs cache"):
+        load_cache(other, "val")
+
+
+def test_evaluate_reports_accuracy_agreement_and_latency(collected):
+    calibrate_run(collected, max_drop=1.0)
+    report = evaluate_run(collected, latency_samples=30)
+    assert report["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
+    assert report["samples"] == 359 and sum(report["exit_share"]) == pytest.approx(1)
+    lat = report["latency"]
+    assert lat["early_exit"]["count"] == 30 and lat["backbone"]["count"] == 30
+    assert lat["early_exit"]["p99_ms"] >= lat["early_exit"]["p50_ms"] > 0
+    assert (collected / "evaluation-test.json").is_file()
+
+
+def test_plots(collected):
+    calibrate_run(collected, max_drop=1.0)
+    paths = plot_run(collected)
+    names = {p.name for p in paths}
+    assert {"pareto.png", "pareto.svg", "threshold.png", "exit_histogram.png", "exit_accuracy.png"} <= names
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_the_cli_pipeline(collected, capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(collected, run)
+    code, out, _ = _run(capsys, "sweep", run, "--criterion", "entropy", "--criterion", "margin", "--settings", "50")
+    assert code == 0 and "oracle" in out and "margin" in out
+    rows = (run / "sweep-val.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 50
+    code, out, _ = _run(capsys, "calibrate", run, "--budget-flops", "0.6", "--criterion", "confidence")
+    assert code == 0 and "validation" in out and "test" in out and "msdnet would give" in out
+    report = json.loads((run / "calibration.json").read_text())
+    assert report["validation"]["flops_ratio"] <= 0.6 + 1e-9 and report["policy"]["criterion"] == "confidence"
+    code, out, _ = _run(capsys, "evaluate", run, "--latency-samples", "10")
+    assert code == 0 and "speed-up" in out and "agreement with the cached sweep: exits 100.00%" in out
+    code, out, _ = _run(capsys, "plot", run)
+    assert code == 0 and "pareto.png" in out
+
+
+def test_exits_command(capsys):
+    code, out, _ = _run(capsys, "exits", "resnet20")
+    assert code == 0 and "stages.0.2" in out and "100.0%" in out
+    code, out, _ = _run(capsys, "exits", "tv:resnet18", "--exits", "layer2", "--json")
+    exits = json.loads(out)["exits"]
+    assert [e["name"] for e in exits] == ["layer2", "output"]
+    code, out, _ = _run(capsys, "exits", "resnet20", "--points")
+    assert code == 0 and "stages.2.1" in out
+
+
+def test_heads_only_training_keeps_the_backbone(tmp_path, capsys):
+    plain = tmp_path / "plain"
+    base = TrainConfig(model="lenet", data="digits", epochs=2, batch_size=64, lr=0.05, device="cpu")
+    Trainer(base, plain).fit()
+    heads = tmp_path / "heads"
+    code, out, err = _run(capsys, "train", "--model", "lenet", "--epochs", "2", "--lr", "0.05", "--device", "cpu",
+                          "--exits", "auto", "--exit-mode", "heads-only", "--init", plain, "--out", heads,
+                          "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert "exit 0" in out
+    from safetensors.torch import load_file
+
+    before, after = load_file(str(plain / "model.safetensors")), load_file(str(heads / "model.safetensors"))
+    for key, value in before.items():
+        assert torch.equal(after[f"backbone.{key}"], value), key
+    assert "val_acc_exit0" in (heads / "metrics.csv").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["train", "--exits", "stages.9", "--epochs", "1"], ["no exit point named 'stages.9'"]),
+        (["train", "--exits", "auto", "--exit-mode", "heads-only", "--epochs", "1"], ["--init"]),
+        (["train", "--exit-weights", "1,x", "--exits", "auto"], ["--exit-weights"]),
+        (["train", "--model", "resnet20", "--exits", "auto", "--exit-weights", "1,1", "--epochs", "1"],
+         ["2 exit weights given for 3 exits"]),
+        (["train", "--distill", "0.5", "--epochs", "1"], ["needs --exits"]),
+        (["exits", "resnet21"], ["unknown model 'resnet21'", "resnet20"]),
+        (["exits", "resnet20", "--exits", "1.5"], ["fractions"]),
+    ],
+)
+def test_bad_input_is_one_line(capsys, tmp_path, argv, words):
+    code, _, err = _run(capsys, *argv, *(["--out", tmp_path / "r"] if argv[0] == "train" else []))
+    _one_line_error(code, err, *words)
+
+
+def test_bad_init_is_one_line(capsys, tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"junk")
+    code, _, err = _run(capsys, "train", "--exits", "auto", "--init", junk, "--out", tmp_path / "r", "--epochs", "1")
+    _one_line_error(code, err, "--init", "junk.pt")
+
+
+def test_pipeline_errors_are_one_line(capsys, tmp_path, exit_run, collected):
+    code, _, err = _run(capsys, "sweep", tmp_path / "nowhere")
+    _one_line_error(code, err, "no run directory")
+    fresh = tmp_path / "fresh"
+    shutil.copytree(exit_run, fresh, ignore=shutil.ignore_patterns("outputs", "calibration.json"))
+    code, _, err = _run(capsys, "calibrate", fresh, "--max-drop", "1")
+    _one_line_error(code, err, "anytime collect")
+    with pytest.raises(SystemExit) as refused:  # refused by the argument parser
+        _run(capsys, "calibrate", collected, "--max-drop", "nan")
+    assert refused.value.code == 2 and "finite" in capsys.readouterr().err
+    code, _, err = _run(capsys, "evaluate", fresh)
+    _one_line_error(code, err, "no calibration")
+    other = tmp_path / "other.json"
+    calibrate_run(collected, max_drop=1.0, out=other)
+    report = json.loads(other.read_text())
+    report["model_fingerprint"] = "0" * 16
+    other.write_text(json.dumps(report))
+    code, _, err = _run(capsys, "evaluate", collected, "--calibration", other)
+    _one_line_error(code, err, "fit on another model")
+    with pytest.raises(SystemExit) as refused:
+        _run(capsys, "sweep", collected, "--criterion", "perplexity")
+    assert refused.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_a_plain_run_has_no_exits_to_collect(tmp_path, capsys):
+    plain = tmp_path / "plain"
+    Trainer(TrainConfig(model="lenet", data="digits", epochs=1, device="cpu"), plain).fit()
+    code, _, err = _run(capsys, "collect", plain)
+    _one_line_error(code, err, "plain model", "--exits")

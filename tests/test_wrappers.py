@@ -1,0 +1,182 @@
+"""Exits on every backbone: shapes and order, the last exit equals the backbone, points, heads, costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from anytime import attach_exits
+from anytime.backbones import create_model, list_models
+from anytime.errors import AnytimeError
+from anytime.wrappers import HEADS, MultiExitModel
+from anytime.wrappers.tracing import traced_chain
+
+TORCHVISION_FAMILIES = [
+    "tv:resnet18", "tv:vgg11_bn", "tv:mobilenet_v2", "tv:mobilenet_v3_small", "tv:densenet121", "tv:efficientnet_b0",
+    "tv:shufflenet_v2_x0_5", "tv:regnet_x_400mf", "tv:mnasnet0_5",
+]  # fmt: skip
+
+
+def _check_contract(model: MultiExitModel, backbone: nn.Module, x: torch.Tensor) -> None:
+    model.eval()
+    with torch.no_grad():
+        everything = model.forward_all(x)
+        reference = backbone(x)
+        stepped = list(model.steps(x))
+        assert everything.shape == (model.num_steps, x.shape[0], reference.shape[1])
+        assert torch.equal(everything[-1], reference)  # the last exit is the backbone, bit for bit
+        assert len(stepped) == model.num_steps
+        for k in range(model.num_steps):
+            assert torch.equal(model.forward_until(x, k), everything[k])
+            assert torch.equal(stepped[k], everything[k])
+    flops = [e.flops for e in model.exit_info]
+    assert all(a < b for a, b in zip(flops, flops[1:])), flops  # cheapest first
+    assert model.exit_info[-1].flops == model.backbone_flops
+    assert all(e.cost_flops >= e.flops for e in model.exit_info)
+    assert all(e.head_params > 0 and e.head_flops > 0 for e in model.exit_info[:-1])
+
+
+@pytest.mark.parametrize("name", list_models(include_torchvision=False))
+def test_exits_on_every_zoo_model(name):
+    torch.manual_seed(0)
+    backbone = create_model(name).eval()
+    model = attach_exits(backbone, "auto")
+    assert model.num_steps >= 2
+    assert [e.name for e in model.exit_info][-1] == "output"
+    assert all(e.name.startswith("stages.") for e in model.exit_info[:-1])
+    _check_contract(model, backbone, torch.randn(3, 3, 32, 32))
+
+
+@pytest.mark.parametrize("name", TORCHVISION_FAMILIES)
+def test_exits_on_torchvision_families(name):
+    torch.manual_seed(0)
+    backbone = create_model(name).eval()
+    model = attach_exits(backbone, "auto")
+    assert model.num_steps >= 3, [e.name for e in model.exit_info]
+    _check_contract(model, backbone, torch.randn(2, 3, 32, 32))
+
+
+def test_torchvision_resnet_exits_at_its_layers():
+    model = attach_exits(create_model("tv:resnet18"), "auto")
+    assert [e.name for e in model.exit_info] == ["layer1", "layer2", "layer3", "output"]
+
+
+def test_a_users_own_module_is_split_by_tracing():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 7 * 7, 5),
+    ).eval()  # fmt: skip
+    model = attach_exits(net, ["3"], input_shape=(1, 28, 28))
+    assert [e.name for e in model.exit_info] == ["3", "output"]
+    assert model.exit_info[0].shape == (8, 14, 14)
+    _check_contract(model, net, torch.randn(4, 1, 28, 28))
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        if y.sum() > 0:  # control flow on values: torch.fx cannot trace it
+            y = y * 2
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+def test_a_module_that_cannot_be_split_is_named():
+    with pytest.raises(AnytimeError, match="cannot split _DataDependent"):
+        attach_exits(_DataDependent())
+
+
+def test_in_place_consumers_are_not_cut_points():
+    # VGG's batch norms feed in-place ReLUs: an exit reading a BN's output would see it overwritten.
+    chain = traced_chain(create_model("tv:vgg11_bn"), torch.zeros(1, 3, 32, 32))
+    names = {c.name for c in chain.cuts}
+    assert "features.1" not in names  # BN, whose output the next ReLU overwrites
+    assert {"features.0", "features.2"} <= names  # the conv before it and the ReLU itself
+
+
+@pytest.mark.parametrize(
+    ("points", "names"),
+    [
+        ("auto", ["stages.0.2", "stages.1.2", "output"]),
+        ("stages.0,stages.1", ["stages.0.2", "stages.1.2", "output"]),  # a stage's name reaches its last block
+        ("stages.0.0,stages.2.1", ["stages.0.0", "stages.2.1", "output"]),
+        (4, ["stages.0.1", "stages.1.0", "stages.2.0", "output"]),  # nearest to 25, 50, 75% of the FLOPs
+        ("1", ["output"]),
+        ("0.5", ["stages.1.0", "output"]),
+    ],
+)
+def test_exit_points(points, names):
+    model = attach_exits(create_model("resnet20"), points)
+    assert [e.name for e in model.exit_info] == names
+
+
+def test_sdn_points_sit_at_fractions_of_the_flops():
+    model = attach_exits(create_model("resnet56"), "sdn")
+    fractions = [e.flops / model.backbone_flops for e in model.exit_info[:-1]]
+    assert len(fractions) == 6
+    for got, want in zip(fractions, (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)):
+        assert abs(got - want) < 0.04
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        ("stages.7", "no exit point named 'stages.7'"),
+        ("stages.0,stages.0.2", "name the same point twice"),
+        ("1.5", "fractions of the backbone's FLOPs"),
+        ("0", "at least 1"),
+        ("", "no exit points given"),
+        (30, "only"),
+    ],
+)
+def test_bad_exit_points_are_refused(points, message):
+    with pytest.raises(AnytimeError, match=message):
+        attach_exits(create_model("resnet20"), points)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_every_head_design(head):
+    model = attach_exits(create_model("resnet20"), "auto", head=head).eval()
+    assert model.forward_all(torch.randn(2, 3, 32, 32)).shape == (3, 2, 10)
+    assert model.exit_info[0].head_flops > 0
+
+
+def test_conv_heads_cost_more_than_linear_ones():
+    costs = {h: attach_exits(create_model("resnet20"), "auto", head=h).exit_info[0].head_flops for h in HEADS}
+    assert costs["linear"] < costs["pool"] < costs["conv"]
+
+
+def test_unknown_head_is_refused():
+    with pytest.raises(AnytimeError, match="unknown exit head"):
+        attach_exits(create_model("resnet20"), head="mlp")
+
+
+def test_parameters_are_registered_once_under_backbone_names():
+    backbone = create_model("resnet20")
+    model = attach_exits(backbone, "auto")
+    keys = set(model.state_dict())
+    assert {f"backbone.{k}" for k in backbone.state_dict()} <= keys
+    assert all(k.startswith(("backbone.", "heads.")) for k in keys)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in backbone.parameters()) + sum(
+        e.head_params for e in model.exit_info
+    )
+
+
+def test_frozen_backbone_stays_in_eval_mode():
+    model = attach_exits(create_model("resnet20"), "auto").freeze_backbone()
+    model.train()
+    assert not model.backbone.training and model.heads.training
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+
+
+def test_step_out_of_range_is_refused():
+    model = attach_exits(create_model("resnet20"), "auto")
+    with pytest.raises(AnytimeError, match="exit 3 does not exist"):
+        model.forward_until(torch.zeros(1, 3, 32, 32), 3)
