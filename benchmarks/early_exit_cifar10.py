@@ -1,0 +1,101 @@
+"""Benchmark: real early exit of a multi-exit CIFAR ResNet on the CIFAR-10 test images, against its backbone.
+
+The model is the card models/cifar10-resnet32-exits.toml (ResNet-32, exits at about 15, 35, 55 and 75%
+of its FLOPs, trained jointly on the real CIFAR-10 images). Training takes over an hour on 2 CPU cores,
+so it is checkpointed every epoch and resumed when the benchmark (or `anytime train --resume`) is run
+again. Then: every exit's outputs are cached on the validation and test splits; thresholds are fit on
+validation only, for at most 1 accuracy point below the last exit, for each criterion, and the
+criterion with the fewest validation FLOPs is kept; the test split is run with real early exit, and
+every test image is timed one at a time (batch 1) with early exit and with the plain backbone,
+interleaved. Ratio: the backbone's mean latency / early exit's. Target: at least 2x, measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import parser, report, run
+
+from anytime.calibrate import CRITERIA
+from anytime.errors import AnytimeError
+from anytime.outputs import cache_path
+from anytime.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, run_fingerprint
+from anytime.train import Trainer, load_card
+from anytime.train.trainer import CHECKPOINT
+
+REPO = Path(__file__).resolve().parents[1]
+CARD = REPO / "models" / "cifar10-resnet32-exits.toml"
+TARGET = 2.0
+MAX_DROP = 1.0  # accuracy points below the last exit
+
+
+def main() -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
+    p.add_argument("--latency-samples", type=int, default=10_000, help="test images timed at batch 1")
+    args = p.parse_args()
+    card = load_card(CARD)
+    config = card.config
+    run_dir: Path = args.run
+    latency_samples = args.latency_samples
+    if args.quick:  # a smoke run of the whole path on a sliver of the data, not figures to record
+        config = config.replace(epochs=1, limit_train=2000)
+        run_dir = run_dir.with_name(run_dir.name + "-quick")
+        latency_samples = 100
+    if not (run_dir / "model.safetensors").is_file():
+        resume = (run_dir / CHECKPOINT).is_file()
+        print(f"{'resuming' if resume else 'training'} {card.name} in {run_dir} ({config.epochs} epochs)...")
+        Trainer(config, run_dir, extra_config={"card": str(CARD)}).fit(resume=resume)
+    fingerprint = run_fingerprint(run_dir)
+    for split in ("val", "test"):
+        path = cache_path(run_dir, split)
+        if not path.is_file() or _stale(run_dir, split, fingerprint):
+            collect_run(run_dir, split)
+    candidates = {}
+    for criterion in CRITERIA:
+        candidates[criterion] = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=criterion,
+                                              out=run_dir / f"calibration-{criterion}.json")  # fmt: skip
+    best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
+    chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best)  # RUN/calibration.json
+    evaluation = evaluate_run(run_dir, latency_samples=latency_samples)
+    plot_run(run_dir)
+    val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]
+    lat = evaluation["latency"]
+    print(f"last exit alone: test {100 * test['last_exit_accuracy']:.2f}% (validation {100 * val['last_exit_accuracy']:.2f}%)")
+    print(f"oracle (first correct exit): {100 * oracle['accuracy']:.2f}% at {oracle['flops_ratio']:.3f}x FLOPs "
+          f"= {oracle['flops_speedup']:.2f}x fewer (the ceiling)")  # fmt: skip
+    for criterion, c in candidates.items():
+        print(f"  {criterion:<19} validation {100 * c['validation']['accuracy']:.2f}% at "
+              f"{c['validation']['flops_ratio']:.3f}x FLOPs; test {100 * c['test']['accuracy']:.2f}% at "
+              f"{c['test']['flops_ratio']:.3f}x")  # fmt: skip
+    print(f"chosen on validation: {best}, thresholds {chosen['policy']['thresholds']}")
+    print(f"test with real early exit: {100 * evaluation['accuracy']:.2f}% "
+          f"({100 * (evaluation['accuracy'] - test['last_exit_accuracy']):+.2f} points vs the last exit), "
+          f"{evaluation['flops_ratio']:.3f}x FLOPs ({1 / evaluation['flops_ratio']:.2f}x fewer), "
+          f"exit shares {[round(s, 3) for s in evaluation['exit_share']]}")  # fmt: skip
+    print(f"latency per image at batch 1 over {lat['early_exit']['count']} test images: early exit "
+          f"{lat['early_exit']['mean_ms']:.3f} ms (p99 {lat['early_exit']['p99_ms']:.3f}), backbone "
+          f"{lat['backbone']['mean_ms']:.3f} ms (p99 {lat['backbone']['p99_ms']:.3f}) -> {lat['speedup']:.2f}x")  # fmt: skip
+    figures = {
+        "run": str(run_dir), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
+        "last_exit_test_acc": test["last_exit_accuracy"], "test_acc": evaluation["accuracy"],
+        "val_acc": val["accuracy"], "last_exit_val_acc": val["last_exit_accuracy"],
+        "flops_ratio": evaluation["flops_ratio"], "oracle_flops_ratio": oracle["flops_ratio"],
+        "exit_share": evaluation["exit_share"], "latency": lat, "agreement": evaluation.get("agreement_with_cache"),
+        "candidates": {c: {"validation": v["validation"], "test": v["test"]} for c, v in candidates.items()},
+    }  # fmt: skip
+    return report("early_exit_cifar10", args, figures, lat["speedup"], f">= {TARGET}x", lat["speedup"] >= TARGET)
+
+
+def _stale(run_dir: Path, split: str, fingerprint: str) -> bool:
+    from anytime.outputs import load_cache
+
+    try:
+        load_cache(run_dir, split, fingerprint=fingerprint)
+    except AnytimeError:
+        return True
+    return False
+
+
+if __name__ == "__main__":
+    run(main)
