@@ -246,6 +246,13 @@ def test_pipeline_errors_are_one_line(capsys, tmp_path, exit_run, collected):
     other.write_text(json.dumps(report))
     code, _, err = _run(capsys, "evaluate", collected, "--calibration", other)
     _one_line_error(code, err, "fit on another model")
+    calibrate_run(collected, max_drop=1.0, out=other)
+    for bad, words in (([float("nan"), 0.5], ["finite"]), ([0.5, 7.0], ["outside", "entropy"]), ([0.5], ["thresholds"])):
+        report = json.loads(other.read_text())
+        report["policy"]["thresholds"] = bad
+        other.write_text(json.dumps(report))
+        code, _, err = _run(capsys, "evaluate", collected, "--calibration", other, "--latency-samples", "0")
+        _one_line_error(code, err, *words)
     with pytest.raises(SystemExit) as refused:
         _run(capsys, "sweep", collected, "--criterion", "perplexity")
     assert refused.value.code == 2 and "invalid choice" in capsys.readouterr().err

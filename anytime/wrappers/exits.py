@@ -232,7 +232,7 @@ def _choose(chain: Chain, kind: str, value: object, staged: bool) -> list[Cut]:
         if len(chosen) < count - 1:
             raise AnytimeError(f"{count} exits asked, but this backbone has only {len(chain.cuts)} points to split at")
         return chosen
-    aliases: dict[int, str] = getattr(chain, "aliases", {})
+    aliases = chain.aliases
     chosen = []
     for name in value:  # type: ignore[attr-defined]
         match = [c for c in chain.cuts if c.name == name or aliases.get(c.position) == name]

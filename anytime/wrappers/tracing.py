@@ -32,17 +32,14 @@ class Cut:
 class Chain:
     """A network as an ordered list of cuts, able to produce the segments between any chosen cuts."""
 
-    def __init__(self, cuts: list[Cut], total_flops: int, make: Callable[[list[Cut]], list[nn.Module]]) -> None:
+    def __init__(
+        self, cuts: list[Cut], total_flops: int, make: Callable[[list[Cut]], list[nn.Module]],
+        aliases: dict[int, str] | None = None,
+    ) -> None:  # fmt: skip
         self.cuts = cuts
         self.total_flops = total_flops
+        self.aliases = aliases or {}  # other names of some cuts, by position (a stage's name for its last block)
         self._make = make
-
-    def find(self, name: str) -> Cut:
-        """The cut named ``name`` (a module name, or a graph node's name for traced models)."""
-        for cut in self.cuts:
-            if cut.name == name:
-                return cut
-        raise AnytimeError(f"no exit point named '{name}'; valid points are: {', '.join(c.name for c in self.cuts)}")
 
     def segments(self, chosen: list[Cut]) -> list[nn.Module]:
         """``len(chosen) + 1`` modules: input -> cut 0 -> cut 1 -> ... -> the network's output."""
@@ -98,9 +95,7 @@ def staged_chain(backbone: StagedBackbone, sample: Tensor) -> Chain:
         segments[-1] = nn.Sequential(*segments[-1], backbone.head)
         return segments
 
-    chain = Chain(cuts, flops + head_flops, make)
-    chain.aliases = aliases  # type: ignore[attr-defined]
-    return chain
+    return Chain(cuts, flops + head_flops, make, aliases)
 
 
 class _Tracer(fx.Tracer):
