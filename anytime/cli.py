@@ -10,8 +10,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from anytime.errors import AnytimeError
 
 COMMANDS: dict[str, str] = {
@@ -155,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--budget-flops", type=_finite_float, metavar="FRACTION",
                         help="most accurate thresholds whose mean FLOPs are at most FRACTION of the backbone's")
     calibrate.add_argument("--criterion", choices=list(_CRITERIA), default="entropy")
-    calibrate.add_argument("--rule", choices=["search", "msdnet"], default="search",
-                           help="budget rule: direct search (default) or MSDNet's shares proportional to q^k")
+    calibrate.add_argument("--rule", choices=["search", "msdnet"],
+                           help="with --budget-flops: direct search (default) or MSDNet's shares proportional to q^k")
     calibrate.add_argument("--temperature", action="store_true", help="fit a temperature per exit first")
     calibrate.add_argument("--out", metavar="FILE", help="default RUN/calibration.json")
     calibrate.add_argument("--json", action="store_true", help="print the whole report as JSON")
@@ -395,6 +393,8 @@ def _cmd_collect(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from anytime.pipeline import sweep_run
 
     criteria = args.criterion or list(_CRITERIA)
@@ -404,13 +404,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     o = report.oracle
     print(f"{args.settings} settings per criterion on {args.run} ({args.split}); "
-          f"last exit alone: {100 * report.steps[-1]['val_acc']:.2f}%")  # fmt: skip
+          f"last exit alone: {100 * report.steps[-1][f'{args.split}_acc']:.2f}%")  # fmt: skip
     print(f"oracle (first correct exit): {100 * o['accuracy']:.2f}% at {o['flops_ratio']:.3f}x FLOPs "
           f"({o['flops_speedup']:.2f}x fewer)")  # fmt: skip
     for name, result in report.results.items():
         front = result.pareto()
         print(f"{name}: {len(front)} Pareto points; e.g.")
-        last = report.steps[-1]["val_acc"]
+        last = report.steps[-1][f"{args.split}_acc"]
         for drop in (0.0, 0.01, 0.02, 0.05):
             ok = [i for i in front if result.accuracy[i] >= last - drop]
             if ok:
@@ -433,9 +433,11 @@ def _print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from anytime.pipeline import CALIBRATION, calibrate_run
 
+    if args.rule is not None and args.max_drop is not None:
+        raise AnytimeError("--rule chooses how to meet --budget-flops; it does not apply to --max-drop")
     report = calibrate_run(
-        args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion, rule=args.rule,
-        temperature=args.temperature, out=args.out,
+        args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion,
+        rule=args.rule or "search", temperature=args.temperature, out=args.out,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))

@@ -25,6 +25,7 @@ from anytime.calibrate import (
     oracle,
     sweep,
 )
+from anytime.calibrate.sweep import exit_costs
 from anytime.data import DatasetSplits, make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, collect, load_cache
@@ -57,15 +58,19 @@ def _splits_of(run: LoadedRun) -> DatasetSplits:
     return splits
 
 
+def _check_split(split: str) -> None:
+    if split not in ("val", "test"):
+        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+
+
 def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_size: int = 512) -> OutputCache:
     """Run a trained multi-exit model once over ``split`` and save every exit's logits to ``RUN/outputs/``."""
+    _check_split(split)
     run = load_run(run_dir, device)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; train it with --exits to collect exits' outputs")
     splits = _splits_of(run)
-    data = getattr(splits, split) if split in ("val", "test") else None
-    if data is None:
-        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    data = getattr(splits, split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
     cache = collect(
         run.model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
@@ -79,13 +84,15 @@ def _cache(run_dir: str | Path, split: str) -> OutputCache:
     return load_cache(run_dir, split, fingerprint=run_fingerprint(run_dir))
 
 
-def _steps_table(val: OutputCache, test: OutputCache | None) -> list[dict[str, Any]]:
-    val_acc = val.step_accuracy()
-    test_acc = None if test is None else test.step_accuracy()
+def _steps_table(caches: dict[str, OutputCache | None]) -> list[dict[str, Any]]:
+    """Every step alone: its FLOPs and its accuracy on each split given (None where not collected)."""
+    first = next(c for c in caches.values() if c is not None)
+    accuracy = {split: None if c is None else c.step_accuracy() for split, c in caches.items()}
     return [
-        {"step": k, "name": name, "flops": int(val.step_flops[k]), "flops_ratio": float(val.step_flops[k] / val.base_flops),
-         "val_acc": float(val_acc[k]), "test_acc": None if test_acc is None else float(test_acc[k])}
-        for k, name in enumerate(val.step_names)
+        {"step": k, "name": name, "flops": int(first.step_flops[k]),
+         "flops_ratio": float(first.step_flops[k] / first.base_flops),
+         **{f"{split}_acc": None if acc is None else float(acc[k]) for split, acc in accuracy.items()}}
+        for k, name in enumerate(first.step_names)
     ]  # fmt: skip
 
 
@@ -110,6 +117,7 @@ class SweepReport:
 def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000, split: str = "val") -> SweepReport:
     """Sweep shared thresholds for each criterion over a run's cache; write ``RUN/sweep-SPLIT.csv`` (every
     setting, with its Pareto flag) and ``RUN/sweep-SPLIT.json`` (the fronts, the oracle, the exits)."""
+    _check_split(split)
     cache = _cache(run_dir, split)
     results = {name: sweep(cache, name, settings=settings) for name in criteria}
     rows = []
@@ -119,7 +127,7 @@ def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000,
         for i, row in enumerate(result.rows()):
             rows.append({"criterion": name, "setting": i, "pareto": int(i in front), **row})
         fronts[name] = result.rows(result.pareto())
-    steps = _steps_table(cache, None)
+    steps = _steps_table({split: cache})
     report = {"split": split, "settings": settings, "base_flops": cache.base_flops, "steps": steps,
               "oracle": _oracle_dict(cache), "pareto": fronts}  # fmt: skip
     csv_path = write_csv(Path(run_dir) / f"sweep-{split}.csv", rows)
@@ -162,14 +170,17 @@ def calibrate_run(
         "test": None if test is None else {
             **calibration.policy.evaluate(test).to_dict(), "last_exit_accuracy": float(test.step_accuracy()[-1])},
         "oracle": {"validation": _oracle_dict(val), "test": None if test is None else _oracle_dict(test)},
-        "steps": _steps_table(val, test), **extra,
+        "steps": _steps_table({"val": val, "test": test}), **extra,
     }  # fmt: skip
     write_json(Path(out) if out else Path(run_dir) / CALIBRATION, report)
     return report
 
 
-def load_calibration(path: str | Path, *, fingerprint: str | None = None) -> tuple[ExitPolicy, dict[str, Any]]:
-    """The policy saved by :func:`calibrate_run`, refused if it was fit on another model."""
+def load_calibration(
+    path: str | Path, *, fingerprint: str | None = None, num_steps: int | None = None
+) -> tuple[ExitPolicy, dict[str, Any]]:
+    """The policy saved by :func:`calibrate_run`, refused if it was fit on another model (or, given
+    ``num_steps``, on a model with another number of exits) or if its figures are malformed."""
     target = Path(path)
     if not target.is_file():
         raise AnytimeError(f"no calibration at {target}; run `anytime calibrate RUN --max-drop 1` first")
@@ -184,7 +195,24 @@ def load_calibration(path: str | Path, *, fingerprint: str | None = None) -> tup
             f"{target} was fit on another model (weights {report.get('model_fingerprint')}, this run's are "
             f"{fingerprint}); calibrate this run instead"
         )
-    return ExitPolicy.from_dict(report.get("policy", {}), where=str(target)), report
+    policy = ExitPolicy.from_dict(report.get("policy", {}), where=str(target))
+    if num_steps is not None and policy.num_steps != num_steps:
+        raise AnytimeError(
+            f"{target} has thresholds for {policy.num_steps} exits but the model has {num_steps}; calibrate again"
+        )
+    for split in ("validation", "test"):
+        figures = report.get(split)
+        if split == "test" and figures is None:
+            continue
+        try:
+            shares = [float(s) for s in figures["exit_share"]]
+            ok = len(shares) == policy.num_steps and all(
+                math.isfinite(float(figures[key])) for key in ("accuracy", "flops_ratio", "last_exit_accuracy"))
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise AnytimeError(f"{target}: its {split} figures are malformed; calibrate again")
+    return policy, report
 
 
 def evaluate_run(
@@ -194,15 +222,16 @@ def evaluate_run(
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
     backbone (interleaved, same samples). Written to ``RUN/evaluation-SPLIT.json``."""
+    _check_split(split)
     run = load_run(run_dir, device)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; there is no early exit to evaluate")
-    policy, _ = load_calibration(calibration or Path(run_dir) / CALIBRATION, fingerprint=run.fingerprint)
+    policy, _ = load_calibration(
+        calibration or Path(run_dir) / CALIBRATION, fingerprint=run.fingerprint, num_steps=run.num_steps
+    )
     num_classes = int(run.dataset["num_classes"])
     policy.check(run.num_steps, num_classes)
     splits = _splits_of(run)
-    if split not in ("val", "test"):
-        raise AnytimeError(f"unknown split '{split}'; choose val or test")
     data = getattr(splits, split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
     predictions, exits, labels, images = [], [], [], []
@@ -217,7 +246,9 @@ def evaluate_run(
     exit_of = torch.cat(exits).numpy()
     truth = torch.cat(labels).numpy()
     info = run.model.exit_info  # type: ignore[union-attr]
-    cost = np.array([e.cost_flops for e in info], dtype=np.float64)
+    enabled = torch.tensor([[t is not None for t in policy.thresholds]])
+    cost = exit_costs(torch.tensor([e.flops for e in info], dtype=torch.float64),
+                      torch.tensor([e.cost_flops for e in info], dtype=torch.float64), enabled)[0].numpy()  # fmt: skip
     base = int(run.model.backbone_flops)  # type: ignore[union-attr]
     report: dict[str, Any] = {
         "run": str(run_dir), "split": split, "policy": policy.to_dict(), "samples": int(truth.size),
@@ -277,7 +308,7 @@ def plot_run(run_dir: str | Path, *, criteria: list[str] | None = None, settings
     paths += plot_threshold_curves(results, folder / "threshold", title)
     calibration = Path(run_dir) / CALIBRATION
     if calibration.is_file():
-        _, report = load_calibration(calibration, fingerprint=val.model_fingerprint)
+        _, report = load_calibration(calibration, fingerprint=val.model_fingerprint, num_steps=val.num_steps)
         paths += plot_exit_histogram(report, list(val.step_names), folder / "exit_histogram", title)
     rows = read_metrics(run_dir)
     if rows and any(key.startswith("val_acc_exit") for key in rows[0]):

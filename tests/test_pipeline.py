@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from anytime.calibrate import ExitPolicy
-from anytime.cli import main
+from anytime.cli import build_parser, main
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, load_cache
@@ -263,3 +263,17 @@ def test_a_plain_run_has_no_exits_to_collect(tmp_path, capsys):
     Trainer(TrainConfig(model="lenet", data="digits", epochs=1, device="cpu"), plain).fit()
     code, _, err = _run(capsys, "collect", plain)
     _one_line_error(code, err, "plain model", "--exits")
+
+
+def test_cli_choices_match_the_library():
+    from anytime.calibrate import CRITERIA, RULES
+    from anytime.cli import _CRITERIA
+    from anytime.train.config import EXIT_HEADS, EXIT_MODES
+    from anytime.wrappers import HEADS
+
+    assert tuple(_CRITERIA) == CRITERIA and tuple(EXIT_HEADS) == HEADS
+    actions = {a.dest: a for sub in build_parser()._subparsers._group_actions for p in sub.choices.values()  # noqa: SLF001
+               for a in p._actions}  # fmt: skip
+    assert tuple(actions["exit_mode"].choices) == EXIT_MODES
+    assert tuple(actions["exit_head"].choices) == HEADS
+    assert tuple(actions["rule"].choices) == RULES

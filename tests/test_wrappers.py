@@ -133,7 +133,7 @@ def test_sdn_points_sit_at_fractions_of_the_flops():
         ("1.5", "fractions of the backbone's FLOPs"),
         ("0", "at least 1"),
         ("", "no exit points given"),
-        (30, "only"),
+        (30, "distinct ones fit"),
     ],
 )
 def test_bad_exit_points_are_refused(points, message):
@@ -180,3 +180,43 @@ def test_step_out_of_range_is_refused():
     model = attach_exits(create_model("resnet20"), "auto")
     with pytest.raises(AnytimeError, match="exit 3 does not exist"):
         model.forward_until(torch.zeros(1, 3, 32, 32), 3)
+
+
+class _Normalised(nn.Module):
+    """A user's module that reads a buffer directly in its forward (a get_attr in the traced graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.full((1, 3, 1, 1), 0.5))
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(torch.relu(self.conv(x - self.mean))).flatten(1))
+
+
+def test_traced_segments_follow_the_backbone_when_it_moves():
+    model = attach_exits(_Normalised(), ["conv"])
+    model.to(torch.float64)
+    assert model.segments[0].mean.dtype == torch.float64  # type: ignore[union-attr]
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    assert torch.equal(model.eval().forward_all(x)[-1], model.backbone(x))
+
+
+class _TrainOnlyNoise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        if self.training:
+            y = y + 0.1
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+def test_a_forward_that_branches_on_training_is_refused():
+    with pytest.raises(AnytimeError, match="branches on self.training"):
+        attach_exits(_TrainOnlyNoise())

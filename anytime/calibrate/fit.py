@@ -137,7 +137,7 @@ def _check_budget(scores: Scores, fraction: float) -> float:
     if not math.isfinite(fraction) or fraction <= 0:
         raise AnytimeError(f"--budget-flops is a fraction of the backbone's FLOPs, above 0 (got {fraction})")
     budget = fraction * scores.base_flops
-    cheapest = float(scores.cost[0])
+    cheapest = float(scores.cost_flops[0])
     if budget < cheapest:
         raise AnytimeError(
             f"a budget of {fraction:.3g} of the backbone's FLOPs is below the first exit's own cost "
@@ -149,8 +149,10 @@ def _check_budget(scores: Scores, fraction: float) -> float:
 def calibrate_budget(
     val: OutputCache, *, budget: float, criterion: str = "entropy", rule: str = "search", temperature: bool = False
 ) -> Calibration:
-    """The most accurate thresholds whose mean cost on validation is at most ``budget`` times the backbone's
-    FLOPs, by ``rule``: ``search`` (direct search) or ``msdnet`` (shares proportional to q^k)."""
+    """Thresholds for a mean cost of ``budget`` times the backbone's FLOPs on validation, by ``rule``:
+    ``search``, the most accurate setting whose cost is at most the budget (a direct search), or ``msdnet``,
+    MSDNet's rule (shares proportional to q^k, q set for the budget), which meets the budget only up to
+    the rounding of the shares to whole samples and ties between scores; its cost is reported as found."""
     if rule not in RULES:
         raise AnytimeError(f"unknown budget rule '{rule}'; choose one of {', '.join(RULES)}")
     scores, temps = _prepare(val, criterion, temperature)
@@ -183,7 +185,7 @@ def msdnet_thresholds(scores: Scores, budget: float) -> Tensor:
     """Signed thresholds that send MSDNet's shares of the validation samples out at each exit, most
     confident first."""
     n = scores.signed.shape[1]
-    shares = msdnet_shares(scores.cost, budget)
+    shares = msdnet_shares(scores.cost_flops, budget)
     remaining = torch.ones(n, dtype=torch.bool)
     thresholds = []
     for k, row in enumerate(scores.signed):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from anytime.calibrate.criteria import get_criterion
-from anytime.calibrate.sweep import evaluate_settings, scores_of
+from anytime.calibrate.sweep import assign_exits, evaluate_settings, scores_of
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 
@@ -99,7 +99,7 @@ class ExitPolicy:
         """Accuracy, cost and exit shares of this policy on a cache (offline)."""
         self.check(cache.num_steps, cache.num_classes)
         scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
-        acc, cost, share = evaluate_settings(scores, self.signed_thresholds().view(1, -1))
+        acc, cost, share = evaluate_settings(scores, self.signed_thresholds().view(1, -1), floor_disables=False)
         return PolicyResult(
             accuracy=float(acc[0]), mean_flops=float(cost[0]), flops_ratio=float(cost[0]) / cache.base_flops,
             exit_share=tuple(float(s) for s in share[0]),
@@ -107,8 +107,7 @@ class ExitPolicy:
 
     def assign(self, cache: OutputCache) -> np.ndarray:
         """The exit every cached sample leaves at."""
-        from anytime.calibrate.sweep import assign_exits
-
+        self.check(cache.num_steps, cache.num_classes)
         scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
         return assign_exits(scores.signed, self.signed_thresholds().view(1, -1))[0].numpy()
 
@@ -120,6 +119,11 @@ class ExitPolicy:
         if len(segments) != self.num_steps:
             raise AnytimeError(
                 f"this policy is for {self.num_steps} exits; the model has {len(segments) or 'no'} exits"
+            )
+        if model.training:
+            raise AnytimeError(
+                "early exit needs the model in eval mode (call model.eval()): in training mode batch norm would "
+                "depend on which samples are still in"
             )
         heads = list(model.heads)  # type: ignore[union-attr, arg-type]
         if x.shape[0] == 1:

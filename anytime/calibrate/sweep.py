@@ -6,6 +6,7 @@ handful of tensor operations on ``[S, K-1, N]`` booleans; nothing runs the netwo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,21 +18,47 @@ from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 
 
+def exit_costs(step_flops: Tensor, cost_flops: Tensor, enabled: Tensor) -> Tensor:
+    """FLOPs a sample spends when it leaves at each exit, ``[S, K]``, for S settings whose enabled early exits
+    are ``enabled`` ``[S, K-1]``: the backbone up to the exit, plus the head of every enabled exit on the way
+    (a disabled exit, whose threshold lets nobody leave, is skipped, head and all).
+
+    ``step_flops[k]`` is the backbone up to exit k plus its own head; ``cost_flops[k]`` adds every earlier
+    head, so the heads' FLOPs are recovered from the difference.
+    """
+    paid_before = cost_flops - step_flops  # heads of exits 0..k-1
+    heads = torch.diff(paid_before)  # [K-1]
+    backbone = step_flops - torch.cat([heads, heads.new_zeros(1)])
+    paid = torch.cumsum(enabled.to(heads.dtype) * heads, dim=1)  # heads paid up to and including exit k
+    paid = torch.cat([paid, paid[:, -1:]], dim=1)  # the last exit pays every enabled early head
+    return backbone.unsqueeze(0) + paid
+
+
 @dataclass(frozen=True)
 class Scores:
     """Every early exit's signed scores on a cache (lower = more confident), ``[K-1, N]`` float64, with
-    what the sweep needs to score a setting: which exits are right, and what leaving at each costs."""
+    what the sweep needs to score a setting: which exits are right, and what each costs."""
 
     criterion: Criterion
     signed: Tensor
     correct: Tensor  # [K, N] bool
-    cost: Tensor  # [K] float64, FLOPs of leaving at step k
+    step_flops: Tensor  # [K] float64, the backbone up to exit k and its head
+    cost_flops: Tensor  # [K] float64, ... and every earlier head
     base_flops: int
 
     @property
     def num_steps(self) -> int:
         """K."""
         return int(self.correct.shape[0])
+
+    @property
+    def floor(self) -> Tensor:
+        """Each early exit's lowest signed score: a threshold below it lets nobody leave there."""
+        return self.signed.min(dim=1).values
+
+    def mean_cost(self, share: Tensor, enabled: Tensor) -> Tensor:
+        """Mean FLOPs per sample ``[S]`` of settings with exit shares ``[S, K]`` and enabled exits ``[S, K-1]``."""
+        return (share * exit_costs(self.step_flops, self.cost_flops, enabled)).sum(dim=1)
 
 
 def scores_of(cache: OutputCache, criterion: str | Criterion, temperatures: list[float] | None = None) -> Scores:
@@ -48,7 +75,8 @@ def scores_of(cache: OutputCache, criterion: str | Criterion, temperatures: list
     raw = crit.score(logits, temps.view(-1, 1, 1))
     return Scores(
         criterion=crit, signed=crit.signed(raw), correct=torch.from_numpy(cache.correct()),
-        cost=torch.from_numpy(cache.cost_flops.astype(np.float64)), base_flops=cache.base_flops,
+        step_flops=torch.from_numpy(cache.step_flops.astype(np.float64)),
+        cost_flops=torch.from_numpy(cache.cost_flops.astype(np.float64)), base_flops=cache.base_flops,
     )  # fmt: skip
 
 
@@ -74,6 +102,7 @@ class SweepResult:
     mean_flops: np.ndarray
     exit_share: np.ndarray
     base_flops: int
+    shared: np.ndarray | None = None  # the one threshold all exits share, per setting (criterion's units)
 
     @property
     def flops_ratio(self) -> np.ndarray:
@@ -90,12 +119,15 @@ class SweepResult:
                 best = self.accuracy[i]
         return np.asarray(front, dtype=np.int64)
 
-    def rows(self, indices: np.ndarray | None = None) -> list[dict[str, float]]:
-        """One dict per setting (for CSV): thresholds, accuracy, FLOPs, ratio and exit shares."""
+    def rows(self, indices: np.ndarray | None = None) -> list[dict[str, float | None]]:
+        """One dict per setting (for CSV and JSON): thresholds (None: nobody leaves there), accuracy, FLOPs,
+        ratio and exit shares."""
         chosen = range(len(self.accuracy)) if indices is None else indices
         rows = []
         for i in chosen:
-            row: dict[str, float] = {f"threshold{k}": float(t) for k, t in enumerate(self.thresholds[i])}
+            row: dict[str, float | None] = {
+                f"threshold{k}": None if np.isnan(t) else float(t) for k, t in enumerate(self.thresholds[i])
+            }
             row.update(accuracy=float(self.accuracy[i]), mean_flops=float(self.mean_flops[i]),
                        flops_ratio=float(self.mean_flops[i] / self.base_flops))  # fmt: skip
             row.update({f"share{k}": float(s) for k, s in enumerate(self.exit_share[i])})
@@ -103,8 +135,15 @@ class SweepResult:
         return rows
 
 
-def evaluate_settings(scores: Scores, signed_thresholds: Tensor, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
-    """Accuracy ``[S]``, mean cost ``[S]`` and exit shares ``[S, K]`` of any signed threshold settings ``[S, K-1]``."""
+def evaluate_settings(
+    scores: Scores, signed_thresholds: Tensor, *, floor_disables: bool = True, chunk: int = 256
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Accuracy ``[S]``, mean cost ``[S]`` and exit shares ``[S, K]`` of any signed threshold settings ``[S, K-1]``.
+
+    An exit whose threshold is -inf is disabled (its head never runs). With ``floor_disables`` (settings
+    fit on this very cache), so is one whose threshold is below every score it has here: the policy made
+    from it says "nobody leaves" there (``None``), and the head is skipped.
+    """
     n = scores.signed.shape[1]
     k_last = scores.num_steps - 1
     accs, shares = [], []
@@ -122,7 +161,9 @@ def evaluate_settings(scores: Scores, signed_thresholds: Tensor, chunk: int = 25
         accs.append(hits.double() / n)
         shares.append(counts.double() / n)
     share = torch.cat(shares)
-    return torch.cat(accs), share @ scores.cost, share
+    limit = scores.floor.unsqueeze(0) if floor_disables else torch.tensor(-math.inf, dtype=torch.float64)
+    enabled = signed_thresholds >= limit if floor_disables else signed_thresholds > limit
+    return torch.cat(accs), scores.mean_cost(share, enabled), share
 
 
 def sweep_shared(scores: Scores, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -151,7 +192,8 @@ def sweep_shared(scores: Scores, values: Tensor) -> tuple[Tensor, Tensor, Tensor
     left[:, k_last] = n
     counts = torch.diff(left, dim=1, prepend=torch.zeros(values.shape[0], 1, dtype=torch.int64))
     share = counts.double() / n
-    return hits.double() / n, share @ scores.cost, share
+    enabled = values.unsqueeze(1) >= scores.floor.unsqueeze(0)
+    return hits.double() / n, scores.mean_cost(share, enabled), share
 
 
 def shared_grid(scores: Scores, settings: int) -> Tensor:
@@ -185,7 +227,10 @@ def sweep(
     scores = scores_of(cache, criterion, temperatures)
     grid = shared_grid(scores, settings)
     acc, cost, share = sweep_shared(scores, grid[:, 0].contiguous())
+    lo, hi = scores.criterion.bounds(cache.num_classes)
+    shared = (grid[:, 0] if scores.criterion.low_is_confident else -grid[:, 0]).clamp(lo, hi).numpy()
     return SweepResult(
+        shared=shared,
         criterion=scores.criterion.name,
         thresholds=to_natural(scores.criterion, grid, cache.num_classes, scores.signed.min(dim=1).values),
         accuracy=acc.numpy(), mean_flops=cost.numpy(), exit_share=share.numpy(), base_flops=cache.base_flops,
@@ -194,7 +239,8 @@ def sweep(
 
 @dataclass(frozen=True)
 class Oracle:
-    """Each sample leaves at its first correct exit (the last if none is right): the lower bound of cost."""
+    """Each sample leaves at its first correct exit (the last if none is right), paying every head on the
+    way: the cheapest way to reach the accuracy of "some exit is right", the ceiling of early exit."""
 
     accuracy: float
     mean_flops: float

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from anytime.errors import AnytimeError
-from anytime.utils.io import atomic_path
+from anytime.utils.io import atomic_open
 
 CACHE_FORMAT = "anytime-outputs-v1"
 SPLITS: tuple[str, ...] = ("val", "test")
@@ -45,9 +46,17 @@ class OutputCache:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        k, n, _ = self.logits.shape
-        if self.labels.shape != (n,) or len(self.step_names) != k or self.step_flops.shape != (k,):
+        if self.logits.ndim != 3:
+            raise AnytimeError(f"an outputs cache needs logits [K, N, C] (got shape {list(self.logits.shape)})")
+        k, n, c = self.logits.shape
+        shapes_ok = (self.labels.shape == (n,) and len(self.step_names) == k and self.step_flops.shape == (k,)
+                     and self.cost_flops.shape == (k,))  # fmt: skip
+        if not shapes_ok:
             raise AnytimeError("an outputs cache needs logits [K, N, C], N labels and K step names and costs")
+        if n and (self.labels.min() < 0 or self.labels.max() >= c):
+            raise AnytimeError(f"an outputs cache's labels must be classes 0..{c - 1}")
+        if self.base_flops <= 0 or (self.step_flops <= 0).any() or (self.cost_flops < self.step_flops).any():
+            raise AnytimeError("an outputs cache needs positive FLOPs, with cost_flops >= step_flops")
 
     @property
     def num_steps(self) -> int:
@@ -78,13 +87,12 @@ class OutputCache:
             "format": CACHE_FORMAT, "step_names": list(self.step_names), "base_flops": int(self.base_flops),
             "split": self.split, "model_fingerprint": self.model_fingerprint, **self.meta,
         }  # fmt: skip
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as handle:
-                np.savez(
-                    handle, logits=self.logits.astype(np.float32), labels=self.labels.astype(np.int64),
-                    step_flops=self.step_flops.astype(np.int64), cost_flops=self.cost_flops.astype(np.int64),
-                    meta=np.array(json.dumps(meta)),
-                )  # fmt: skip
+        with atomic_open(path, "wb") as handle:
+            np.savez(
+                handle, logits=self.logits.astype(np.float32), labels=self.labels.astype(np.int64),
+                step_flops=self.step_flops.astype(np.int64), cost_flops=self.cost_flops.astype(np.int64),
+                meta=np.array(json.dumps(meta)),
+            )  # fmt: skip
         return Path(path)
 
     @classmethod
@@ -97,19 +105,22 @@ class OutputCache:
             with np.load(target, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
                 arrays = {k: data[k] for k in ("logits", "labels", "step_flops", "cost_flops")}
-        except (OSError, ValueError, KeyError, EOFError) as exc:
+            if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT:
+                raise AnytimeError(f"{target} is not an anytime outputs cache (no '{CACHE_FORMAT}' tag)")
+            known = {"format", "step_names", "base_flops", "split", "model_fingerprint"}
+            cache = cls(
+                logits=arrays["logits"], labels=arrays["labels"], step_names=tuple(meta["step_names"]),
+                step_flops=arrays["step_flops"], cost_flops=arrays["cost_flops"], base_flops=int(meta["base_flops"]),
+                split=str(meta["split"]), model_fingerprint=str(meta["model_fingerprint"]),
+                meta={k: v for k, v in meta.items() if k not in known},
+            )  # fmt: skip
+        except AnytimeError as exc:
+            raise AnytimeError(f"{target}: {exc}; collect it again") from None
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
             raise AnytimeError(f"{target} is not a readable outputs cache ({type(exc).__name__}); collect it again") from None
-        if meta.get("format") != CACHE_FORMAT:
-            raise AnytimeError(f"{target} is not an anytime outputs cache (no '{CACHE_FORMAT}' tag)")
-        if not np.isfinite(arrays["logits"]).all():
+        if not np.isfinite(cache.logits).all():
             raise AnytimeError(f"{target} holds NaN or infinite logits; the model is broken or diverged")
-        known = {"format", "step_names", "base_flops", "split", "model_fingerprint"}
-        return cls(
-            logits=arrays["logits"], labels=arrays["labels"], step_names=tuple(meta["step_names"]),
-            step_flops=arrays["step_flops"], cost_flops=arrays["cost_flops"], base_flops=int(meta["base_flops"]),
-            split=str(meta["split"]), model_fingerprint=str(meta["model_fingerprint"]),
-            meta={k: v for k, v in meta.items() if k not in known},
-        )  # fmt: skip
+        return cache
 
 
 def cache_path(run_dir: str | os.PathLike[str], split: str) -> Path:

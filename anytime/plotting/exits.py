@@ -41,11 +41,11 @@ def plot_exit_pareto(
 
 
 def plot_threshold_curves(results: Mapping[str, SweepResult], stem: str | os.PathLike[str], title: str) -> list[Path]:
-    """Accuracy and mean FLOPs against the shared threshold, one panel per criterion."""
+    """Accuracy and mean FLOPs against the threshold all exits share, one panel per criterion."""
     fig = Figure(figsize=(4 * len(results), 3.6))
     axes = np.atleast_1d(fig.subplots(1, len(results)))
     for ax, (name, result) in zip(axes, results.items()):
-        t = result.thresholds[:, 0]
+        t = result.shared if result.shared is not None else result.thresholds[:, 0]
         keep = np.isfinite(t)
         ax.plot(t[keep], 100 * result.accuracy[keep], color="#4C72B0", label="accuracy")
         ax.set(xlabel=f"{name} threshold", ylabel="accuracy (%)", title=name)

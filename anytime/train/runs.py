@@ -15,6 +15,7 @@ from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_weights
 from anytime.train.config import TrainConfig
 from anytime.train.multi_exit import build_model
+from anytime.utils.machine import resolve_device
 
 WEIGHTS = "model.safetensors"
 
@@ -69,11 +70,13 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedR
             f"{run} has no {WEIGHTS}: its training has not finished; continue it with "
             f"`anytime train --out {run} --resume`"
         )
-    size = dataset.get("image_size") or [32, 32]
-    model = build_model(
-        config, num_classes=int(dataset["num_classes"]), in_channels=int(dataset["in_channels"]),
-        image_size=(int(size[0]), int(size[1])), load_init=False,
-    )  # fmt: skip
+    try:
+        size = dataset.get("image_size") or [32, 32]
+        shape = {"num_classes": int(dataset["num_classes"]), "in_channels": int(dataset["in_channels"]),
+                 "image_size": (int(size[0]), int(size[1]))}  # fmt: skip
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise AnytimeError(f"{run / 'config.json'} does not describe its dataset; was it edited?") from None
+    model = build_model(config, load_init=False, **shape)  # type: ignore[arg-type]
     load_weights(model, weights)
-    target = torch.device(device)
+    target = resolve_device(str(device))
     return LoadedRun(run, config, dataset, model.to(target).eval(), weights_fingerprint(weights), target)

@@ -139,7 +139,8 @@ class Trainer:
         info = splits.info
         seed_everything(cfg.seed)
         model = build_model(
-            cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size
+            cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
+            load_init=state is None,  # a resumed run takes every weight from its checkpoint
         ).to(device)
         optimizer = torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
@@ -215,7 +216,8 @@ class Trainer:
         model.train()
         weights = exit_weights(cfg, model).to(device)
         log = PhaseLog()
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # the last exit's cross-entropy
+        objective_sum = torch.zeros((), device=device, dtype=torch.float64)  # what is minimised
         correct = torch.zeros((), device=device, dtype=torch.int64)
         seen = 0
         bar = tqdm(total=len(train_loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
@@ -226,7 +228,8 @@ class Trainer:
             labels = labels.to(device, non_blocking=True)
             t_data = clock.now()
             logits = model(images)
-            if logits.dim() == 3:
+            multi_exit = logits.dim() == 3
+            if multi_exit:
                 loss = multi_exit_loss(
                     logits, labels, weights, distill=cfg.distill, temperature=cfg.distill_temperature
                 )
@@ -234,7 +237,9 @@ class Trainer:
             else:
                 loss = F.cross_entropy(logits, labels)
             with torch.no_grad():
-                loss_sum += loss.detach().double() * labels.numel()
+                objective_sum += loss.detach().double() * labels.numel()
+                last_loss = F.cross_entropy(logits, labels) if multi_exit else loss
+                loss_sum += last_loss.detach().double() * labels.numel()
                 correct += (logits.argmax(dim=1) == labels).sum()
             t_forward = clock.now()
             optimizer.zero_grad(set_to_none=True)
@@ -275,6 +280,7 @@ class Trainer:
             "cuda_peak_mb": None if cuda_peak is None else cuda_peak / 2**20,
         }  # fmt: skip
         if len(val_accs) > 1:
+            record["train_objective"] = float(objective_sum) / max(seen, 1)
             record.update({f"val_acc_exit{k}": acc for k, acc in enumerate(val_accs)})
         phases = {"data": log.data, "forward": log.forward, "backward": log.backward, "step": log.step,
                   "batch": [float(b) for b in log.batch]}  # fmt: skip
@@ -316,7 +322,7 @@ class Trainer:
 
     def _write_tables(self, history: list[dict[str, Any]]) -> None:
         rows = [entry["metrics"] for entry in history]
-        exit_columns = [key for key in rows[-1] if key.startswith("val_acc_exit")]
+        exit_columns = [key for key in rows[-1] if key.startswith("val_acc_exit") or key == "train_objective"]
         write_csv(self.run_dir / "metrics.csv", rows, [*METRICS_COLUMNS, *exit_columns])
         iterations = [
             {"epoch": entry["metrics"]["epoch"], "iteration": i, "batch": int(batch),

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from anytime.backbones.base import StagedBackbone
 from anytime.errors import AnytimeError
-from anytime.wrappers.tracing import Chain, Cut, staged_chain, traced_chain
+from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, staged_chain, traced_chain
 
 HEADS: tuple[str, ...] = ("pool", "linear", "conv")
 SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
@@ -110,6 +110,12 @@ class MultiExitModel(nn.Module):
             self.backbone.eval()
         return self
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        for segment in self._segments:
+            refresh_attributes(segment, self.backbone)
+        return self
+
     @property
     def num_steps(self) -> int:
         """The number of exits, the backbone's own head included."""
@@ -141,15 +147,6 @@ class MultiExitModel(nn.Module):
     def segments(self) -> tuple[nn.Module, ...]:
         """The backbone cut at the exit points: segment k turns exit k-1's features into exit k's."""
         return self._segments
-
-    def segment(self, k: int) -> nn.Module:
-        """The part of the backbone between exit ``k - 1``'s point and exit ``k``'s."""
-        return self._segments[self._check_step(k)]
-
-    def head(self, k: int) -> nn.Module:
-        """Exit ``k``'s head (the identity for the last exit, whose segment ends in the backbone's head)."""
-        k = self._check_step(k)
-        return nn.Identity() if k == self.num_steps - 1 else self.heads[k]
 
     def _check_step(self, k: int) -> int:
         if not isinstance(k, int) or not -self.num_steps <= k < self.num_steps:
@@ -200,6 +197,8 @@ def _fractions(values: list[float]) -> list[float]:
 def _at_fractions(chain: Chain, fractions: Sequence[float]) -> list[Cut]:
     chosen: list[Cut] = []
     candidates = [c for c in chain.cuts if c.flops < chain.total_flops]
+    if not candidates:
+        raise AnytimeError("this backbone has no point to exit at before its output")
     for f in fractions:
         best = min(candidates, key=lambda c: abs(c.flops / chain.total_flops - f))
         if best not in chosen:
@@ -230,7 +229,10 @@ def _choose(chain: Chain, kind: str, value: object, staged: bool) -> list[Cut]:
             raise AnytimeError(f"an exit count must be at least 1 (got {count}); 1 is the backbone alone")
         chosen = _at_fractions(chain, [k / count for k in range(1, count)])
         if len(chosen) < count - 1:
-            raise AnytimeError(f"{count} exits asked, but this backbone has only {len(chain.cuts)} points to split at")
+            raise AnytimeError(
+                f"{count} exits asked, but only {len(chosen) + 1} distinct ones fit: this backbone has "
+                f"{len(chain.cuts)} points to exit at, unevenly spread over its FLOPs; ask for fewer or name them"
+            )
         return chosen
     aliases = chain.aliases
     chosen = []

@@ -121,13 +121,26 @@ def traced_chain(backbone: nn.Module, sample: Tensor) -> Chain:
     """Cuts of any traceable module, found on its torch.fx graph."""
     from torch.fx.passes.shape_prop import ShapeProp
 
+    was_training = backbone.training
+    graphs = []
     try:
-        graph = _Tracer().trace(backbone)
+        # fx runs Python control flow once, at trace time: a forward that branches on self.training would be
+        # frozen in one mode, so it is traced in both and refused if they differ.
+        for mode in (True, False):
+            graphs.append(_Tracer().trace(backbone.train(mode)))
     except Exception as exc:  # noqa: BLE001  fx raises many types; all mean the same to the user
         raise AnytimeError(
             f"cannot split {type(backbone).__name__} into stages: torch.fx could not trace it ({_first_line(exc)}); "
             "give it a stage contract (subclass StagedBackbone) or make its forward traceable"
         ) from None
+    finally:
+        backbone.train(was_training)
+    if str(graphs[0]) != str(graphs[1]):
+        raise AnytimeError(
+            f"cannot split {type(backbone).__name__}: its forward branches on self.training outside standard layers, "
+            "so one traced graph cannot serve training and inference; give it a stage contract (StagedBackbone)"
+        )
+    graph = graphs[0]
     root = fx.GraphModule(backbone, graph)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -135,7 +148,6 @@ def traced_chain(backbone: nn.Module, sample: Tensor) -> Chain:
         raise AnytimeError(
             f"cannot split {type(backbone).__name__}: its forward takes {len(placeholders)} inputs; exits need one"
         )
-    was_training = backbone.training
     backbone.eval()
     try:
         with torch.no_grad():
@@ -184,6 +196,21 @@ def traced_chain(backbone: nn.Module, sample: Tensor) -> Chain:
         return segments
 
     return Chain(cuts, total, make)
+
+
+def refresh_attributes(segment: nn.Module, source: nn.Module) -> None:
+    """Point a traced segment's directly fetched tensors (``get_attr``) back at ``source``'s current ones.
+
+    A traced segment holds its own references to tensors it reads outside any submodule (a top-level
+    buffer, say); moving the backbone (``.to(device)``) replaces buffers, so the references are renewed.
+    """
+    if not isinstance(segment, fx.GraphModule):
+        return
+    for node in segment.graph.nodes:
+        if node.op == "get_attr":
+            *path, name = str(node.target).split(".")
+            prefix = ".".join(path)
+            setattr(segment.get_submodule(prefix), name, getattr(source.get_submodule(prefix), name))
 
 
 def _first_line(exc: BaseException) -> str:
