@@ -22,8 +22,8 @@ def per_sample_latency(
 ) -> dict[str, np.ndarray]:
     """Seconds each function takes on every batch of ``batch_size`` samples of ``inputs``.
 
-    The functions run interleaved on the same batch (A, B, A, B, ...), so that a machine that slows
-    down or speeds up during the measurement affects them alike. The first ``warmup`` batches run
+    The functions run interleaved on the same batch (A then B, then B then A on the next batch), so
+    that a machine that slows down or speeds up during the measurement affects them alike. The first ``warmup`` batches run
     untimed. On CUDA every call is synchronised. Everything runs in inference mode.
     """
     device = inputs.device
@@ -33,10 +33,13 @@ def per_sample_latency(
             fn(x)
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in functions}
-    for x in batches:
-        for name, fn in functions.items():
+    names = list(functions)
+    for i, x in enumerate(batches):
+        # The order alternates (A, B, then B, A): whichever runs second on a batch finds the caches in the
+        # state the first left, which measurably favours or penalises it on a small machine.
+        for name in names if i % 2 == 0 else names[::-1]:
             start = time.perf_counter()
-            fn(x)
+            functions[name](x)
             _sync(device)
             times[name].append(time.perf_counter() - start)
     return {name: np.asarray(values) for name, values in times.items()}
