@@ -344,15 +344,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_exits(args: argparse.Namespace) -> int:
     import torch
 
-    from anytime.backbones import StagedBackbone, create_model
+    from anytime.backbones import create_model
     from anytime.wrappers import attach_exits
-    from anytime.wrappers.tracing import staged_chain, traced_chain
+    from anytime.wrappers.tracing import split_points
 
     backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
     shape = (args.in_channels, args.image_size, args.image_size)
     if args.points:
-        sample = torch.zeros(1, *shape)
-        chain = staged_chain(backbone, sample) if isinstance(backbone, StagedBackbone) else traced_chain(backbone, sample)
+        chain = split_points(backbone, torch.zeros(1, *shape))
         rows = [{"name": c.name, "shape": list(c.shape), "flops_fraction": c.flops / chain.total_flops,
                  "stage_end": c.stage_end} for c in chain.cuts]  # fmt: skip
         if args.json:

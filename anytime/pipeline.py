@@ -28,7 +28,7 @@ from anytime.calibrate import (
 from anytime.calibrate.sweep import exit_costs
 from anytime.data import DatasetSplits, make_loader
 from anytime.errors import AnytimeError
-from anytime.outputs import OutputCache, cache_path, collect, load_cache
+from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.train import load_splits
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, weights_fingerprint
 from anytime.utils.io import write_csv, write_json
@@ -59,8 +59,8 @@ def _splits_of(run: LoadedRun) -> DatasetSplits:
 
 
 def _check_split(split: str) -> None:
-    if split not in ("val", "test"):
-        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    if split not in SPLITS:
+        raise AnytimeError(f"unknown split '{split}'; choose one of {', '.join(SPLITS)}")
 
 
 def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_size: int = 512) -> OutputCache:

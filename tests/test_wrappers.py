@@ -75,22 +75,25 @@ def test_a_users_own_module_is_split_by_tracing():
     _check_contract(model, net, torch.randn(4, 1, 28, 28))
 
 
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
+class _Branchy(nn.Module):
+    """A user's module whose forward branches in Python: on a tensor's value, or on ``self.training``."""
+
+    def __init__(self, on: str) -> None:
         super().__init__()
+        self.on = on
         self.conv = nn.Conv2d(3, 4, 3)
         self.fc = nn.Linear(4, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
-        if y.sum() > 0:  # control flow on values: torch.fx cannot trace it
+        if (y.sum() > 0) if self.on == "value" else self.training:
             y = y * 2
         return self.fc(y.mean(dim=(2, 3)))
 
 
 def test_a_module_that_cannot_be_split_is_named():
-    with pytest.raises(AnytimeError, match="cannot split _DataDependent"):
-        attach_exits(_DataDependent())
+    with pytest.raises(AnytimeError, match="cannot split _Branchy"):
+        attach_exits(_Branchy("value"))
 
 
 def test_in_place_consumers_are_not_cut_points():
@@ -204,19 +207,6 @@ def test_traced_segments_follow_the_backbone_when_it_moves():
     assert torch.equal(model.eval().forward_all(x)[-1], model.backbone(x))
 
 
-class _TrainOnlyNoise(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.fc = nn.Linear(4, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv(x)
-        if self.training:
-            y = y + 0.1
-        return self.fc(y.mean(dim=(2, 3)))
-
-
 def test_a_forward_that_branches_on_training_is_refused():
     with pytest.raises(AnytimeError, match="branches on self.training"):
-        attach_exits(_TrainOnlyNoise())
+        attach_exits(_Branchy("training"))

@@ -52,21 +52,26 @@ def save_weights(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     return Path(path)
 
 
+def read_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The state dict in a ``.safetensors`` file or an anytime checkpoint."""
+    target = Path(path)
+    if target.suffix != ".safetensors":
+        return load_checkpoint(target)["model"]
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not target.is_file():
+        raise AnytimeError(f"no weights file at {target}")
+    try:
+        return load_file(str(target))
+    except (SafetensorError, OSError) as exc:
+        raise AnytimeError(f"{target} is not a valid safetensors file ({exc})") from None
+
+
 def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     """Load weights from a ``.safetensors`` file or an anytime checkpoint into ``model``."""
     target = Path(path)
-    if target.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        if not target.is_file():
-            raise AnytimeError(f"no weights file at {target}")
-        try:
-            weights = load_file(str(target))
-        except (SafetensorError, OSError) as exc:
-            raise AnytimeError(f"{target} is not a valid safetensors file ({exc})") from None
-    else:
-        weights = load_checkpoint(target)["model"]
+    weights = read_weights(target)
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:

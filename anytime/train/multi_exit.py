@@ -14,7 +14,7 @@ from anytime.train.config import TrainConfig
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    from anytime.train.checkpoint import load_checkpoint
+    from anytime.train.checkpoint import read_weights
 
     if path.is_dir():
         if (path / "model.safetensors").is_file():
@@ -25,19 +25,12 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
             raise AnytimeError(f"{path} holds no model.safetensors or checkpoint.pt; point --init at a trained run")
     if not path.is_file():
         raise AnytimeError(f"--init {path}: no such file; give a run directory, a checkpoint or a weights file")
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise AnytimeError(f"--init {path} is not a valid safetensors file ({exc})") from None
     try:
-        return load_checkpoint(path)["model"]
-    except AnytimeError:
-        pass
-    try:
+        return read_weights(path)
+    except AnytimeError as exc:
+        if path.suffix == ".safetensors":
+            raise AnytimeError(f"--init: {exc}") from None
+    try:  # not an anytime checkpoint: a plain state dict (torch.save(model.state_dict()), torchvision's files)
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001  any unreadable or unsafe file gets the same answer
         raise AnytimeError(f"--init {path} is not a checkpoint or a state dict that loads weights-only") from None

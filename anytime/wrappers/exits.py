@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from anytime.backbones.base import StagedBackbone
 from anytime.errors import AnytimeError
-from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, staged_chain, traced_chain
+from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
 
 HEADS: tuple[str, ...] = ("pool", "linear", "conv")
 SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
@@ -287,9 +287,8 @@ def attach_exits(
     except StopIteration:
         device = torch.device("cpu")
     sample = torch.zeros(1, *input_shape, device=device)
-    staged = isinstance(backbone, StagedBackbone)
-    chain = staged_chain(backbone, sample) if staged else traced_chain(backbone, sample)
-    chosen = _choose(chain, kind, value, staged)
+    chain = split_points(backbone, sample)
+    chosen = _choose(chain, kind, value, isinstance(backbone, StagedBackbone))
     segments = chain.segments(chosen)
     if num_classes is None:
         with torch.no_grad():

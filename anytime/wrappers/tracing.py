@@ -213,6 +213,11 @@ def refresh_attributes(segment: nn.Module, source: nn.Module) -> None:
             setattr(segment.get_submodule(prefix), name, getattr(source.get_submodule(prefix), name))
 
 
+def split_points(backbone: nn.Module, sample: Tensor) -> Chain:
+    """Every point ``backbone`` can exit after: by its stage contract, else on its torch.fx graph."""
+    return staged_chain(backbone, sample) if isinstance(backbone, StagedBackbone) else traced_chain(backbone, sample)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
