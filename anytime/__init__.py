@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from anytime.backbones import create_model, list_models
 from anytime.errors import AnytimeError
+from anytime.scheduler import AnytimeRunner, DeadlineScheduler
 from anytime.wrappers import attach_exits
 
-__all__ = ["AnytimeError", "attach_exits", "create_model", "list_models"]
+__all__ = ["AnytimeError", "AnytimeRunner", "DeadlineScheduler", "attach_exits", "create_model", "list_models"]
 __version__ = "0.1.0"

@@ -20,7 +20,9 @@ COMMANDS: dict[str, str] = {
     "sweep": "sweep exit thresholds over the cached outputs: accuracy, FLOPs, exit shares, Pareto front",
     "calibrate": "fit exit thresholds on validation for an accuracy drop or a FLOPs budget (RUN/calibration.json)",
     "evaluate": "real early exit on a split: accuracy, exit shares, latency per sample vs the plain backbone",
-    "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy",
+    "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy, deadlines",
+    "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
+    "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
     "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
@@ -170,6 +172,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
     plot.add_argument("run", metavar="RUN")
+    plot.add_argument("--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)")
+
+    profile = sub.add_parser("profile", description=COMMANDS["profile"],
+                             usage="anytime profile RUN [options] | anytime profile --compare A.json B.json")
+    profile.add_argument("run", metavar="RUN", nargs="?", help="a finished run directory")
+    profile.add_argument("--batch-sizes", default="1,8,16,32", metavar="B,B,...", help="default 1,8,16,32")
+    profile.add_argument("--repeats", type=_positive_int, default=200, metavar="N",
+                         help="timed repetitions per batch size (default 200; a p99 needs at least 100)")
+    profile.add_argument("--warmup", type=_non_negative_int, default=10, metavar="N", help="untimed repetitions first")
+    profile.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    profile.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads (default: torch's)")
+    profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
+    profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
+    profile.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two profiles side by side")
+    profile.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    schedule = sub.add_parser("schedule", description=COMMANDS["schedule"])
+    schedule.add_argument("run", metavar="RUN")
+    schedule.add_argument("--deadline-ms", type=float, required=True, metavar="D", help="the time budget of one request")
+    schedule.add_argument("--quantile", type=float, default=0.99, metavar="Q",
+                          help="the latency quantile that must fit (default 0.99)")
+    schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
+    schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
@@ -486,15 +512,107 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from anytime.pipeline import plot_run
 
-    for path in plot_run(args.run):
+    for path in plot_run(args.run, profile=args.profile):
         print(path)
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise AnytimeError(f"--batch-sizes '{text}' is not a comma-separated list of whole numbers") from None
+    if not sizes or min(sizes) < 1:
+        raise AnytimeError(f"--batch-sizes '{text}' must list positive batch sizes, e.g. 1,8,16,32")
+    return sizes
+
+
+def _print_profile(profile: Any, path: Path) -> None:
+    d = profile.device
+    power = f", power mode {d['jetson_power_mode']}" if d.get("jetson_power_mode") else ""
+    print(f"{profile.model} ({profile.model_fingerprint}) on {d['label']} [{d['type']}], "
+          f"{profile.settings['threads']} threads{power}, {profile.settings['repeats']} repeats")  # fmt: skip
+    for b in profile.batch_sizes:
+        at = profile.at(b)
+        mem = f", peak memory {at.memory['peak_mb']:.0f} MB ({at.memory['activations_mb']:.1f} MB in the forward)" if at.memory else ""
+        train = (f", train fwd {1000 * at.training['forward_p50_s']:.2f} ms bwd {1000 * at.training['backward_p50_s']:.2f} ms"
+                 if at.training else "")  # fmt: skip
+        print(f"batch {b}{mem}{train}")
+        print(f"  {'step':<8} {'GFLOPs':>8} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}" + (f" {'stage p99':>10}" if at.stages else ""))
+        for k, name in enumerate(profile.step_names):
+            q = [profile.step_quantile(k, v, b) for v in (0.5, 0.9, 0.99)]
+            stage = f" {profile.stage_quantile(k, 0.99, b):10.3f}" if at.stages else ""
+            print(f"  {name:<8} {profile.step_flops[k] / 1e9:8.4f} {q[0]:9.3f} {q[1]:9.3f} {q[2]:9.3f}{stage}")
+    print(f"saved to {path}")
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from anytime.profile import DeviceProfile
+
+    if args.compare:
+        if args.run:
+            raise AnytimeError("give either RUN (to profile it) or --compare A.json B.json, not both")
+        a, b = (DeviceProfile.load(p) for p in args.compare)
+        return _compare_profiles(a, b, args.compare)
+    if not args.run:
+        raise AnytimeError("give a run directory to profile (anytime profile RUN) or --compare A.json B.json")
+    import torch
+
+    from anytime.pipeline import profile_run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    profile, path = profile_run(
+        args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
+        device=args.device, train=args.train, memory=not args.no_memory, out=args.out,
+    )  # fmt: skip
+    if args.json:
+        summary = profile.to_dict()
+        for batch in summary["batches"]:
+            for block in (batch["steps"], batch["stages"] or []):
+                for entry in block:
+                    entry.pop("samples_ms")
+        print(json.dumps(summary, indent=2))
+        return 0
+    _print_profile(profile, path)
+    return 0
+
+
+def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
+    if a.num_steps != b.num_steps:
+        raise AnytimeError(f"{paths[0]} has {a.num_steps} steps and {paths[1]} has {b.num_steps}: not the same model")
+    print(f"A: {paths[0]}: {a.device['label']} [{a.device['type']}], {a.settings['threads']} threads, torch {a.device.get('torch')}")
+    print(f"B: {paths[1]}: {b.device['label']} [{b.device['type']}], {b.settings['threads']} threads, torch {b.device.get('torch')}")
+    if a.model_fingerprint != b.model_fingerprint:
+        print(f"note: different weights ({a.model_fingerprint} vs {b.model_fingerprint}); latencies compare, accuracies may not")
+    common = [s for s in a.batch_sizes if s in b.batch_sizes]
+    if not common:
+        raise AnytimeError(f"the profiles share no batch size ({list(a.batch_sizes)} vs {list(b.batch_sizes)})")
+    for size in common:
+        print(f"batch {size}")
+        print(f"  {'step':<8} {'A p50':>9} {'B p50':>9} {'A p99':>9} {'B p99':>9} {'B/A p99':>8}")
+        for k, name in enumerate(a.step_names):
+            a50, b50 = a.step_quantile(k, 0.5, size), b.step_quantile(k, 0.5, size)
+            a99, b99 = a.step_quantile(k, 0.99, size), b.step_quantile(k, 0.99, size)
+            print(f"  {name:<8} {a50:9.3f} {b50:9.3f} {a99:9.3f} {b99:9.3f} {b99 / a99 if a99 > 0 else float('nan'):8.2f}")
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from anytime.pipeline import scheduler_for_run
+
+    scheduler, path = scheduler_for_run(args.run, args.profile)
+    choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size)
+    frontier = [{"option": o.name, "kind": o.kind, "accuracy": o.accuracy, "latency_ms": latency}
+                for o, latency in scheduler.frontier(args.quantile, args.batch_size)]  # fmt: skip
+    print(json.dumps({**choice.to_dict(), "profile": str(path), "frontier": frontier}, indent=2))
     return 0
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
-    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "experiment": _cmd_experiment,
-    "demo": _cmd_demo,
+    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
+    "schedule": _cmd_schedule, "experiment": _cmd_experiment, "demo": _cmd_demo,
 }  # fmt: skip
 
 

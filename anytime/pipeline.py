@@ -1,4 +1,5 @@
-"""The multi-exit pipeline on a run directory: collect, sweep, calibrate, evaluate (real early exit), plot.
+"""The pipeline on a run directory: collect, sweep, calibrate, evaluate (real early exit), plot, then
+profile on the device, schedule against deadlines and serve with the anytime runtime.
 
 Each function reads what the previous one wrote into the run and writes its own results there
 (atomically); the CLI commands of the same names print what these return.
@@ -29,6 +30,8 @@ from anytime.calibrate.sweep import exit_costs
 from anytime.data import DatasetSplits, make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
+from anytime.profile.store import DeviceProfile, device_slug
+from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option
 from anytime.train import load_splits
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, weights_fingerprint
 from anytime.utils.io import write_csv, write_json
@@ -287,9 +290,12 @@ def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor) -> dict[s
             "speedup": plain["mean_ms"] / early["mean_ms"] if early["mean_ms"] > 0 else math.nan}  # fmt: skip
 
 
-def plot_run(run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400) -> list[Path]:
+def plot_run(
+    run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None
+) -> list[Path]:
     """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
-    every exit alone), accuracy vs threshold, the calibrated exit histogram, per-exit accuracy by epoch."""
+    every exit alone), accuracy vs threshold, the calibrated exit histogram, per-exit accuracy by epoch, and,
+    once the run is profiled, accuracy vs deadline and the latency distributions."""
     from anytime.calibrate import CRITERIA
     from anytime.plotting import (
         plot_exit_accuracy_epochs,
@@ -313,4 +319,113 @@ def plot_run(run_dir: str | Path, *, criteria: list[str] | None = None, settings
     rows = read_metrics(run_dir)
     if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
         paths += plot_exit_accuracy_epochs(rows, list(val.step_names), folder / "exit_accuracy", title)
+    if profile is not None or any(Path(run_dir).glob("profile-*.json")):
+        paths += _plot_deadlines(run_dir, profile, folder, title)
     return paths
+
+
+def _plot_deadlines(run_dir: str | Path, profile: str | Path | None, folder: Path, title: str) -> list[Path]:
+    from anytime.plotting import plot_deadline_accuracy, plot_latency_distributions
+
+    scheduler, _ = scheduler_for_run(run_dir, profile)
+    quantile = min(0.99, 1 - 1 / scheduler.profile.samples_per_step)
+    paths = plot_deadline_accuracy(scheduler, folder / "deadline_accuracy", title, quantile=quantile)
+    return paths + plot_latency_distributions(scheduler.profile, folder / "latency", title)
+
+
+def default_profile_path(run_dir: str | Path, profile: DeviceProfile) -> Path:
+    """Where ``anytime profile`` writes by default: ``RUN/profile-<device>.json``."""
+    return Path(run_dir) / f"profile-{device_slug(profile.device)}.json"
+
+
+def profile_run(
+    run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
+    device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
+) -> tuple[DeviceProfile, Path]:  # fmt: skip
+    """Profile a finished run's model on this device (synthetic inputs: no dataset needed) and save it.
+
+    On a CPU the peak memory of each batch size is measured in a fresh process; on a GPU, by the allocator.
+    """
+    from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
+    from anytime.profile.memory import inference_memory
+
+    run = load_run(run_dir, device)
+    size = run.dataset.get("image_size") or [32, 32]
+    shape = (int(run.dataset["in_channels"]), int(size[0]), int(size[1]))
+
+    def probe(sizes: list[int]) -> dict[int, dict[str, Any]]:
+        threads = torch.get_num_threads()
+        return {b: run_isolated(inference_memory, str(run.run_dir), b, threads=threads, timeout_s=600) for b in sizes}
+
+    profile = profile_model(
+        run.model, shape, batch_sizes=batch_sizes or DEFAULT_BATCH_SIZES, repeats=repeats, warmup=warmup,
+        device=run.device, model_name=run.config.model, fingerprint=run.fingerprint,
+        num_classes=int(run.dataset["num_classes"]), train=train, memory=probe if memory else None,
+    )  # fmt: skip
+    path = profile.save(Path(out) if out else default_profile_path(run_dir, profile))
+    return profile, path
+
+
+def find_profile(run_dir: str | Path, profile: str | Path | None = None) -> Path:
+    """The profile to schedule with: the one given, or the run's only ``profile-*.json``."""
+    if profile is not None:
+        return Path(profile)
+    found = sorted(Path(run_dir).glob("profile-*.json"))
+    if not found:
+        raise AnytimeError(f"{run_dir} has no device profile; measure one with `anytime profile {run_dir}`")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise AnytimeError(f"{run_dir} has several profiles ({names}); choose one with --profile FILE")
+    return found[0]
+
+
+def run_options(run_dir: str | Path, num_steps: int) -> list[Option]:
+    """The scheduler's options for a run: every step with its validation accuracy (from the run's summary)
+    and, if the run is calibrated, its early-exit policy with its validation accuracy and exit shares."""
+    summary_path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text())
+        if num_steps > 1:
+            accuracy = [float(e["val_acc"]) for e in summary["exits"]]
+        else:
+            accuracy = [float(summary["final"]["val_acc"])]
+    except FileNotFoundError:
+        raise AnytimeError(f"{run_dir} has no summary.json: its training has not finished") from None
+    except (ValueError, KeyError, TypeError):
+        raise AnytimeError(f"{summary_path} does not hold every step's validation accuracy; was it edited?") from None
+    if len(accuracy) != num_steps or not all(0 <= a <= 1 for a in accuracy):
+        raise AnytimeError(f"{summary_path} has {len(accuracy)} valid step accuracies for {num_steps} steps")
+    names = [f"exit{k}" for k in range(num_steps)] if num_steps > 1 else ["step0"]
+    options = [Option(name, a, step=k) for k, (name, a) in enumerate(zip(names, accuracy))]
+    calibration = Path(run_dir) / CALIBRATION
+    if num_steps > 1 and calibration.is_file():
+        policy, report = load_calibration(calibration, fingerprint=run_fingerprint(run_dir), num_steps=num_steps)
+        figures = report["validation"]
+        options.append(Option(f"early-exit ({policy.criterion})", float(figures["accuracy"]), policy=policy,
+                              exit_share=tuple(float(s) for s in figures["exit_share"])))  # fmt: skip
+    return options
+
+
+def scheduler_for_run(
+    run_dir: str | Path, profile: str | Path | None = None, *, adapt: bool = True
+) -> tuple[DeadlineScheduler, Path]:
+    """A deadline scheduler for a run on a profiled device; the profile must name this run's weights."""
+    fingerprint = run_fingerprint(run_dir)
+    path = find_profile(run_dir, profile)
+    loaded = DeviceProfile.load(path, fingerprint=fingerprint)
+    return DeadlineScheduler(loaded, run_options(run_dir, loaded.num_steps), adapt=adapt), path
+
+
+def runner_for_run(
+    run_dir: str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
+    device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True,
+) -> tuple[AnytimeRunner, LoadedRun]:  # fmt: skip
+    """The anytime runtime for a run: its model, its device profile and (if calibrated) its early-exit policy."""
+    run = load_run(run_dir, device)
+    loaded = DeviceProfile.load(find_profile(run_dir, profile), fingerprint=run.fingerprint, num_steps=run.num_steps)
+    exit_policy = None
+    calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
+    if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
+        exit_policy, _ = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
+    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt)
+    return runner, run

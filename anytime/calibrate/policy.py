@@ -95,6 +95,14 @@ class ExitPolicy:
         """Thresholds turned so that a sample leaves when its signed score is at most them; -inf: never."""
         return torch.tensor(self._limits, dtype=torch.float64)
 
+    def confident(self, k: int, logits: Tensor) -> Tensor | None:
+        """Which samples may leave at early exit ``k`` given its logits (``None`` if nobody leaves there)."""
+        limit = self._limits[k]
+        if limit == -math.inf:
+            return None
+        crit = get_criterion(self.criterion)
+        return crit.signed(crit.score(logits, self._temps[k])) <= limit
+
     def evaluate(self, cache: OutputCache) -> PolicyResult:
         """Accuracy, cost and exit shares of this policy on a cache (offline)."""
         self.check(cache.num_steps, cache.num_classes)

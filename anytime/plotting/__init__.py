@@ -13,8 +13,10 @@ from anytime.plotting.figures import (
     plot_training_curves,
     save_figure,
 )
+from anytime.plotting.schedule import plot_deadline_accuracy, plot_deadline_runs, plot_latency_distributions
 
 __all__ = [
-    "plot_batch_time", "plot_exit_accuracy_epochs", "plot_exit_histogram", "plot_exit_pareto", "plot_memory",
-    "plot_threshold_curves", "plot_time_accuracy", "plot_training_curves", "save_figure",
+    "plot_batch_time", "plot_deadline_accuracy", "plot_deadline_runs", "plot_exit_accuracy_epochs",
+    "plot_exit_histogram", "plot_exit_pareto", "plot_latency_distributions", "plot_memory", "plot_threshold_curves",
+    "plot_time_accuracy", "plot_training_curves", "save_figure",
 ]  # fmt: skip

@@ -89,3 +89,51 @@ def loader_memory(
         "processes": sampler.peak_processes_,
         "images_per_s": images / elapsed if elapsed > 0 else float("nan"),
     }
+
+
+def _reset_peak_rss() -> bool:
+    # Linux resets the process's high-water mark (VmHWM) on writing 5 to clear_refs; ru_maxrss never resets.
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5\n")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_bytes() -> int | None:
+    try:
+        text = open("/proc/self/status", encoding="ascii").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = None) -> dict[str, Any]:
+    """Peak RSS of this process while a run's model answers a batch with its last step; meant for a fresh
+    process (:func:`run_isolated`), one per batch size, so no earlier batch's freed memory hides this one's.
+
+    The peak is reset first where Linux allows it (VmHWM via ``/proc/self/clear_refs``); otherwise
+    ``ru_maxrss`` is read, which also counts loading. ``activations_mb`` is the peak above the RSS with the
+    model and the input loaded.
+    """
+    from anytime.profile.steps import run_step, step_count
+    from anytime.train.runs import load_run
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    run = load_run(run_dir, "cpu")
+    shape = run.dataset.get("image_size") or [32, 32]
+    x = torch.randn(batch_size, int(run.dataset["in_channels"]), int(shape[0]), int(shape[1]))
+    with torch.inference_mode():
+        loaded = current_rss_bytes()
+        reset = _reset_peak_rss()
+        for _ in range(2):
+            run_step(run.model, x, step_count(run.model) - 1)
+        peak = (_hwm_bytes() if reset else None) or peak_rss_bytes()
+    how = "VmHWM after a reset" if reset else "ru_maxrss, loading included"
+    return {"peak_mb": peak / MIB, "activations_mb": max(0, peak - loaded) / MIB,
+            "how": f"peak RSS of a fresh process ({how}), above its RSS with the model and input loaded"}  # fmt: skip

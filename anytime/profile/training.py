@@ -58,10 +58,12 @@ def measure_train_step(
     repeats: int = 10,
     lr: float = 0.01,
     momentum: float = 0.9,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ) -> TrainStepTiming:
     """Time SGD training iterations on one fixed batch (data loading excluded; see the trainer for that).
 
     The model is trained in place on the device of ``images``; on CUDA each phase is synchronised.
+    ``loss_fn(outputs, labels)`` is the objective (cross-entropy by default).
     """
     device = images.device
     model.train()
@@ -74,7 +76,7 @@ def measure_train_step(
     step: list[float] = []
     for i in range(warmup + repeats):
         t0 = clock.now()
-        loss = F.cross_entropy(model(images), labels)
+        loss = loss_fn(model(images), labels)
         t1 = clock.now()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

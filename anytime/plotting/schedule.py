@@ -1,0 +1,95 @@
+"""Figures of deadline scheduling: accuracy the scheduler delivers vs deadline, latency distributions per
+step, and the runtime's deadline-miss rate and accuracy vs deadline."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from anytime.plotting.figures import save_figure
+
+if TYPE_CHECKING:
+    from anytime.profile import DeviceProfile
+    from anytime.scheduler import DeadlineScheduler
+
+
+def plot_deadline_accuracy(
+    scheduler: DeadlineScheduler, stem: str | os.PathLike[str], title: str, *, quantile: float = 0.99,
+    batch_size: int = 1,
+) -> list[Path]:  # fmt: skip
+    """Validation accuracy of the scheduler's choice against the deadline (a step curve), with every step's
+    latency at the quantile marked."""
+    frontier = scheduler.frontier(quantile, batch_size)
+    top = 1.25 * frontier[-1][1]
+    deadlines = np.linspace(top / 400, top, 400)
+    accuracy = [np.nan if not (c := scheduler.select(float(d), quantile, batch_size)).fits else 100 * c.accuracy
+                for d in deadlines]  # fmt: skip
+    fig = Figure(figsize=(7, 4.4))
+    ax = fig.subplots()
+    ax.step(deadlines, accuracy, where="post", color="#4C72B0", label=f"scheduler's choice (p{100 * quantile:g} fits)")
+    profile = scheduler.profile
+    for k, name in enumerate(profile.step_names):
+        latency = profile.step_quantile(k, quantile, batch_size)
+        ax.axvline(latency, color="grey", lw=0.8, ls=":")
+        ax.annotate(name, (latency, ax.get_ylim()[0]), rotation=90, fontsize=7, xytext=(2, 4), textcoords="offset points")
+    for option, latency in frontier:
+        ax.scatter([latency], [100 * option.accuracy], color="#C44E52" if option.kind == "policy" else "black", zorder=3)
+        ax.annotate(option.name, (latency, 100 * option.accuracy), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    ax.set(xlabel="deadline (ms)", ylabel="validation accuracy (%)",
+           title=f"{title}: accuracy vs deadline, batch {batch_size} on {profile.device.get('label')}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return save_figure(fig, stem)
+
+
+def plot_latency_distributions(
+    profile: DeviceProfile, stem: str | os.PathLike[str], title: str, *, batch_size: int = 1
+) -> list[Path]:
+    """Each step's latency distribution (and each stage's, for incremental models), with p50 and p99 marked."""
+    at = profile.at(batch_size)
+    panels = [("each step alone", at.steps)] + ([("each stage (one exit further)", at.stages)] if at.stages else [])
+    fig = Figure(figsize=(5 * len(panels), 4))
+    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    for ax, (label, samples) in zip(axes, panels):
+        ax.violinplot([np.asarray(s) for s in samples], showextrema=False)
+        for k, s in enumerate(samples, start=1):
+            for q, marker in ((0.5, "_"), (0.99, "v")):
+                ax.scatter([k], [np.quantile(s, q, method="inverted_cdf")], marker=marker, color="black", s=30, zorder=3)
+        ax.set_xticks(range(1, len(samples) + 1), list(profile.step_names), fontsize=8)
+        ax.set(ylabel="latency (ms)", title=label)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{title}: latency at batch {batch_size} on {profile.device.get('label')} (_ p50, v p99)")
+    fig.tight_layout()
+    return save_figure(fig, stem)
+
+
+def plot_deadline_runs(
+    rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], title: str, *, conditions: Sequence[str]
+) -> list[Path]:
+    """The runtime's miss rate and accuracy vs deadline for each condition, with the hindsight oracle's accuracy.
+
+    ``rows`` carry ``condition``, ``deadline_ms``, ``miss_rate``, ``accuracy`` and ``oracle_accuracy``.
+    """
+    fig = Figure(figsize=(11, 4.2))
+    miss_ax, acc_ax = fig.subplots(1, 2)
+    for condition in conditions:
+        mine = sorted((r for r in rows if r["condition"] == condition), key=lambda r: r["deadline_ms"])
+        d = [r["deadline_ms"] for r in mine]
+        miss_ax.plot(d, [100 * r["miss_rate"] for r in mine], marker=".", label=condition)
+        line = acc_ax.plot(d, [100 * r["accuracy"] for r in mine], marker=".", label=f"{condition}: runtime")
+        oracle = [np.nan if r["oracle_accuracy"] is None else 100 * r["oracle_accuracy"] for r in mine]
+        acc_ax.plot(d, oracle, ls="--", color=line[0].get_color(), alpha=0.6, label=f"{condition}: oracle")
+    miss_ax.axhline(1.0, color="grey", ls=":", lw=0.8)
+    miss_ax.set(xlabel="deadline (ms)", ylabel="deadline misses (%)", title="miss rate (target 1%)")
+    acc_ax.set(xlabel="deadline (ms)", ylabel="test accuracy (%)", title="accuracy vs best single step in hindsight")
+    for ax in (miss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, stem)

@@ -1,0 +1,204 @@
+"""Measure every step of an anytime model on this device: the device profile.
+
+Any model obeying the step contract (``num_steps``, ``forward_until``; ``steps`` for incremental ones)
+is profiled on synthetic inputs of its input shape, so a board needs only the package and the weights.
+A plain ``nn.Module`` is profiled as a single step.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+from anytime.profile.store import BatchLatency, DeviceProfile
+from anytime.profile.training import measure_train_step
+from anytime.utils.machine import describe_machine, device_label
+
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 8, 16, 32)
+
+
+def is_incremental(model: nn.Module) -> bool:
+    """Whether step k+1 reuses step k's work (an ``incremental`` attribute, else having ``steps``)."""
+    return bool(getattr(model, "incremental", hasattr(model, "steps")))
+
+
+def step_count(model: nn.Module) -> int:
+    """Steps of a model under the step contract; 1 for a plain classifier."""
+    return int(getattr(model, "num_steps", 1))
+
+
+def run_step(model: nn.Module, x: Tensor, k: int) -> Tensor:
+    """Step ``k`` of ``model`` alone (a plain classifier's only step is its forward)."""
+    return model.forward_until(x, k) if hasattr(model, "forward_until") else model(x)  # type: ignore[operator]
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _flops(model: nn.Module, x: Tensor, k: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        run_step(model, x, k)
+    return int(counter.get_total_flops())
+
+
+def _step_params(model: nn.Module, num_steps: int) -> tuple[int, ...]:
+    info = getattr(model, "exit_info", None)
+    if info is not None and len(info) == num_steps:
+        return tuple(int(e.params) for e in info)
+    total = sum(p.numel() for p in model.parameters())
+    return (total,) * num_steps
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each tensor counted once (the serialised payload)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _time_batch(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, flip: bool,
+                sync: Callable[[], None]) -> tuple[list[float], list[float] | None]:  # fmt: skip
+    """One repetition: each step alone (order flipped every other repetition, so that no step always runs
+    on caches another one warmed) and, for incremental models, the stages of one pass through all steps."""
+    stages: list[float] | None = None
+    if incremental:
+        stages = []
+        sync()
+        before = time.perf_counter()
+        for _ in model.steps(x):  # type: ignore[operator]
+            sync()
+            now = time.perf_counter()
+            stages.append((now - before) * 1000)
+            before = now
+        if len(stages) != num_steps:
+            raise AnytimeError(f"the model's steps() yielded {len(stages)} steps but num_steps is {num_steps}")
+    alone = [0.0] * num_steps
+    order = range(num_steps - 1, -1, -1) if flip else range(num_steps)
+    for k in order:
+        sync()
+        start = time.perf_counter()
+        run_step(model, x, k)
+        sync()
+        alone[k] = (time.perf_counter() - start) * 1000
+    return alone, stages
+
+
+def _cuda_memory(model: nn.Module, x: Tensor, num_steps: int) -> dict[str, Any]:
+    device = x.device
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_step(model, x, num_steps - 1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_mb": peak / 2**20, "activations_mb": (peak - before) / 2**20, "how": "CUDA allocator peak"}
+
+
+def _training(model: nn.Module, x: Tensor, num_classes: int, repeats: int) -> dict[str, float]:
+    trainee = copy.deepcopy(model)
+    labels = torch.randint(0, num_classes, (x.shape[0],), device=x.device)
+    multi = step_count(model) > 1
+
+    def loss_fn(out: Tensor, y: Tensor) -> Tensor:
+        # Every step's cross-entropy, as joint training of an anytime model computes it.
+        return sum(F.cross_entropy(o, y) for o in out) if multi else F.cross_entropy(out, y)  # type: ignore[return-value]
+
+    timing = measure_train_step(trainee, x, labels, warmup=2, repeats=repeats, loss_fn=loss_fn)
+    summary = timing.summary()
+    return {key: summary[key] for key in ("forward_p50_s", "backward_p50_s", "step_p50_s", "total_p50_s", "images_per_s")}
+
+
+def profile_model(
+    model: nn.Module, input_shape: Sequence[int], *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    repeats: int = 200, warmup: int = 10, device: str | torch.device = "cpu", model_name: str = "model",
+    fingerprint: str | None = None, num_classes: int | None = None, train: bool = False, train_repeats: int = 10,
+    memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
+) -> DeviceProfile:  # fmt: skip
+    """Measure every step (and, for incremental models, every stage) at each batch size.
+
+    ``input_shape`` is one sample's shape (``(3, 32, 32)``); inputs are random, since latency does not depend
+    on the pixel values. ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is
+    synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
+    measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
+    backward and optimiser times at each batch size (on a copy of the model).
+    """
+    if repeats < 1 or warmup < 0:
+        raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise AnytimeError(f"batch sizes must be positive whole numbers (got {list(batch_sizes)})")
+    target = torch.device(device)
+    was_training = model.training
+    model.eval()
+    num_steps = step_count(model)
+    incremental = is_incremental(model) and num_steps > 1
+    sync = _sync(target)
+    generator = torch.Generator().manual_seed(seed)
+    latency: dict[int, BatchLatency] = {}
+    try:
+        with torch.inference_mode():
+            sample = torch.randn(1, *input_shape, generator=generator).to(target)
+            flops = tuple(_flops(model, sample, k) for k in range(num_steps))
+            classes = num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
+            for b in sizes:
+                x = torch.randn(b, *input_shape, generator=generator).to(target)
+                for i in range(warmup):
+                    _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
+                alone: list[list[float]] = []
+                stages: list[list[float]] = []
+                for i in range(repeats):
+                    a, s = _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
+                    alone.append(a)
+                    if s is not None:
+                        stages.append(s)
+                mem = _cuda_memory(model, x, num_steps) if target.type == "cuda" else None
+                latency[b] = BatchLatency(
+                    b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
+                    memory=mem,
+                )  # fmt: skip
+        if train:
+            for b in sizes:
+                x = torch.randn(b, *input_shape, generator=generator).to(target)
+                latency[b] = replace(latency[b], training=_training(model, x, classes, train_repeats))
+    finally:
+        model.train(was_training)
+    if memory is not None and target.type != "cuda":
+        for b, figures in memory(sizes).items():
+            latency[b] = replace(latency[b], memory=figures)
+    return DeviceProfile(
+        model_fingerprint=fingerprint, model=model_name, input_shape=tuple(int(v) for v in input_shape),
+        incremental=incremental, step_names=_step_names(model, num_steps), step_flops=flops,
+        step_params=_step_params(model, num_steps), model_bytes=weights_bytes(model), latency=latency,
+        device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
+        settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
+                  "inputs": "random normal", "timer": "time.perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )  # fmt: skip
+
+
+def _step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
+    info = getattr(model, "exit_info", None)
+    if info is not None and len(info) == num_steps:
+        return tuple(f"exit{e.index}" for e in info)
+    return tuple(f"step{k}" for k in range(num_steps))

@@ -1,0 +1,237 @@
+"""The device profile: every step's measured latency on one device, as a versioned JSON file.
+
+A profile belongs to a device and a model. It names the device (CPU model, cores, threads, GPU, power
+mode), the software and the model's fingerprint, and keeps the raw latency samples (milliseconds), so
+any quantile the sample count can resolve is available later and a policy's latency (a mixture of exit
+paths) can be computed from the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from anytime.errors import AnytimeError
+from anytime.utils.io import write_json
+
+PROFILE_FORMAT = "anytime-profile-v1"
+
+
+def quantile_of(samples: np.ndarray, q: float, weights: np.ndarray | None = None) -> float:
+    """The ``q`` quantile of a (weighted) sample: the smallest value with at least ``q`` of the mass at or
+    below it (the inverted empirical CDF, so a p99 of 100 samples is the 99th smallest, never an
+    interpolation below an observed value)."""
+    order = np.argsort(samples, kind="stable")
+    values = np.asarray(samples, dtype=np.float64)[order]
+    if weights is None:
+        index = max(0, math.ceil(q * values.size - 1e-9) - 1)
+        return float(values[min(index, values.size - 1)])
+    mass = np.cumsum(np.asarray(weights, dtype=np.float64)[order])
+    index = int(np.searchsorted(mass, q * mass[-1] - 1e-12, side="left"))
+    return float(values[min(index, values.size - 1)])
+
+
+def summarize(samples_ms: np.ndarray) -> dict[str, float]:
+    """Mean, std, p50, p90, p99 (milliseconds) and count of a latency sample."""
+    ms = np.asarray(samples_ms, dtype=np.float64)
+    return {"mean_ms": float(ms.mean()), "std_ms": float(ms.std()), "p50_ms": quantile_of(ms, 0.5),
+            "p90_ms": quantile_of(ms, 0.9), "p99_ms": quantile_of(ms, 0.99), "count": int(ms.size)}  # fmt: skip
+
+
+def device_slug(device: dict[str, Any]) -> str:
+    """A file-name-safe name for a profiled device: ``cpu-<model>`` or ``cuda-<gpu name>``."""
+    label = str(device.get("label") or device.get("type") or "device")
+    slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")[:48].strip("-")
+    kind = str(device.get("type") or "cpu")
+    return slug if slug.startswith(kind) else f"{kind}-{slug}"
+
+
+@dataclass(frozen=True)
+class BatchLatency:
+    """Latency samples (ms) at one batch size.
+
+    ``steps[k]``: step k answered alone (``forward_until(x, k)``). ``stages[k]`` (incremental models only):
+    going from step k-1's answer to step k's, measured in the same repetitions, so the cumulative sum of
+    stages 0..k of one repetition is the time to reach exit k under early exit.
+    """
+
+    batch_size: int
+    steps: tuple[np.ndarray, ...]
+    stages: tuple[np.ndarray, ...] | None
+    memory: dict[str, Any] | None = None
+    training: dict[str, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: summaries beside the raw samples."""
+
+        def block(samples: tuple[np.ndarray, ...]) -> list[dict[str, Any]]:
+            return [{**summarize(s), "samples_ms": [round(float(v), 5) for v in s]} for s in samples]
+
+        return {"batch_size": self.batch_size, "steps": block(self.steps),
+                "stages": None if self.stages is None else block(self.stages),
+                "memory": self.memory, "training": self.training}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Every step's latency on one device, with the model's costs and the device's description."""
+
+    model_fingerprint: str | None
+    model: str
+    input_shape: tuple[int, ...]
+    incremental: bool
+    step_names: tuple[str, ...]
+    step_flops: tuple[int, ...]
+    step_params: tuple[int, ...]
+    model_bytes: int
+    latency: dict[int, BatchLatency]
+    device: dict[str, Any]
+    settings: dict[str, Any]
+    created: str
+
+    @property
+    def num_steps(self) -> int:
+        """How many steps the profiled model has."""
+        return len(self.step_names)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes measured, ascending."""
+        return tuple(sorted(self.latency))
+
+    @property
+    def samples_per_step(self) -> int:
+        """The fewest samples behind any latency figure (what bounds the quantiles it can resolve)."""
+        return min(s.size for b in self.latency.values() for s in b.steps + (b.stages or ()))
+
+    def at(self, batch_size: int) -> BatchLatency:
+        """The latencies at one batch size; a clear error for one that was not measured."""
+        try:
+            return self.latency[batch_size]
+        except (KeyError, TypeError):
+            sizes = ", ".join(str(b) for b in self.batch_sizes)
+            raise AnytimeError(
+                f"the profile has no batch size {batch_size} (it measured {sizes}); "
+                f"profile again with --batch-sizes including {batch_size}"
+            ) from None
+
+    def check_quantile(self, q: float) -> float:
+        """Refuse a quantile that is not a number in (0, 1) or that the samples cannot resolve."""
+        if not isinstance(q, (int, float)) or not 0 < q < 1:
+            raise AnytimeError(f"quantile {q} is not in (0, 1); use e.g. 0.5, 0.9 or 0.99")
+        n = self.samples_per_step
+        if q > 1 - 1 / n + 1e-12:
+            need = math.ceil(1 / (1 - q))
+            raise AnytimeError(
+                f"a {q} quantile needs at least {need} samples per step but the profile has {n}; "
+                f"profile again with --repeats {need} or ask for a lower quantile"
+            )
+        return float(q)
+
+    def step_quantile(self, k: int, q: float, batch_size: int = 1) -> float:
+        """Step k alone at quantile q (ms)."""
+        return quantile_of(self.at(batch_size).steps[k], q)
+
+    def stage_quantile(self, k: int, q: float, batch_size: int = 1) -> float:
+        """Going from step k-1 to step k at quantile q (ms); incremental models only."""
+        stages = self.at(batch_size).stages
+        if stages is None:
+            raise AnytimeError("this profile has no stage latencies: the model is not incremental")
+        return quantile_of(stages[k], q)
+
+    def path_samples(self, k: int, batch_size: int = 1) -> np.ndarray:
+        """Per repetition, the time to reach exit k through exits 0..k (cumulative stages)."""
+        stages = self.at(batch_size).stages
+        if stages is None:
+            raise AnytimeError("this profile has no stage latencies: the model is not incremental")
+        return np.sum(np.stack(stages[: k + 1]), axis=0)
+
+    def check_model(self, fingerprint: str | None, num_steps: int | None = None, *, where: str = "profile") -> None:
+        """Refuse a profile measured on another model (other weights or another number of steps)."""
+        if fingerprint is not None and self.model_fingerprint != fingerprint:
+            raise AnytimeError(
+                f"{where} was measured on another model (weights {self.model_fingerprint}, this one's are "
+                f"{fingerprint}); profile this model with `anytime profile RUN`"
+            )
+        if num_steps is not None and num_steps != self.num_steps:
+            raise AnytimeError(f"{where} has {self.num_steps} steps but the model has {num_steps}; profile it again")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The versioned JSON document."""
+        return {
+            "format": PROFILE_FORMAT, "created": self.created, "model": self.model,
+            "model_fingerprint": self.model_fingerprint, "input_shape": list(self.input_shape),
+            "incremental": self.incremental, "model_bytes": self.model_bytes, "device": self.device,
+            "settings": self.settings,
+            "steps": [{"index": k, "name": n, "flops": f, "params": p}
+                      for k, (n, f, p) in enumerate(zip(self.step_names, self.step_flops, self.step_params))],
+            "batches": [self.latency[b].to_dict() for b in self.batch_sizes],
+        }  # fmt: skip
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (a temporary name, then a rename)."""
+        return write_json(path, self.to_dict())
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, where: str = "profile") -> DeviceProfile:
+        """Rebuild from :meth:`to_dict`; one clear error for anything malformed (NaN or negative samples included)."""
+        if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+            raise AnytimeError(f"{where} is not an anytime profile (no '{PROFILE_FORMAT}' tag); make one with `anytime profile RUN`")
+        try:
+            steps = doc["steps"]
+            num_steps = len(steps)
+            incremental = bool(doc["incremental"])
+            latency: dict[int, BatchLatency] = {}
+            for entry in doc["batches"]:
+                b = int(entry["batch_size"])
+                step_samples = tuple(_samples(s["samples_ms"], where) for s in entry["steps"])
+                stages = entry.get("stages")
+                stage_samples = None if stages is None else tuple(_samples(s["samples_ms"], where) for s in stages)
+                if len(step_samples) != num_steps or (stage_samples is not None and len(stage_samples) != num_steps):
+                    raise ValueError("steps do not match")
+                if incremental and (stage_samples is None or len({s.size for s in stage_samples}) != 1):
+                    raise ValueError("stages missing or ragged")
+                latency[b] = BatchLatency(b, step_samples, stage_samples, entry.get("memory"), entry.get("training"))
+            if not latency or num_steps < 1:
+                raise ValueError("empty")
+            return cls(
+                model_fingerprint=doc.get("model_fingerprint"), model=str(doc["model"]),
+                input_shape=tuple(int(v) for v in doc["input_shape"]), incremental=incremental,
+                step_names=tuple(str(s["name"]) for s in steps), step_flops=tuple(int(s["flops"]) for s in steps),
+                step_params=tuple(int(s["params"]) for s in steps), model_bytes=int(doc["model_bytes"]),
+                latency=latency, device=dict(doc["device"]), settings=dict(doc.get("settings") or {}),
+                created=str(doc.get("created", "")),
+            )  # fmt: skip
+        except AnytimeError:
+            raise
+        except (KeyError, TypeError, ValueError):
+            raise AnytimeError(f"{where} is a malformed profile (missing or inconsistent fields); profile again") from None
+
+    @classmethod
+    def load(cls, path: str | Path, *, fingerprint: str | None = None, num_steps: int | None = None) -> DeviceProfile:
+        """Read a profile file, refused if it is malformed or (given a fingerprint) from another model."""
+        target = Path(path)
+        if not target.is_file():
+            raise AnytimeError(f"no profile at {target}; measure one with `anytime profile RUN`")
+        try:
+            doc = json.loads(target.read_text())
+        except ValueError:
+            raise AnytimeError(f"{target} is not valid JSON; profile again") from None
+        profile = cls.from_dict(doc, where=str(target))
+        profile.check_model(fingerprint, num_steps, where=str(target))
+        return profile
+
+
+def _samples(values: Any, where: str) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError("no samples")
+    if not np.isfinite(array).all() or (array < 0).any():
+        raise AnytimeError(f"{where} holds a NaN, infinite or negative latency; profile again")
+    return array

@@ -1,0 +1,212 @@
+"""Which step or early-exit policy meets a deadline: the frontier of options and a binary search on it.
+
+An option is a single step chosen up front, or a calibrated early-exit policy over an incremental model.
+Its latency at quantile q comes from the device profile: a step's own samples, or for a policy the mixture
+of the exit paths weighted by where its validation samples leave (for a batch, by where the deepest sample
+of the batch leaves, since the batch runs until its last sample does). Options are sorted by latency and
+only those more accurate than every cheaper one are kept: the frontier. ``select`` is then a bisection.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from anytime.calibrate import ExitPolicy
+from anytime.errors import AnytimeError
+from anytime.profile.store import DeviceProfile, quantile_of
+from anytime.scheduler.online import DriftEstimator, ratios_to_median
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to answer: a single ``step``, or an early-exit ``policy`` with its validation exit shares."""
+
+    name: str
+    accuracy: float
+    step: int | None = None
+    policy: ExitPolicy | None = None
+    exit_share: tuple[float, ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``step`` or ``policy``."""
+        return "step" if self.policy is None else "policy"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The scheduler's answer: the option, its expected accuracy and its latency at the quantile asked.
+
+    ``fits`` is False when even the cheapest option's latency exceeds the deadline; ``option`` is then the
+    cheapest one and ``note`` says it will likely miss. ``drift`` is the factor the online estimate applied
+    to the profiled latencies (1 for the profile as measured).
+    """
+
+    option: str
+    kind: str
+    step: int | None
+    accuracy: float
+    latency_ms: float
+    deadline_ms: float
+    quantile: float
+    batch_size: int
+    fits: bool
+    drift: float
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able."""
+        return {"option": self.option, "kind": self.kind, "step": self.step, "accuracy": self.accuracy,
+                "latency_ms": self.latency_ms, "deadline_ms": self.deadline_ms, "quantile": self.quantile,
+                "batch_size": self.batch_size, "fits": self.fits, "drift": self.drift, "note": self.note}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    latency: list[float]  # ascending, profiled (drift 1)
+    options: list[Option]
+
+
+def check_deadline(deadline_ms: float) -> float:
+    """Refuse a deadline that is not a positive number (NaN, zero, negative, not a number at all)."""
+    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not deadline_ms > 0:
+        raise AnytimeError(f"deadline {deadline_ms!r} ms is not a positive number of milliseconds")
+    return float(deadline_ms)
+
+
+class DeadlineScheduler:
+    """Answers ``select(deadline_ms, quantile, batch_size)`` with the most accurate option that fits.
+
+    ``observe(option, seconds)`` feeds measured latencies back; with ``adapt`` the profiled latencies are
+    scaled by the drift they reveal (see :class:`DriftEstimator`), so choices follow a device that slows
+    down or speeds up.
+    """
+
+    def __init__(
+        self, profile: DeviceProfile, options: Sequence[Option], *, adapt: bool = True, window: int = 200,
+        min_observations: int = 20,
+    ) -> None:  # fmt: skip
+        if not options:
+            raise AnytimeError("the scheduler needs at least one option (a step or a policy)")
+        names = [o.name for o in options]
+        if len(set(names)) != len(names):
+            raise AnytimeError(f"option names must be unique (got {names})")
+        for o in options:
+            _check_option(o, profile)
+        self.profile = profile
+        self.options = {o.name: o for o in options}
+        self.adapt = adapt
+        self._frontiers: dict[tuple[float, int], _Frontier] = {}
+        self._medians: dict[tuple[str, int], float] = {}
+        reference = ratios_to_median([s for b in profile.batch_sizes for s in profile.at(b).steps])
+        self.drift = DriftEstimator(reference, window=window, min_observations=min_observations)
+
+    @classmethod
+    def from_accuracies(
+        cls, profile: DeviceProfile, step_accuracy: Sequence[float], policies: Sequence[Option] = (), **kwargs: Any
+    ) -> DeadlineScheduler:
+        """Every step as an option (named after the profile's steps), plus the given policy options."""
+        if len(step_accuracy) != profile.num_steps:
+            raise AnytimeError(f"{len(step_accuracy)} step accuracies for a profile of {profile.num_steps} steps")
+        steps = [Option(name, float(a), step=k) for k, (name, a) in enumerate(zip(profile.step_names, step_accuracy))]
+        return cls(profile, steps + list(policies), **kwargs)
+
+    def latency(self, option: str | Option, quantile: float = 0.99, batch_size: int = 1) -> float:
+        """An option's profiled latency (ms) at a quantile and batch size, before any drift."""
+        o = self._option(option)
+        q = self.profile.check_quantile(quantile)
+        if o.policy is None:
+            assert o.step is not None
+            return self.profile.step_quantile(o.step, q, batch_size)
+        samples, weights = self._policy_mixture(o, batch_size)
+        return quantile_of(samples, q, weights)
+
+    def frontier(self, quantile: float = 0.99, batch_size: int = 1) -> list[tuple[Option, float]]:
+        """The options worth choosing, cheapest first, each with its profiled latency (ms)."""
+        f = self._frontier(quantile, batch_size)
+        return list(zip(f.options, f.latency))
+
+    def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1) -> Selection:
+        """The most accurate option whose latency at ``quantile`` fits in ``deadline_ms``.
+
+        A deadline below every option gives the cheapest one with ``fits=False`` and a note, never a silent
+        miss. NaN, zero or negative deadlines and quantiles the profile cannot resolve are refused.
+        """
+        check_deadline(deadline_ms)
+        f = self._frontiers.get((quantile, batch_size)) or self._frontier(quantile, batch_size)
+        drift = self.drift.factor(quantile) if self.adapt else 1.0
+        i = bisect.bisect_right(f.latency, deadline_ms / drift) - 1
+        if i < 0:
+            o, latency = f.options[0], f.latency[0] * drift
+            note = (f"deadline {deadline_ms:g} ms is below the cheapest option: {o.name} takes {latency:.4g} ms "
+                    f"at p{100 * quantile:g}, so it will likely miss")  # fmt: skip
+            return Selection(o.name, o.kind, o.step, o.accuracy, latency, float(deadline_ms), quantile, batch_size,
+                             False, drift, note)  # fmt: skip
+        o = f.options[i]
+        return Selection(o.name, o.kind, o.step, o.accuracy, f.latency[i] * drift, float(deadline_ms), quantile,
+                         batch_size, True, drift)  # fmt: skip
+
+    def observe(self, option: str | Option | Selection, seconds: float, batch_size: int = 1) -> None:
+        """Feed back the measured latency of one answer given by ``option`` at ``batch_size``."""
+        name = option.option if isinstance(option, Selection) else option if isinstance(option, str) else option.name
+        key = (name, batch_size)
+        median = self._medians.get(key)
+        if median is None:
+            median = self._medians[key] = self.latency(name, 0.5, batch_size)
+        if median > 0:
+            self.drift.observe(1000.0 * seconds / median)
+
+    def _option(self, option: str | Option) -> Option:
+        name = option if isinstance(option, str) else option.name
+        try:
+            return self.options[name]
+        except KeyError:
+            raise AnytimeError(f"no option named '{name}'; the options are {', '.join(self.options)}") from None
+
+    def _policy_mixture(self, option: Option, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        assert option.exit_share is not None
+        reach = np.cumsum(np.asarray(option.exit_share, dtype=np.float64))
+        reach = np.clip(reach / reach[-1], 0.0, 1.0)
+        deepest = np.diff(np.concatenate([[0.0], reach**batch_size]))
+        paths = [self.profile.path_samples(k, batch_size) for k in range(self.profile.num_steps)]
+        weights = [np.full(p.size, w / p.size) for p, w in zip(paths, deepest)]
+        return np.concatenate(paths), np.concatenate(weights)
+
+    def _frontier(self, quantile: float, batch_size: int) -> _Frontier:
+        key = (quantile, batch_size)
+        found = self._frontiers.get(key)
+        if found is not None:
+            return found
+        self.profile.check_quantile(quantile)
+        self.profile.at(batch_size)
+        costed = sorted(((self.latency(o, quantile, batch_size), -o.accuracy, o.name) for o in self.options.values()))
+        latency: list[float] = []
+        chosen: list[Option] = []
+        for cost, negative_accuracy, name in costed:
+            if not chosen or -negative_accuracy > chosen[-1].accuracy:
+                latency.append(cost)
+                chosen.append(self.options[name])
+        frontier = self._frontiers[key] = _Frontier(latency, chosen)
+        return frontier
+
+
+def _check_option(option: Option, profile: DeviceProfile) -> None:
+    if not (0 <= option.accuracy <= 1) or math.isnan(option.accuracy):
+        raise AnytimeError(f"option {option.name}: accuracy {option.accuracy} is not in [0, 1]")
+    if option.policy is None:
+        if option.step is None or not 0 <= option.step < profile.num_steps:
+            raise AnytimeError(f"option {option.name}: step {option.step} is not one of the profile's 0..{profile.num_steps - 1}")
+        return
+    if not profile.incremental:
+        raise AnytimeError(f"option {option.name}: an early-exit policy needs an incremental model's profile (with stages)")
+    if option.policy.num_steps != profile.num_steps:
+        raise AnytimeError(f"option {option.name}: its policy is for {option.policy.num_steps} exits, the profile has {profile.num_steps}")
+    share = option.exit_share
+    if share is None or len(share) != profile.num_steps or not all(s >= 0 and math.isfinite(s) for s in share) or sum(share) <= 0:
+        raise AnytimeError(f"option {option.name}: needs {profile.num_steps} non-negative exit shares")

@@ -1,0 +1,203 @@
+"""The anytime runtime: answer a request within its deadline, as accurately as the time allows.
+
+For an incremental model the steps run in order. After each one the runner returns if the exit is
+confident (the calibrated policy) or if the next stage's latency at the quantile, scaled by the device's
+current drift, no longer fits in the time left; otherwise it goes on. The first step always runs, so a
+prediction always comes back. A non-incremental model (each step a separate forward) gets one step chosen
+up front by the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from anytime.calibrate import ExitPolicy
+from anytime.errors import AnytimeError
+from anytime.profile.steps import is_incremental, run_step, step_count
+from anytime.profile.store import DeviceProfile, quantile_of
+from anytime.scheduler.deadline import DeadlineScheduler, check_deadline
+from anytime.scheduler.online import DriftEstimator, ratios_to_median
+
+
+@dataclass(frozen=True)
+class AnytimePrediction:
+    """One answered request.
+
+    ``exits[i]`` is the step that answered sample i; ``step`` the deepest step that ran. ``reason``:
+    ``confident`` (every sample passed its exit's threshold), ``deadline`` (the next stage would not fit),
+    ``last`` (the last step ran) or ``chosen`` (a non-incremental step picked up front).
+    """
+
+    predictions: Tensor
+    logits: Tensor
+    exits: Tensor
+    step: int
+    reason: str
+    elapsed_ms: float
+    deadline_ms: float
+
+    @property
+    def missed(self) -> bool:
+        """Whether the answer came after the deadline."""
+        return self.elapsed_ms > self.deadline_ms
+
+
+class AnytimeRunner:
+    """Runs an anytime model against deadlines with a device profile and (optionally) an early-exit policy.
+
+    ``quantile`` is the latency quantile a stage must fit at before it starts. With ``adapt`` every stage's
+    measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows
+    down. ``margin_ms`` is kept free at the end for returning the answer.
+    """
+
+    def __init__(
+        self, model: nn.Module, profile: DeviceProfile, policy: ExitPolicy | None = None, *, quantile: float = 0.99,
+        adapt: bool = True, margin_ms: float = 0.0, window: int = 200, min_observations: int = 20,
+        scheduler: DeadlineScheduler | None = None, step_accuracy: Sequence[float] | None = None,
+    ) -> None:  # fmt: skip
+        num_steps = step_count(model)
+        profile.check_model(None, num_steps, where="the profile")
+        self.model = model
+        self.profile = profile
+        self.quantile = profile.check_quantile(quantile)
+        self.adapt = adapt
+        self.margin_ms = float(margin_ms)
+        self.incremental = is_incremental(model) and num_steps > 1
+        if self.incremental and not profile.incremental:
+            raise AnytimeError("the model runs its steps incrementally but the profile has no stage latencies; profile it again")
+        self.policy = policy
+        if policy is not None:
+            if not self.incremental:
+                raise AnytimeError("an early-exit policy needs an incremental model (one whose steps reuse each other's work)")
+            if policy.num_steps != num_steps:
+                raise AnytimeError(f"the policy is for {policy.num_steps} exits but the model has {num_steps}")
+        self._num_steps = num_steps
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
+        self._estimates: dict[int, tuple[list[float], list[float]]] = {}
+        if self.incremental:
+            reference = ratios_to_median([s for b in profile.batch_sizes for s in profile.at(b).stages or ()])
+            self.drift = DriftEstimator(reference, window=window, min_observations=min_observations)
+            self.scheduler = None
+        else:
+            accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
+            self.scheduler = scheduler or DeadlineScheduler.from_accuracies(
+                profile, list(accuracy), adapt=adapt, window=window, min_observations=min_observations
+            )  # fmt: skip
+            self.drift = self.scheduler.drift
+
+    def _stage_estimates(self, batch_size: int) -> tuple[list[float], list[float]]:
+        """Per stage: its latency at the quantile and its median (ms), at the nearest profiled batch size
+        at or above ``batch_size``."""
+        found = self._estimates.get(batch_size)
+        if found is not None:
+            return found
+        sizes = [b for b in self.profile.batch_sizes if b >= batch_size]
+        if not sizes:
+            raise AnytimeError(
+                f"batch of {batch_size} is larger than any profiled batch size ({max(self.profile.batch_sizes)}); "
+                f"profile with --batch-sizes up to {batch_size}"
+            )
+        stages = self.profile.at(sizes[0]).stages or ()
+        found = self._estimates[batch_size] = (
+            [quantile_of(s, self.quantile) for s in stages], [max(quantile_of(s, 0.5), 1e-9) for s in stages],
+        )  # fmt: skip
+        return found
+
+    def predict(self, x: Tensor, deadline_ms: float) -> AnytimePrediction:
+        """Answer the batch ``x`` within ``deadline_ms`` (measured from this call), always with a prediction."""
+        start = time.perf_counter()
+        check_deadline(deadline_ms)
+        if self.model.training:
+            raise AnytimeError("the anytime runtime needs the model in eval mode (call model.eval())")
+        with torch.inference_mode():
+            if not self.incremental:
+                return self._predict_chosen(x, deadline_ms, start)
+            return self._predict_incremental(x, deadline_ms, start)
+
+    def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float) -> AnytimePrediction:
+        tail, median = self._stage_estimates(x.shape[0])
+        last = self._num_steps - 1
+        policy = self.policy
+        budget = deadline_ms - self.margin_ms
+        batch = x.shape[0]
+        decided: Tensor | None = None  # which samples have already left at a confident exit
+        exits: Tensor | None = None
+        answer: Tensor | None = None
+        before = start
+        steps = self.model.steps(x)  # type: ignore[operator]
+        reason = "last"
+        k = 0
+        try:
+            for k, logits in enumerate(steps):
+                self._sync()
+                now = time.perf_counter()
+                if self.adapt:
+                    # Measured from the previous answer, so the runner's own checks count as part of the stage.
+                    self.drift.observe(1000.0 * (now - before) / median[k])
+                before = now
+                if k == last:
+                    break
+                leave = None if policy is None else policy.confident(k, logits)
+                if leave is not None:
+                    if batch == 1:
+                        if bool(leave[0]):
+                            reason = "confident"
+                            break
+                    else:
+                        if decided is None:
+                            decided = torch.zeros(batch, dtype=torch.bool, device=logits.device)
+                            answer = torch.empty_like(logits)
+                            exits = torch.full((batch,), last, dtype=torch.long, device=logits.device)
+                        new = leave & ~decided
+                        if bool(new.any()):
+                            answer[new] = logits[new]  # type: ignore[index]
+                            exits[new] = k  # type: ignore[index]
+                            decided |= new
+                        if bool(decided.all()):
+                            reason = "confident"
+                            break
+                drift = self.drift.factor(self.quantile) if self.adapt else 1.0
+                elapsed = 1000.0 * (time.perf_counter() - start)
+                if elapsed + tail[k + 1] * drift > budget:
+                    reason = "deadline"
+                    break
+        finally:
+            steps.close()
+        if decided is not None and answer is not None and exits is not None:
+            pending = ~decided
+            answer[pending] = logits[pending]
+            exits[pending] = k
+            logits = answer
+        else:
+            exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
+        predictions = logits.argmax(dim=1)
+        elapsed_ms = 1000.0 * (time.perf_counter() - start)
+        return AnytimePrediction(predictions, logits, exits, k, reason, elapsed_ms, float(deadline_ms))
+
+    def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float) -> AnytimePrediction:
+        assert self.scheduler is not None
+        batch = x.shape[0]
+        sizes = [b for b in self.profile.batch_sizes if b >= batch]
+        if not sizes:
+            raise AnytimeError(
+                f"batch of {batch} is larger than any profiled batch size ({max(self.profile.batch_sizes)}); "
+                f"profile with --batch-sizes up to {batch}"
+            )
+        left = deadline_ms - self.margin_ms - 1000.0 * (time.perf_counter() - start)
+        choice = self.scheduler.select(max(left, 1e-6), self.quantile, sizes[0])
+        k = choice.step if choice.step is not None else self._num_steps - 1
+        begun = time.perf_counter()
+        logits = run_step(self.model, x, k)
+        self._sync()
+        now = time.perf_counter()
+        if self.adapt:
+            self.scheduler.observe(choice, now - begun, sizes[0])
+        exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
+        return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "chosen", 1000.0 * (now - start), float(deadline_ms))

@@ -1,0 +1,418 @@
+"""Device profiles, the deadline scheduler and the anytime runtime.
+
+The frontier and selection are checked on hand-made profiles whose latencies are known exactly; the
+runtime on a model whose stages sleep for set times, so what it must do at each deadline is known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+from anytime import AnytimeRunner, DeadlineScheduler
+from anytime.calibrate import ExitPolicy
+from anytime.cli import main
+from anytime.errors import AnytimeError
+from anytime.profile import BatchLatency, DeviceProfile, profile_model, quantile_of
+from anytime.scheduler import DriftEstimator, Option
+
+
+def make_profile(step_ms: list[float], *, stage_ms: list[float] | None = None, n: int = 100, spread: float = 0.0,
+                 batch_sizes: tuple[int, ...] = (1,), fingerprint: str = "abc") -> DeviceProfile:  # fmt: skip
+    """Step k's samples are step_ms[k] * (1 + spread * i / (n - 1)), i = 0..n-1: its p99 is known exactly."""
+    ramp = 1 + spread * np.arange(n) / (n - 1)
+    latency = {}
+    for b in batch_sizes:
+        steps = tuple(b * v * ramp for v in step_ms)
+        stages = None if stage_ms is None else tuple(b * v * ramp for v in stage_ms)
+        latency[b] = BatchLatency(b, steps, stages)
+    k = len(step_ms)
+    return DeviceProfile(
+        model_fingerprint=fingerprint, model="toy", input_shape=(4,), incremental=stage_ms is not None,
+        step_names=tuple(f"exit{i}" for i in range(k)), step_flops=tuple(range(1, k + 1)), step_params=(1,) * k,
+        model_bytes=4, latency=latency, device={"type": "cpu", "label": "test cpu"}, settings={"repeats": n},
+        created="now",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- frontier and selection
+
+
+def test_select_is_right_at_every_boundary():
+    profile = make_profile([1.0, 2.0, 4.0])
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.7, 0.9])
+    for deadline, expected in [(0.999, None), (1.0, "exit0"), (1.999, "exit0"), (2.0, "exit1"), (3.9, "exit1"),
+                               (4.0, "exit2"), (1e6, "exit2"), (math.inf, "exit2")]:  # fmt: skip
+        choice = scheduler.select(deadline)
+        if expected is None:
+            assert not choice.fits and choice.option == "exit0" and "likely miss" in choice.note
+        else:
+            assert choice.fits and choice.option == expected, (deadline, choice)
+            assert choice.latency_ms <= deadline and choice.note is None
+
+
+def test_the_frontier_drops_dominated_options_and_breaks_ties():
+    profile = make_profile([1.0, 2.0, 2.0, 3.0, 5.0])
+    # exit1 and exit2 tie on latency (the more accurate stays); exit3 is no better than exit2; exit4 is.
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.5, 0.6, 0.7, 0.7, 0.8])
+    assert [o.name for o, _ in scheduler.frontier()] == ["exit0", "exit2", "exit4"]
+    assert scheduler.select(4.0).option == "exit2"
+    # Equal accuracy at different costs: the cheaper one.
+    same = DeadlineScheduler.from_accuracies(make_profile([1.0, 2.0]), [0.8, 0.8])
+    assert [o.name for o, _ in same.frontier()] == ["exit0"]
+
+
+def test_the_quantile_decides_what_fits():
+    profile = make_profile([1.0, 2.0], spread=1.0)  # step k spans [t, 2t]; p99 = 1.99 t, p50 = 1.5 t
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.9])
+    assert scheduler.latency("exit1", 0.5) == pytest.approx(2 * (1 + 49 / 99))
+    assert scheduler.select(3.5, quantile=0.99).option == "exit0"
+    assert scheduler.select(3.5, quantile=0.5).option == "exit1"
+
+
+def test_batch_size_selects_its_own_latencies():
+    profile = make_profile([1.0, 2.0], batch_sizes=(1, 8))  # batch 8 is 8 times slower
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.9])
+    assert scheduler.select(3.0, batch_size=1).option == "exit1"
+    assert scheduler.select(10.0, batch_size=8).option == "exit0"
+    assert not scheduler.select(3.0, batch_size=8).fits
+
+
+def test_a_policy_costs_the_mixture_of_its_exit_paths():
+    profile = make_profile([1.0, 2.0, 3.0], stage_ms=[1.0, 1.0, 1.0])  # paths: 1, 2, 3 ms
+    policy = ExitPolicy("confidence", (0.9, 0.9))
+    option = Option("early-exit", 0.85, policy=policy, exit_share=(0.6, 0.3, 0.1))
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.8, 0.9], [option])
+    assert scheduler.latency("early-exit", 0.5) == pytest.approx(1.0)
+    assert scheduler.latency("early-exit", 0.85) == pytest.approx(2.0)
+    assert scheduler.latency("early-exit", 0.95) == pytest.approx(3.0)
+    # A batch of 2 runs until its deeper sample leaves: P(both leave at exit 0) = 0.36.
+    assert scheduler.latency("early-exit", 0.3) == pytest.approx(1.0)
+    assert scheduler.latency("early-exit", 0.5, batch_size=1) == pytest.approx(1.0)
+    at_median = scheduler.select(2.5, quantile=0.85)
+    assert at_median.option == "early-exit" and at_median.kind == "policy"
+
+
+def test_bad_queries_are_refused():
+    profile = make_profile([1.0, 2.0])
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.9])
+    for deadline in (float("nan"), 0.0, -1.0, "5", True, None):
+        with pytest.raises(AnytimeError, match="deadline"):
+            scheduler.select(deadline)  # type: ignore[arg-type]
+    for q in (0.0, 1.0, float("nan"), 1.5):
+        with pytest.raises(AnytimeError, match="quantile"):
+            scheduler.select(5.0, quantile=q)
+    with pytest.raises(AnytimeError, match="needs at least 1000 samples"):
+        scheduler.select(5.0, quantile=0.999)
+    with pytest.raises(AnytimeError, match="no batch size 4"):
+        scheduler.select(5.0, batch_size=4)
+    with pytest.raises(AnytimeError, match="step accuracies"):
+        DeadlineScheduler.from_accuracies(profile, [0.6])
+    with pytest.raises(AnytimeError, match="incremental"):
+        DeadlineScheduler(profile, [Option("p", 0.5, policy=ExitPolicy("entropy", (0.1,)), exit_share=(0.5, 0.5))])
+
+
+# ---------------------------------------------------------------- online adaptation
+
+
+def test_drift_follows_a_slower_and_then_a_faster_device():
+    profile = make_profile([1.0, 2.0, 4.0], spread=0.1)
+    scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.7, 0.9], window=50, min_observations=10)
+    assert scheduler.select(4.5).option == "exit2"
+    for _ in range(50):  # the device is 3x slower now
+        scheduler.observe("exit0", 3 * 1.05e-3)
+    slow = scheduler.select(4.5)
+    assert slow.drift == pytest.approx(3 * 1.05 / 1.1, rel=0.05) and slow.option == "exit0"
+    static = DeadlineScheduler.from_accuracies(profile, [0.6, 0.7, 0.9], adapt=False)
+    static.observe("exit0", 3e-3)
+    assert static.select(4.5).option == "exit2"
+    for _ in range(50):  # and back to its profiled speed: the window forgets the slow spell
+        scheduler.observe("exit1", 2 * 1.05e-3)
+    assert scheduler.select(4.5).option == "exit2"
+
+
+def test_a_heavier_tail_raises_the_estimate_even_at_the_same_median():
+    reference = np.ones(100)
+    drift = DriftEstimator(reference, window=100, min_observations=10)
+    assert drift.factor(0.99) == 1.0  # too few observations: trust the profile
+    for i in range(100):
+        drift.observe(5.0 if i % 20 == 0 else 1.0)  # 5% of answers 5x slower
+    assert drift.factor(0.5) == pytest.approx(1.0)
+    assert drift.factor(0.99) == pytest.approx(5.0)
+    drift.observe(float("nan"))
+    assert drift.observations == 100
+    drift.reset()
+    assert drift.factor(0.99) == 1.0
+
+
+# ---------------------------------------------------------------- profile files
+
+
+def test_profile_round_trip_and_refusals(tmp_path):
+    profile = make_profile([1.0, 2.0], stage_ms=[1.0, 1.0], batch_sizes=(1, 8), spread=0.5)
+    path = profile.save(tmp_path / "p.json")
+    loaded = DeviceProfile.load(path, fingerprint="abc", num_steps=2)
+    assert loaded.batch_sizes == (1, 8) and loaded.incremental
+    for k in range(2):
+        assert loaded.step_quantile(k, 0.99, 8) == pytest.approx(profile.step_quantile(k, 0.99, 8), abs=1e-5)
+        assert loaded.stage_quantile(k, 0.5, 1) == pytest.approx(profile.stage_quantile(k, 0.5, 1), abs=1e-5)
+    with pytest.raises(AnytimeError, match="another model"):
+        DeviceProfile.load(path, fingerprint="other")
+    with pytest.raises(AnytimeError, match="has 2 steps"):
+        DeviceProfile.load(path, num_steps=3)
+    doc = json.loads(path.read_text())
+    doc["batches"][0]["steps"][0]["samples_ms"][3] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(doc))
+    with pytest.raises(AnytimeError, match="NaN"):
+        DeviceProfile.load(tmp_path / "nan.json")
+    doc = json.loads(path.read_text())
+    del doc["batches"][1]["stages"]
+    (tmp_path / "ragged.json").write_text(json.dumps(doc))
+    with pytest.raises(AnytimeError, match="malformed"):
+        DeviceProfile.load(tmp_path / "ragged.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(AnytimeError, match="not valid JSON"):
+        DeviceProfile.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(AnytimeError, match="not an anytime profile"):
+        DeviceProfile.load(tmp_path / "other.json")
+    with pytest.raises(AnytimeError, match="no profile at"):
+        DeviceProfile.load(tmp_path / "missing.json")
+
+
+def test_quantile_never_interpolates_below_an_observation():
+    samples = np.arange(1, 101, dtype=float)
+    assert quantile_of(samples, 0.99) == 99.0
+    assert quantile_of(samples, 0.5) == 50.0
+    assert quantile_of(np.array([1.0, 10.0]), 0.5, weights=np.array([0.25, 0.75])) == 10.0
+
+
+# ---------------------------------------------------------------- the runtime on a model with injected delays
+
+
+class SleepyLadder(nn.Module):
+    """An incremental model whose stage k sleeps ``delays_ms[k]`` (scaled by ``slowdown``). Its exits are
+    confident (one-hot logits) when the input's first feature is positive, uniform otherwise."""
+
+    incremental = True
+
+    def __init__(self, delays_ms: list[float], num_classes: int = 4) -> None:
+        super().__init__()
+        self.delays_ms = delays_ms
+        self.slowdown = 1.0
+        self.num_classes = num_classes
+        self.scale = nn.Parameter(torch.ones(1))
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.delays_ms)
+
+    def _logits(self, x: Tensor, k: int) -> Tensor:
+        confident = (x[:, 0] > 0).float().unsqueeze(1)
+        one_hot = torch.nn.functional.one_hot(torch.full((x.shape[0],), k % self.num_classes), self.num_classes)
+        return 20 * confident * one_hot.float() * self.scale
+
+    def steps(self, x: Tensor) -> Iterator[Tensor]:
+        for k, delay in enumerate(self.delays_ms):
+            time.sleep(delay * self.slowdown / 1000)
+            yield self._logits(x, k)
+
+    def forward_until(self, x: Tensor, k: int) -> Tensor:
+        time.sleep(sum(self.delays_ms[: k + 1]) * self.slowdown / 1000)
+        return self._logits(x, k)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.stack(list(self.steps(x)))
+
+
+@pytest.fixture(scope="module")
+def sleepy() -> tuple[SleepyLadder, DeviceProfile]:
+    model = SleepyLadder([4.0, 8.0, 16.0]).eval()
+    profile = profile_model(model, (3,), batch_sizes=(1, 2), repeats=20, warmup=1)
+    return model, profile
+
+
+def test_the_profile_sees_the_injected_delays(sleepy):
+    _, profile = sleepy
+    assert profile.incremental and profile.num_steps == 3
+    for k, expected in enumerate([4.0, 12.0, 28.0]):
+        assert expected <= profile.step_quantile(k, 0.5) < expected + 3
+    for k, expected in enumerate([4.0, 8.0, 16.0]):
+        assert expected <= profile.stage_quantile(k, 0.5) < expected + 3
+
+
+def test_the_runtime_stops_before_a_stage_that_cannot_fit(sleepy):
+    model, profile = sleepy
+    runner = AnytimeRunner(model, profile, adapt=False, quantile=0.9)
+    unsure = -torch.ones(1, 3)
+    tail = [profile.stage_quantile(k, 0.9) for k in range(3)]
+    # Enough for exits 0 and 1 at their p90, not for exit 2.
+    out = runner.predict(unsure, tail[0] + tail[1] + 0.5 * tail[2])
+    assert out.step == 1 and out.reason == "deadline" and not out.missed
+    out = runner.predict(unsure, 1000.0)
+    assert out.step == 2 and out.reason == "last" and not out.missed
+    # Below the first exit: the first exit still answers (late), never nothing.
+    out = runner.predict(unsure, 0.5)
+    assert out.step == 0 and out.reason == "deadline" and out.missed and out.predictions.shape == (1,)
+
+
+def test_the_runtime_leaves_early_on_confident_inputs(sleepy):
+    model, profile = sleepy
+    policy = ExitPolicy("confidence", (0.9, 0.9))
+    runner = AnytimeRunner(model, profile, policy, adapt=False, quantile=0.9)
+    sure = torch.ones(1, 3)
+    out = runner.predict(sure, 1000.0)
+    assert out.step == 0 and out.reason == "confident" and out.elapsed_ms < 12
+    batch = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]])
+    out = runner.predict(batch, 1000.0)  # one sample leaves at exit 0, the other runs to the end
+    assert out.exits.tolist() == [0, 2] and out.predictions[0] == 0
+
+
+def test_adaptation_keeps_deadlines_when_the_device_slows_down(sleepy):
+    model, profile = sleepy
+    # The whole ladder fits as profiled; 1.6x slower, it takes longer than the deadline, but the first two stages
+    # still fit. A static runner starts the last stage on the profile's word and misses; an adaptive one stops.
+    deadline = 1.4 * sum(profile.stage_quantile(k, 0.9) for k in range(3))
+    static = AnytimeRunner(model, profile, adapt=False, quantile=0.9)
+    adaptive = AnytimeRunner(model, profile, adapt=True, quantile=0.9, window=30, min_observations=6)
+    x = -torch.ones(1, 3)
+    model.slowdown = 1.6
+    try:
+        static_misses = sum(static.predict(x, deadline).missed for _ in range(4))
+        for _ in range(3):  # a few requests teach the runner the new speed
+            adaptive.predict(x, deadline)
+        adapted = [adaptive.predict(x, deadline) for _ in range(4)]
+    finally:
+        model.slowdown = 1.0
+    assert static_misses == 4
+    assert not any(o.missed for o in adapted) and all(o.step < 2 for o in adapted)
+
+
+def test_a_non_incremental_model_gets_one_step_chosen_up_front(sleepy):
+    model, _ = sleepy
+
+    class Separate(nn.Module):
+        incremental = False
+        num_steps = 3
+
+        def forward_until(self, x: Tensor, k: int) -> Tensor:
+            return model.forward_until(x, k)
+
+    ladder = Separate().eval()
+    profile = profile_model(ladder, (3,), batch_sizes=(1,), repeats=10, warmup=1)
+    assert not profile.incremental
+    runner = AnytimeRunner(ladder, profile, adapt=False, quantile=0.9, step_accuracy=[0.5, 0.6, 0.7])
+    x = -torch.ones(1, 3)
+    out = runner.predict(x, profile.step_quantile(1, 0.9) + 1)
+    assert out.step == 1 and out.reason == "chosen" and not out.missed
+    with pytest.raises(AnytimeError, match="incremental"):
+        AnytimeRunner(ladder, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.9)
+
+
+def test_runtime_refusals(sleepy):
+    model, profile = sleepy
+    with pytest.raises(AnytimeError, match="has 3 steps but the model has 2"):
+        AnytimeRunner(SleepyLadder([1.0, 1.0]), profile)
+    with pytest.raises(AnytimeError, match="policy is for 2 exits"):
+        AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9,)), quantile=0.9)
+    with pytest.raises(AnytimeError, match="needs at least 100 samples"):
+        AnytimeRunner(model, profile)
+    runner = AnytimeRunner(model, profile, quantile=0.9)
+    with pytest.raises(AnytimeError, match="deadline"):
+        runner.predict(torch.ones(1, 3), float("nan"))
+    with pytest.raises(AnytimeError, match="larger than any profiled batch size"):
+        runner.predict(torch.ones(3, 3), 10.0)
+
+
+# ---------------------------------------------------------------- real models and the command line
+
+
+def test_profile_a_plain_model_with_training_figures():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 5))
+    profile = profile_model(model, (3, 2, 2), batch_sizes=(1, 4), repeats=5, warmup=1, train=True, train_repeats=2)
+    assert profile.num_steps == 1 and not profile.incremental and profile.at(4).stages is None
+    assert profile.step_flops == (2 * 12 * 5,) and profile.model_bytes == (12 * 5 + 5) * 4
+    assert profile.at(4).training["backward_p50_s"] > 0 and model.training
+
+
+@pytest.fixture(scope="module")
+def profiled(exit_run, tmp_path_factory):
+    from anytime.pipeline import calibrate_run, collect_run, profile_run
+
+    run = tmp_path_factory.mktemp("profiled") / "run"
+    shutil.copytree(exit_run, run)
+    collect_run(run, "val")
+    calibrate_run(run, max_drop=1.0, criterion="confidence")
+    profile_run(run, batch_sizes=[1, 4], repeats=30, warmup=2, memory=False)
+    return run
+
+
+def test_the_runtime_on_a_trained_run(profiled):
+    from anytime.pipeline import runner_for_run
+
+    runner, run = runner_for_run(profiled, quantile=0.9)
+    assert runner.policy is not None and runner.incremental
+    x = torch.randn(4, 1, 8, 8)
+    whole = runner.predict(x, 1e4)
+    assert whole.predictions.shape == (4,) and whole.exits.max() <= run.num_steps - 1
+    # With time to spare the runtime answers as the calibrated policy's real early exit does.
+    plain = runner.policy.run(run.model, x)
+    assert torch.equal(whole.predictions, plain.predictions) and torch.equal(whole.exits, plain.exits)
+
+
+def test_profile_and_schedule_commands(profiled, capsys, tmp_path):
+    assert main(["profile", str(profiled), "--batch-sizes", "1,2", "--repeats", "20", "--out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "exit0" in out and "p99 ms" in out and "peak memory" in out
+    assert main(["schedule", str(profiled), "--deadline-ms", "1000", "--quantile", "0.9"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fits"] and answer["option"] in {f["option"] for f in answer["frontier"]}
+    assert answer["latency_ms"] <= 1000
+    assert main(["schedule", str(profiled), "--deadline-ms", "1e-6", "--quantile", "0.9"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert not answer["fits"] and answer["option"] == answer["frontier"][0]["option"] and "likely miss" in answer["note"]
+    only = next(profiled.glob("profile-*.json"))
+    assert main(["profile", "--compare", str(only), str(tmp_path / "p.json")]) == 0
+    assert "B/A p99" in capsys.readouterr().out
+
+
+def _one_line_error(capsys, argv: list[str], *words: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_schedule_refuses_bad_input_in_one_line(profiled, capsys, tmp_path):
+    run = str(profiled)
+    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "nan"], "deadline")
+    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "-3"], "deadline")
+    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "0.9999"], "samples")
+    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "2"], "quantile")
+    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--batch-size", "3"], "batch size 3")
+    doc = json.loads(next(profiled.glob("profile-*.json")).read_text())
+    doc["model_fingerprint"] = "0123456789abcdef"
+    (tmp_path / "other.json").write_text(json.dumps(doc))
+    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--profile", str(tmp_path / "other.json")],
+                    "another model")  # fmt: skip
+    _one_line_error(capsys, ["schedule", str(tmp_path), "--deadline-ms", "5"], "not a run")
+    _one_line_error(capsys, ["profile"], "run directory")
+    _one_line_error(capsys, ["profile", run, "--batch-sizes", "1,x"], "batch-sizes")
+    _one_line_error(capsys, ["profile", "--compare", str(tmp_path / "nope.json"), str(tmp_path / "other.json")], "no profile")
+
+
+def test_deadline_plots(profiled):
+    from anytime.pipeline import plot_run
+
+    names = {p.name for p in plot_run(profiled)}
+    assert {"deadline_accuracy.png", "latency.png"} <= names
