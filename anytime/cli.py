@@ -337,7 +337,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from anytime.demo import DEMO_CONFIG, run_demo
+    from anytime.demo import DEMO_CONFIG, DEMO_REQUESTS, run_demo
 
     print(f"demo: training {DEMO_CONFIG.model} on the embedded digits for {DEMO_CONFIG.epochs} epochs...",
           file=sys.stderr)  # fmt: skip
@@ -356,6 +356,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     lat = ev["latency"]
     print(f"real early exit on the test split: {100 * ev['accuracy']:.2f}%, {lat['speedup']:.2f}x faster per sample "
           f"at batch 1 than the plain backbone ({lat['early_exit']['mean_ms']:.2f} vs {lat['backbone']['mean_ms']:.2f} ms)")  # fmt: skip
+    print("deadlines at batch 1 (the scheduler's choice for a p99 that fits; the anytime runtime on "
+          f"{DEMO_REQUESTS} test images one at a time):")
+    for row in result.deadlines:
+        c = row["choice"]
+        if c["fits"]:
+            fits = f"{c['option']} (p99 {c['latency_ms']:.2f} ms, validation {100 * c['accuracy']:.1f}%)"
+        else:
+            fits = f"nothing fits ({c['option']}, the cheapest, takes {c['latency_ms']:.2f} ms)"
+        print(f"  {row['deadline_ms']:6.2f} ms: {fits}; runtime {100 * row['runtime_accuracy']:.1f}% accurate, "
+              f"{100 * row['runtime_miss_rate']:.1f}% late, mean exit {row['runtime_mean_step']:.2f}")  # fmt: skip
     print("time per training mini-batch (median):")
     for row in result.batch_time:
         print(f"  batch {int(row['batch_size']):>4}: {1000 * row['total_p50_s']:7.1f} ms "

@@ -7,11 +7,15 @@ import statistics
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
+
+REPO = Path(__file__).resolve().parents[1]
+EXITS_CARD = REPO / "models" / "cifar10-resnet32-exits.toml"
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -54,3 +58,37 @@ def run(main: Callable[[], int]) -> None:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     raise SystemExit(code)
+
+
+def exit_run_dir(run_dir: Path, quick: bool) -> Path:
+    """The multi-exit CIFAR-10 run a benchmark uses: ``--run``, or its ``-quick`` sibling in quick mode."""
+    return run_dir.with_name(run_dir.name + "-quick") if quick else run_dir
+
+
+def prepare_exit_run(run_dir: Path, quick: bool, *, max_drop: float) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """Train the card models/cifar10-resnet32-exits.toml into ``run_dir`` if it is not there (resuming an
+    interrupted run), cache both splits' exit outputs, and calibrate every criterion on validation for at
+    most ``max_drop`` points below the last exit; the criterion with the fewest validation FLOPs becomes
+    ``RUN/calibration.json``. Quick mode trains 1 epoch on 2000 images: a smoke run, not figures."""
+    from anytime.calibrate import CRITERIA
+    from anytime.outputs import load_cache
+    from anytime.pipeline import calibrate_run, collect_run, run_fingerprint
+    from anytime.train import Trainer, load_card
+    from anytime.train.trainer import CHECKPOINT
+
+    card = load_card(EXITS_CARD)
+    config = card.config.replace(epochs=1, limit_train=2000) if quick else card.config
+    if not (run_dir / "model.safetensors").is_file():
+        resume = (run_dir / CHECKPOINT).is_file()
+        print(f"{'resuming' if resume else 'training'} {card.name} in {run_dir} ({config.epochs} epochs)...")
+        Trainer(config, run_dir, extra_config={"card": str(EXITS_CARD)}).fit(resume=resume)
+    fingerprint = run_fingerprint(run_dir)
+    for split in ("val", "test"):
+        try:
+            load_cache(run_dir, split, fingerprint=fingerprint)
+        except AnytimeError:  # missing, or from other weights
+            collect_run(run_dir, split)
+    candidates = {c: calibrate_run(run_dir, max_drop=max_drop, criterion=c, out=run_dir / f"calibration-{c}.json")
+                  for c in CRITERIA}  # fmt: skip
+    best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
+    return candidates, best, calibrate_run(run_dir, max_drop=max_drop, criterion=best)

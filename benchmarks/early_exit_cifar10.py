@@ -14,17 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common import parser, report, run
+from common import REPO, exit_run_dir, parser, prepare_exit_run, report, run
 
-from anytime.calibrate import CRITERIA
-from anytime.errors import AnytimeError
-from anytime.outputs import cache_path
-from anytime.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, run_fingerprint
-from anytime.train import Trainer, load_card
-from anytime.train.trainer import CHECKPOINT
+from anytime.pipeline import evaluate_run, plot_run
 
-REPO = Path(__file__).resolve().parents[1]
-CARD = REPO / "models" / "cifar10-resnet32-exits.toml"
 TARGET = 2.0
 MAX_DROP = 1.0  # accuracy points below the last exit
 
@@ -34,29 +27,9 @@ def main() -> int:
     p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
     p.add_argument("--latency-samples", type=int, default=10_000, help="test images timed at batch 1")
     args = p.parse_args()
-    card = load_card(CARD)
-    config = card.config
-    run_dir: Path = args.run
-    latency_samples = args.latency_samples
-    if args.quick:  # a smoke run of the whole path on a sliver of the data, not figures to record
-        config = config.replace(epochs=1, limit_train=2000)
-        run_dir = run_dir.with_name(run_dir.name + "-quick")
-        latency_samples = 100
-    if not (run_dir / "model.safetensors").is_file():
-        resume = (run_dir / CHECKPOINT).is_file()
-        print(f"{'resuming' if resume else 'training'} {card.name} in {run_dir} ({config.epochs} epochs)...")
-        Trainer(config, run_dir, extra_config={"card": str(CARD)}).fit(resume=resume)
-    fingerprint = run_fingerprint(run_dir)
-    for split in ("val", "test"):
-        path = cache_path(run_dir, split)
-        if not path.is_file() or _stale(run_dir, split, fingerprint):
-            collect_run(run_dir, split)
-    candidates = {}
-    for criterion in CRITERIA:
-        candidates[criterion] = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=criterion,
-                                              out=run_dir / f"calibration-{criterion}.json")  # fmt: skip
-    best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
-    chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best)  # RUN/calibration.json
+    run_dir = exit_run_dir(args.run, args.quick)
+    latency_samples = 100 if args.quick else args.latency_samples
+    candidates, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP)
     evaluation = evaluate_run(run_dir, latency_samples=latency_samples)
     plot_run(run_dir)
     val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]
@@ -85,16 +58,6 @@ def main() -> int:
         "candidates": {c: {"validation": v["validation"], "test": v["test"]} for c, v in candidates.items()},
     }  # fmt: skip
     return report("early_exit_cifar10", args, figures, lat["speedup"], f">= {TARGET}x", lat["speedup"] >= TARGET)
-
-
-def _stale(run_dir: Path, split: str, fingerprint: str) -> bool:
-    from anytime.outputs import load_cache
-
-    try:
-        load_cache(run_dir, split, fingerprint=fingerprint)
-    except AnytimeError:
-        return True
-    return False
 
 
 if __name__ == "__main__":

@@ -103,6 +103,16 @@ class ExitPolicy:
         crit = get_criterion(self.criterion)
         return crit.signed(crit.score(logits, self._temps[k])) <= limit
 
+    def leaves(self, k: int, logits: Tensor) -> bool:
+        """Whether the one sample of ``logits`` (``[1, C]``) leaves at early exit ``k``: a scalar decision, no
+        per-sample bookkeeping (the batch-1 latency path)."""
+        limit = self._limits[k]
+        if limit == -math.inf:
+            return False
+        crit = get_criterion(self.criterion)
+        score = float(crit.score(logits, self._temps[k]))
+        return (score if crit.low_is_confident else -score) <= limit
+
     def evaluate(self, cache: OutputCache) -> PolicyResult:
         """Accuracy, cost and exit shares of this policy on a cache (offline)."""
         self.check(cache.num_steps, cache.num_classes)
@@ -170,8 +180,6 @@ class ExitPolicy:
 
     def _run_one(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
         # One sample: no bookkeeping of who is still in, one scalar decision per exit (the latency path).
-        crit = get_criterion(self.criterion)
-        limits, temps = self._limits, self._temps
         last = len(segments) - 1
         h = x
         for k, segment in enumerate(segments):
@@ -179,11 +187,10 @@ class ExitPolicy:
             if k == last:
                 logits = h
                 break
-            if limits[k] == -math.inf:
+            if self._limits[k] == -math.inf:
                 continue
             logits = heads[k](h)
-            score = float(crit.score(logits, temps[k]))
-            if (score if crit.low_is_confident else -score) <= limits[k]:
+            if self.leaves(k, logits):
                 break
         return EarlyExitOutput(logits.argmax(dim=1), torch.tensor([k], device=x.device), logits)
 

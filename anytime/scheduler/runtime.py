@@ -144,13 +144,13 @@ class AnytimeRunner:
                 before = now
                 if k == last:
                     break
-                leave = None if policy is None else policy.confident(k, logits)
-                if leave is not None:
-                    if batch == 1:
-                        if bool(leave[0]):
-                            reason = "confident"
-                            break
-                    else:
+                if policy is not None and batch == 1:
+                    if policy.leaves(k, logits):
+                        reason = "confident"
+                        break
+                elif policy is not None:
+                    leave = policy.confident(k, logits)
+                    if leave is not None:
                         if decided is None:
                             decided = torch.zeros(batch, dtype=torch.bool, device=logits.device)
                             answer = torch.empty_like(logits)

@@ -1,0 +1,186 @@
+"""Benchmark: the anytime runtime against deadlines on the CIFAR-10 test images, quiet and under load.
+
+The model is the multi-exit ResNet-32 of models/cifar10-resnet32-exits.toml (trained, cached and
+calibrated as in early_exit_cifar10.py: thresholds fit on validation for at most 1 point below the last
+exit). It is profiled on this machine while the machine is quiet. Then, for each load (quiet, and a
+process spinning on one of the two cores, started by this benchmark):
+  1. hindsight: every exit alone is timed on the first test images under that load; the oracle at a
+     deadline is the most accurate single exit whose measured p99 fits it;
+  2. a sweep of deadlines from below the first exit's p99 to above the last exit's;
+  3. at each deadline, every test image is answered one at a time by the runtime with the static profile
+     and, separately, with online adaptation; a miss is an answer later than the deadline, timed around
+     the call.
+Targets, wherever the first exit fits (its measured p99 is within the deadline): miss rate at most 1%
+and accuracy within 1 point of the oracle; under load, adaptation keeps the miss rate there where the
+static profile does not. Ratio: the worst miss rate (%) of the adaptive runtime over those deadlines.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from common import REPO, exit_run_dir, parser, prepare_exit_run, report, run
+
+from anytime.calibrate import ExitPolicy
+from anytime.data import make_loader
+from anytime.pipeline import profile_run
+from anytime.plotting import plot_deadline_runs
+from anytime.scheduler import AnytimeRunner
+from anytime.train import load_splits
+from anytime.train.runs import load_run
+from anytime.utils.io import write_csv
+
+# Hyper-parameters
+QUANTILE = 0.99  # the latency quantile a stage must fit at before the runtime starts it
+MAX_DROP = 1.0  # calibration: accuracy points below the last exit (validation)
+PROFILE_REPEATS = 1000  # profile samples per step (a p99 from 1000, not from the 2nd largest of 200)
+DEADLINES = 12  # deadlines per load, geometric from 0.8x the first exit's p99 to 1.3x the last exit's
+MISS_TARGET = 0.01  # at most 1% of answers late
+ACCURACY_TARGET = 0.01  # within 1 point of the hindsight oracle
+HOG_CORE = 1  # the core the competing process spins on
+
+
+def _spin(core: int) -> None:
+    try:
+        os.sched_setaffinity(0, {core})
+    except (AttributeError, OSError):
+        pass
+    while True:
+        pass
+
+
+def _test_images(run_dir: Path, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    config = load_run(run_dir).config
+    splits = load_splits(config)
+    loader = make_loader(splits.test, splits.info, batch_size=500, train=False, seed=0)
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x)
+        labels.append(y)
+        if sum(len(i) for i in images) >= count:
+            break
+    return torch.cat(images)[:count], torch.cat(labels)[:count]
+
+
+def _hindsight(model: torch.nn.Module, images: torch.Tensor, count: int) -> np.ndarray:
+    """Per exit, its latency alone (ms) on ``count`` images one at a time, exits in alternating order."""
+    steps = model.num_steps  # type: ignore[union-attr]
+    times = np.zeros((steps, count))
+    with torch.inference_mode():
+        for i in range(count):
+            x = images[i : i + 1]
+            for k in range(steps) if i % 2 == 0 else range(steps - 1, -1, -1):
+                start = time.perf_counter()
+                model.forward_until(x, k)  # type: ignore[operator]
+                times[k, i] = 1000 * (time.perf_counter() - start)
+    return times
+
+
+def _serve(runner: AnytimeRunner, images: torch.Tensor, labels: torch.Tensor, deadline: float) -> dict[str, Any]:
+    late = correct = 0
+    exits = np.zeros(runner.profile.num_steps)
+    reasons: dict[str, int] = {}
+    elapsed = np.zeros(len(images))
+    for i in range(len(images)):
+        start = time.perf_counter()
+        out = runner.predict(images[i : i + 1], deadline)
+        elapsed[i] = 1000 * (time.perf_counter() - start)
+        late += elapsed[i] > deadline
+        correct += int(out.predictions[0] == labels[i])
+        exits[out.step] += 1
+        reasons[out.reason] = reasons.get(out.reason, 0) + 1
+    n = len(images)
+    return {"miss_rate": late / n, "accuracy": correct / n, "exit_share": (exits / n).tolist(),
+            "reasons": {k: v / n for k, v in reasons.items()}, "p99_ms": float(np.quantile(elapsed, 0.99)),
+            "mean_ms": float(elapsed.mean())}  # fmt: skip
+
+
+def main() -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
+    p.add_argument("--images", type=int, default=2000, help="test images answered per deadline and runtime")
+    p.add_argument("--hindsight-images", type=int, default=500, help="test images timed per exit for the oracle")
+    args = p.parse_args()
+    run_dir = exit_run_dir(args.run, args.quick)
+    count, hindsight_count = (60, 50) if args.quick else (args.images, args.hindsight_images)
+    deadlines_per_load = 4 if args.quick else DEADLINES
+    _, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP)
+    print(f"profiling {run_dir} on the quiet machine ({PROFILE_REPEATS} repeats at batch 1)...")
+    profile, profile_path = profile_run(run_dir, batch_sizes=[1], repeats=200 if args.quick else PROFILE_REPEATS,
+                                        memory=False)  # fmt: skip
+    loaded = load_run(run_dir)
+    model = loaded.model
+    policy = ExitPolicy.from_dict(chosen["policy"])
+    images, labels = _test_images(run_dir, max(count, hindsight_count))
+    with torch.inference_mode():
+        logits = torch.cat([model.forward_all(images[i : i + 250]) for i in range(0, count, 250)], dim=1)  # type: ignore[operator]
+    step_accuracy = (logits.argmax(dim=2) == labels[:count]).double().mean(dim=1).numpy()
+    print(f"{best} policy {policy.thresholds}; exits' accuracy on the {count} images: "
+          f"{[round(100 * float(a), 2) for a in step_accuracy]}")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    loads: dict[str, Any] = {}
+    for load in ("quiet", "one core busy"):
+        hog = None
+        if load != "quiet":
+            hog = multiprocessing.get_context("spawn").Process(target=_spin, args=(HOG_CORE,), daemon=True)
+            hog.start()
+            time.sleep(1.0)
+        try:
+            times = _hindsight(model, images, hindsight_count)
+            p99 = np.quantile(times, QUANTILE, axis=1, method="inverted_cdf")
+            deadlines = np.geomspace(0.8 * p99[0], 1.3 * p99[-1], deadlines_per_load)
+            loads[load] = {"exit_p99_ms": p99.tolist(), "exit_p50_ms": np.median(times, axis=1).tolist()}
+            print(f"{load}: exits' p99 alone {np.round(p99, 3).tolist()} ms (profile: "
+                  f"{[round(profile.step_quantile(k, QUANTILE), 3) for k in range(profile.num_steps)]})")  # fmt: skip
+            for adapt in (False, True):
+                runner = AnytimeRunner(model, profile, policy, quantile=QUANTILE, adapt=adapt)
+                condition = f"{load}, {'adaptive' if adapt else 'static'}"
+                for deadline in deadlines:
+                    fits = p99 <= deadline
+                    oracle = float(step_accuracy[fits].max()) if fits.any() else None
+                    result = _serve(runner, images[:count], labels[:count], float(deadline))
+                    rows.append({"condition": condition, "load": load, "adaptive": adapt, "deadline_ms": float(deadline),
+                                 "first_exit_fits": bool(fits[0]), "oracle_accuracy": oracle, **result})  # fmt: skip
+                    gap = "" if oracle is None else f", oracle {100 * oracle:.2f}%"
+                    print(f"  {condition:<26} deadline {deadline:7.3f} ms: miss {100 * result['miss_rate']:5.2f}%, "
+                          f"accuracy {100 * result['accuracy']:.2f}%{gap}, mean {result['mean_ms']:.3f} ms, "
+                          f"reasons {({k: round(v, 3) for k, v in result['reasons'].items()})}")  # fmt: skip
+        finally:
+            if hog is not None:
+                hog.terminate()
+                hog.join()
+    out = run_dir / "deadline"
+    write_csv(out / "deadline_cifar10.csv", [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows])
+    conditions = list(dict.fromkeys(r["condition"] for r in rows))
+    plot_deadline_runs(rows, out / "deadline_cifar10", f"{run_dir.name}: anytime runtime vs deadline",
+                       conditions=conditions)  # fmt: skip
+    verdicts: dict[str, dict[str, Any]] = {}
+    for condition in conditions:
+        scored = [r for r in rows if r["condition"] == condition and r["first_exit_fits"]]
+        worst_miss = max((r["miss_rate"] for r in scored), default=float("nan"))
+        worst_gap = max((r["oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
+        verdicts[condition] = {"deadlines_scored": len(scored), "worst_miss_rate": worst_miss,
+                               "worst_accuracy_gap": worst_gap,
+                               "meets_targets": bool(scored) and worst_miss <= MISS_TARGET and worst_gap <= ACCURACY_TARGET}  # fmt: skip
+        print(f"{condition:<26} where the first exit fits ({len(scored)} deadlines): worst miss rate "
+              f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points")  # fmt: skip
+    adaptive = [v for c, v in verdicts.items() if "adaptive" in c]
+    worst = max(v["worst_miss_rate"] for v in adaptive)
+    static_under_load = verdicts["one core busy, static"]
+    passed = all(v["meets_targets"] for v in adaptive) and verdicts["quiet, static"]["meets_targets"]
+    print(f"under load the static profile {'keeps' if static_under_load['meets_targets'] else 'misses'} the targets")
+    print(f"results in {out}")
+    figures = {"run": str(run_dir), "profile": str(profile_path), "criterion": best, "thresholds": list(policy.thresholds),
+               "images": count, "hindsight_images": hindsight_count, "quantile": QUANTILE, "threads": torch.get_num_threads(),
+               "step_accuracy": step_accuracy.tolist(), "loads": loads, "verdicts": verdicts, "rows": rows}  # fmt: skip
+    return report("deadline_cifar10", args, figures, 100 * worst, "<= 1 (% late, adaptive, where the first exit fits)", passed)
+
+
+if __name__ == "__main__":
+    run(main)
