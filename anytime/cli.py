@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -540,8 +541,8 @@ def _batch_sizes(text: str) -> list[int]:
 def _print_profile(profile: Any, path: Path) -> None:
     d = profile.device
     power = f", power mode {d['jetson_power_mode']}" if d.get("jetson_power_mode") else ""
-    print(f"{profile.model} ({profile.model_fingerprint}) on {d['label']} [{d['type']}], "
-          f"{profile.settings['threads']} threads{power}, {profile.settings['repeats']} repeats")  # fmt: skip
+    print(f"{profile.model} ({profile.model_fingerprint}) on {d.get('label')} [{d.get('type')}], "
+          f"{profile.settings.get('threads')} threads{power}, {profile.settings.get('repeats')} repeats")  # fmt: skip
     for b in profile.batch_sizes:
         at = profile.at(b)
         mem = f", peak memory {at.memory['peak_mb']:.0f} MB ({at.memory['activations_mb']:.1f} MB in the forward)" if at.memory else ""
@@ -591,8 +592,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
     if a.num_steps != b.num_steps:
         raise AnytimeError(f"{paths[0]} has {a.num_steps} steps and {paths[1]} has {b.num_steps}: not the same model")
-    print(f"A: {paths[0]}: {a.device['label']} [{a.device['type']}], {a.settings['threads']} threads, torch {a.device.get('torch')}")
-    print(f"B: {paths[1]}: {b.device['label']} [{b.device['type']}], {b.settings['threads']} threads, torch {b.device.get('torch')}")
+    for tag, path, p in (("A", paths[0], a), ("B", paths[1], b)):
+        print(f"{tag}: {path}: {p.device.get('label')} [{p.device.get('type')}], {p.settings.get('threads')} threads, "
+              f"torch {p.device.get('torch')}")
     if a.model_fingerprint != b.model_fingerprint:
         print(f"note: different weights ({a.model_fingerprint} vs {b.model_fingerprint}); latencies compare, accuracies may not")
     common = [s for s in a.batch_sizes if s in b.batch_sizes]
@@ -611,6 +613,8 @@ def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from anytime.pipeline import scheduler_for_run
 
+    if not math.isfinite(args.deadline_ms):
+        raise AnytimeError(f"deadline {args.deadline_ms} ms is not a finite positive number of milliseconds")
     scheduler, path = scheduler_for_run(args.run, args.profile)
     choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size)
     frontier = [{"option": o.name, "kind": o.kind, "accuracy": o.accuracy, "latency_ms": latency}

@@ -319,8 +319,13 @@ def plot_run(
     rows = read_metrics(run_dir)
     if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
         paths += plot_exit_accuracy_epochs(rows, list(val.step_names), folder / "exit_accuracy", title)
-    if profile is not None or any(Path(run_dir).glob("profile-*.json")):
+    if profile is not None:
         paths += _plot_deadlines(run_dir, profile, folder, title)
+    elif any(Path(run_dir).glob("profile-*.json")):
+        try:  # the run's own profile, if there is exactly one and it is of these weights
+            paths += _plot_deadlines(run_dir, None, folder, title)
+        except AnytimeError:
+            pass
     return paths
 
 
@@ -328,9 +333,11 @@ def _plot_deadlines(run_dir: str | Path, profile: str | Path | None, folder: Pat
     from anytime.plotting import plot_deadline_accuracy, plot_latency_distributions
 
     scheduler, _ = scheduler_for_run(run_dir, profile)
-    quantile = min(0.99, 1 - 1 / scheduler.profile.samples_per_step)
-    paths = plot_deadline_accuracy(scheduler, folder / "deadline_accuracy", title, quantile=quantile)
-    return paths + plot_latency_distributions(scheduler.profile, folder / "latency", title)
+    n = scheduler.profile.samples_per_step
+    quantile = min(0.99, 1 - 1 / n) if n > 1 else 0.5
+    batch = min(scheduler.profile.batch_sizes)
+    paths = plot_deadline_accuracy(scheduler, folder / "deadline_accuracy", title, quantile=quantile, batch_size=batch)
+    return paths + plot_latency_distributions(scheduler.profile, folder / "latency", title, batch_size=batch)
 
 
 def default_profile_path(run_dir: str | Path, profile: DeviceProfile) -> Path:
@@ -355,7 +362,10 @@ def profile_run(
 
     def probe(sizes: list[int]) -> dict[int, dict[str, Any]]:
         threads = torch.get_num_threads()
-        return {b: run_isolated(inference_memory, str(run.run_dir), b, threads=threads, timeout_s=600) for b in sizes}
+        try:
+            return {b: run_isolated(inference_memory, str(run.run_dir), b, threads=threads, timeout_s=600) for b in sizes}
+        except RuntimeError as exc:
+            raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
 
     profile = profile_model(
         run.model, shape, batch_sizes=batch_sizes or DEFAULT_BATCH_SIZES, repeats=repeats, warmup=warmup,
@@ -427,5 +437,6 @@ def runner_for_run(
     calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
     if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
         exit_policy, _ = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
-    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt)
+    accuracy = [o.accuracy for o in run_options(run_dir, run.num_steps) if o.step is not None]
+    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy)
     return runner, run

@@ -44,13 +44,15 @@ DEADLINES = 12  # deadlines per load, geometric from 0.8x the first exit's p99 t
 MISS_TARGET = 0.01  # at most 1% of answers late
 ACCURACY_TARGET = 0.01  # within 1 point of the hindsight oracle
 HOG_CORE = 1  # the core the competing process spins on
+WARMUP_REQUESTS = 50  # unscored requests before each runtime's sweep
 
 
-def _spin(core: int) -> None:
+def _spin(core: int, ready: Any) -> None:
     try:
         os.sched_setaffinity(0, {core})
     except (AttributeError, OSError):
         pass
+    ready.set()
     while True:
         pass
 
@@ -119,7 +121,7 @@ def main() -> int:
     policy = ExitPolicy.from_dict(chosen["policy"])
     images, labels = _test_images(run_dir, max(count, hindsight_count))
     with torch.inference_mode():
-        logits = torch.cat([model.forward_all(images[i : i + 250]) for i in range(0, count, 250)], dim=1)  # type: ignore[operator]
+        logits = torch.cat([model.forward_all(images[i : min(i + 250, count)]) for i in range(0, count, 250)], dim=1)  # type: ignore[operator]
     step_accuracy = (logits.argmax(dim=2) == labels[:count]).double().mean(dim=1).numpy()
     print(f"{best} policy {policy.thresholds}; exits' accuracy on the {count} images: "
           f"{[round(100 * float(a), 2) for a in step_accuracy]}")  # fmt: skip
@@ -128,9 +130,11 @@ def main() -> int:
     for load in ("quiet", "one core busy"):
         hog = None
         if load != "quiet":
-            hog = multiprocessing.get_context("spawn").Process(target=_spin, args=(HOG_CORE,), daemon=True)
+            context = multiprocessing.get_context("spawn")
+            ready = context.Event()
+            hog = context.Process(target=_spin, args=(HOG_CORE, ready), daemon=True)
             hog.start()
-            time.sleep(1.0)
+            ready.wait(timeout=60)
         try:
             times = _hindsight(model, images, hindsight_count)
             p99 = np.quantile(times, QUANTILE, axis=1, method="inverted_cdf")
@@ -140,6 +144,9 @@ def main() -> int:
                   f"{[round(profile.step_quantile(k, QUANTILE), 3) for k in range(profile.num_steps)]})")  # fmt: skip
             for adapt in (False, True):
                 runner = AnytimeRunner(model, profile, policy, quantile=QUANTILE, adapt=adapt)
+                # A server runs continuously: requests before the sweep (not scored) warm the caches and, when
+                # adapting, let the runner learn the device's current speed.
+                _serve(runner, images[:WARMUP_REQUESTS], labels[:WARMUP_REQUESTS], float(deadlines[-1]))
                 condition = f"{load}, {'adaptive' if adapt else 'static'}"
                 for deadline in deadlines:
                     fits = p99 <= deadline

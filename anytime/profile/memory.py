@@ -103,7 +103,8 @@ def _reset_peak_rss() -> bool:
 
 def _hwm_bytes() -> int | None:
     try:
-        text = open("/proc/self/status", encoding="ascii").read()
+        with open("/proc/self/status", encoding="ascii") as handle:
+            text = handle.read()
     except OSError:
         return None
     for line in text.splitlines():

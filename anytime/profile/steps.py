@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import replace
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -149,6 +149,9 @@ def profile_model(
     if not sizes or sizes[0] < 1:
         raise AnytimeError(f"batch sizes must be positive whole numbers (got {list(batch_sizes)})")
     target = torch.device(device)
+    where = next((t.device for t in list(model.parameters()) + list(model.buffers())), target)
+    if where.type != target.type:
+        raise AnytimeError(f"the model is on {where} but the profile is asked for {target}; move it first (model.to('{target}'))")
     was_training = model.training
     model.eval()
     num_steps = step_count(model)

@@ -127,7 +127,7 @@ class DeviceProfile:
             raise AnytimeError(f"quantile {q} is not in (0, 1); use e.g. 0.5, 0.9 or 0.99")
         n = self.samples_per_step
         if q > 1 - 1 / n + 1e-12:
-            need = math.ceil(1 / (1 - q))
+            need = math.ceil(1 / (1 - q) - 1e-9)
             raise AnytimeError(
                 f"a {q} quantile needs at least {need} samples per step but the profile has {n}; "
                 f"profile again with --repeats {need} or ask for a lower quantile"
@@ -189,7 +189,9 @@ class DeviceProfile:
             incremental = bool(doc["incremental"])
             latency: dict[int, BatchLatency] = {}
             for entry in doc["batches"]:
-                b = int(entry["batch_size"])
+                b = entry["batch_size"]
+                if not isinstance(b, int) or isinstance(b, bool) or b < 1 or b in latency:
+                    raise ValueError("batch sizes must be distinct positive integers")
                 step_samples = tuple(_samples(s["samples_ms"], where) for s in entry["steps"])
                 stages = entry.get("stages")
                 stage_samples = None if stages is None else tuple(_samples(s["samples_ms"], where) for s in stages)

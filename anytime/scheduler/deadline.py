@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ class _Frontier:
 
 def check_deadline(deadline_ms: float) -> float:
     """Refuse a deadline that is not a positive number (NaN, zero, negative, not a number at all)."""
-    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not deadline_ms > 0:
+    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, numbers.Real) or not deadline_ms > 0:
         raise AnytimeError(f"deadline {deadline_ms!r} ms is not a positive number of milliseconds")
     return float(deadline_ms)
 
@@ -85,7 +86,8 @@ class DeadlineScheduler:
 
     ``observe(option, seconds)`` feeds measured latencies back; with ``adapt`` the profiled latencies are
     scaled by the drift they reveal (see :class:`DriftEstimator`), so choices follow a device that slows
-    down or speeds up.
+    down or speeds up. The scheduler checks that the profile has as many steps as the options name; that
+    the profile was measured on these very weights is checked where both are loaded (``scheduler_for_run``).
     """
 
     def __init__(
@@ -152,13 +154,30 @@ class DeadlineScheduler:
         return Selection(o.name, o.kind, o.step, o.accuracy, f.latency[i] * drift, float(deadline_ms), quantile,
                          batch_size, True, drift)  # fmt: skip
 
-    def observe(self, option: str | Option | Selection, seconds: float, batch_size: int = 1) -> None:
-        """Feed back the measured latency of one answer given by ``option`` at ``batch_size``."""
-        name = option.option if isinstance(option, Selection) else option if isinstance(option, str) else option.name
-        key = (name, batch_size)
+    def observe(
+        self, option: str | Option | Selection, seconds: float, batch_size: int | None = None, *, step: int | None = None
+    ) -> None:
+        """Feed back the measured latency (seconds) of one answer given by ``option``.
+
+        ``batch_size`` defaults to the selection's (or 1). A policy's latency depends on the exit its
+        answer reached, so observing a policy needs ``step``, that exit (``AnytimePrediction.step``);
+        the time is then compared with the profiled time to reach that exit.
+        """
+        if isinstance(option, Selection):
+            name, batch = option.option, batch_size or option.batch_size
+        else:
+            name, batch = (option if isinstance(option, str) else option.name), batch_size or 1
+        key = (name, batch, step)
         median = self._medians.get(key)
         if median is None:
-            median = self._medians[key] = self.latency(name, 0.5, batch_size)
+            o = self._option(name)
+            if o.policy is None:
+                median = self.latency(o, 0.5, batch)
+            elif step is None or not 0 <= step < self.profile.num_steps:
+                raise AnytimeError(f"observing the policy option {name} needs step=the exit its answer reached (0..{self.profile.num_steps - 1})")
+            else:
+                median = quantile_of(self.profile.path_samples(step, batch), 0.5)
+            self._medians[key] = median
         if median > 0:
             self.drift.observe(1000.0 * seconds / median)
 

@@ -9,6 +9,7 @@ up front by the scheduler.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,7 +54,10 @@ class AnytimeRunner:
 
     ``quantile`` is the latency quantile a stage must fit at before it starts. With ``adapt`` every stage's
     measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows
-    down. ``margin_ms`` is kept free at the end for returning the answer.
+    down. ``margin_ms`` is kept free at the end for returning the answer. A non-incremental model's step is
+    chosen by ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits
+    (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
+    the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
     """
 
     def __init__(
@@ -63,6 +67,8 @@ class AnytimeRunner:
     ) -> None:  # fmt: skip
         num_steps = step_count(model)
         profile.check_model(None, num_steps, where="the profile")
+        if not (margin_ms >= 0 and math.isfinite(margin_ms)):
+            raise AnytimeError(f"margin_ms must be a finite number >= 0 (got {margin_ms})")
         self.model = model
         self.profile = profile
         self.quantile = profile.check_quantile(quantile)
@@ -133,7 +139,8 @@ class AnytimeRunner:
         before = start
         steps = self.model.steps(x)  # type: ignore[operator]
         reason = "last"
-        k = 0
+        k = -1
+        logits = x
         try:
             for k, logits in enumerate(steps):
                 self._sync()
@@ -169,7 +176,11 @@ class AnytimeRunner:
                     reason = "deadline"
                     break
         finally:
-            steps.close()
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
+        if k < 0 or (k < last and reason == "last"):
+            raise AnytimeError(f"the model's steps() yielded {k + 1} answers but it has {self._num_steps} steps")
         if decided is not None and answer is not None and exits is not None:
             pending = ~decided
             answer[pending] = logits[pending]
