@@ -66,38 +66,33 @@ def test_time_accuracy_quick(tmp_path, cifar_root):
     _check_config(out)
 
 
+def _benchmark(tmp_path, name: str, *extra: str) -> dict:
+    """Run benchmarks/NAME.py --quick with a JSON report; its report."""
+    report = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", *extra, "--json", str(report)],
+                          capture_output=True, text=True, check=False, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(report.read_text())
+
+
 @pytest.mark.parametrize("name", ["trainer_overhead", "data_pipeline", "exit_overhead", "sweep_speed", "scheduler_overhead"])
 def test_benchmark_quick_writes_its_report(tmp_path, name):
     if name == "data_pipeline" and not (REPO.parent / "shared" / "data" / "cifar10" / "train").is_dir():
         pytest.skip("needs the CIFAR-10 image folder")
-    report = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--json", str(report)],
-                          capture_output=True, text=True, check=False, cwd=REPO)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    data = json.loads(report.read_text())
+    data = _benchmark(tmp_path, name)
     assert data["benchmark"] == name and data["verdict"] in ("pass", "fail") and data["ratio"] > 0
 
 
 @pytest.mark.needs_data
 def test_early_exit_benchmark_quick(tmp_path, cifar_root):
-    report = tmp_path / "early_exit.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "early_exit_cifar10.py"), "--quick",
-                           "--run", str(tmp_path / "run"), "--json", str(report)],
-                          capture_output=True, text=True, check=False, cwd=REPO)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    figures = json.loads(report.read_text())["figures"]
+    figures = _benchmark(tmp_path, "early_exit_cifar10", "--run", str(tmp_path / "run"))["figures"]
     assert figures["agreement"] == {"exits": 1.0, "predictions": 1.0}
     assert (tmp_path / "run-quick" / "calibration.json").is_file()
 
 
 @pytest.mark.needs_data
 def test_deadline_benchmark_quick(tmp_path, cifar_root):
-    report = tmp_path / "deadline.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "deadline_cifar10.py"), "--quick",
-                           "--run", str(tmp_path / "run"), "--json", str(report)],
-                          capture_output=True, text=True, check=False, cwd=REPO)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    figures = json.loads(report.read_text())["figures"]
+    figures = _benchmark(tmp_path, "deadline_cifar10", "--run", str(tmp_path / "run"))["figures"]
     assert set(figures["verdicts"]) == {"quiet, static", "quiet, adaptive", "one core busy, static",
                                         "one core busy, adaptive"}  # fmt: skip
     assert len(figures["rows"]) == 16 and all(0 <= r["miss_rate"] <= 1 for r in figures["rows"])
