@@ -40,7 +40,7 @@ from anytime.utils.io import write_csv
 QUANTILE = 0.99  # the latency quantile a stage must fit at before the runtime starts it
 MAX_DROP = 1.0  # calibration: accuracy points below the last exit (validation)
 PROFILE_REPEATS = 1000  # profile samples per step (a p99 from 1000, not from the 2nd largest of 200)
-DEADLINES = 12  # deadlines per load, geometric from 0.8x the first exit's p99 to 1.3x the last exit's
+DEADLINES = 10  # deadlines per load, geometric from 0.8x the first exit's p99 to 1.3x the last exit's
 MISS_TARGET = 0.01  # at most 1% of answers late
 ACCURACY_TARGET = 0.01  # within 1 point of the hindsight oracle
 HOG_CORE = 1  # the core the competing process spins on
@@ -106,7 +106,7 @@ def _serve(runner: AnytimeRunner, images: torch.Tensor, labels: torch.Tensor, de
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
-    p.add_argument("--images", type=int, default=2000, help="test images answered per deadline and runtime")
+    p.add_argument("--images", type=int, default=1000, help="test images answered per deadline and runtime")
     p.add_argument("--hindsight-images", type=int, default=500, help="test images timed per exit for the oracle")
     args = p.parse_args()
     run_dir = exit_run_dir(args.run, args.quick)

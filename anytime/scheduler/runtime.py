@@ -98,19 +98,23 @@ class AnytimeRunner:
             )  # fmt: skip
             self.drift = self.scheduler.drift
 
-    def _stage_estimates(self, batch_size: int) -> tuple[list[float], list[float]]:
-        """Per stage: its latency at the quantile and its median (ms), at the nearest profiled batch size
-        at or above ``batch_size``."""
-        found = self._estimates.get(batch_size)
-        if found is not None:
-            return found
+    def _profiled_batch(self, batch_size: int) -> int:
+        """The smallest profiled batch size that holds ``batch_size`` samples (a conservative estimate)."""
         sizes = [b for b in self.profile.batch_sizes if b >= batch_size]
         if not sizes:
             raise AnytimeError(
                 f"batch of {batch_size} is larger than any profiled batch size ({max(self.profile.batch_sizes)}); "
                 f"profile with --batch-sizes up to {batch_size}"
             )
-        stages = self.profile.at(sizes[0]).stages or ()
+        return sizes[0]
+
+    def _stage_estimates(self, batch_size: int) -> tuple[list[float], list[float]]:
+        """Per stage: its latency at the quantile and its median (ms), at the nearest profiled batch size
+        at or above ``batch_size``."""
+        found = self._estimates.get(batch_size)
+        if found is not None:
+            return found
+        stages = self.profile.at(self._profiled_batch(batch_size)).stages or ()
         found = self._estimates[batch_size] = (
             [quantile_of(s, self.quantile) for s in stages], [max(quantile_of(s, 0.5), 1e-9) for s in stages],
         )  # fmt: skip
@@ -195,20 +199,15 @@ class AnytimeRunner:
     def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float) -> AnytimePrediction:
         assert self.scheduler is not None
         batch = x.shape[0]
-        sizes = [b for b in self.profile.batch_sizes if b >= batch]
-        if not sizes:
-            raise AnytimeError(
-                f"batch of {batch} is larger than any profiled batch size ({max(self.profile.batch_sizes)}); "
-                f"profile with --batch-sizes up to {batch}"
-            )
+        profiled = self._profiled_batch(batch)
         left = deadline_ms - self.margin_ms - 1000.0 * (time.perf_counter() - start)
-        choice = self.scheduler.select(max(left, 1e-6), self.quantile, sizes[0])
+        choice = self.scheduler.select(max(left, 1e-6), self.quantile, profiled)
         k = choice.step if choice.step is not None else self._num_steps - 1
         begun = time.perf_counter()
         logits = run_step(self.model, x, k)
         self._sync()
         now = time.perf_counter()
         if self.adapt:
-            self.scheduler.observe(choice, now - begun, sizes[0])
+            self.scheduler.observe(choice, now - begun, profiled)
         exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
         return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "chosen", 1000.0 * (now - start), float(deadline_ms))
