@@ -21,7 +21,7 @@ import numpy as np
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.profile.store import DeviceProfile, quantile_of
-from anytime.scheduler.online import DriftEstimator, ratios_to_median
+from anytime.scheduler.online import DriftEstimator
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Selection:
     """The scheduler's answer: the option, its expected accuracy and its latency at the quantile asked.
 
     ``fits`` is False when even the cheapest option's latency exceeds the deadline; ``option`` is then the
-    cheapest one and ``note`` says it will likely miss. ``drift`` is the factor the online estimate applied
+    cheapest one and ``note`` says it will likely miss. ``drift`` is the online estimate over the profiled
     to the profiled latencies (1 for the profile as measured).
     """
 
@@ -70,12 +70,16 @@ class Selection:
 
 @dataclass(frozen=True)
 class _Frontier:
-    latency: list[float]  # ascending, profiled (drift 1)
+    latency: list[float]  # ascending
     options: list[Option]
+    profiled: list[float]  # each option's latency as profiled
+    version: int = -1  # the drift estimate's version it was built at (-1: as profiled)
 
 
 def check_deadline(deadline_ms: float) -> float:
     """Refuse a deadline that is not a positive number (NaN, zero, negative, not a number at all)."""
+    if type(deadline_ms) in (float, int) and deadline_ms > 0:  # the common case, without the ABC check
+        return float(deadline_ms)
     if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, numbers.Real) or not deadline_ms > 0:
         raise AnytimeError(f"deadline {deadline_ms!r} ms is not a positive number of milliseconds")
     return float(deadline_ms)
@@ -105,9 +109,10 @@ class DeadlineScheduler:
         self.options = {o.name: o for o in options}
         self.adapt = adapt
         self._frontiers: dict[tuple[float, int], _Frontier] = {}
-        self._medians: dict[tuple[str, int], float] = {}
-        reference = ratios_to_median([s for b in profile.batch_sizes for s in profile.at(b).steps])
-        self.drift = DriftEstimator(reference, window=window, min_observations=min_observations)
+        self._adapted: dict[tuple[float, int], _Frontier] = {}
+        self._costs: dict[tuple[float, int], dict[str, float]] = {}  # every option's profiled latency
+        self._medians: dict[tuple[str, int, int | None], float] = {}
+        self.drift = DriftEstimator(window=window, min_observations=min_observations)
 
     @classmethod
     def from_accuracies(
@@ -141,18 +146,21 @@ class DeadlineScheduler:
         miss. NaN, zero or negative deadlines and quantiles the profile cannot resolve are refused.
         """
         check_deadline(deadline_ms)
-        f = self._frontiers.get((quantile, batch_size)) or self._frontier(quantile, batch_size)
-        drift = self.drift.factor(quantile) if self.adapt else 1.0
-        i = bisect.bisect_right(f.latency, deadline_ms / drift) - 1
+        key = (quantile, batch_size)
+        f = self._frontiers.get(key) or self._frontier(quantile, batch_size)
+        if self.adapt and self.drift.ready:
+            adapted = self._adapted.get(key)
+            f = adapted if adapted is not None and adapted.version == self.drift.version else self._adapt(key)
+        i = bisect.bisect_right(f.latency, deadline_ms) - 1
         if i < 0:
-            o, latency = f.options[0], f.latency[0] * drift
+            o, latency = f.options[0], f.latency[0]
             note = (f"deadline {deadline_ms:g} ms is below the cheapest option: {o.name} takes {latency:.4g} ms "
                     f"at p{100 * quantile:g}, so it will likely miss")  # fmt: skip
             return Selection(o.name, o.kind, o.step, o.accuracy, latency, float(deadline_ms), quantile, batch_size,
-                             False, drift, note)  # fmt: skip
+                             False, latency / f.profiled[0], note)  # fmt: skip
         o = f.options[i]
-        return Selection(o.name, o.kind, o.step, o.accuracy, f.latency[i] * drift, float(deadline_ms), quantile,
-                         batch_size, True, drift)  # fmt: skip
+        return Selection(o.name, o.kind, o.step, o.accuracy, f.latency[i], float(deadline_ms), quantile, batch_size,
+                         True, f.latency[i] / f.profiled[i])  # fmt: skip
 
     def observe(
         self, option: str | Option | Selection, seconds: float, batch_size: int | None = None, *, step: int | None = None
@@ -178,8 +186,10 @@ class DeadlineScheduler:
             else:
                 median = quantile_of(self.profile.path_samples(step, batch), 0.5)
             self._medians[key] = median
-        if median > 0:
-            self.drift.observe(1000.0 * seconds / median)
+        self.drift.observe(1000.0 * seconds, median)
+        if self.adapt and self.drift.ready:
+            for used in list(self._adapted):  # rebuilt here, after the answer, so that select stays a bisection
+                self._adapt(used)
 
     def _option(self, option: str | Option) -> Option:
         name = option if isinstance(option, str) else option.name
@@ -198,21 +208,46 @@ class DeadlineScheduler:
         return np.concatenate(paths), np.concatenate(weights)
 
     def _frontier(self, quantile: float, batch_size: int) -> _Frontier:
+        """The frontier as profiled (cached per quantile and batch size)."""
         key = (quantile, batch_size)
         found = self._frontiers.get(key)
         if found is not None:
             return found
         self.profile.check_quantile(quantile)
         self.profile.at(batch_size)
-        costed = sorted(((self.latency(o, quantile, batch_size), -o.accuracy, o.name) for o in self.options.values()))
-        latency: list[float] = []
-        chosen: list[Option] = []
-        for cost, negative_accuracy, name in costed:
-            if not chosen or -negative_accuracy > chosen[-1].accuracy:
-                latency.append(cost)
-                chosen.append(self.options[name])
-        frontier = self._frontiers[key] = _Frontier(latency, chosen)
+        costs = self._costs[key] = {o.name: self.latency(o, quantile, batch_size) for o in self.options.values()}
+        frontier = self._frontiers[key] = _build(costs, costs, self.options, -1)
         return frontier
+
+    def _adapt(self, key: tuple[float, int]) -> _Frontier:
+        """The frontier with every option's latency as the drift estimate has it now. Estimates do not keep
+        the profiled order (a stall adds the same time to every option), so it is built from all options."""
+        quantile, batch_size = key
+        self._frontier(quantile, batch_size)
+        profiled = self._costs[key]
+        estimate = self.drift.estimate
+        now = {name: estimate(cost, self._median_of(name, batch_size), quantile) for name, cost in profiled.items()}
+        frontier = self._adapted[key] = _build(now, profiled, self.options, self.drift.version)
+        return frontier
+
+    def _median_of(self, name: str, batch_size: int) -> float:
+        key = (name, batch_size, None)
+        median = self._medians.get(key)
+        if median is None:
+            median = self._medians[key] = self.latency(name, 0.5, batch_size)
+        return median
+
+
+def _build(costs: dict[str, float], profiled: dict[str, float], options: dict[str, Option], version: int) -> _Frontier:
+    """Options sorted by cost; only those more accurate than every cheaper one kept (ties: the more accurate
+    at equal cost, the cheaper at equal accuracy)."""
+    latency: list[float] = []
+    chosen: list[Option] = []
+    for cost, negative_accuracy, name in sorted((c, -options[n].accuracy, n) for n, c in costs.items()):
+        if not chosen or -negative_accuracy > chosen[-1].accuracy:
+            latency.append(cost)
+            chosen.append(options[name])
+    return _Frontier(latency, chosen, [profiled[o.name] for o in chosen], version)
 
 
 def _check_option(option: Option, profile: DeviceProfile) -> None:

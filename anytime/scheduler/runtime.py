@@ -23,7 +23,7 @@ from anytime.errors import AnytimeError
 from anytime.profile.steps import is_incremental, run_step, step_count
 from anytime.profile.store import DeviceProfile, quantile_of
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline
-from anytime.scheduler.online import DriftEstimator, ratios_to_median
+from anytime.scheduler.online import DriftEstimator
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ class AnytimeRunner:
         self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
         self._estimates: dict[int, tuple[list[float], list[float]]] = {}
         if self.incremental:
-            reference = ratios_to_median([s for b in profile.batch_sizes for s in profile.at(b).stages or ()])
-            self.drift = DriftEstimator(reference, window=window, min_observations=min_observations)
+            self.drift = DriftEstimator(window=window, min_observations=min_observations)
             self.scheduler = None
         else:
             accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
@@ -151,7 +150,7 @@ class AnytimeRunner:
                 now = time.perf_counter()
                 if self.adapt:
                     # Measured from the previous answer, so the runner's own checks count as part of the stage.
-                    self.drift.observe(1000.0 * (now - before) / median[k])
+                    self.drift.observe(1000.0 * (now - before), median[k])
                 before = now
                 if k == last:
                     break
@@ -174,9 +173,11 @@ class AnytimeRunner:
                         if bool(decided.all()):
                             reason = "confident"
                             break
-                drift = self.drift.factor(self.quantile) if self.adapt else 1.0
+                following = tail[k + 1]
+                if self.adapt:
+                    following = self.drift.estimate(following, median[k + 1], self.quantile)
                 elapsed = 1000.0 * (time.perf_counter() - start)
-                if elapsed + tail[k + 1] * drift > budget:
+                if elapsed + following > budget:
                     reason = "deadline"
                     break
         finally:
