@@ -89,14 +89,14 @@ class DeadlineScheduler:
     """Answers ``select(deadline_ms, quantile, batch_size)`` with the most accurate option that fits.
 
     ``observe(option, seconds)`` feeds measured latencies back; with ``adapt`` the profiled latencies are
-    scaled by the drift they reveal (see :class:`DriftEstimator`), so choices follow a device that slows
-    down or speeds up. The scheduler checks that the profile has as many steps as the options name; that
+    corrected by the drift they reveal (see :class:`DriftEstimator`; ``tracked_quantile`` is the level its
+    stall excess is measured at), so choices follow a device that slows down, speeds up or stalls. The scheduler checks that the profile has as many steps as the options name; that
     the profile was measured on these very weights is checked where both are loaded (``scheduler_for_run``).
     """
 
     def __init__(
         self, profile: DeviceProfile, options: Sequence[Option], *, adapt: bool = True, window: int = 200,
-        min_observations: int = 20,
+        min_observations: int = 20, tracked_quantile: float | None = None,
     ) -> None:  # fmt: skip
         if not options:
             raise AnytimeError("the scheduler needs at least one option (a step or a policy)")
@@ -111,7 +111,12 @@ class DeadlineScheduler:
         self._frontiers: dict[tuple[float, int], _Frontier] = {}
         self._adapted: dict[tuple[float, int], _Frontier] = {}
         self._costs: dict[tuple[float, int], dict[str, float]] = {}  # every option's profiled latency
-        self._medians: dict[tuple[str, int, int | None], float] = {}
+        self._medians: dict[tuple[str, int, int | None], tuple[float, float]] = {}
+        # By default p99, or the highest quantile the profile's samples resolve if that is lower.
+        n = profile.samples_per_step
+        self.tracked_quantile = profile.check_quantile(
+            tracked_quantile if tracked_quantile is not None else (min(0.99, 1 - 1 / n) if n > 1 else 0.5)
+        )
         self.drift = DriftEstimator(window=window, min_observations=min_observations)
 
     @classmethod
@@ -176,17 +181,19 @@ class DeadlineScheduler:
         else:
             name, batch = (option if isinstance(option, str) else option.name), batch_size or 1
         key = (name, batch, step)
-        median = self._medians.get(key)
-        if median is None:
+        profiled = self._medians.get(key)
+        if profiled is None:
             o = self._option(name)
+            q = self.tracked_quantile
             if o.policy is None:
-                median = self.latency(o, 0.5, batch)
+                profiled = (self.latency(o, 0.5, batch), self.latency(o, q, batch))
             elif step is None or not 0 <= step < self.profile.num_steps:
                 raise AnytimeError(f"observing the policy option {name} needs step=the exit its answer reached (0..{self.profile.num_steps - 1})")
             else:
-                median = quantile_of(self.profile.path_samples(step, batch), 0.5)
-            self._medians[key] = median
-        self.drift.observe(1000.0 * seconds, median)
+                path = self.profile.path_samples(step, batch)
+                profiled = (quantile_of(path, 0.5), quantile_of(path, q))
+            self._medians[key] = profiled
+        self.drift.observe(1000.0 * seconds, *profiled)
         if self.adapt and self.drift.ready:
             for used in list(self._adapted):  # rebuilt here, after the answer, so that select stays a bisection
                 self._adapt(used)
@@ -220,22 +227,14 @@ class DeadlineScheduler:
         return frontier
 
     def _adapt(self, key: tuple[float, int]) -> _Frontier:
-        """The frontier with every option's latency as the drift estimate has it now. Estimates do not keep
-        the profiled order (a stall adds the same time to every option), so it is built from all options."""
+        """The frontier with every option's latency as the drift estimate has it now (built from all options:
+        a stall adds the same time to every option, so the profile's dominated options are looked at again)."""
         quantile, batch_size = key
         self._frontier(quantile, batch_size)
         profiled = self._costs[key]
-        estimate = self.drift.estimate
-        now = {name: estimate(cost, self._median_of(name, batch_size), quantile) for name, cost in profiled.items()}
+        now = {name: self.drift.estimate(cost, quantile) for name, cost in profiled.items()}
         frontier = self._adapted[key] = _build(now, profiled, self.options, self.drift.version)
         return frontier
-
-    def _median_of(self, name: str, batch_size: int) -> float:
-        key = (name, batch_size, None)
-        median = self._medians.get(key)
-        if median is None:
-            median = self._medians[key] = self.latency(name, 0.5, batch_size)
-        return median
 
 
 def _build(costs: dict[str, float], profiled: dict[str, float], options: dict[str, Option], version: int) -> _Frontier:

@@ -1,20 +1,20 @@
 """Following the device's drift: how much slower it runs now than when it was profiled, and how long its
 current stalls are.
 
-Each measured latency is compared with the profiled median of what was measured (a step, a stage, a
-path to an exit). Two sliding windows are kept sorted: the ratio ``measured / median`` and the excess
-``measured - level * median``, where the level is the median ratio when the latency came in (the excess
-is kept from the moment a level is known). The estimate of a profiled
-q-quantile ``t_q`` (median ``m``) is then
+Each measured latency is compared with what the profile says of what was measured (a step, a stage, a
+path to an exit): its median ``m`` and its quantile ``t`` at the tracked level (the runtime's, e.g. p99).
+Two sliding windows are kept sorted: the ratio ``measured / m`` and the excess ``measured - level * t``,
+where the level is the median ratio when the latency came in (excesses are kept once a level is known).
+The estimate of a profiled q-quantile ``t_q`` is then
 
-    max(level * t_q, level * m + excess_q)
+    level * t_q + max(0, excess_q)
 
-The first term follows a device that got uniformly slower or faster (throttling, DVFS): every latency is
-scaled. The second follows a device whose tail grew by stalls that do not scale with the work, such as
-another process taking a core from one of torch's threads for a time slice: a stall costs the same
-whether it hits a short stage or a long one, so scaling a short stage by the ratio a stall gave would
-stop the runtime long before it has to. Measured on the CIFAR-10 runtime under a CPU hog, the
-multiplicative estimate alone kept the misses down but gave up 14 points of accuracy.
+The level follows a device that got uniformly slower or faster (throttling, DVFS): every latency is
+scaled. The excess is near zero on such a device (the profile's own tail, scaled, already covers it),
+and grows on a device that stalls, such as one where another process takes a core from one of torch's
+threads for a time slice. A stall costs the same whether it hits a short stage or a long one, so it is
+added, not multiplied: scaling a short stage by the ratio a stall gave, or adding the spread of a quiet
+machine's pooled latencies to every stage, stopped the CIFAR-10 runtime long before it had to.
 """
 
 from __future__ import annotations
@@ -79,22 +79,21 @@ class DriftEstimator:
         """The median of measured/profiled-median ratios (1 before enough observations)."""
         return self._ratios.quantile(0.5) if self.ready else 1.0
 
-    def observe(self, measured_ms: float, median_ms: float) -> None:
-        """Add one measured latency of something whose profiled median is ``median_ms`` (ignored unless both
-        are positive finite numbers)."""
-        if not (measured_ms > 0 and median_ms > 0 and math.isfinite(measured_ms) and math.isfinite(median_ms)):
+    def observe(self, measured_ms: float, median_ms: float, tracked_ms: float) -> None:
+        """Add one measured latency of something profiled with median ``median_ms`` and ``tracked_ms`` at the
+        tracked quantile (ignored unless all are positive finite numbers)."""
+        if not all(v > 0 and math.isfinite(v) for v in (measured_ms, median_ms, tracked_ms)):
             return
         if len(self._ratios) >= self.min_observations:
-            self._excess.add(measured_ms - self._ratios.quantile(0.5) * median_ms)
+            self._excess.add(measured_ms - self._ratios.quantile(0.5) * tracked_ms)
         self._ratios.add(measured_ms / median_ms)
         self.version += 1
 
-    def estimate(self, quantile_ms: float, median_ms: float, q: float) -> float:
-        """Today's q-quantile of something profiled at ``quantile_ms`` (q) with median ``median_ms``."""
+    def estimate(self, quantile_ms: float, q: float) -> float:
+        """Today's q-quantile of something whose profiled q-quantile is ``quantile_ms``."""
         if not self.ready:
             return quantile_ms
-        level = self._ratios.quantile(0.5)
-        return max(level * quantile_ms, level * median_ms + self._excess.quantile(q))
+        return self._ratios.quantile(0.5) * quantile_ms + max(0.0, self._excess.quantile(q))
 
     def reset(self) -> None:
         """Forget every observation (back to trusting the profile)."""

@@ -93,7 +93,8 @@ class AnytimeRunner:
         else:
             accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
             self.scheduler = scheduler or DeadlineScheduler.from_accuracies(
-                profile, list(accuracy), adapt=adapt, window=window, min_observations=min_observations
+                profile, list(accuracy), adapt=adapt, window=window, min_observations=min_observations,
+                tracked_quantile=self.quantile,
             )  # fmt: skip
             self.drift = self.scheduler.drift
 
@@ -150,7 +151,7 @@ class AnytimeRunner:
                 now = time.perf_counter()
                 if self.adapt:
                     # Measured from the previous answer, so the runner's own checks count as part of the stage.
-                    self.drift.observe(1000.0 * (now - before), median[k])
+                    self.drift.observe(1000.0 * (now - before), median[k], tail[k])
                 before = now
                 if k == last:
                     break
@@ -175,7 +176,7 @@ class AnytimeRunner:
                             break
                 following = tail[k + 1]
                 if self.adapt:
-                    following = self.drift.estimate(following, median[k + 1], self.quantile)
+                    following = self.drift.estimate(following, self.quantile)
                 elapsed = 1000.0 * (time.perf_counter() - start)
                 if elapsed + following > budget:
                     reason = "deadline"
