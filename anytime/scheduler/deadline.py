@@ -111,7 +111,7 @@ class DeadlineScheduler:
         self._frontiers: dict[tuple[float, int], _Frontier] = {}
         self._adapted: dict[tuple[float, int], _Frontier] = {}
         self._costs: dict[tuple[float, int], dict[str, float]] = {}  # every option's profiled latency
-        self._medians: dict[tuple[str, int, int | None], tuple[float, float]] = {}
+        self._references: dict[tuple[str, int, int | None], tuple[float, float]] = {}
         # By default p99, or the highest quantile the profile's samples resolve if that is lower.
         n = profile.samples_per_step
         self.tracked_quantile = profile.check_quantile(
@@ -181,7 +181,7 @@ class DeadlineScheduler:
         else:
             name, batch = (option if isinstance(option, str) else option.name), batch_size or 1
         key = (name, batch, step)
-        profiled = self._medians.get(key)
+        profiled = self._references.get(key)
         if profiled is None:
             o = self._option(name)
             q = self.tracked_quantile
@@ -192,7 +192,7 @@ class DeadlineScheduler:
             else:
                 path = self.profile.path_samples(step, batch)
                 profiled = (quantile_of(path, 0.5), quantile_of(path, q))
-            self._medians[key] = profiled
+            self._references[key] = profiled
         self.drift.observe(1000.0 * seconds, *profiled)
         if self.adapt and self.drift.ready:
             for used in list(self._adapted):  # rebuilt here, after the answer, so that select stays a bisection
