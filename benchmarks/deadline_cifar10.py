@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
     p.add_argument("--images", type=int, default=1000, help="test images answered per deadline and runtime")
     p.add_argument("--hindsight-images", type=int, default=500, help="test images timed per exit for the oracle")
+    p.add_argument("--no-policy", action="store_true", help="no confident early exits: go as deep as the deadline allows")
     args = p.parse_args()
     run_dir = exit_run_dir(args.run, args.quick)
     count, hindsight_count = (60, 50) if args.quick else (args.images, args.hindsight_images)
@@ -127,12 +128,12 @@ def main() -> int:
                                         memory=False)  # fmt: skip
     loaded = load_run(run_dir)
     model = loaded.model
-    policy = ExitPolicy.from_dict(chosen["policy"])
+    policy = None if args.no_policy else ExitPolicy.from_dict(chosen["policy"])
     images, labels = _test_images(run_dir, max(count, hindsight_count))
     with torch.inference_mode():
         logits = torch.cat([model.forward_all(images[i : min(i + 250, count)]) for i in range(0, count, 250)], dim=1)  # type: ignore[operator]
     step_accuracy = (logits.argmax(dim=2) == labels[:count]).double().mean(dim=1).numpy()
-    print(f"{best} policy {policy.thresholds}; exits' accuracy on the {count} images: "
+    print(f"{'no policy' if policy is None else f'{best} policy {policy.thresholds}'}; exits' accuracy on the {count} images: "
           f"{[round(100 * float(a), 2) for a in step_accuracy]}")  # fmt: skip
     rows: list[dict[str, Any]] = []
     loads: dict[str, Any] = {}
@@ -173,7 +174,7 @@ def main() -> int:
             if hog is not None:
                 hog.terminate()
                 hog.join()
-    out = run_dir / "deadline"
+    out = run_dir / ("deadline-no-policy" if policy is None else "deadline")
     write_csv(out / "deadline_cifar10.csv", [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows])
     conditions = list(dict.fromkeys(r["condition"] for r in rows))
     plot_deadline_runs(rows, out / "deadline_cifar10", f"{run_dir.name}: anytime runtime vs deadline",
@@ -194,7 +195,7 @@ def main() -> int:
     passed = all(v["meets_targets"] for v in adaptive) and verdicts["quiet, static"]["meets_targets"]
     print(f"under load the static profile {'keeps' if static_under_load['meets_targets'] else 'misses'} the targets")
     print(f"results in {out}")
-    figures = {"run": str(run_dir), "profile": str(profile_path), "criterion": best, "thresholds": list(policy.thresholds),
+    figures = {"run": str(run_dir), "profile": str(profile_path), "criterion": None if policy is None else best, "thresholds": None if policy is None else list(policy.thresholds),
                "images": count, "hindsight_images": hindsight_count, "quantile": QUANTILE, "threads": torch.get_num_threads(),
                "step_accuracy": step_accuracy.tolist(), "loads": loads, "verdicts": verdicts, "rows": rows}  # fmt: skip
     return report("deadline_cifar10", args, figures, 100 * worst, "<= 1 (% late, adaptive, where the first exit fits)", passed)
