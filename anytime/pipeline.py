@@ -7,8 +7,8 @@ Each function reads what the previous one wrote into the run and writes its own 
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +34,7 @@ from anytime.profile.store import DeviceProfile, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option
 from anytime.train import load_splits
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, weights_fingerprint
-from anytime.utils.io import write_csv, write_json
+from anytime.utils.io import read_json, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 
 CALIBRATION = "calibration.json"
@@ -185,12 +185,8 @@ def load_calibration(
     """The policy saved by :func:`calibrate_run`, refused if it was fit on another model (or, given
     ``num_steps``, on a model with another number of exits) or if its figures are malformed."""
     target = Path(path)
-    if not target.is_file():
-        raise AnytimeError(f"no calibration at {target}; run `anytime calibrate RUN --max-drop 1` first")
-    try:
-        report = json.loads(target.read_text())
-    except ValueError:
-        raise AnytimeError(f"{target} is not valid JSON; calibrate again") from None
+    report = read_json(target, what="calibration", make="run `anytime calibrate RUN --max-drop 1` first",
+                       redo="calibrate again")  # fmt: skip
     if not isinstance(report, dict) or report.get("format") != CALIBRATION_FORMAT:
         raise AnytimeError(f"{target} is not an anytime calibration (no '{CALIBRATION_FORMAT}' tag)")
     if fingerprint is not None and report.get("model_fingerprint") != fingerprint:
@@ -333,8 +329,7 @@ def _plot_deadlines(run_dir: str | Path, profile: str | Path | None, folder: Pat
     from anytime.plotting import plot_deadline_accuracy, plot_latency_distributions
 
     scheduler, _ = scheduler_for_run(run_dir, profile)
-    n = scheduler.profile.samples_per_step
-    quantile = min(0.99, 1 - 1 / n) if n > 1 else 0.5
+    quantile = scheduler.profile.highest_quantile()
     batch = min(scheduler.profile.batch_sizes)
     paths = plot_deadline_accuracy(scheduler, folder / "deadline_accuracy", title, quantile=quantile, batch_size=batch)
     return paths + plot_latency_distributions(scheduler.profile, folder / "latency", title, batch_size=batch)
@@ -389,30 +384,31 @@ def find_profile(run_dir: str | Path, profile: str | Path | None = None) -> Path
     return found[0]
 
 
-def run_options(run_dir: str | Path, num_steps: int) -> list[Option]:
-    """The scheduler's options for a run: every step with its validation accuracy (from the run's summary)
-    and, if the run is calibrated, its early-exit policy with its validation accuracy and exit shares."""
+def run_options(run_dir: str | Path, step_names: Sequence[str]) -> list[Option]:
+    """The scheduler's options for a run: every step (named as its profile names them) with its validation
+    accuracy from the run's summary, and every early-exit policy calibrated in the run (``calibration*.json``)
+    with its validation accuracy and exit shares."""
+    num_steps = len(step_names)
     summary_path = Path(run_dir) / "summary.json"
+    summary = read_json(summary_path, what="training summary", make="its training has not finished",
+                        redo="train the run again")  # fmt: skip
     try:
-        summary = json.loads(summary_path.read_text())
         if num_steps > 1:
             accuracy = [float(e["val_acc"]) for e in summary["exits"]]
         else:
             accuracy = [float(summary["final"]["val_acc"])]
-    except FileNotFoundError:
-        raise AnytimeError(f"{run_dir} has no summary.json: its training has not finished") from None
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         raise AnytimeError(f"{summary_path} does not hold every step's validation accuracy; was it edited?") from None
     if len(accuracy) != num_steps or not all(0 <= a <= 1 for a in accuracy):
         raise AnytimeError(f"{summary_path} has {len(accuracy)} valid step accuracies for {num_steps} steps")
-    names = [f"exit{k}" for k in range(num_steps)] if num_steps > 1 else ["step0"]
-    options = [Option(name, a, step=k) for k, (name, a) in enumerate(zip(names, accuracy))]
-    calibration = Path(run_dir) / CALIBRATION
-    if num_steps > 1 and calibration.is_file():
-        policy, report = load_calibration(calibration, fingerprint=run_fingerprint(run_dir), num_steps=num_steps)
-        figures = report["validation"]
-        options.append(Option(f"early-exit ({policy.criterion})", float(figures["accuracy"]), policy=policy,
-                              exit_share=tuple(float(s) for s in figures["exit_share"])))  # fmt: skip
+    options = [Option(name, a, step=k) for k, (name, a) in enumerate(zip(step_names, accuracy))]
+    if num_steps > 1:
+        fingerprint = run_fingerprint(run_dir)
+        for path in sorted(Path(run_dir).glob("calibration*.json")):
+            policy, report = load_calibration(path, fingerprint=fingerprint, num_steps=num_steps)
+            figures = report["validation"]
+            options.append(Option(f"{path.stem} ({policy.criterion})", float(figures["accuracy"]), policy=policy,
+                                  exit_share=tuple(float(v) for v in figures["exit_share"])))  # fmt: skip
     return options
 
 
@@ -423,7 +419,7 @@ def scheduler_for_run(
     fingerprint = run_fingerprint(run_dir)
     path = find_profile(run_dir, profile)
     loaded = DeviceProfile.load(path, fingerprint=fingerprint)
-    return DeadlineScheduler(loaded, run_options(run_dir, loaded.num_steps), adapt=adapt), path
+    return DeadlineScheduler(loaded, run_options(run_dir, loaded.step_names), adapt=adapt), path
 
 
 def runner_for_run(
@@ -437,6 +433,6 @@ def runner_for_run(
     calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
     if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
         exit_policy, _ = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
-    accuracy = [o.accuracy for o in run_options(run_dir, run.num_steps) if o.step is not None]
+    accuracy = [o.accuracy for o in run_options(run_dir, loaded.step_names) if o.step is not None]
     runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy)
     return runner, run

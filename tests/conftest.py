@@ -35,3 +35,20 @@ def exit_run(tmp_path_factory) -> Path:
     config = TrainConfig(model="resnet20", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto", device="cpu")
     Trainer(config, run_dir).fit()
     return run_dir
+
+
+@pytest.fixture
+def cli_error(capsys):
+    """``cli_error(argv, *words)``: run ``anytime ARGV``; it must exit with status 2 and one line of error,
+    no traceback, naming every word given."""
+    from anytime.cli import main
+
+    def check(argv: list[str], *words: str) -> None:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        for word in words:
+            assert word in lines[0], lines[0]
+
+    return check

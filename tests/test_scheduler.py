@@ -404,31 +404,38 @@ def test_profile_and_schedule_commands(profiled, capsys, tmp_path):
     assert "B/A p99" in capsys.readouterr().out
 
 
-def _one_line_error(capsys, argv: list[str], *words: str) -> None:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for word in words:
-        assert word in lines[0], lines[0]
-
-
-def test_schedule_refuses_bad_input_in_one_line(profiled, capsys, tmp_path):
+def test_schedule_refuses_bad_input_in_one_line(profiled, cli_error, tmp_path):
     run = str(profiled)
-    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "nan"], "deadline")
-    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "-3"], "deadline")
-    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "0.9999"], "samples")
-    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "2"], "quantile")
-    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--batch-size", "3"], "batch size 3")
+    cli_error(["schedule", run, "--deadline-ms", "nan"], "deadline")
+    cli_error(["schedule", run, "--deadline-ms", "-3"], "deadline")
+    cli_error(["schedule", run, "--deadline-ms", "5", "--quantile", "0.9999"], "samples")
+    cli_error(["schedule", run, "--deadline-ms", "5", "--quantile", "2"], "quantile")
+    cli_error(["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--batch-size", "3"], "batch size 3")
     doc = json.loads(next(profiled.glob("profile-*.json")).read_text())
     doc["model_fingerprint"] = "0123456789abcdef"
     (tmp_path / "other.json").write_text(json.dumps(doc))
-    _one_line_error(capsys, ["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--profile", str(tmp_path / "other.json")],
+    cli_error(["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--profile", str(tmp_path / "other.json")],
                     "another model")  # fmt: skip
-    _one_line_error(capsys, ["schedule", str(tmp_path), "--deadline-ms", "5"], "not a run")
-    _one_line_error(capsys, ["profile"], "run directory")
-    _one_line_error(capsys, ["profile", run, "--batch-sizes", "1,x"], "batch-sizes")
-    _one_line_error(capsys, ["profile", "--compare", str(tmp_path / "nope.json"), str(tmp_path / "other.json")], "no profile")
+    cli_error(["schedule", str(tmp_path), "--deadline-ms", "5"], "not a run")
+    cli_error(["profile"], "run directory")
+    cli_error(["profile", run, "--batch-sizes", "1,x"], "batch-sizes")
+    cli_error(["profile", "--compare", str(tmp_path / "nope.json"), str(tmp_path / "other.json")], "no profile")
+
+
+def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
+    from anytime.pipeline import calibrate_run, scheduler_for_run
+
+    run = tmp_path / "run"
+    shutil.copytree(profiled, run)
+    calibrate_run(run, max_drop=2.0, criterion="entropy", out=run / "calibration-entropy.json")
+    scheduler, _ = scheduler_for_run(run)
+    steps = [f"exit{k}" for k in range(scheduler.profile.num_steps)]
+    assert set(scheduler.options) == {*steps, "calibration (confidence)", "calibration-entropy (entropy)"}
+    stale = json.loads((run / "calibration.json").read_text())
+    stale["model_fingerprint"] = "0123456789abcdef"
+    (run / "calibration-stale.json").write_text(json.dumps(stale))
+    with pytest.raises(AnytimeError, match="calibration-stale.json was fit on another model"):
+        scheduler_for_run(run)
 
 
 def test_deadline_plots(profiled):

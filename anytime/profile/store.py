@@ -8,7 +8,6 @@ paths) can be computed from the same samples.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from anytime.errors import AnytimeError
-from anytime.utils.io import write_json
+from anytime.utils.io import read_json, write_json
 
 PROFILE_FORMAT = "anytime-profile-v1"
 
@@ -121,6 +120,11 @@ class DeviceProfile:
                 f"profile again with --batch-sizes including {batch_size}"
             ) from None
 
+    def highest_quantile(self, cap: float = 0.99) -> float:
+        """The highest quantile up to ``cap`` that the samples resolve (p99 from 100 samples on)."""
+        n = self.samples_per_step
+        return min(cap, 1 - 1 / n) if n > 1 else 0.5
+
     def check_quantile(self, q: float) -> float:
         """Refuse a quantile that is not a number in (0, 1) or that the samples cannot resolve."""
         if not isinstance(q, (int, float)) or not 0 < q < 1:
@@ -218,15 +222,9 @@ class DeviceProfile:
     @classmethod
     def load(cls, path: str | Path, *, fingerprint: str | None = None, num_steps: int | None = None) -> DeviceProfile:
         """Read a profile file, refused if it is malformed or (given a fingerprint) from another model."""
-        target = Path(path)
-        if not target.is_file():
-            raise AnytimeError(f"no profile at {target}; measure one with `anytime profile RUN`")
-        try:
-            doc = json.loads(target.read_text())
-        except ValueError:
-            raise AnytimeError(f"{target} is not valid JSON; profile again") from None
-        profile = cls.from_dict(doc, where=str(target))
-        profile.check_model(fingerprint, num_steps, where=str(target))
+        doc = read_json(path, what="profile", make="measure one with `anytime profile RUN`", redo="profile again")
+        profile = cls.from_dict(doc, where=str(path))
+        profile.check_model(fingerprint, num_steps, where=str(path))
         return profile
 
 

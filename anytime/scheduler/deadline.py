@@ -113,9 +113,8 @@ class DeadlineScheduler:
         self._costs: dict[tuple[float, int], dict[str, float]] = {}  # every option's profiled latency
         self._references: dict[tuple[str, int, int | None], tuple[float, float]] = {}
         # By default p99, or the highest quantile the profile's samples resolve if that is lower.
-        n = profile.samples_per_step
         self.tracked_quantile = profile.check_quantile(
-            tracked_quantile if tracked_quantile is not None else (min(0.99, 1 - 1 / n) if n > 1 else 0.5)
+            tracked_quantile if tracked_quantile is not None else profile.highest_quantile()
         )
         self.drift = DriftEstimator(window=window, min_observations=min_observations)
 

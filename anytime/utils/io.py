@@ -65,6 +65,20 @@ def write_csv(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], c
     return write_text(path, buffer.getvalue())
 
 
+def read_json(path: str | os.PathLike[str], *, what: str, make: str, redo: str) -> Any:
+    """A JSON document the pipeline wrote; a missing or unparsable file is a one-line error that says how to
+    ``make`` it (when missing) or ``redo`` it (when broken)."""
+    from anytime.errors import AnytimeError
+
+    target = Path(path)
+    if not target.is_file():
+        raise AnytimeError(f"no {what} at {target}; {make}")
+    try:
+        return json.loads(target.read_text())
+    except ValueError:
+        raise AnytimeError(f"{target} is not valid JSON; {redo}") from None
+
+
 def read_csv(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """The rows of a CSV file with a header, as dicts of strings."""
     with open(path, newline="", encoding="utf-8") as handle:
