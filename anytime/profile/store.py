@@ -17,30 +17,10 @@ from typing import Any
 import numpy as np
 
 from anytime.errors import AnytimeError
+from anytime.profile.latency import latency_summary, quantile_of
 from anytime.utils.io import read_json, write_json
 
 PROFILE_FORMAT = "anytime-profile-v1"
-
-
-def quantile_of(samples: np.ndarray, q: float, weights: np.ndarray | None = None) -> float:
-    """The ``q`` quantile of a (weighted) sample: the smallest value with at least ``q`` of the mass at or
-    below it (the inverted empirical CDF, so a p99 of 100 samples is the 99th smallest, never an
-    interpolation below an observed value)."""
-    order = np.argsort(samples, kind="stable")
-    values = np.asarray(samples, dtype=np.float64)[order]
-    if weights is None:
-        index = max(0, math.ceil(q * values.size - 1e-9) - 1)
-        return float(values[min(index, values.size - 1)])
-    mass = np.cumsum(np.asarray(weights, dtype=np.float64)[order])
-    index = int(np.searchsorted(mass, q * mass[-1] - 1e-12, side="left"))
-    return float(values[min(index, values.size - 1)])
-
-
-def summarize(samples_ms: np.ndarray) -> dict[str, float]:
-    """Mean, std, p50, p90, p99 (milliseconds) and count of a latency sample."""
-    ms = np.asarray(samples_ms, dtype=np.float64)
-    return {"mean_ms": float(ms.mean()), "std_ms": float(ms.std()), "p50_ms": quantile_of(ms, 0.5),
-            "p90_ms": quantile_of(ms, 0.9), "p99_ms": quantile_of(ms, 0.99), "count": int(ms.size)}  # fmt: skip
 
 
 def device_slug(device: dict[str, Any]) -> str:
@@ -70,7 +50,7 @@ class BatchLatency:
         """JSON-able: summaries beside the raw samples."""
 
         def block(samples: tuple[np.ndarray, ...]) -> list[dict[str, Any]]:
-            return [{**summarize(s), "samples_ms": [round(float(v), 5) for v in s]} for s in samples]
+            return [{**latency_summary(s / 1000), "samples_ms": [round(float(v), 5) for v in s]} for s in samples]
 
         return {"batch_size": self.batch_size, "steps": block(self.steps),
                 "stages": None if self.stages is None else block(self.stages),

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.profile.steps import is_incremental, run_step, step_count
-from anytime.profile.store import DeviceProfile, quantile_of
+from anytime.profile.latency import quantile_of
+from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline
 from anytime.scheduler.online import DriftEstimator
 
