@@ -9,7 +9,10 @@ from __future__ import annotations
 from anytime.backbones import create_model, list_models
 from anytime.errors import AnytimeError
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
-from anytime.wrappers import attach_exits
+from anytime.wrappers import BlockDropLadder, attach_exits, slice_model
 
-__all__ = ["AnytimeError", "AnytimeRunner", "DeadlineScheduler", "attach_exits", "create_model", "list_models"]
+__all__ = [
+    "AnytimeError", "AnytimeRunner", "BlockDropLadder", "DeadlineScheduler", "attach_exits", "create_model",
+    "list_models", "slice_model",
+]  # fmt: skip
 __version__ = "0.1.0"

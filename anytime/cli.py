@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy, deadlines",
     "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
     "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
+    "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
     "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
@@ -118,10 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--exit-head", choices=["pool", "linear", "conv"], help="exit head design (default pool)")
     exits.add_argument("--exit-weights", metavar="W,W,...",
                        help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)")
-    exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT",
-                       help="self-distillation from the last exit to the others, with this weight (default 0)")
+    exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
+                       help="distil the last exit (or the widest slice) into the others, with this weight "
+                            "(1 if given without one; default 0)")
     exits.add_argument("--init", metavar="CHECKPOINT",
                        help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict")
+
+    sliced = train.add_argument_group("sliced networks and residual blocks")
+    sliced.add_argument("--slices", metavar="R,R,...",
+                        help="train a sliced network, one step per fraction (e.g. 0.25,0.5,0.75,1.0)")
+    sliced.add_argument("--slice-kind", choices=["width", "cardinality"],
+                        help="width: channels of every layer (ResNets, MobileNetV2, VGG); cardinality: groups of "
+                             "every ResNeXt block (default width)")
+    sliced.add_argument("--sandwich", action="store_true", default=None,
+                        help="train the narrowest, the widest and one random slice per mini-batch, not all")
+    sliced.add_argument("--stochastic-depth", type=_finite_float, metavar="P",
+                        help="residual branches skipped at random in training, up to P for the last block")
 
     exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
     exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
@@ -198,6 +211,23 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
     schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
 
+    cut = sub.add_parser("cut", description=COMMANDS["cut"])
+    cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
+    cut.add_argument("--kind", choices=["shortcut", "branch", "both"], default="both",
+                     help="shortcut: cut the link (the block keeps its branch); branch: skip the branch (the block "
+                          "keeps its shortcut); default both")
+    cut.add_argument("--recalibrate-bn", action="store_true",
+                     help="also measure each cut after recomputing the batch-norm statistics on training images")
+    cut.add_argument("--finetune-epochs", type=_non_negative_int, default=0, metavar="N",
+                     help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)")
+    cut.add_argument("--split", choices=["val", "test"], default="test")
+    cut.add_argument("--images", type=_positive_int, metavar="N", help="evaluate on the first N images of the split")
+    cut.add_argument("--repeats", type=_positive_int, default=30, metavar="N", help="batch-1 timings per configuration")
+    cut.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    cut.add_argument("--ladder", action="store_true",
+                     help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
+    cut.add_argument("--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)")
+
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
     experiment.add_argument("--quick", action="store_true", help="a few minutes on a laptop-class CPU")
@@ -239,7 +269,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "init",
+    "exit_head", "distill", "init", "slices", "slice_kind", "stochastic_depth",
 )  # fmt: skip
 
 
@@ -256,6 +286,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     card = load_card(args.card) if args.card else None
     overrides = {field: getattr(args, field) for field in _TRAIN_FIELDS if getattr(args, field) is not None}
+    if args.sandwich:
+        overrides["sandwich"] = True
     if args.exit_weights is not None:
         overrides["exit_weights"] = _float_list(args.exit_weights, "--exit-weights")
     if args.update_card and card is None:
@@ -623,10 +655,39 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cut(args: argparse.Namespace) -> int:
+    from anytime.cut import cut_study, make_ladder_run
+
+    if args.ladder:
+        if args.out is None:
+            raise AnytimeError("--ladder writes a new run: give it a folder with --out LADDER_RUN")
+        if args.recalibrate_bn or args.finetune_epochs:
+            raise AnytimeError("the ladder shares one set of weights and statistics across its steps; "
+                               "--recalibrate-bn and --finetune-epochs apply to the study (train with --stochastic-depth instead)")
+        summary = make_ladder_run(args.run, args.out, device=args.device)
+        print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
+        for e in summary["exits"]:
+            print(f"step {e['index']:<3} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
+                  f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
+        print(f"next: anytime collect {args.out} --split val; anytime profile {args.out}")
+        return 0
+    kinds = ["shortcut", "branch"] if args.kind == "both" else [args.kind]
+    study = cut_study(
+        args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
+        split=args.split, images=args.images, latency_repeats=args.repeats, device=args.device, out=args.out,
+        progress=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    print(f"table  {study.csv}")
+    print(f"report {study.json}")
+    for path in study.plots:
+        print(f"plot   {path}")
+    return 0
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
-    "schedule": _cmd_schedule, "experiment": _cmd_experiment, "demo": _cmd_demo,
+    "schedule": _cmd_schedule, "cut": _cmd_cut, "experiment": _cmd_experiment, "demo": _cmd_demo,
 }  # fmt: skip
 
 

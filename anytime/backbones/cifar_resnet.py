@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from anytime.backbones.base import StagedBackbone, classifier_head, conv_bn
 from anytime.backbones.registry import register_model
-from anytime.backbones.resnet import ResidualBlock
+from anytime.backbones.resnet import ResidualBlock, bottleneck_block
 
 
 class PadShortcut(nn.Module):
@@ -34,19 +34,25 @@ def cifar_block(cin: int, cout: int, stride: int) -> ResidualBlock:
 
 
 class CifarResNet(StagedBackbone):
-    """3x3 stem to 16 channels, then three stages of ``n`` basic blocks (16, 32, 64 channels): depth 6n+2."""
+    """3x3 stem to 16 channels, then three stages of ``n`` blocks (16, 32, 64 channels): basic blocks
+    (depth 6n+2), or bottlenecks whose output is 4x wider, with projection shortcuts (depth 9n+2)."""
 
-    def __init__(self, n: int, *, num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(self, n: int, *, bottleneck: bool = False, num_classes: int = 10, in_channels: int = 3) -> None:
         super().__init__(num_classes=num_classes, in_channels=in_channels)
         cin, stages, shapes = 16, [], []
         for i, width in enumerate((16, 32, 64)):
             layer = []
             for j in range(n):
-                layer.append(cifar_block(cin, width, 2 if (i > 0 and j == 0) else 1))
-                cin = width
+                stride = 2 if (i > 0 and j == 0) else 1
+                if bottleneck:
+                    layer.append(bottleneck_block(cin, width, stride))
+                    cin = 4 * width
+                else:
+                    layer.append(cifar_block(cin, width, stride))
+                    cin = width
             stages.append(nn.Sequential(*layer))
-            shapes.append((width, 2**i))
-        self._set_stages(conv_bn(in_channels, 16), stages, classifier_head(64, num_classes), shapes)
+            shapes.append((cin, 2**i))
+        self._set_stages(conv_bn(in_channels, 16), stages, classifier_head(cin, num_classes), shapes)
 
 
 @register_model("resnet20", family="cifar-resnet", description="ResNet-20 (He et al. 2016), 3 stages x 3 blocks")
@@ -65,3 +71,13 @@ def resnet32(*, num_classes: int = 10, in_channels: int = 3) -> CifarResNet:
 def resnet56(*, num_classes: int = 10, in_channels: int = 3) -> CifarResNet:
     """ResNet-56: 9 blocks per stage (0.85M parameters)."""
     return CifarResNet(9, num_classes=num_classes, in_channels=in_channels)
+
+
+@register_model(
+    "resnet29_bottleneck", family="cifar-resnet",
+    description="CIFAR ResNet-29 of bottlenecks (ResNet-50's block), 3 stages x 3 blocks",
+)  # fmt: skip
+def resnet29_bottleneck(*, num_classes: int = 10, in_channels: int = 3) -> CifarResNet:
+    """ResNet-29 of bottleneck blocks (1x1, 3x3, 1x1 to 4x the width; projection shortcuts): the CIFAR-sized
+    counterpart of ResNet-50's block design, as ResNet-20 is of ResNet-18's (0.31M parameters)."""
+    return CifarResNet(3, bottleneck=True, num_classes=num_classes, in_channels=in_channels)

@@ -6,11 +6,17 @@ from torch import Tensor, nn
 
 from anytime.backbones.base import StagedBackbone, classifier_head
 from anytime.backbones.registry import register_model
+from anytime.backbones.resnet import drop_path
 
 
 class PreActBlock(nn.Module):
     """``branch(pre(x)) + shortcut(...)`` with ``pre`` = BN-ReLU; a projection shortcut reads the
-    pre-activated input, an identity shortcut the raw input, as in the paper."""
+    pre-activated input, an identity shortcut the raw input, as in the paper. ``cut`` and ``drop_prob`` as
+    in :class:`~anytime.backbones.resnet.ResidualBlock`; a skipped branch with a projection still pays for
+    the pre-activation and the 1x1 projection, which keep the shapes."""
+
+    cut: str | None = None
+    drop_prob: float = 0.0
 
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
@@ -26,8 +32,15 @@ class PreActBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.cut == "branch":
+            return self.shortcut(self.pre(x)) if self.projects else x
         pre = self.pre(x)
-        return self.branch(pre) + self.shortcut(pre if self.projects else x)
+        if self.cut == "shortcut":
+            return self.branch(pre)
+        out = self.branch(pre)
+        if self.training and self.drop_prob > 0:
+            out = drop_path(out, self.drop_prob)
+        return out + self.shortcut(pre if self.projects else x)
 
 
 class PreActResNet(StagedBackbone):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from anytime.backbones.base import StagedBackbone, classifier_head, conv_bn
@@ -15,9 +16,24 @@ def projection(cin: int, cout: int, stride: int) -> nn.Module:
     return nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
 
 
+def drop_path(x: Tensor, p: float) -> Tensor:
+    """Stochastic depth for a batch of residual branches: zero each sample's branch with probability ``p``
+    and scale the kept ones by ``1 / (1 - p)``, so the full network needs no rescaling at test time."""
+    keep = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device, dtype=x.dtype).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
 class ResidualBlock(nn.Module):
     """``relu(branch(x) + shortcut(x))``: the residual branch and the shortcut are separate modules
-    so that a block's link can be cut or its branch dropped."""
+    so that a block's link can be cut or its branch dropped.
+
+    ``cut``: ``None`` (the whole block), ``"shortcut"`` (``relu(branch(x))``: the link is cut) or
+    ``"branch"`` (``relu(shortcut(x))``: the branch is skipped, and so is its computation). ``drop_prob``:
+    stochastic depth, the chance that a training sample skips the branch.
+    """
+
+    cut: str | None = None
+    drop_prob: float = 0.0
 
     def __init__(self, branch: nn.Module, shortcut: nn.Module) -> None:
         super().__init__()
@@ -26,7 +42,14 @@ class ResidualBlock(nn.Module):
         self.act = nn.ReLU(inplace=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.act(self.branch(x) + self.shortcut(x))
+        if self.cut == "branch":
+            return self.act(self.shortcut(x))
+        if self.cut == "shortcut":
+            return self.act(self.branch(x))
+        out = self.branch(x)
+        if self.training and self.drop_prob > 0:
+            out = drop_path(out, self.drop_prob)
+        return self.act(out + self.shortcut(x))
 
 
 def basic_block(cin: int, cout: int, stride: int) -> ResidualBlock:

@@ -43,3 +43,10 @@ class ResNeXt(StagedBackbone):
 def resnext29_2x64d(*, num_classes: int = 10, in_channels: int = 3) -> ResNeXt:
     """ResNeXt-29 2x64d for CIFAR: cardinality 2, width 64, [3, 3, 3] (9.1M parameters)."""
     return ResNeXt((3, 3, 3), cardinality=2, width=64, num_classes=num_classes, in_channels=in_channels)
+
+
+@register_model("resnext29_8x16d", family="resnext", description="ResNeXt-29, cardinality 8, width 16")
+def resnext29_8x16d(*, num_classes: int = 10, in_channels: int = 3) -> ResNeXt:
+    """ResNeXt-29 8x16d for CIFAR: cardinality 8, width 16, [3, 3, 3]; the same inner widths as 2x64d in 8
+    groups, so cardinality slicing has 8 steps."""
+    return ResNeXt((3, 3, 3), cardinality=8, width=16, num_classes=num_classes, in_channels=in_channels)

@@ -201,7 +201,11 @@ def profile_model(
 
 
 def _step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
+    """``exit0``, ``exit1``... for exits (their own names are points in the backbone); the names other
+    families give their steps (``x0.5``, ``4/9 blocks``); ``step0``... for anything else."""
+    from anytime.wrappers import MultiExitModel
+
     info = getattr(model, "exit_info", None)
     if info is not None and len(info) == num_steps:
-        return tuple(f"exit{e.index}" for e in info)
+        return tuple(f"exit{e.index}" if isinstance(model, MultiExitModel) else e.name for e in info)
     return tuple(f"step{k}" for k in range(num_steps))

@@ -12,7 +12,10 @@ from anytime.errors import AnytimeError
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
 EXIT_HEADS: tuple[str, ...] = ("pool", "linear", "conv")  # the designs of anytime.wrappers.exit_head
-_OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str}
+SLICE_KINDS: tuple[str, ...] = ("width", "cardinality")  # anytime.wrappers.slicing.SLICE_KINDS
+LADDERS: tuple[str, ...] = ("top-down",)
+_OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
+                                    "slices": str, "ladder": str}  # fmt: skip
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
                                 "exit_weights": "one loss weight per exit, e.g. [1, 1, 1]"}  # fmt: skip
 
@@ -26,6 +29,12 @@ class TrainConfig:
     its loss is the weighted sum of the exits' cross-entropies (by default SDN's weights: each exit's
     share of the backbone's FLOPs, the last exit 1), plus ``distill`` times the distillation loss from the last exit to the
     others. ``heads-only`` trains the exit heads on a frozen backbone loaded from ``init``.
+
+    ``slices`` makes it a sliced network instead (``slice_kind`` width or cardinality); every slice weighs 1
+    and, with ``sandwich``, a mini-batch trains the narrowest, the widest and one other slice; ``distill``
+    then distils the widest slice into the others. ``stochastic_depth`` is the chance that the last residual
+    block skips its branch in training (linear in depth). ``ladder`` marks a block-drop ladder (written by
+    ``anytime cut --ladder``), whose steps are configurations of skipped blocks.
     """
 
     model: str = "lenet"
@@ -51,6 +60,11 @@ class TrainConfig:
     exit_weights: tuple[float, ...] | None = None
     distill: float = 0.0
     distill_temperature: float = 3.0
+    slices: str | None = None
+    slice_kind: str = "width"
+    sandwich: bool = False
+    stochastic_depth: float = 0.0
+    ladder: str | None = None
     # Speed-only knobs: they change how fast, never what is computed.
     device: str = "auto"
     workers: int = 0
@@ -81,11 +95,21 @@ class TrainConfig:
             (self.exits is not None or self.exit_mode == "joint", "--exit-mode heads-only needs --exits"),
             (self.exit_mode == "joint" or self.init is not None,
              "--exit-mode heads-only trains exits on a trained backbone: give it with --init CHECKPOINT"),
-            (self.exit_weights is None or self.exits is not None, "exit weights need --exits"),
+            (self.exit_weights is None or self.exits is not None or self.slices is not None,
+             "exit weights need --exits (or --slices)"),
+            (self.exits is None or self.slices is None, "--exits and --slices together are not supported: choose one family"),
+            (self.ladder is None or (self.exits is None and self.slices is None),
+             "a block-drop ladder is a family of its own: it takes no --exits or --slices"),
+            (self.ladder is None or self.ladder in LADDERS, f"unknown ladder '{self.ladder}'; choose one of {', '.join(LADDERS)}"),
+            (self.slice_kind in SLICE_KINDS, f"unknown slice kind '{self.slice_kind}'; choose one of {', '.join(SLICE_KINDS)}"),
+            (not self.sandwich or self.slices is not None, "--sandwich trains sliced networks: it needs --slices"),
+            (math.isfinite(self.stochastic_depth) and 0 <= self.stochastic_depth < 1,
+             f"--stochastic-depth is a probability in [0, 1) (got {self.stochastic_depth})"),
             (self.exit_weights is None or all(math.isfinite(w) and w >= 0 for w in self.exit_weights)
              and sum(self.exit_weights) > 0, "exit weights must be finite, >= 0 and not all 0"),
             (math.isfinite(self.distill) and self.distill >= 0, f"distillation weight must be >= 0 (got {self.distill})"),
-            (self.distill == 0 or self.exits is not None, "distillation (from the last exit to the others) needs --exits"),
+            (self.distill == 0 or self.exits is not None or self.slices is not None,
+             "distillation (from the last exit or the widest slice to the others) needs --exits or --slices"),
             (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
              f"distillation temperature must be > 0 (got {self.distill_temperature})"),
         ]

@@ -71,12 +71,23 @@ def build_model(
     config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True
 ) -> nn.Module:
     """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
-    with exits attached when ``config.exits`` is set."""
-    from anytime.wrappers import attach_exits
+    with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, or as a block-drop
+    ladder when ``config.ladder`` is."""
+    from anytime.wrappers import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
     backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
     if config.init is not None and load_init:
         load_backbone_weights(backbone, config.init)
+    if config.stochastic_depth > 0:
+        set_stochastic_depth(backbone, config.stochastic_depth)
+    if config.ladder is not None:
+        return BlockDropLadder(backbone, input_shape=(in_channels, *image_size))
+    if config.slices is not None:
+        sliced = slice_model(backbone, config.slices, kind=config.slice_kind, sandwich=config.sandwich,
+                             input_shape=(in_channels, *image_size))  # fmt: skip
+        if config.exit_weights is not None and len(config.exit_weights) != sliced.num_steps:
+            raise AnytimeError(f"{len(config.exit_weights)} loss weights given for {sliced.num_steps} slices; give one per slice")
+        return sliced
     if config.exits is None:
         return backbone
     model = attach_exits(
@@ -96,12 +107,15 @@ def build_model(
 def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
     """The loss weight of every exit: the recipe's, or SDN's default, each exit weighted by the share of the
     backbone's FLOPs it has run (the last exit weighs 1), so that cheap early exits do not pull the shared
-    layers away from the final classifier. A plain model has one weight, 1."""
+    layers away from the final classifier. A plain model has one weight, 1; the steps of other families
+    (slices, ladders) weigh 1 each, as slimmable networks train them."""
+    from anytime.wrappers import MultiExitModel
+
     if config.exit_weights is not None:
         return torch.tensor(config.exit_weights, dtype=torch.float32)
-    info = getattr(model, "exit_info", None)
-    if info is None:
-        return torch.ones(1)
+    if not isinstance(model, MultiExitModel):
+        return torch.ones(int(getattr(model, "num_steps", 1)))
+    info = model.exit_info
     total = float(model.backbone_flops)  # type: ignore[union-attr]
     return torch.tensor([min(1.0, e.flops / total) for e in info[:-1]] + [1.0], dtype=torch.float32)
 

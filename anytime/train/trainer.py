@@ -227,11 +227,16 @@ class Trainer:
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             t_data = clock.now()
-            logits = model(images)
+            chosen = model.training_steps() if hasattr(model, "training_steps") else None
+            if chosen is not None and len(chosen) < len(weights):  # the sandwich rule: some slices only
+                logits = torch.stack([model.forward_until(images, k) for k in chosen])  # type: ignore[operator]
+                step_weights = weights[chosen]
+            else:
+                logits, step_weights = model(images), weights
             multi_exit = logits.dim() == 3
             if multi_exit:
                 loss = multi_exit_loss(
-                    logits, labels, weights, distill=cfg.distill, temperature=cfg.distill_temperature
+                    logits, labels, step_weights, distill=cfg.distill, temperature=cfg.distill_temperature
                 )
                 logits = logits[-1]
             else:

@@ -1,0 +1,256 @@
+"""Residual cutting on a trained run: the study (``anytime cut RUN``) and the block-drop ladder run
+(``anytime cut RUN --ladder --out LADDER_RUN``).
+
+The study cuts every block alone and the cumulative ladder from the top block down, for each kind of cut
+(shortcut: the block keeps only its branch; branch: the block keeps only its shortcut), and records the
+accuracy, FLOPs and measured batch-1 latency of each configuration; optionally after recomputing the batch-norm
+statistics, or after a short fine-tune, of each configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from anytime.data import make_loader
+from anytime.errors import AnytimeError
+from anytime.pipeline import _splits_of
+from anytime.train.checkpoint import save_weights
+from anytime.train.multi_exit import build_model
+from anytime.train.runs import WEIGHTS, LoadedRun, load_run
+from anytime.train.trainer import evaluate_exits
+from anytime.utils.io import write_csv, write_json
+from anytime.utils.machine import describe_machine, device_label, git_sha
+from anytime.wrappers import CUT_KINDS, apply_cuts, residual_blocks
+from anytime.wrappers.batchnorm import recompute_bn_statistics
+
+CUT_COLUMNS: tuple[str, ...] = (
+    "config", "kind", "scope", "blocks", "blocks_cut", "flops", "flops_ratio", "latency_p50_ms", "latency_p90_ms",
+    "latency_ratio", "accuracy", "accuracy_recalibrated", "accuracy_finetuned",
+)  # fmt: skip
+
+
+def _plain_run(run_dir: str | Path, device: str) -> LoadedRun:
+    run = load_run(run_dir, device)
+    if run.num_steps != 1:
+        raise AnytimeError(f"{run_dir} is an anytime model ({run.num_steps} steps); cut the plain ResNet it came from")
+    residual_blocks(run.model)  # a clear error for a model without residual blocks
+    return run
+
+
+def _tensors(loader: Any, limit: int | None) -> tuple[Tensor, Tensor]:
+    images, labels, count = [], [], 0
+    for x, y in loader:
+        images.append(x)
+        labels.append(y)
+        count += len(y)
+        if limit is not None and count >= limit:
+            break
+    x, y = torch.cat(images), torch.cat(labels)
+    return (x[:limit], y[:limit]) if limit is not None else (x, y)
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 500) -> float:
+    model.eval()
+    device = next(model.parameters()).device
+    hits = 0
+    for i in range(0, len(labels), batch_size):
+        hits += int((model(images[i : i + batch_size].to(device)).argmax(1).cpu() == labels[i : i + batch_size]).sum())
+    return hits / max(len(labels), 1)
+
+
+def _flops(model: nn.Module, sample: Tensor) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(sample)
+    return int(counter.get_total_flops())
+
+
+@torch.no_grad()
+def _latency(model: nn.Module, sample: Tensor, repeats: int) -> tuple[float, float]:
+    """Batch-1 forward time, p50 and p90 in ms, after a warm-up."""
+    from anytime.profile import quantile_of
+
+    sync = (lambda: torch.cuda.synchronize(sample.device)) if sample.device.type == "cuda" else (lambda: None)
+    for _ in range(max(3, repeats // 10)):
+        model(sample)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        model(sample)
+        sync()
+        times.append(1000 * (time.perf_counter() - start))
+    return quantile_of(times, 0.5), quantile_of(times, 0.9)
+
+
+def _finetune(model: nn.Module, loader: Any, epochs: int, lr: float, device: torch.device) -> None:
+    """A short fine-tune with the cut in place: SGD with momentum, cosine decay to 0 over the epochs."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    total = epochs * len(loader)
+    step = 0
+    model.train()
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.5 * lr * (1 + math.cos(math.pi * step / total))
+            loss = F.cross_entropy(model(images.to(device)), labels.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+    model.eval()
+
+
+@dataclass(frozen=True)
+class CutStudy:
+    """The study's table (one row per configuration) and where it was written."""
+
+    rows: list[dict[str, Any]]
+    csv: Path
+    json: Path
+    plots: list[Path]
+
+
+def cut_configurations(num_blocks: int, kinds: Sequence[str]) -> list[tuple[str, str, dict[int, str]]]:
+    """(name, scope, cuts) of the study: the whole network, every block alone and the cumulative ladder from
+    the top block down, for each kind."""
+    configs: list[tuple[str, str, dict[int, str]]] = [("none", "none", {})]
+    for kind in kinds:
+        configs += [(f"{kind}:{i}", "single", {i: kind}) for i in range(num_blocks)]
+        configs += [(f"{kind}:top{n}", "ladder", {i: kind for i in range(num_blocks - n, num_blocks)})
+                    for n in range(1, num_blocks + 1)]  # fmt: skip
+    return configs
+
+
+def cut_study(
+    run_dir: str | Path, *, kinds: Sequence[str] = CUT_KINDS, recalibrate_bn: bool = False, finetune_epochs: int = 0,
+    finetune_lr: float = 0.01, split: str = "test", images: int | None = None, recalibration_batches: int = 20,
+    latency_repeats: int = 30, device: str = "cpu", out: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CutStudy:  # fmt: skip
+    """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind; measure each
+    configuration's accuracy on ``split`` (the first ``images`` of it), FLOPs and batch-1 latency.
+
+    ``recalibrate_bn`` adds the accuracy after recomputing every batch-norm statistic on
+    ``recalibration_batches`` training batches (no augmentation) with the cut in place; ``finetune_epochs``
+    adds the accuracy after that many epochs of fine-tuning each configuration (lr ``finetune_lr``).
+    Written to ``OUT/cut.csv``, ``OUT/cut.json`` and plots in ``OUT`` (default ``RUN/cut``).
+    """
+    for kind in kinds:
+        if kind not in CUT_KINDS:
+            raise AnytimeError(f"unknown cut '{kind}'; choose one of {', '.join(CUT_KINDS)}")
+    if finetune_epochs < 0 or recalibration_batches < 1 or latency_repeats < 1:
+        raise AnytimeError("fine-tune epochs must be >= 0, recalibration batches and latency repeats >= 1")
+    if split not in ("val", "test"):
+        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    run = _plain_run(run_dir, device)
+    splits = _splits_of(run)
+    info = splits.info
+    seed = run.config.seed
+    x_eval, y_eval = _tensors(make_loader(getattr(splits, split), info, batch_size=500, train=False, seed=seed), images)
+    plain_train = make_loader(splits.train, info, batch_size=128, train=False, seed=seed)
+    augmented = make_loader(splits.train, info, batch_size=128, train=True, seed=seed)
+    sample = x_eval[:1].to(run.device)
+    model = run.model
+    num_blocks = len(residual_blocks(model))
+    base_flops = _flops(model, sample)
+    rows: list[dict[str, Any]] = []
+    configs = cut_configurations(num_blocks, kinds)
+    base_latency = None
+    for index, (name, scope, cuts) in enumerate(configs):
+        apply_cuts(model, cuts)
+        p50, p90 = _latency(model, sample, latency_repeats)
+        base_latency = base_latency or p50
+        row: dict[str, Any] = {
+            "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
+            "blocks": " ".join(str(i) for i in sorted(cuts)), "blocks_cut": len(cuts),
+            "flops": _flops(model, sample), "latency_p50_ms": p50, "latency_p90_ms": p90,
+            "accuracy": _accuracy(model, x_eval, y_eval), "accuracy_recalibrated": None, "accuracy_finetuned": None,
+        }  # fmt: skip
+        row["flops_ratio"] = row["flops"] / base_flops
+        row["latency_ratio"] = p50 / base_latency
+        if recalibrate_bn and cuts:
+            tuned = copy.deepcopy(model)
+            recompute_bn_statistics(tuned, plain_train, max_batches=recalibration_batches)
+            row["accuracy_recalibrated"] = _accuracy(tuned, x_eval, y_eval)
+        if finetune_epochs and cuts:
+            tuned = copy.deepcopy(model)
+            _finetune(tuned, augmented, finetune_epochs, finetune_lr, run.device)
+            row["accuracy_finetuned"] = _accuracy(tuned, x_eval, y_eval)
+        rows.append(row)
+        if progress is not None:
+            progress(f"[{index + 1}/{len(configs)}] {name:<16} acc {100 * row['accuracy']:5.1f}%  "
+                     f"latency {p50:.2f} ms  FLOPs {100 * row['flops_ratio']:.0f}%")  # fmt: skip
+    apply_cuts(model, {})
+    folder = Path(out) if out is not None else Path(run_dir) / "cut"
+    csv_path = write_csv(folder / "cut.csv", rows, CUT_COLUMNS)
+    report = {
+        "run": str(run_dir), "model": run.config.model, "split": split, "images": len(y_eval),
+        "blocks": [name for name, _ in residual_blocks(model)], "kinds": list(kinds),
+        "stochastic_depth": run.config.stochastic_depth, "recalibrate_bn": recalibrate_bn,
+        "recalibration_batches": recalibration_batches if recalibrate_bn else None,
+        "finetune_epochs": finetune_epochs, "finetune_lr": finetune_lr if finetune_epochs else None,
+        "latency_repeats": latency_repeats, "device": device_label(run.device), "torch_threads": torch.get_num_threads(),
+        "machine": describe_machine(), "git_sha": git_sha(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows,
+    }  # fmt: skip
+    json_path = write_json(folder / "cut.json", report)
+    from anytime.plotting.cut import plot_cut_study
+
+    plots = plot_cut_study({run.config.model: rows}, folder / "cut", title=f"{run.config.model}: {split} accuracy")
+    return CutStudy(rows, csv_path, json_path, plots)
+
+
+def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu") -> dict[str, Any]:
+    """Write ``out``, a run whose model is the cumulative block-drop ladder of the plain ResNet in ``run_dir``
+    (step k keeps the first k blocks whole; the same weights), with every step's validation and test
+    accuracy in its summary, so that collect, sweep, profile and schedule take it like a trained run."""
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise AnytimeError(f"{target} already holds files; choose another --out for the ladder run")
+    run = _plain_run(run_dir, device)
+    config = run.config.replace(ladder="top-down")
+    size = run.dataset.get("image_size") or [32, 32]
+    ladder = build_model(config, num_classes=int(run.dataset["num_classes"]), in_channels=int(run.dataset["in_channels"]),
+                         image_size=(int(size[0]), int(size[1])), load_init=False)  # fmt: skip
+    ladder.backbone.load_state_dict(run.model.state_dict())  # type: ignore[union-attr]
+    ladder = ladder.to(run.device).eval()
+    splits = _splits_of(run)
+    loader_kw = {"batch_size": 500, "train": False, "seed": run.config.seed}
+    _, val_accs = evaluate_exits(ladder, make_loader(splits.val, splits.info, **loader_kw), run.device)
+    _, test_accs = evaluate_exits(ladder, make_loader(splits.test, splits.info, **loader_kw), run.device)
+    target.mkdir(parents=True, exist_ok=True)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_json(target / "config.json", {
+        "train": config.to_dict(), "dataset": run.dataset, "device": str(run.device), "machine": describe_machine(),
+        "git_sha": git_sha(), "created": now, "source_run": str(run_dir), "source_fingerprint": run.fingerprint,
+    })  # fmt: skip
+    save_weights(ladder, target / WEIGHTS)
+    info = ladder.exit_info  # type: ignore[union-attr]
+    summary = {
+        "run_dir": str(target), "model": config.model, "data": config.data, "ladder": "top-down",
+        "source_run": str(run_dir), "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "parameters": sum(p.numel() for p in ladder.parameters()),
+        "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1]},
+        "exits": [{**e.to_dict(), "val_acc": val_accs[e.index], "test_acc": test_accs[e.index]} for e in info],
+        "backbone_flops": ladder.backbone_flops,  # type: ignore[union-attr]
+        "device": device_label(run.device), "created": now,
+    }  # fmt: skip
+    write_json(target / "summary.json", summary)
+    return summary
+
