@@ -1,0 +1,164 @@
+"""Residual-link cutting, block skipping, stochastic depth and the block-drop ladder."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from anytime import AnytimeError, BlockDropLadder, create_model
+from anytime.cli import main
+from anytime.train import TrainConfig, Trainer
+from anytime.wrappers import apply_cuts, residual_blocks, set_stochastic_depth
+
+
+def _eval(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = create_model(name).eval()
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("name", ["resnet20", "resnet29_bottleneck", "resnet18", "preact_resnet18", "tv:resnet18"])
+def test_no_cut_equals_the_dense_model_and_every_cut_keeps_shapes(name):
+    dense = _eval(name)
+    model = copy.deepcopy(dense)
+    blocks = residual_blocks(model)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        apply_cuts(model, {})
+        assert torch.equal(model(x), dense(x))
+        for kind in ("shortcut", "branch"):
+            apply_cuts(model, {i: kind for i in range(len(blocks))})
+            out = model(x)
+            assert out.shape == (2, 10) and torch.isfinite(out).all() and not torch.equal(out, dense(x))
+
+
+def test_a_skipped_branch_is_its_shortcut_and_is_not_computed():
+    model = _eval("resnet18")
+    blocks = residual_blocks(model)
+    identity = next(b for _, b in blocks if isinstance(b.shortcut, nn.Identity))
+    projected = next(b for _, b in blocks if not isinstance(b.shortcut, nn.Identity))
+    x = torch.relu(torch.randn(2, identity.branch[0][0].in_channels, 8, 8))
+    identity.cut = "branch"
+    with torch.no_grad():
+        assert torch.equal(identity(x), x)  # the block vanishes
+    calls = []
+    handle = projected.branch.register_forward_hook(lambda *a: calls.append(1))
+    projected.cut = "branch"
+    x = torch.randn(2, projected.branch[0][0].in_channels, 8, 8)
+    with torch.no_grad():
+        out = projected(x)
+    handle.remove()
+    # A projection shortcut keeps the shape the next block expects; the branch never ran.
+    assert out.shape == (2, projected.shortcut[0].out_channels, 4, 4) and not calls
+    with torch.no_grad():
+        assert torch.equal(out, torch.relu(projected.shortcut(x)))
+
+
+def test_cuts_are_checked(tmp_path):
+    model = create_model("resnet20")
+    with pytest.raises(AnytimeError, match="blocks 0..8"):
+        apply_cuts(model, {9: "branch"})
+    with pytest.raises(AnytimeError, match="unknown cut"):
+        apply_cuts(model, {0: "both"})
+    with pytest.raises(AnytimeError, match="no residual blocks"):
+        residual_blocks(create_model("vgg11"))
+    with pytest.raises(AnytimeError, match="cheapest first"):
+        BlockDropLadder(create_model("resnet20"), [frozenset(), frozenset({8})])
+
+
+def test_the_cumulative_ladder_is_ordered_by_cost_and_ends_at_the_dense_model():
+    dense = _eval("resnet29_bottleneck")
+    ladder = BlockDropLadder(copy.deepcopy(dense))
+    assert ladder.num_steps == len(ladder.block_names) + 1 == 10
+    flops = [e.flops for e in ladder.exit_info]
+    params = [e.params for e in ladder.exit_info]
+    assert flops == sorted(flops) and len(set(flops)) == len(flops) and flops[-1] == ladder.backbone_flops
+    assert params == sorted(params) and params[-1] == sum(p.numel() for p in dense.parameters())
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(ladder.forward_until(x, -1), dense(x))
+        assert ladder.forward_all(x).shape == (10, 3, 10)
+    assert all(b.cut is None for _, b in residual_blocks(ladder.backbone))  # no cut left behind
+
+
+def test_stochastic_depth_drops_branches_in_training_only():
+    model = _eval("resnet20")
+    dense = copy.deepcopy(model)
+    set_stochastic_depth(model, 0.5)
+    probs = [b.drop_prob for _, b in residual_blocks(model)]
+    assert probs[-1] == pytest.approx(0.5) and probs == sorted(probs) and probs[0] == pytest.approx(0.5 / 9)
+    x = torch.randn(8, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), dense(x))  # eval: the whole network, no rescaling
+        model.train()
+        dense.train()
+        torch.manual_seed(0)
+        a = model(x)
+        torch.manual_seed(1)
+        b = model(x)
+    assert not torch.equal(a, b)
+    with pytest.raises(AnytimeError):
+        set_stochastic_depth(model, 1.0)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """ResNet-20 on the digits with stochastic depth (2 epochs, 400 images)."""
+    run = tmp_path_factory.mktemp("cut") / "run"
+    config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
+                         stochastic_depth=0.2, device="cpu")  # fmt: skip
+    Trainer(config, run).fit()
+    return run
+
+
+def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys):
+    out = tmp_path / "study"
+    assert main(["cut", str(plain_run), "--kind", "branch", "--recalibrate-bn", "--images", "60", "--repeats", "3",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = list(csv.DictReader((out / "cut.csv").open()))
+    assert len(rows) == 1 + 9 + 9  # whole, each block alone, the cumulative ladder
+    ladder = [r for r in rows if r["scope"] == "ladder"]
+    assert [int(r["blocks_cut"]) for r in ladder] == list(range(1, 10))
+    assert [float(r["flops"]) for r in ladder] == sorted((float(r["flops"]) for r in ladder), reverse=True)
+    assert all(r["accuracy_recalibrated"] != "" for r in ladder) and rows[0]["accuracy_recalibrated"] == ""
+    report = json.loads((out / "cut.json").read_text())
+    assert report["stochastic_depth"] == 0.2 and report["images"] == 60
+    assert (out / "cut.png").is_file() and (out / "cut.svg").is_file()
+    assert not list(out.glob("*.tmp*"))
+
+
+def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run, tmp_path, capsys):
+    from anytime.pipeline import collect_run, profile_run, runner_for_run, sweep_run
+
+    ladder = tmp_path / "ladder"
+    assert main(["cut", str(plain_run), "--ladder", "--out", str(ladder)]) == 0
+    summary = json.loads((ladder / "summary.json").read_text())
+    assert len(summary["exits"]) == 10 and summary["exits"][-1]["name"] == "9/9 blocks"
+    whole = json.loads((plain_run / "summary.json").read_text())["final"]["test_acc"]
+    assert summary["exits"][-1]["test_acc"] == pytest.approx(whole)  # the last step is the trained network
+    cache = collect_run(ladder, "val")
+    assert list(cache.step_flops) == sorted(cache.step_flops)
+    sweep_run(ladder, ["confidence"], settings=20)
+    profile, _ = profile_run(ladder, batch_sizes=[1], repeats=10, warmup=1, memory=False)
+    assert not profile.incremental and profile.step_names[0] == "0/9 blocks"
+    runner, _ = runner_for_run(ladder, quantile=0.9)
+    assert runner.predict(torch.randn(1, 1, 8, 8), 1e4).reason == "chosen"
+    capsys.readouterr()
+    assert main(["schedule", str(ladder), "--deadline-ms", "1e-6", "--quantile", "0.9"]) == 0
+    assert json.loads(capsys.readouterr().out)["option"] == "0/9 blocks"
+
+
+def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_path):
+    cli_error(["cut", str(exit_run)], "anytime model")
+    cli_error(["cut", str(plain_run), "--ladder"], "--out")
+    cli_error(["cut", str(plain_run), "--ladder", "--out", str(tmp_path / "l"), "--recalibrate-bn"], "study")
+    cli_error(["cut", str(plain_run), "--ladder", "--out", str(plain_run)], "already holds")
+    cli_error(["cut", str(tmp_path / "nothing")], "no run directory")
