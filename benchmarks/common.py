@@ -32,10 +32,11 @@ def median(values: list[float]) -> float:
 
 
 def report(
-    name: str, args: argparse.Namespace, figures: dict[str, Any], ratio: float, target: str, passed: bool
+    name: str, args: argparse.Namespace, figures: dict[str, Any], ratio: float, target: str, passed: bool | None
 ) -> int:
-    """Print the verdict and, with --json, write the whole report; exit status 0 either way (a figure, not a test)."""
-    verdict = "pass" if passed else "fail"
+    """Print the verdict and, with --json, write the whole report; exit status 0 either way (a figure, not a test).
+    ``passed=None``: a comparison with no target, reported as "info"."""
+    verdict = "info" if passed is None else "pass" if passed else "fail"
     print(f"{name}: ratio {ratio:.3f} (target {target}): {verdict}")
     if args.json:
         write_json(

@@ -96,6 +96,8 @@ def test_slicing_refuses_what_it_cannot_slice():
 
 def test_an_untrained_width_gets_its_own_recomputed_statistics():
     sliced = slice_model(_randomised("resnet20"), "0.5,1.0").eval()
+    with pytest.raises(AnytimeError, match="was not trained .* add_step"):
+        sliced.step_for(0.75)
     before = copy.deepcopy(sliced.state_dict())
     with pytest.raises(AnytimeError, match="no batches"):
         sliced.add_step(0.75, [])
@@ -103,7 +105,7 @@ def test_an_untrained_width_gets_its_own_recomputed_statistics():
     torch.manual_seed(1)
     batches = [torch.randn(16, 3, 32, 32) * 2 + 1 for _ in range(4)]
     k = sliced.add_step(0.75, batches)
-    assert k == 1 and sliced.ratios == (0.5, 0.75, 1.0) and sliced.num_steps == 3
+    assert k == 1 == sliced.step_for(0.75) and sliced.ratios == (0.5, 0.75, 1.0) and sliced.num_steps == 3
     norm = sliced.backbone.stem[1].norms[1]
     assert norm.num_features == 12 and norm.momentum == 0.1
     # The statistics are this width's own: those of its stem activations over the batches given.

@@ -1,5 +1,5 @@
-"""Figures of the residual-cutting study: accuracy against blocks cut, against the block cut alone, and
-against measured latency."""
+"""Figures of the residual-cutting study (accuracy against blocks cut, against the block cut alone, and
+against measured latency) and of families of steps compared at matched latency."""
 
 from __future__ import annotations
 
@@ -56,6 +56,37 @@ def plot_cut_study(
         ax.grid(alpha=0.3)
     ax_ladder.legend(fontsize=7)
     ax_single.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    return save_figure(fig, stem)
+
+
+def plot_step_families(
+    families: Mapping[str, Sequence[Any]], stem: str | os.PathLike[str], *, title: str = "",
+    budgets: Sequence[Mapping[str, Any]] | None = None,
+) -> list[Path]:  # fmt: skip
+    """Test accuracy against measured mean latency of every step, one line per family (``{label: StepPoints}``);
+    with ``budgets`` (rows of :func:`anytime.compare.matched_table`), a second panel of each family's accuracy
+    at matched latency budgets."""
+    fig = Figure(figsize=(12 if budgets else 6.5, 4.5))
+    axes = fig.subplots(1, 2 if budgets else 1)
+    ax = axes[0] if budgets else axes
+    for label, points in families.items():
+        ordered = sorted(points, key=lambda p: p.mean_ms)
+        ax.plot([p.mean_ms for p in ordered], [100 * p.test_acc for p in ordered], marker="o", label=label)
+    ax.set(xlabel="latency alone, mean at batch 1 (ms)", ylabel="test accuracy (%)", title="every step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if budgets:
+        right = axes[1]
+        xs = [row["budget_ms"] for row in budgets]
+        for label in families:
+            ys = [None if row[f"{label}_acc"] is None else 100 * row[f"{label}_acc"] for row in budgets]
+            right.step(xs, [float("nan") if y is None else y for y in ys], where="post", label=label)
+        right.set(xlabel="latency budget, mean (ms)", ylabel="test accuracy of the chosen step (%)",
+                  title="matched latency: best step within the budget")  # fmt: skip
+        right.grid(alpha=0.3)
+        right.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     return save_figure(fig, stem)

@@ -243,6 +243,17 @@ class SlicedModel(nn.Module):
         """Same as :meth:`forward_all`."""
         return self.forward_all(x)
 
+    def step_for(self, ratio: float) -> int:
+        """The step of slice ``ratio``; a clear error for a slice that has no statistics of its own."""
+        for k, r in enumerate(self.ratios):
+            if abs(r - float(ratio)) < 1e-9:
+                return k
+        trained = ", ".join(f"{r:g}" for r in self.ratios)
+        raise AnytimeError(
+            f"slice {ratio:g} was not trained (this model has {trained}); its batch-norm statistics would be wrong, "
+            f"so add it with add_step({ratio:g}, batches), which recomputes them on the images given"
+        )
+
     def training_steps(self) -> list[int]:
         """The steps one mini-batch trains, widest last (it is the distillation teacher): all of them, or
         under the sandwich rule the narrowest, one random other and the widest."""
