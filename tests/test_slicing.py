@@ -29,7 +29,8 @@ def _randomised(name: str) -> nn.Module:
 @pytest.mark.parametrize(
     "name, kind, ratios",
     [("resnet20", "width", "0.25,0.5,1.0"), ("resnet18", "width", "0.5,1.0"), ("preact_resnet18", "width", "0.5,1"),
-     ("mobilenetv2", "width", "0.5,1.0"), ("vgg11", "width", "0.25,1.0"), ("resnext29_2x64d", "cardinality", "0.5,1.0")],
+     ("mobilenetv2", "width", "0.5,1.0"), ("vgg11", "width", "0.25,1.0"), ("resnext29_2x64d", "cardinality", "0.5,1.0"),
+     ("tv:resnet18", "width", "0.5,1.0")],
 )  # fmt: skip
 def test_the_full_slice_equals_the_dense_model(name, kind, ratios):
     dense = _randomised(name)

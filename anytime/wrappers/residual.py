@@ -25,6 +25,7 @@ from anytime.backbones.preact_resnet import PreActBlock
 from anytime.backbones.resnet import ResidualBlock, drop_path
 from anytime.errors import AnytimeError
 from anytime.wrappers.exits import ExitInfo
+from anytime.wrappers.separate import SeparateSteps, count_flops
 
 CUT_KINDS: tuple[str, ...] = ("shortcut", "branch")
 
@@ -117,7 +118,7 @@ def top_down_ladder(num_blocks: int) -> list[frozenset[int]]:
     return [frozenset(range(k, num_blocks)) for k in range(num_blocks + 1)]
 
 
-class BlockDropLadder(nn.Module):
+class BlockDropLadder(SeparateSteps):
     """A ResNet whose steps are configurations of dropped residual branches, cheapest first.
 
     Step k of the default ladder keeps the first k blocks whole and skips the branches of the others (cut from
@@ -126,7 +127,7 @@ class BlockDropLadder(nn.Module):
     ``forward_all``, ``exit_info``).
     """
 
-    incremental = False
+    family = "ladder"
 
     def __init__(
         self, backbone: nn.Module, configs: Sequence[frozenset[int]] | None = None,
@@ -145,7 +146,7 @@ class BlockDropLadder(nn.Module):
         for config in chosen:
             check_cuts(blocks, {i: "branch" for i in config})
         self.configs = tuple(frozenset(c) for c in chosen)
-        self.backbone_flops = _flops(self, None)
+        self.backbone_flops = count_flops(self, self.backbone, self.input_shape)
         self.exit_info = self._info()
         order = [e.flops for e in self.exit_info]
         if order != sorted(order):
@@ -160,35 +161,19 @@ class BlockDropLadder(nn.Module):
         for index, block in enumerate(self._blocks):
             block.cut = "branch" if dropped is not None and index in dropped else None  # type: ignore[assignment]
 
-    def forward_until(self, x: Tensor, k: int) -> Tensor:
-        """Logits ``[B, C]`` of configuration ``k`` (its dropped branches are not computed)."""
-        if not isinstance(k, int) or not -self.num_steps <= k < self.num_steps:
-            raise AnytimeError(f"step {k} does not exist; this ladder has steps 0..{self.num_steps - 1}")
-        self._set(self.configs[k % self.num_steps])
+    def _run(self, x: Tensor, k: int) -> Tensor:
+        self._set(self.configs[k])
         try:
             return self.backbone(x)
         finally:
             self._set(None)
-
-    def steps(self, x: Tensor) -> Iterator[Tensor]:
-        """Each configuration's logits in turn, each a separate forward."""
-        for k in range(self.num_steps):
-            yield self.forward_until(x, k)
-
-    def forward_all(self, x: Tensor) -> Tensor:
-        """Logits of every configuration, ``[K, B, C]``, cheapest first."""
-        return torch.stack(list(self.steps(x)))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Same as :meth:`forward_all`."""
-        return self.forward_all(x)
 
     def _info(self) -> tuple[ExitInfo, ...]:
         total = sum(p.numel() for p in self.backbone.parameters())
         info: list[ExitInfo] = []
         cumulative = 0
         for k, dropped in enumerate(self.configs):
-            flops = _flops(self, k)
+            flops = count_flops(self, lambda x, k=k: self.forward_until(x, k), self.input_shape)
             cumulative += flops
             skipped = sum(p.numel() for i in dropped for p in _branch_parameters(self._blocks[i]))
             kept = len(self._blocks) - len(dropped)
@@ -213,18 +198,3 @@ def _branch_parameters(block: nn.Module) -> Iterator[nn.Parameter]:
             if name != "downsample":
                 yield from module.parameters()
 
-
-def _flops(model: BlockDropLadder, k: int | None) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    device = next(model.parameters()).device
-    sample = torch.zeros(1, *model.input_shape, device=device)
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), counter:
-            model.backbone(sample) if k is None else model.forward_until(sample, k)
-    finally:
-        model.train(was_training)
-    return int(counter.get_total_flops())

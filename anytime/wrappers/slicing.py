@@ -18,7 +18,7 @@ step's statistics is silently wrong.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,7 @@ from anytime.backbones.cifar_resnet import PadShortcut
 from anytime.errors import AnytimeError
 from anytime.wrappers.batchnorm import recompute_bn_statistics
 from anytime.wrappers.exits import ExitInfo
+from anytime.wrappers.separate import SeparateSteps, count_flops
 
 SLICE_KINDS: tuple[str, ...] = ("width", "cardinality")
 
@@ -190,7 +191,7 @@ def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-class SlicedModel(nn.Module):
+class SlicedModel(SeparateSteps):
     """A backbone whose steps are nested slices of it: step k runs the ``ratios[k]`` slice, cheapest first.
 
     Obeys the step contract like :class:`~anytime.wrappers.MultiExitModel`: ``forward_until(x, k)`` runs step
@@ -200,7 +201,7 @@ class SlicedModel(nn.Module):
     mini-batch instead of all of them.
     """
 
-    incremental = False
+    family = "sliced model"
 
     def __init__(self, backbone: nn.Module, ratios: tuple[float, ...], kind: str, context: _Context,
                  info: tuple[ExitInfo, ...], backbone_flops: int, *, sandwich: bool = False) -> None:  # fmt: skip
@@ -219,29 +220,9 @@ class SlicedModel(nn.Module):
         """The number of slices."""
         return len(self.ratios)
 
-    def _check_step(self, k: int) -> int:
-        if not isinstance(k, int) or not -self.num_steps <= k < self.num_steps:
-            raise AnytimeError(f"step {k} does not exist; this sliced model has steps 0..{self.num_steps - 1}")
-        return k % self.num_steps
-
-    def forward_until(self, x: Tensor, k: int) -> Tensor:
-        """Logits ``[B, C]`` of slice ``k`` (the ``ratios[k]`` sub-network), computing nothing wider."""
-        k = self._check_step(k)
+    def _run(self, x: Tensor, k: int) -> Tensor:
         self._context.step, self._context.ratio = k, self.ratios[k]
         return self.backbone(x)
-
-    def steps(self, x: Tensor) -> Iterator[Tensor]:
-        """Each slice's logits in turn, each a separate forward."""
-        for k in range(self.num_steps):
-            yield self.forward_until(x, k)
-
-    def forward_all(self, x: Tensor) -> Tensor:
-        """Logits of every slice, ``[K, B, C]``, narrowest first."""
-        return torch.stack(list(self.steps(x)))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Same as :meth:`forward_all`."""
-        return self.forward_all(x)
 
     def step_for(self, ratio: float) -> int:
         """The step of slice ``ratio``; a clear error for a slice that has no statistics of its own."""
@@ -385,7 +366,7 @@ def slice_model(
     for ratio in values:
         _check_kind_ratio(kind, ratio, backbone)
     context = _Context(ratio=values[-1], step=len(values) - 1, shape=_input_shape(backbone, input_shape))
-    dense_flops = _count_flops(backbone, context.shape)
+    dense_flops = count_flops(backbone, backbone, context.shape)
     scaled = _cardinality_layers(backbone) if kind == "cardinality" else None
     norms: dict[str, nn.BatchNorm2d] = {}
     for name, module in list(backbone.named_modules()):
@@ -424,28 +405,13 @@ def _input_shape(backbone: nn.Module, shape: tuple[int, int, int] | None) -> tup
     return tuple(shape) if shape is not None else (int(getattr(backbone, "in_channels", 3)), 32, 32)  # type: ignore[return-value]
 
 
-def _count_flops(module: nn.Module, shape: tuple[int, int, int], step: int | None = None) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    sample = torch.zeros(1, *shape, device=next(module.parameters()).device)
-    counter = FlopCounterMode(display=False)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad(), counter:
-            module(sample) if step is None else module.forward_until(sample, step)  # type: ignore[operator]
-    finally:
-        module.train(was_training)
-    return int(counter.get_total_flops())
-
-
 def _step_info(model: SlicedModel, dense_flops: int) -> tuple[ExitInfo, ...]:
     """Each slice's FLOPs and the parameters it reads (one sample at 32x32)."""
     info: list[ExitInfo] = []
     cumulative = 0
     context = model._context
     for k, ratio in enumerate(model.ratios):
-        flops = _count_flops(model, context.shape, k)
+        flops = count_flops(model, lambda x, k=k: model.forward_until(x, k), context.shape)
         cumulative += flops
         context.step, context.ratio, context.probe = k, ratio, True
         try:
