@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--exit-weights", metavar="W,W,...",
                        help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)")
     exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
-                       help="distil the last exit (or the widest slice) into the others, with this weight "
-                            "(1 if given without one; default 0)")
+                       help="distil the last exit (or the widest slice) into the others: their cross-entropy plus this "
+                            "weight times the KL divergence to its softened output (1 if given alone; default 0)")
     exits.add_argument("--init", metavar="CHECKPOINT",
                        help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict")
 
@@ -213,16 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     cut = sub.add_parser("cut", description=COMMANDS["cut"])
     cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
-    cut.add_argument("--kind", choices=["shortcut", "branch", "both"], default="both",
+    cut.add_argument("--kind", choices=["shortcut", "branch", "both"],
                      help="shortcut: cut the link (the block keeps its branch); branch: skip the branch (the block "
                           "keeps its shortcut); default both")
     cut.add_argument("--recalibrate-bn", action="store_true",
                      help="also measure each cut after recomputing the batch-norm statistics on training images")
     cut.add_argument("--finetune-epochs", type=_non_negative_int, default=0, metavar="N",
                      help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)")
-    cut.add_argument("--split", choices=["val", "test"], default="test")
+    cut.add_argument("--split", choices=["val", "test"], help="where the study scores each cut (default test)")
     cut.add_argument("--images", type=_positive_int, metavar="N", help="evaluate on the first N images of the split")
-    cut.add_argument("--repeats", type=_positive_int, default=30, metavar="N", help="batch-1 timings per configuration")
+    cut.add_argument("--repeats", type=_positive_int, metavar="N", help="batch-1 timings per configuration (default 30)")
     cut.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     cut.add_argument("--ladder", action="store_true",
                      help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
@@ -664,6 +664,11 @@ def _cmd_cut(args: argparse.Namespace) -> int:
         if args.recalibrate_bn or args.finetune_epochs:
             raise AnytimeError("the ladder shares one set of weights and statistics across its steps; "
                                "--recalibrate-bn and --finetune-epochs apply to the study (train with --stochastic-depth instead)")
+        study_only = [flag for flag, value in (("--kind", args.kind), ("--split", args.split), ("--images", args.images),
+                                               ("--repeats", args.repeats)) if value is not None]  # fmt: skip
+        if study_only:
+            raise AnytimeError(f"{', '.join(study_only)} set the study; the ladder run skips branches from the top and "
+                               "is scored on validation and test in full (collect and profile it next)")
         summary = make_ladder_run(args.run, args.out, device=args.device)
         print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
         for e in summary["exits"]:
@@ -671,10 +676,10 @@ def _cmd_cut(args: argparse.Namespace) -> int:
                   f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
         print(f"next: anytime collect {args.out} --split val; anytime profile {args.out}")
         return 0
-    kinds = ["shortcut", "branch"] if args.kind == "both" else [args.kind]
+    kinds = ["shortcut", "branch"] if args.kind in (None, "both") else [args.kind]
     study = cut_study(
         args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
-        split=args.split, images=args.images, latency_repeats=args.repeats, device=args.device, out=args.out,
+        split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device, out=args.out,
         progress=lambda line: print(line, flush=True),
     )  # fmt: skip
     print(f"table  {study.csv}")

@@ -60,8 +60,8 @@ def step_points(run_dir: str | Path, profile: DeviceProfile, *, family: str, bat
 
 
 def best_within(points: Sequence[StepPoint], budget_ms: float) -> StepPoint | None:
-    """The step a scheduler would choose for ``budget_ms`` of mean latency: the best validation accuracy
-    among those that fit (the cheaper on a tie); None if none fits."""
+    """The step with the best validation accuracy (the cheaper on a tie) whose *mean* latency fits
+    ``budget_ms``; None if none fits. (The deadline scheduler compares a tail quantile instead.)"""
     fitting = [p for p in points if p.mean_ms <= budget_ms]
     if not fitting:
         return None
@@ -69,8 +69,8 @@ def best_within(points: Sequence[StepPoint], budget_ms: float) -> StepPoint | No
 
 
 def matched_table(families: Mapping[str, Sequence[StepPoint]], budgets_ms: Sequence[float]) -> list[dict[str, Any]]:
-    """For each latency budget, each family's chosen step (best validation accuracy within the budget) and
-    its test accuracy: the families compared at matched latency."""
+    """For each budget of mean latency, each family's chosen step (best validation accuracy within it) and
+    its test accuracy: the families compared at matched mean latency."""
     rows = []
     for budget in budgets_ms:
         row: dict[str, Any] = {"budget_ms": float(budget)}

@@ -30,9 +30,11 @@ from anytime.train.multi_exit import build_model
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
+from anytime.utils.results import staged_dir
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.wrappers import CUT_KINDS, apply_cuts, residual_blocks
 from anytime.wrappers.batchnorm import recompute_bn_statistics
+from anytime.wrappers.separate import count_flops
 
 CUT_COLUMNS: tuple[str, ...] = (
     "config", "kind", "scope", "blocks", "blocks_cut", "flops", "flops_ratio", "latency_p50_ms", "latency_p90_ms",
@@ -68,15 +70,6 @@ def _accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int 
     for i in range(0, len(labels), batch_size):
         hits += int((model(images[i : i + batch_size].to(device)).argmax(1).cpu() == labels[i : i + batch_size]).sum())
     return hits / max(len(labels), 1)
-
-
-def _flops(model: nn.Module, sample: Tensor) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        model(sample)
-    return int(counter.get_total_flops())
 
 
 @torch.no_grad()
@@ -168,18 +161,20 @@ def cut_study(
     sample = x_eval[:1].to(run.device)
     model = run.model
     num_blocks = len(residual_blocks(model))
-    base_flops = _flops(model, sample)
+    shape = tuple(sample.shape[1:])
+    base_flops = count_flops(model, model, shape)
     rows: list[dict[str, Any]] = []
     configs = cut_configurations(num_blocks, kinds)
     base_latency = None
     for index, (name, scope, cuts) in enumerate(configs):
         apply_cuts(model, cuts)
+        flops = count_flops(model, model, shape)  # first: a configuration that does not run fails here, clearly
         p50, p90 = _latency(model, sample, latency_repeats)
         base_latency = base_latency or p50
         row: dict[str, Any] = {
             "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
             "blocks": " ".join(str(i) for i in sorted(cuts)), "blocks_cut": len(cuts),
-            "flops": _flops(model, sample), "latency_p50_ms": p50, "latency_p90_ms": p90,
+            "flops": flops, "latency_p50_ms": p50, "latency_p90_ms": p90,
             "accuracy": _accuracy(model, x_eval, y_eval), "accuracy_recalibrated": None, "accuracy_finetuned": None,
         }  # fmt: skip
         row["flops_ratio"] = row["flops"] / base_flops
@@ -221,8 +216,8 @@ def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu"
     (step k keeps the first k blocks whole; the same weights), with every step's validation and test
     accuracy in its summary, so that collect, sweep, profile and schedule take it like a trained run."""
     target = Path(out)
-    if target.exists() and any(target.iterdir()):
-        raise AnytimeError(f"{target} already holds files; choose another --out for the ladder run")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise AnytimeError(f"{target} already exists and is not an empty folder; choose another --out for the ladder run")
     run = _plain_run(run_dir, device)
     config = run.config.replace(ladder="top-down")
     size = run.dataset.get("image_size") or [32, 32]
@@ -234,23 +229,29 @@ def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu"
     loader_kw = {"batch_size": 500, "train": False, "seed": run.config.seed}
     _, val_accs = evaluate_exits(ladder, make_loader(splits.val, splits.info, **loader_kw), run.device)
     _, test_accs = evaluate_exits(ladder, make_loader(splits.test, splits.info, **loader_kw), run.device)
-    target.mkdir(parents=True, exist_ok=True)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    write_json(target / "config.json", {
+    with staged_dir(target) as staged:  # the run appears whole or not at all
+        summary = _write_ladder(staged, target, run, config, ladder, val_accs, test_accs, now)
+    return summary
+
+
+def _write_ladder(folder: Path, target: Path, run: LoadedRun, config: Any, ladder: nn.Module, val_accs: list[float],
+                  test_accs: list[float], now: str) -> dict[str, Any]:  # fmt: skip
+    write_json(folder / "config.json", {
         "train": config.to_dict(), "dataset": run.dataset, "device": str(run.device), "machine": describe_machine(),
-        "git_sha": git_sha(), "created": now, "source_run": str(run_dir), "source_fingerprint": run.fingerprint,
+        "git_sha": git_sha(), "created": now, "source_run": str(run.run_dir), "source_fingerprint": run.fingerprint,
     })  # fmt: skip
-    save_weights(ladder, target / WEIGHTS)
+    save_weights(ladder, folder / WEIGHTS)
     info = ladder.exit_info  # type: ignore[union-attr]
     summary = {
         "run_dir": str(target), "model": config.model, "data": config.data, "ladder": "top-down",
-        "source_run": str(run_dir), "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "source_run": str(run.run_dir), "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
         "parameters": sum(p.numel() for p in ladder.parameters()),
         "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1]},
         "exits": [{**e.to_dict(), "val_acc": val_accs[e.index], "test_acc": test_accs[e.index]} for e in info],
         "backbone_flops": ladder.backbone_flops,  # type: ignore[union-attr]
         "device": device_label(run.device), "created": now,
     }  # fmt: skip
-    write_json(target / "summary.json", summary)
+    write_json(folder / "summary.json", summary)
     return summary
 

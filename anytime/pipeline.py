@@ -312,7 +312,7 @@ def plot_run(
     if calibration.is_file():
         _, report = load_calibration(calibration, fingerprint=val.model_fingerprint, num_steps=val.num_steps)
         paths += plot_exit_histogram(report, list(val.step_names), folder / "exit_histogram", title)
-    rows = read_metrics(run_dir)
+    rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.csv").is_file() else []  # a ladder run trained nothing
     if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
         paths += plot_exit_accuracy_epochs(rows, list(val.step_names), folder / "exit_accuracy", title)
     if profile is not None:

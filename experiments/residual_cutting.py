@@ -10,8 +10,8 @@ batch-norm statistics. The training budget is what 2 CPU cores allow (see the hy
 the 95% regime of the notes, so the absolute accuracies are not comparable with theirs, only the shapes.
 
 Part 2 puts the steps of three families built on ResNet-20 side by side, at the same training budget:
-early exits (4 exits and the last), a width-sliced ResNet-20 (widths 0.25-1.0, sandwich rule, in-place
-distillation) and the block-drop ladder of the plain and the stochastic-depth ResNet-20 (no training of its
+early exits (4 exits and the last), a width-sliced ResNet-20 (widths 0.25-1.0, sandwich rule, distillation
+from the widest slice) and the block-drop ladder of the plain and the stochastic-depth ResNet-20 (no training of its
 own). Each run is profiled on this machine (batch 1) and every step's test accuracy is plotted against its
 mean latency.
 
@@ -74,7 +74,7 @@ def ensure_run(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """The run's summary: trained now, resumed if interrupted, or reused if finished with the same recipe."""
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
-        saved = json.loads((run_dir / "config.json").read_text())["train"]
+        saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text())["train"]).to_dict()
         wanted = config.to_dict()
         differing = [k for k in wanted if k not in TrainConfig.RUNTIME_FIELDS and saved.get(k) != wanted[k]]
         if not differing:

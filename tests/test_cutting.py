@@ -48,7 +48,7 @@ def test_a_skipped_branch_is_its_shortcut_and_is_not_computed():
     x = torch.relu(torch.randn(2, identity.branch[0][0].in_channels, 8, 8))
     identity.cut = "branch"
     with torch.no_grad():
-        assert torch.equal(identity(x), x)  # the block vanishes
+        assert torch.equal(identity(x.clone()), x)  # the block vanishes
     calls = []
     handle = projected.branch.register_forward_hook(lambda *a: calls.append(1))
     projected.cut = "branch"
@@ -60,6 +60,15 @@ def test_a_skipped_branch_is_its_shortcut_and_is_not_computed():
     assert out.shape == (2, projected.shortcut[0].out_channels, 4, 4) and not calls
     with torch.no_grad():
         assert torch.equal(out, torch.relu(projected.shortcut(x)))
+
+
+@pytest.mark.parametrize("name", ["resnet20", "preact_resnet18", "tv:resnet18"])
+def test_a_cut_network_still_trains(name):
+    model = create_model(name).train()
+    apply_cuts(model, {0: "branch", 1: "shortcut", len(residual_blocks(model)) - 1: "branch"})
+    loss = model(torch.randn(4, 3, 32, 32)).logsumexp(dim=1).mean()
+    loss.backward()  # in-place activations on a skipped block's input would break this
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p.grad is not None)
 
 
 def test_cuts_are_checked(tmp_path):
@@ -99,7 +108,6 @@ def test_stochastic_depth_drops_branches_in_training_only():
     with torch.no_grad():
         assert torch.equal(model(x), dense(x))  # eval: the whole network, no rescaling
         model.train()
-        dense.train()
         torch.manual_seed(0)
         a = model(x)
         torch.manual_seed(1)
@@ -107,6 +115,13 @@ def test_stochastic_depth_drops_branches_in_training_only():
     assert not torch.equal(a, b)
     with pytest.raises(AnytimeError):
         set_stochastic_depth(model, 1.0)
+    from anytime.backbones.resnet import drop_path
+
+    torch.manual_seed(0)
+    kept = drop_path(torch.ones(20000, 3), 0.25)
+    assert kept.unique().tolist() == pytest.approx([0.0, 4 / 3])  # whole samples, kept ones scaled by 1/(1-p)
+    assert (kept[:, 0] == 0).float().mean().item() == pytest.approx(0.25, abs=0.02)
+    assert torch.equal(kept[:, 0], kept[:, 1])
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +164,7 @@ def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run,
     sweep_run(ladder, ["confidence"], settings=20)
     profile, _ = profile_run(ladder, batch_sizes=[1], repeats=10, warmup=1, memory=False)
     assert not profile.incremental and profile.step_names[0] == "0/9 blocks"
+    assert main(["plot", str(ladder)]) == 0 and (ladder / "plots" / "deadline_accuracy.png").is_file()
     runner, _ = runner_for_run(ladder, quantile=0.9)
     assert runner.predict(torch.randn(1, 1, 8, 8), 1e4).reason == "chosen"
     capsys.readouterr()
@@ -160,5 +176,6 @@ def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_p
     cli_error(["cut", str(exit_run)], "anytime model")
     cli_error(["cut", str(plain_run), "--ladder"], "--out")
     cli_error(["cut", str(plain_run), "--ladder", "--out", str(tmp_path / "l"), "--recalibrate-bn"], "study")
-    cli_error(["cut", str(plain_run), "--ladder", "--out", str(plain_run)], "already holds")
+    cli_error(["cut", str(plain_run), "--ladder", "--out", str(plain_run)], "not an empty folder")
+    cli_error(["cut", str(plain_run), "--ladder", "--out", str(tmp_path / "l"), "--kind", "branch"], "--kind")
     cli_error(["cut", str(tmp_path / "nothing")], "no run directory")

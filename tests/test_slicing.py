@@ -87,7 +87,9 @@ def test_slicing_refuses_what_it_cannot_slice():
         slice_model(create_model("resnet20"), "0.5,1.0", kind="cardinality")
     with pytest.raises(AnytimeError, match="linear layers"):
         slice_model(create_model("lenet", in_channels=1), "0.5,1.0")
-    for bad in ("0,1", "0.5,1.5", "a,b", "", "0.5,0.5"):
+    with pytest.raises(AnytimeError, match="concatenated"):
+        slice_model(create_model("tv:densenet121", num_classes=10), "0.5,1.0")
+    for bad in ("0,1", "0.5,1.5", "a,b", "", "0.5,0.5", "1.0"):
         with pytest.raises(AnytimeError):
             slice_model(create_model("resnet20"), bad)
     sliced = slice_model(create_model("resnet20"), "0.5,1.0")
@@ -102,6 +104,11 @@ def test_an_untrained_width_gets_its_own_recomputed_statistics():
     before = copy.deepcopy(sliced.state_dict())
     with pytest.raises(AnytimeError, match="no batches"):
         sliced.add_step(0.75, [])
+    assert sliced.ratios == (0.5, 1.0) and all(torch.equal(before[k], v) for k, v in sliced.state_dict().items())
+    with pytest.raises(AnytimeError, match="narrower than the widest"):
+        sliced.add_step(1.0 + 1e-3, [torch.randn(2, 3, 32, 32)])
+    with pytest.raises(AnytimeError, match="3 input channels got 5"):
+        sliced.add_step(0.75, [torch.randn(2, 5, 32, 32)])
     assert sliced.ratios == (0.5, 1.0) and all(torch.equal(before[k], v) for k, v in sliced.state_dict().items())
     torch.manual_seed(1)
     batches = [torch.randn(16, 3, 32, 32) * 2 + 1 for _ in range(4)]

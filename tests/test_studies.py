@@ -90,6 +90,21 @@ def test_early_exit_benchmark_quick(tmp_path, cifar_root):
     assert (tmp_path / "run-quick" / "calibration.json").is_file()
 
 
+def test_slicing_latency_benchmark_quick(tmp_path):
+    data = _benchmark(tmp_path, "slicing_latency")
+    assert data["verdict"] in ("pass", "fail") and 0 < data["ratio"] < 1.5
+    assert {"resnet18 batch 1", "resnet18 batch 32", "resnet20 batch 1"} <= set(data["figures"])
+
+
+@pytest.mark.needs_data
+def test_residual_cutting_study_and_ladder_quality_quick(tmp_path, cifar_root):
+    runs = tmp_path / "runs"
+    data = _benchmark(tmp_path, "ladder_quality", "--runs", str(runs), "--plot", str(tmp_path / "lq"))
+    assert data["verdict"] == "info" and set(data["figures"]["steps"]) == {
+        "early exits", "width slices", "block drops", "block drops, stochastic depth"}
+    assert (tmp_path / "lq.png").is_file() and (tmp_path / "lq.csv").is_file()
+
+
 @pytest.mark.needs_data
 def test_deadline_benchmark_quick(tmp_path, cifar_root):
     figures = _benchmark(tmp_path, "deadline_cifar10", "--run", str(tmp_path / "run"))["figures"]

@@ -22,7 +22,7 @@ def _series(rows: Sequence[Mapping[str, Any]], scope: str, kind: str) -> list[Ma
 def plot_cut_study(
     studies: Mapping[str, Sequence[Mapping[str, Any]]], stem: str | os.PathLike[str], *, title: str = ""
 ) -> list[Path]:
-    """Three panels for one or more studies (``{label: rows of cut.csv}``): the cumulative ladder's accuracy by
+    """Three panels for one or more studies (``{label: CutStudy.rows}``): the cumulative ladder's accuracy by
     blocks cut from the top, each block cut alone, and accuracy against batch-1 latency; recomputed batch-norm
     statistics, where measured, are drawn with hollow markers."""
     fig = Figure(figsize=(15, 4.2))

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from anytime.errors import AnytimeError
+from anytime.wrappers.slicing import SLICE_KINDS
 
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
 EXIT_HEADS: tuple[str, ...] = ("pool", "linear", "conv")  # the designs of anytime.wrappers.exit_head
-SLICE_KINDS: tuple[str, ...] = ("width", "cardinality")  # anytime.wrappers.slicing.SLICE_KINDS
 LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
                                     "slices": str, "ladder": str}  # fmt: skip

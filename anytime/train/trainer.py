@@ -293,6 +293,7 @@ class Trainer:
 
     def _check_same_recipe(self, saved: dict[str, Any]) -> None:
         current = self.config.to_dict()
+        saved = TrainConfig.from_dict(saved).to_dict()  # a checkpoint from before a setting existed has its default
         differing = [
             f"{key}={current[key]!r} (run has {saved.get(key)!r})"
             for key in current

@@ -54,14 +54,17 @@ class _CuttableTorchvisionBlock(nn.Module):
         return x if self.downsample is None else self.downsample(x)  # type: ignore[operator]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.cut == "branch":
-            return self.relu(self._shortcut(x))  # type: ignore[operator]
+        if self.cut == "branch":  # out of place: with an identity shortcut, x is saved for the backward
+            return torch.relu(self._shortcut(x))
         if self.cut == "shortcut":
             return self.relu(self._branch(x))  # type: ignore[operator]
         out = self._branch(x)
         if self.training and self.drop_prob > 0:
             out = drop_path(out, self.drop_prob)
         return self.relu(out + self._shortcut(x))  # type: ignore[operator]
+
+
+_CUTTABLE: dict[type, type] = {}
 
 
 def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -74,7 +77,10 @@ def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             blocks.append((name, module))
         elif isinstance(module, torchvision):
             if not isinstance(module, _CuttableTorchvisionBlock):
-                module.__class__ = type(f"Cuttable{type(module).__name__}", (_CuttableTorchvisionBlock, type(module)), {})
+                base = type(module)
+                if base not in _CUTTABLE:
+                    _CUTTABLE[base] = type(f"Cuttable{base.__name__}", (_CuttableTorchvisionBlock, base), {})
+                module.__class__ = _CUTTABLE[base]
             blocks.append((name, module))
     if not blocks:
         raise AnytimeError(
@@ -162,11 +168,13 @@ class BlockDropLadder(SeparateSteps):
             block.cut = "branch" if dropped is not None and index in dropped else None  # type: ignore[assignment]
 
     def _run(self, x: Tensor, k: int) -> Tensor:
+        before = [block.cut for block in self._blocks]
         self._set(self.configs[k])
         try:
             return self.backbone(x)
         finally:
-            self._set(None)
+            for block, cut in zip(self._blocks, before):
+                block.cut = cut  # type: ignore[assignment]
 
     def _info(self) -> tuple[ExitInfo, ...]:
         total = sum(p.numel() for p in self.backbone.parameters())

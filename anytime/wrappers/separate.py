@@ -58,6 +58,9 @@ def count_flops(module: nn.Module, run: Callable[[Tensor], object], shape: tuple
     try:
         with torch.no_grad(), counter:
             run(sample)
+    except RuntimeError as exc:  # e.g. a cut or a slice whose shapes no longer fit together
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AnytimeError(f"this configuration of {type(module).__name__} does not run ({first})") from None
     finally:
         module.train(was_training)
     return int(counter.get_total_flops())

@@ -51,6 +51,8 @@ def parse_ratios(text: str | Sequence[float]) -> tuple[float, ...]:
         raise AnytimeError(f"slices are fractions of the full network in (0, 1] (got {values})")
     if len(set(values)) != len(values):
         raise AnytimeError(f"slices {values} name the same fraction twice")
+    if len(values) < 2:
+        raise AnytimeError(f"a sliced network needs at least two slices (got {values}); e.g. 0.5,1.0")
     return tuple(sorted(values))
 
 
@@ -96,7 +98,7 @@ class SlicedConv2d(nn.Conv2d):
         full = self.weight
         if cout == full.shape[0] and cin == full.shape[1]:
             return full
-        if torch.is_grad_enabled() and full.requires_grad:
+        if torch.is_grad_enabled():
             return full[:cout, :cin]
         # Inference: keep a contiguous copy per slice, so a narrow step does not copy weights on every call.
         key = (cout, cin)
@@ -108,9 +110,18 @@ class SlicedConv2d(nn.Conv2d):
             cache[key] = hit
         return hit[2]
 
+    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.__dict__.pop("_slice_cache", None)
+        super()._load_from_state_dict(*args, **kwargs)
+
 
 class SlicedPadShortcut(PadShortcut):
-    """The parameter-free shortcut of the small CIFAR ResNets, padding to the sliced output width."""
+    """The parameter-free shortcut of the small CIFAR ResNets, padding to the sliced output width.
+
+    It pads both sides, as the dense shortcut does, so at a narrow width its input lands on other channel
+    positions than at full width (at 0.5 in a 16 -> 32 block: channels 4-11, against 8-23). Aligning them with
+    the full width would drop the shortcut altogether below width 0.5, so the slices train with this layout.
+    """
 
     _context: _Context
     out_full: int
@@ -170,7 +181,7 @@ def _slice_norm(norm: nn.BatchNorm2d, channels: int) -> nn.BatchNorm2d:
             out.running_mean.copy_(norm.running_mean[:channels])  # type: ignore[index]
             out.running_var.copy_(norm.running_var[:channels])  # type: ignore[index]
             out.num_batches_tracked.copy_(norm.num_batches_tracked)  # type: ignore[arg-type]
-    return out.to(norm.weight.device if norm.affine else "cpu")
+    return out.to(*_place(norm))
 
 
 def _slice_linear(linear: nn.Linear, features: int) -> nn.Linear:
@@ -179,7 +190,15 @@ def _slice_linear(linear: nn.Linear, features: int) -> nn.Linear:
         out.weight.copy_(linear.weight[:, :features])
         if linear.bias is not None:
             out.bias.copy_(linear.bias)
-    return out.to(linear.weight.device)
+    return out.to(*_place(linear))
+
+
+def _place(module: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and floating dtype of a module's first tensor (CPU, float32 if it has none)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            return tensor.device, tensor.dtype
+    return torch.device("cpu"), torch.float32
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -221,8 +240,12 @@ class SlicedModel(SeparateSteps):
         return len(self.ratios)
 
     def _run(self, x: Tensor, k: int) -> Tensor:
-        self._context.step, self._context.ratio = k, self.ratios[k]
-        return self.backbone(x)
+        context = self._context
+        context.step, context.ratio = k, self.ratios[k]
+        try:
+            return self.backbone(x)
+        finally:  # the bare backbone computes the widest slice, whatever ran last
+            context.step, context.ratio = self.num_steps - 1, self.ratios[-1]
 
     def step_for(self, ratio: float) -> int:
         """The step of slice ``ratio``; a clear error for a slice that has no statistics of its own."""
@@ -245,41 +268,62 @@ class SlicedModel(SeparateSteps):
 
     @torch.no_grad()
     def add_step(self, ratio: float, batches: Iterable[Tensor | tuple[Tensor, ...]], *, max_batches: int = 100) -> int:
-        """Add a slice that was not trained, and return its step index.
+        """Add a slice narrower than the widest one, which was not trained, and return its step index.
 
-        Its batch-norm affine parameters and classifier are sliced from the nearest wider trained step, and its
+        Its batch-norm affine parameters and classifier are sliced from the nearest wider step, and its
         batch-norm statistics are recomputed over ``batches`` (images, or (images, labels) pairs, at most
         ``max_batches``), since a slice of another width's statistics does not match this width's activations.
+        The new step lives in this model object: save it with ``torch.save(model.state_dict())`` beside its
+        ratios, since a run's recipe rebuilds only the slices it was trained with. If the batches fail, the
+        model is left as it was.
         """
         ratio = float(ratio)
         if ratio in self.ratios:
             return self.ratios.index(ratio)
-        if not 0 < ratio <= 1:
-            raise AnytimeError(f"a slice is a fraction of the full network in (0, 1] (got {ratio})")
+        if not 0 < ratio < self.ratios[-1]:
+            raise AnytimeError(
+                f"a new slice must be narrower than the widest one ({self.ratios[-1]:g}) and above 0 (got {ratio:g}); "
+                "nothing wider was trained to take it from"
+            )
         _check_kind_ratio(self.kind, ratio, self.backbone)
         pending = iter(batches)
         first = next(pending, None)
         if first is None:
             raise AnytimeError(f"no batches given to recompute the batch-norm statistics of slice {ratio}")
-        wider = [k for k, r in enumerate(self.ratios) if r > ratio]
-        source = wider[0] if wider else self.num_steps - 1
+        source = next(k for k, r in enumerate(self.ratios) if r > ratio)
         new_ratios = tuple(sorted((*self.ratios, ratio)))
         position = new_ratios.index(ratio)
         sizes = _probe_sizes(self.backbone, self._context, ratio)
-        for name, module in self.backbone.named_modules():
-            if isinstance(module, SwitchableBatchNorm2d):
-                norms = list(module.norms)
-                norms.insert(position, _slice_norm(norms[source], sizes[name]))
-                module.norms = nn.ModuleList(norms)
-            elif isinstance(module, SwitchableLinear):
-                heads = list(module.heads)
-                heads.insert(position, _slice_linear(heads[source], sizes[name]))
-                module.heads = nn.ModuleList(heads)
-        self.ratios = new_ratios
-        new_norms = [m.norms[position] for m in self.backbone.modules() if isinstance(m, SwitchableBatchNorm2d)]
-        recompute_bn_statistics(self, itertools.chain([first], pending), norms=new_norms,
-                                forward=lambda x: self.forward_until(x, position), max_batches=max_batches)  # fmt: skip
-        self.exit_info = _step_info(self, self.backbone_flops)
+        switchable = [(name, m) for name, m in self.backbone.named_modules()
+                      if isinstance(m, (SwitchableBatchNorm2d, SwitchableLinear))]  # fmt: skip
+        saved = [(m, list(m.norms if isinstance(m, SwitchableBatchNorm2d) else m.heads)) for _, m in switchable]
+        saved_ratios, saved_info = self.ratios, self.exit_info
+        try:
+            for name, module in switchable:
+                if isinstance(module, SwitchableBatchNorm2d):
+                    norms = list(module.norms)
+                    norms.insert(position, _slice_norm(norms[source], sizes[name]))
+                    module.norms = nn.ModuleList(norms)
+                else:
+                    heads = list(module.heads)
+                    heads.insert(position, _slice_linear(heads[source], sizes[name]))
+                    module.heads = nn.ModuleList(heads)
+            self.ratios = new_ratios
+            new_norms = [m.norms[position] for _, m in switchable if isinstance(m, SwitchableBatchNorm2d)]
+            recompute_bn_statistics(self, itertools.chain([first], pending), norms=new_norms,
+                                    forward=lambda x: self.forward_until(x, position), max_batches=max_batches)  # fmt: skip
+            self.exit_info = _step_info(self, self.backbone_flops)
+        except BaseException as exc:
+            for module, parts in saved:
+                if isinstance(module, SwitchableBatchNorm2d):
+                    module.norms = nn.ModuleList(parts)
+                else:
+                    module.heads = nn.ModuleList(parts)
+            self.ratios, self.exit_info = saved_ratios, saved_info
+            if isinstance(exc, RuntimeError) and not isinstance(exc, AnytimeError):
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise AnytimeError(f"the batches given to slice {ratio:g} do not fit this model ({detail})") from None
+            raise
         return position
 
     def extra_repr(self) -> str:
@@ -310,7 +354,24 @@ def _probe_sizes(backbone: nn.Module, context: _Context, ratio: float) -> dict[s
             if isinstance(m, (SwitchableBatchNorm2d, SwitchableLinear))}  # fmt: skip
 
 
+def _width_sliceable(backbone: nn.Module) -> bool:
+    """Networks whose channels line up across layers (no concatenation or shuffle), so a leading slice of
+    every layer is a narrower network: the zoo's and torchvision's ResNets and MobileNetV2."""
+    from torchvision.models import MobileNetV2 as TorchvisionMobileNetV2
+    from torchvision.models import ResNet as TorchvisionResNet
+
+    from anytime.backbones.base import StagedBackbone
+
+    return isinstance(backbone, (StagedBackbone, TorchvisionResNet, TorchvisionMobileNetV2))
+
+
 def _check_sliceable(backbone: nn.Module, kind: str) -> nn.Linear:
+    if kind == "width" and not _width_sliceable(backbone):
+        raise AnytimeError(
+            f"width slicing supports the zoo's models and torchvision's ResNet and MobileNetV2, not "
+            f"{type(backbone).__name__}: where channels are concatenated or shuffled, a leading slice of each layer "
+            "is not a narrower network"
+        )
     linears = [(n, m) for n, m in backbone.named_modules() if isinstance(m, nn.Linear)]
     if len(linears) != 1:
         raise AnytimeError(
