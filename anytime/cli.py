@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     cut.add_argument("--finetune-epochs", type=_non_negative_int, default=0, metavar="N",
                      help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)")
     cut.add_argument("--split", choices=["val", "test"], help="where the study scores each cut (default test)")
-    cut.add_argument("--images", type=_positive_int, metavar="N", help="evaluate on the first N images of the split")
+    cut.add_argument("--images", type=_positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)")
     cut.add_argument("--repeats", type=_positive_int, metavar="N", help="batch-1 timings per configuration (default 30)")
     cut.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     cut.add_argument("--ladder", action="store_true",

@@ -50,16 +50,12 @@ def _plain_run(run_dir: str | Path, device: str) -> LoadedRun:
     return run
 
 
-def _tensors(loader: Any, limit: int | None) -> tuple[Tensor, Tensor]:
-    images, labels, count = [], [], 0
+def _tensors(loader: Any) -> tuple[Tensor, Tensor]:
+    images, labels = [], []
     for x, y in loader:
         images.append(x)
         labels.append(y)
-        count += len(y)
-        if limit is not None and count >= limit:
-            break
-    x, y = torch.cat(images), torch.cat(labels)
-    return (x[:limit], y[:limit]) if limit is not None else (x, y)
+    return torch.cat(images), torch.cat(labels)
 
 
 @torch.no_grad()
@@ -137,7 +133,8 @@ def cut_study(
     progress: Callable[[str], None] | None = None,
 ) -> CutStudy:  # fmt: skip
     """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind; measure each
-    configuration's accuracy on ``split`` (the first ``images`` of it), FLOPs and batch-1 latency.
+    configuration's accuracy on ``split`` (or on ``images`` of it drawn at random, seeded), FLOPs and batch-1
+    latency.
 
     ``recalibrate_bn`` adds the accuracy after recomputing every batch-norm statistic on
     ``recalibration_batches`` training batches (no augmentation) with the cut in place; ``finetune_epochs``
@@ -155,7 +152,8 @@ def cut_study(
     splits = _splits_of(run)
     info = splits.info
     seed = run.config.seed
-    x_eval, y_eval = _tensors(make_loader(getattr(splits, split), info, batch_size=500, train=False, seed=seed), images)
+    scored = getattr(splits, split).sample(images, seed)
+    x_eval, y_eval = _tensors(make_loader(scored, info, batch_size=500, train=False, seed=seed))
     plain_train = make_loader(splits.train, info, batch_size=128, train=False, seed=seed)
     augmented = make_loader(splits.train, info, batch_size=128, train=True, seed=seed)
     sample = x_eval[:1].to(run.device)

@@ -233,14 +233,12 @@ def evaluate_run(
     splits = _splits_of(run)
     data = getattr(splits, split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
-    predictions, exits, labels, images = [], [], [], []
+    predictions, exits, labels = [], [], []
     for x, y in loader:
         out = policy.run(run.model, x.to(run.device))
         predictions.append(out.predictions.cpu())
         exits.append(out.exits.cpu())
         labels.append(y)
-        if sum(len(i) for i in images) < latency_samples:
-            images.append(x)
     pred = torch.cat(predictions).numpy()
     exit_of = torch.cat(exits).numpy()
     truth = torch.cat(labels).numpy()
@@ -262,8 +260,10 @@ def evaluate_run(
         cached_pred = cache.logits[cached_exit, np.arange(cache.num_samples)].argmax(axis=1)
         report["agreement_with_cache"] = {"exits": float((cached_exit == exit_of).mean()),
                                           "predictions": float((cached_pred == pred).mean())}  # fmt: skip
-    if latency_samples > 0:
-        report["latency"] = _latency(run, policy, torch.cat(images)[:latency_samples].to(run.device))
+    if latency_samples > 0:  # a random sample: an image folder's split is stored class by class
+        timed = make_loader(data.sample(latency_samples, seed=run.config.seed), splits.info, batch_size=batch_size,
+                            train=False, seed=run.config.seed)  # fmt: skip
+        report["latency"] = _latency(run, policy, torch.cat([x for x, _ in timed]).to(run.device))
     report["machine"] = describe_machine()
     report["device"] = device_label(run.device)
     report["torch_threads"] = torch.get_num_threads()

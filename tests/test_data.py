@@ -380,3 +380,15 @@ def test_real_cifar10(tmp_path_factory: pytest.TempPathFactory) -> None:
     assert splits.info.classes[0] == "airplane" and splits.info.hflip
     assert torch.equal(warm.val.images, splits.val.images) and warm_s < cold
     assert np.bincount(splits.val.labels.numpy()).tolist() == [500] * 10
+
+
+def test_a_sample_of_a_class_ordered_split_covers_every_class():
+    from anytime.data.base import Split
+
+    labels = torch.arange(10).repeat_interleave(100)  # stored class by class, as an image folder's test split
+    split = Split("test", torch.zeros(1000, 1, 2, 2, dtype=torch.uint8), labels, torch.arange(1000))
+    a, b = split.sample(200, seed=3), split.sample(200, seed=3)
+    assert len(a) == 200 and torch.equal(a.labels, b.labels) and not torch.equal(a.labels, split.sample(200, seed=4).labels)
+    assert set(a.labels[:50].tolist()) == set(range(10))  # even a prefix is spread over the classes
+    assert torch.equal(labels[a.indices], a.labels) and len(set(a.indices.tolist())) == 200
+    assert split.sample(None) is split and split.sample(5000) is split

@@ -62,6 +62,16 @@ class Split:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def sample(self, count: int | None, seed: int = 0) -> Split:
+        """``count`` samples drawn at random (seeded), in random order, so that any prefix is a random sample too;
+        the whole split if ``count`` is None or not smaller. A split stored class by class (an image folder's test
+        split is) must not be scored on its first classes only."""
+        if count is None or count >= len(self):
+            return self
+        chosen = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:count]
+        indices = None if self.indices is None else self.indices[chosen]
+        return Split(self.name, self.images[chosen], self.labels[chosen], indices)
+
 
 @dataclass(frozen=True)
 class DatasetSplits:
