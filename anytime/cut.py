@@ -154,7 +154,9 @@ def cut_study(
     seed = run.config.seed
     scored = getattr(splits, split).sample(images, seed)
     x_eval, y_eval = _tensors(make_loader(scored, info, batch_size=500, train=False, seed=seed))
-    plain_train = make_loader(splits.train, info, batch_size=128, train=False, seed=seed)
+    # A random sample: the training split is stored class by class, and statistics of one class are wrong.
+    plain_train = make_loader(splits.train.sample(128 * recalibration_batches, seed), info, batch_size=128,
+                              train=False, seed=seed)  # fmt: skip
     augmented = make_loader(splits.train, info, batch_size=128, train=True, seed=seed)
     sample = x_eval[:1].to(run.device)
     model = run.model
