@@ -32,7 +32,7 @@ def _dense_at(sliced: torch.nn.Module, k: int) -> torch.nn.Module:
     from anytime.wrappers.slicing import SlicedConv2d, SwitchableBatchNorm2d, SwitchableLinear, _set_module
 
     model = copy.deepcopy(sliced)
-    model.forward_until(torch.zeros(1, 3, 32, 32), k)  # sets the step
+    model._context.step, model._context.ratio = k, model.ratios[k]  # the bare backbone now runs step k
     backbone = model.backbone
     for name, module in list(backbone.named_modules()):
         if isinstance(module, SwitchableBatchNorm2d):
