@@ -179,3 +179,23 @@ def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_p
     cli_error(["cut", str(plain_run), "--ladder", "--out", str(plain_run)], "not an empty folder")
     cli_error(["cut", str(plain_run), "--ladder", "--out", str(tmp_path / "l"), "--kind", "branch"], "--kind")
     cli_error(["cut", str(tmp_path / "nothing")], "no run directory")
+
+
+def test_fine_tuning_a_cut_network_changes_only_what_it_uses(plain_run):
+    from anytime.cut import _finetune
+    from anytime.data import make_loader
+    from anytime.train import load_splits
+    from anytime.train.runs import load_run
+
+    run = load_run(plain_run)
+    splits = load_splits(run.config)
+    loader = make_loader(splits.train.sample(128, seed=0), splits.info, batch_size=64, train=True, seed=0)
+    model = run.model
+    apply_cuts(model, {8: "branch"})
+    skipped = copy.deepcopy(residual_blocks(model)[8][1].branch.state_dict())
+    before = copy.deepcopy(model.stem.state_dict())
+    _finetune(model, loader, 1, 0.05, torch.device("cpu"))
+    assert not model.training
+    assert any(not torch.equal(before[k], v) for k, v in model.stem.state_dict().items())
+    after = residual_blocks(model)[8][1].branch.state_dict()
+    assert all(torch.equal(skipped[k], after[k]) for k in skipped if "running" not in k and "tracked" not in k)
