@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,8 +29,8 @@ from anytime.train.multi_exit import build_model
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.results import staged_dir
 from anytime.utils.machine import describe_machine, device_label, git_sha
+from anytime.utils.results import staged_dir
 from anytime.wrappers import CUT_KINDS, apply_cuts, residual_blocks
 from anytime.wrappers.batchnorm import recompute_bn_statistics
 from anytime.wrappers.separate import count_flops
@@ -68,21 +67,12 @@ def _accuracy(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int 
     return hits / max(len(labels), 1)
 
 
-@torch.no_grad()
 def _latency(model: nn.Module, sample: Tensor, repeats: int) -> tuple[float, float]:
-    """Batch-1 forward time, p50 and p90 in ms, after a warm-up."""
-    from anytime.profile import quantile_of
+    """Batch-1 forward time, p50 and p90 in ms, after a warm-up (the profile's timer)."""
+    from anytime.profile import per_sample_latency, quantile_of
 
-    sync = (lambda: torch.cuda.synchronize(sample.device)) if sample.device.type == "cuda" else (lambda: None)
-    for _ in range(max(3, repeats // 10)):
-        model(sample)
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        model(sample)
-        sync()
-        times.append(1000 * (time.perf_counter() - start))
+    times = 1000 * per_sample_latency({"cut": model}, sample.expand(repeats, *sample.shape[1:]),
+                                      warmup=max(3, repeats // 10))["cut"]  # fmt: skip
     return quantile_of(times, 0.5), quantile_of(times, 0.9)
 
 
