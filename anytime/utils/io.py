@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import json
 import os
@@ -12,25 +13,75 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from anytime.errors import AnytimeError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it over ``path`` only if the block succeeds."""
+    """Yield a temporary path beside ``path``; rename it over ``path`` only if the block succeeds.
+
+    The temporary name carries this host and process id, and it is removed on any exit the process survives;
+    the temporary files of dead processes in the same folder are removed first. A failure to write (no space,
+    no permission) is reported as an :class:`AnytimeError` that names ``path``, never the temporary file.
+    """
+    from anytime.utils.outputs import remove_stale, temp_prefix
+
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(target.parent)
+        fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(target.name), suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise write_error(target, exc) from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, OSError) or _is_write_failure(exc):
+                raise write_error(target, exc) from None
+            raise
         # mkstemp creates 0600 files; results and checkpoints get the permissions a plain open() would give.
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
+        try:
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise write_error(target, exc) from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+class DiskFullError(AnytimeError):
+    """A result could not be written because its file system is full (or over quota)."""
+
+
+def write_error(target: Path, exc: BaseException) -> AnytimeError:
+    """The one-line error for a failed write of ``target``: the path, the reason and, when the disk is full,
+    the free space left."""
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT) or (isinstance(exc, RuntimeError) and _is_write_failure(exc)):
+        from anytime.utils.resources import format_bytes, free_space
+
+        free = free_space(target.parent)
+        if code in (errno.ENOSPC, errno.EDQUOT) or free < 64 * 2**20:
+            return DiskFullError(
+                f"no space left to write {target} ({format_bytes(free)} free on its file system); "
+                "free some space or write elsewhere"
+            )
+        return AnytimeError(f"could not write {target} ({str(exc).splitlines()[0]}); check the disk and try again")
+    if isinstance(exc, IsADirectoryError) or target.is_dir():
+        return AnytimeError(f"{target} is a folder, not a file; choose another path")
+    reason = getattr(exc, "strerror", None) or str(exc)
+    return AnytimeError(f"could not write {target} ({reason}); check the folder's permissions or choose another path")
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "write" in text or "no space" in text
 
 
 @contextlib.contextmanager
@@ -68,8 +119,6 @@ def write_csv(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], c
 def read_json(path: str | os.PathLike[str], *, what: str, make: str, redo: str) -> Any:
     """A JSON document the pipeline wrote; a missing or unparsable file is a one-line error that says how to
     ``make`` it (when missing) or ``redo`` it (when broken)."""
-    from anytime.errors import AnytimeError
-
     target = Path(path)
     if not target.is_file():
         raise AnytimeError(f"no {what} at {target}; {make}")

@@ -1,41 +1,45 @@
-"""Results folders that appear complete or not at all, with the context that made them."""
+"""The record written beside a study's results: its hyper-parameters and the context that made them."""
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from anytime.utils.io import write_json
-from anytime.utils.machine import describe_machine, git_sha
+from anytime.utils.machine import describe_machine, drop_page_cache, git_sha
+from anytime.utils.outputs import check_replaceable
 
 
-@contextlib.contextmanager
-def staged_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a fresh sibling folder to fill; it replaces ``target`` only if the block succeeds.
+def study_parser(name: str, description: str, *, drops_caches: bool = False) -> argparse.ArgumentParser:
+    """The options every study takes: ``--quick``, ``--out DIR`` (default ``results/NAME``), ``--overwrite``
+    and, for studies that read from disk, ``--drop-caches``."""
+    parser = argparse.ArgumentParser(prog=f"anytime experiment {name}", description=description)
+    parser.add_argument("--quick", action="store_true", help="a few minutes on a laptop-class CPU")
+    parser.add_argument("--out", help=f"results folder (default results/{name})")
+    parser.add_argument("--overwrite", action="store_true", help="replace this study's earlier results in --out")
+    if drops_caches:
+        parser.add_argument("--drop-caches", action="store_true",
+                            help="drop the OS page cache before reading from disk (root; affects the whole machine)")
+    return parser
 
-    Earlier results in ``target`` survive a failed or interrupted run untouched.
-    """
-    final = Path(target)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-    try:
-        yield work
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    work.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+
+def study_output(args: argparse.Namespace, name: str) -> tuple[Path, bool]:
+    """The study's results folder, checked before any work, and whether its parents may be created (only
+    for the default ``results/NAME``)."""
+    out = Path(args.out) if args.out else Path("results") / name
+    check_replaceable(out, f"{name} study", overwrite=args.overwrite, create_parents=args.out is None)
+    return out, args.out is None
+
+
+def page_cache_note(args: argparse.Namespace) -> str:
+    """Drop the page cache only when ``--drop-caches`` asks for it; the sentence for the study's record."""
+    if not getattr(args, "drop_caches", False):
+        return "page cache not dropped (pass --drop-caches to drop it first; it affects the whole machine)"
+    return drop_page_cache()[1]
 
 
 def write_study_config(

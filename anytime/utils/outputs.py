@@ -1,0 +1,414 @@
+"""Where commands write: one policy for every output location, a lock per output against concurrent writers,
+and the clean-up of temporary files that killed processes left behind.
+
+The policy, checked before any computing:
+
+- An output **folder** (a run, a study's results, the demo, a cut study) must be new, an empty folder, or a
+  folder anytime wrote for the same purpose. anytime marks the folders it writes with ``.anytime.json`` (its
+  kind and the entries it wrote). A marked folder is resumed or extended (runs), or replaced when the user
+  passes ``--overwrite``, and only while it holds nothing but what anytime wrote there.
+- An output **file** must not be a folder; its folder must exist (or be anytime's own default) and be
+  writable; a file already there is replaced only when it is an anytime file of the same kind.
+- Nothing a command did not create is ever renamed, moved or deleted.
+
+Temporary names carry the host and process id (``.NAME.HOST.PID.RANDOM.tmp``); a later command removes those
+of dead processes of this host from the folders it writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import fcntl
+import fnmatch
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from anytime.errors import AnytimeError
+
+MARKER = ".anytime.json"
+MARKER_FORMAT = "anytime-output-v1"
+LOCK_SUFFIX = ".anytime-lock"
+TEMP_KINDS = ("tmp", "partial", "old")
+
+# What a run folder may hold: everything `anytime train` and the commands that extend a run write there.
+RUN_ENTRIES: tuple[str, ...] = (
+    MARKER, "config.json", "checkpoint.pt", "model.safetensors", "summary.json", "metrics.csv", "iterations.csv",
+    "outputs", "plots", "cut", "profile-*.json", "calibration*.json", "sweep-*.csv", "sweep-*.json",
+    "evaluation-*.json",
+)  # fmt: skip
+RUN = "run"
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.(?P<rand>[A-Za-z0-9_]+)\."
+                   r"(?P<kind>tmp|partial|old)$")  # fmt: skip
+
+
+def host_tag() -> str:
+    """This machine's name as it appears in temporary names (dots replaced)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname() or "host")[:40] or "host"
+
+
+def temp_prefix(name: str) -> str:
+    """The start of a temporary name for ``name`` owned by this process: ``.NAME.HOST.PID.``."""
+    return f".{name}.{host_tag()}.{os.getpid()}."
+
+
+def user_path(path: str | os.PathLike[str]) -> str:
+    """The path a user knows for one of our temporary names (the file it was about to become)."""
+    text = os.fspath(path)
+    match = _TEMP.match(os.path.basename(text))
+    return os.path.join(os.path.dirname(text), match["name"]) if match else text
+
+
+def is_temporary(name: str) -> bool:
+    """True for the names anytime gives its temporary files, staged folders and lock files."""
+    return bool(_TEMP.match(name)) or (name.startswith(".") and name.endswith(LOCK_SUFFIX))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(folder: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files and folders that dead processes of this host left in ``folder``, and lock
+    files nobody holds; return what was removed. Names that are not anytime's are never touched."""
+    removed: list[Path] = []
+    here = host_tag()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP.match(entry.name)
+        path = Path(entry.path)
+        if match and match["host"] == here and int(match["pid"]) != os.getpid() and not _alive(int(match["pid"])):
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+                removed.append(path)
+        elif entry.name.startswith(".") and entry.name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
+            if _remove_free_lock(path):
+                removed.append(path)
+    return removed
+
+
+def _remove_free_lock(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    try:
+        if os.fstat(fd).st_ino == os.stat(path).st_ino:
+            os.unlink(path)
+            return True
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# ---- locks ---------------------------------------------------------------------------------------------------
+
+
+def _lock_file(target: Path) -> Path:
+    beside = target.parent / f".{target.name}{LOCK_SUFFIX}"
+    if target.is_dir() and not os.access(target.parent, os.W_OK):
+        return target / LOCK_SUFFIX
+    return beside
+
+
+@contextlib.contextmanager
+def output_lock(target: str | os.PathLike[str], *, command: str = "") -> Iterator[None]:
+    """Hold the lock of one output (a file or a folder) for the block; a second writer is refused at once
+    with the first one's process id. The lock dies with its process, and its file is removed on release."""
+    path = _lock_file(Path(target))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):  # the file may be removed by its holder between our open and our lock
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = _lock_holder(path)
+            raise AnytimeError(
+                f"another anytime process{holder} is writing {target}; wait for it to finish or choose another output"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:
+        raise AnytimeError(f"could not lock {target}: its lock file keeps changing; is another process writing it?")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": host_tag(), "command": command or " ".join(sys.argv)}).encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        doc = json.loads(path.read_text())
+        command = f", `{doc['command']}`" if doc.get("command") else ""
+        return f" (pid {int(doc['pid'])} on {doc['host']}{command})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+# ---- markers -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Marker:
+    """What ``.anytime.json`` says of a folder: its kind and the entries (names or patterns) anytime wrote."""
+
+    kind: str
+    entries: tuple[str, ...]
+
+    def owns(self, name: str) -> bool:
+        """True if ``name`` (an entry of the folder) is one anytime wrote there."""
+        return name == MARKER or is_temporary(name) or any(fnmatch.fnmatchcase(name, p) for p in self.entries)
+
+
+def write_marker(folder: str | os.PathLike[str], kind: str, entries: Sequence[str]) -> Path:
+    """Mark ``folder`` as anytime's own, of ``kind``, holding ``entries``."""
+    from anytime.utils.io import write_json
+
+    return write_json(Path(folder) / MARKER, {"format": MARKER_FORMAT, "kind": kind, "entries": sorted(set(entries))})
+
+
+def read_marker(folder: str | os.PathLike[str]) -> Marker | None:
+    """The folder's marker; legacy runs (written before markers) are recognised by their files."""
+    path = Path(folder) / MARKER
+    if path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("format") == MARKER_FORMAT:
+                return Marker(str(doc["kind"]), tuple(str(e) for e in doc["entries"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return None
+    if (Path(folder) / "config.json").is_file() and any(
+        (Path(folder) / name).is_file() for name in ("checkpoint.pt", "model.safetensors")
+    ):
+        return Marker(RUN, RUN_ENTRIES)
+    return None
+
+
+# ---- the policy ----------------------------------------------------------------------------------------------
+
+
+class DirState(enum.Enum):
+    """What an output folder is before a command writes it."""
+
+    NEW = "new"  # nothing there yet
+    EMPTY = "empty"  # an existing empty folder (the user's: kept, filled)
+    OURS = "ours"  # a folder anytime wrote, of the same kind, holding nothing else
+
+
+def _check_parent(path: Path, flag: str, create_parents: bool) -> None:
+    parent = path.parent
+    ancestor = parent
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise AnytimeError(f"{flag} {path}: {ancestor} is a file, so nothing can be written below it; choose another {flag}")
+    if ancestor != parent and not create_parents:
+        raise AnytimeError(f"{flag} {path}: the folder {parent} does not exist; create it first or choose another {flag}")
+    probe_writable(ancestor, flag=flag, given=path)
+
+
+def probe_writable(folder: Path, *, flag: str = "--out", given: Path | None = None) -> None:
+    """Refuse, in one line, a folder this process cannot create files in (read-only, no permission, full)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=temp_prefix("probe"), suffix=".tmp", dir=folder)
+    except OSError as exc:
+        what = f"{flag} {given}: " if given is not None else ""
+        raise AnytimeError(
+            f"{what}cannot write in {folder} ({exc.strerror or exc}); fix its permissions or choose another {flag}"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def check_output_dir(
+    path: str | os.PathLike[str], kind: str, *, flag: str = "--out", create_parents: bool = True
+) -> DirState:
+    """Check an output folder before any work: see the module's policy. Returns whether it is new, an empty
+    folder, or anytime's own of ``kind``; anything else is a one-line :class:`AnytimeError` naming ``path``."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise AnytimeError(f"{flag} {target} is a file, not a folder; give a new folder name (anytime never replaces a file)")
+    if not target.exists():
+        _check_parent(target, flag, create_parents)
+        return DirState.NEW
+    probe_writable(target, flag=flag, given=target)
+    names = sorted(e for e in os.listdir(target) if not is_temporary(e))
+    if not names:
+        return DirState.EMPTY
+    marker = read_marker(target)
+    if marker is None:
+        raise AnytimeError(
+            f"{flag} {target} already holds files anytime did not write (e.g. {names[0]}); choose a new or empty folder"
+        )
+    if marker.kind != kind:
+        raise AnytimeError(f"{flag} {target} holds a {marker.kind}, not a {kind}; choose another folder")
+    strays = [n for n in names if not marker.owns(n)]
+    if strays:
+        raise AnytimeError(
+            f"{flag} {target} holds a {kind} and also files anytime did not write (e.g. {strays[0]}); "
+            "anytime will not replace it: choose another folder"
+        )
+    return DirState.OURS
+
+
+def check_output_file(
+    path: str | os.PathLike[str], *, what: str, format_tag: str | None = None, flag: str = "--out",
+    create_parents: bool = True, example: str = "result.json",
+) -> Path:  # fmt: skip
+    """Check an output file before any work: not a folder, its folder writable (and existing, unless
+    ``create_parents``), and an existing file replaced only if it is an anytime ``what`` (its ``format_tag``)."""
+    target = Path(path)
+    if target.is_dir():
+        raise AnytimeError(f"{flag} {target} is a folder; give the {what} a file name, e.g. {target / example}")
+    if target.exists():
+        if format_tag is not None and not _has_format(target, format_tag):
+            raise AnytimeError(
+                f"{flag} {target} exists and is not an anytime {what}; anytime never overwrites a file it did not "
+                "write: choose another file name"
+            )
+        probe_writable(target.parent, flag=flag, given=target)
+        return target
+    _check_parent(target, flag, create_parents)
+    return target
+
+
+def _has_format(path: Path, tag: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(1 << 20)
+        doc = json.loads(head)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == tag
+
+
+def clear_run(folder: str | os.PathLike[str]) -> None:
+    """Remove what ``anytime train`` and the pipeline wrote in a run folder (``--overwrite``), nothing else;
+    the caller has checked with :func:`check_output_dir` that nothing else is there."""
+    target = Path(folder)
+    marker = read_marker(target) or Marker(RUN, RUN_ENTRIES)
+    for entry in os.listdir(target):
+        if entry == MARKER or is_temporary(entry) or not marker.owns(entry):
+            continue
+        path = target / entry
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def refuse_existing(target: Path, kind: str, flag: str = "--out") -> AnytimeError:
+    """The error for a folder that already holds anytime's results of ``kind`` when --overwrite was not given."""
+    return AnytimeError(f"{flag} {target} holds an earlier {kind}; pass --overwrite to replace it, or choose another folder")
+
+
+def check_replaceable(
+    target: str | os.PathLike[str], kind: str, *, overwrite: bool = False, flag: str = "--out",
+    create_parents: bool = True,
+) -> DirState:  # fmt: skip
+    """:func:`check_output_dir`, and an earlier result of ``kind`` is refused unless ``overwrite`` allows it."""
+    state = check_output_dir(target, kind, flag=flag, create_parents=create_parents)
+    if state is DirState.OURS and not overwrite:
+        raise refuse_existing(Path(target), kind, flag)
+    return state
+
+
+@contextlib.contextmanager
+def staged_dir(
+    target: str | os.PathLike[str], kind: str, *, overwrite: bool = False, flag: str = "--out",
+    create_parents: bool = True, entries: Sequence[str] | None = None,
+) -> Iterator[Path]:  # fmt: skip
+    """Check ``target`` (the policy above), lock it, and yield a fresh folder to fill. When the block succeeds
+    the results take ``target``'s place: a new folder, the contents of the user's empty folder, or (with
+    ``overwrite``) the replacement of anytime's earlier results of the same kind. A failed or interrupted
+    block leaves ``target`` as it was and removes the staged folder. The marker records ``entries`` (names or
+    patterns) as anytime's own, by default what the block wrote."""
+    final = Path(target)
+    check_replaceable(final, kind, overwrite=overwrite, flag=flag, create_parents=create_parents)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(final):
+        remove_stale(final.parent)
+        work = Path(tempfile.mkdtemp(prefix=temp_prefix(final.name), suffix=".partial", dir=final.parent))
+        try:
+            yield work
+            write_marker(work, kind, entries if entries is not None else [e for e in os.listdir(work) if e != MARKER])
+            _put_in_place(work, final, kind, flag)
+        finally:
+            if work.exists():
+                shutil.rmtree(work, ignore_errors=True)
+
+
+def _put_in_place(work: Path, final: Path, kind: str, flag: str) -> None:
+    state = check_output_dir(final, kind, flag=flag)  # again: the user may have put something there meanwhile
+    if state is DirState.NEW:
+        os.rename(work, final)
+    elif state is DirState.EMPTY:
+        for name in os.listdir(work):
+            os.rename(work / name, final / name)
+    else:
+        old = Path(tempfile.mkdtemp(prefix=temp_prefix(final.name), suffix=".old", dir=final.parent))
+        os.rmdir(old)
+        os.rename(final, old)
+        os.rename(work, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary folder beside ``folder``; when the block succeeds, every file written there is moved
+    into ``folder`` (replacing files of the same names). A failed block writes nothing into ``folder``."""
+    final = Path(folder)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(final.parent)
+    work = Path(tempfile.mkdtemp(prefix=temp_prefix(final.name), suffix=".partial", dir=final.parent))
+    try:
+        yield work
+        final.mkdir(exist_ok=True)
+        for name in sorted(os.listdir(work)):
+            os.replace(work / name, final / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
