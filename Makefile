@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/anytime demo
+	$(BIN)/anytime demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

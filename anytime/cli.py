@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,7 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
                        help="pin host memory for faster copies to a CUDA GPU")
     train.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/MODEL-DATA or runs/CARD)")
-    train.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    again = train.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the interrupted run in --out, exactly")
+    again.add_argument("--extend", action="store_true",
+                       help="train the run in --out longer: to --epochs N (more than it has), the learning-rate "
+                            "schedule recomputed for the new length")
+    again.add_argument("--overwrite", action="store_true",
+                       help="replace the earlier run in --out (only if the folder holds nothing but that run)")
     train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     exits = train.add_argument_group("early exits")
@@ -227,14 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     cut.add_argument("--ladder", action="store_true",
                      help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
     cut.add_argument("--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)")
+    cut.add_argument("--overwrite", action="store_true", help="replace an earlier study (or ladder run) in --out")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
     experiment.add_argument("--quick", action="store_true", help="a few minutes on a laptop-class CPU")
     experiment.add_argument("--out", metavar="DIR", help="results folder (default results/NAME)")
+    experiment.add_argument("--overwrite", action="store_true", help="replace the study's earlier results in --out")
+    experiment.add_argument("--drop-caches", action="store_true",
+                            help="studies that read from disk (batch-time, memory, time-accuracy): drop the OS page "
+                                 "cache first (root; it affects the whole machine)")
 
     demo = sub.add_parser("demo", description=COMMANDS["demo"])
-    demo.add_argument("--out", metavar="DIR", default="runs/demo", help="results folder (default runs/demo)")
+    demo.add_argument("--out", metavar="DIR", help="results folder (default runs/demo)")
+    demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's results in --out")
     return parser
 
 
@@ -292,7 +308,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides["exit_weights"] = _float_list(args.exit_weights, "--exit-weights")
     if args.update_card and card is None:
         raise AnytimeError("--update-card needs --card FILE")
-    changed = sorted(set(overrides) - set(TrainConfig.RUNTIME_FIELDS))
+    if args.extend and "epochs" not in overrides:
+        raise AnytimeError("--extend trains a run longer: give its new number of epochs with --epochs N")
+    free = set(TrainConfig.RUNTIME_FIELDS) | ({"epochs"} if args.extend else set())
+    changed = sorted(set(overrides) - free)
     if args.update_card and changed:
         raise AnytimeError(
             f"--update-card records the card's own recipe, but {', '.join('--' + c.replace('_', '-') for c in changed)} "
@@ -300,9 +319,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         )
     default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
     run_dir = Path(args.out or Path("runs") / default_name.replace(":", "_"))
-    if args.resume:
+    if args.resume or args.extend:
         from anytime.train import load_checkpoint
 
+        if not (run_dir / CHECKPOINT).is_file():
+            raise AnytimeError(f"no run to {'extend' if args.extend else 'resume'} at {run_dir} (no {CHECKPOINT}); "
+                               f"train one with `anytime train --out {run_dir}`")  # fmt: skip
         saved = load_checkpoint(run_dir / CHECKPOINT)["config"]
         base = TrainConfig.from_dict(saved, where=str(run_dir / CHECKPOINT))
     else:
@@ -311,11 +333,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(
         config, run_dir, progress=not args.no_progress and sys.stderr.isatty(),
         on_start=lambda line: print(line, file=sys.stderr), extra_config={"card": str(card.path)} if card else {},
+        create_parents=args.out is None,
     )  # fmt: skip
     try:
-        summary = trainer.fit(resume=args.resume)
+        summary = trainer.fit(resume=args.resume, extend=args.extend, overwrite=args.overwrite)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; continue with: anytime train --out {run_dir} --resume", file=sys.stderr)
+        again = f"--extend --epochs {config.epochs}" if args.extend else "--resume"
+        if (run_dir / CHECKPOINT).is_file():
+            print(f"\ninterrupted; continue with: anytime train --out {run_dir} {again}", file=sys.stderr)
+        else:
+            print("\ninterrupted before the first epoch ended; nothing was kept", file=sys.stderr)
         return 130
     final = summary["final"]
     steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
@@ -344,6 +371,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             "best_val_acc": round(summary["best_val_acc"], 4), "train_time_s": round(summary["train_time_s"], 1),
             "epochs": summary["epochs"], "device": summary["device"], "cpu": cpu_model(),
             "threads": summary["torch_threads"], "date": date.today().isoformat(),
+            **({"extended_from": summary["extended"][0]["from_epochs"]} if summary.get("extended") else {}),
         })  # fmt: skip
         print(f"card       results recorded in {card.path}")
     return 0
@@ -360,9 +388,8 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    argv: list[str] = []
-    if args.quick:
-        argv.append("--quick")
+    argv = [flag for flag, on in (("--quick", args.quick), ("--overwrite", args.overwrite),
+                                  ("--drop-caches", args.drop_caches)) if on]  # fmt: skip
     if args.out:
         argv += ["--out", args.out]
     entry: Callable[[list[str]], int] = module.main
@@ -374,7 +401,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     print(f"demo: training {DEMO_CONFIG.model} on the embedded digits for {DEMO_CONFIG.epochs} epochs...",
           file=sys.stderr)  # fmt: skip
-    result = run_demo(args.out, progress=sys.stderr.isatty())
+    result = run_demo(args.out or Path("runs") / "demo", progress=sys.stderr.isatty(), overwrite=args.overwrite,
+                      create_parents=args.out is None)  # fmt: skip
     final = result.summary["final"]
     print(f"test accuracy {100 * final['test_acc']:.2f}% (validation {100 * final['val_acc']:.2f}%) "
           f"in {result.summary['train_time_s']:.1f} s of training")  # fmt: skip
@@ -417,8 +445,13 @@ def _cmd_exits(args: argparse.Namespace) -> int:
     from anytime.wrappers import attach_exits
     from anytime.wrappers.tracing import split_points
 
-    backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
+    from anytime.utils.resources import check_forward_memory, check_input_memory
+
     shape = (args.in_channels, args.image_size, args.image_size)
+    size = f"a {args.image_size}x{args.image_size} input"
+    check_input_memory(shape, 1, what=size, hint="choose a smaller --image-size")
+    backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
+    check_forward_memory(backbone, shape, 1, what=f"{args.model} on {size}", hint="choose a smaller --image-size")
     if args.points:
         chain = split_points(backbone, torch.zeros(1, *shape))
         rows = [{"name": c.name, "shape": list(c.shape), "flops_fraction": c.flops / chain.total_flops,
@@ -555,8 +588,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from anytime.pipeline import plot_run
 
-    for path in plot_run(args.run, profile=args.profile):
+    report = plot_run(args.run, profile=args.profile)
+    for path in report.paths:
         print(path)
+    for reason in report.skipped:
+        print(f"not drawn: {reason}")
     return 0
 
 
@@ -669,7 +705,7 @@ def _cmd_cut(args: argparse.Namespace) -> int:
         if study_only:
             raise AnytimeError(f"{', '.join(study_only)} set the study; the ladder run skips branches from the top and "
                                "is scored on validation and test in full (collect and profile it next)")
-        summary = make_ladder_run(args.run, args.out, device=args.device)
+        summary = make_ladder_run(args.run, args.out, device=args.device, overwrite=args.overwrite)
         print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
         for e in summary["exits"]:
             print(f"step {e['index']:<3} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
@@ -680,7 +716,7 @@ def _cmd_cut(args: argparse.Namespace) -> int:
     study = cut_study(
         args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
         split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device, out=args.out,
-        progress=lambda line: print(line, flush=True),
+        overwrite=args.overwrite, progress=lambda line: print(line, flush=True),
     )  # fmt: skip
     print(f"table  {study.csv}")
     print(f"report {study.json}")
@@ -696,22 +732,61 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }  # fmt: skip
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP: unwinds the stack, so temporary files and staged folders are removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise _Terminated(signum)
+
+
+def _catch_termination() -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of our output went away (``anytime ... | head``): stop without a word, as ``cat`` does."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``anytime`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    previous = _catch_termination()
     try:
-        return HANDLERS[args.command](args)
+        status = HANDLERS[args.command](args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except AnytimeError as exc:
         print(f"anytime {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave that cannot be read or written
-        where = f" ({exc.filename})" if exc.filename else ""
+        from anytime.utils.outputs import user_path
+
+        where = f" ({user_path(exc.filename)})" if exc.filename else ""
         print(f"anytime {args.command}: error: {exc.strerror or exc}{where}; check the path and its permissions",
               file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except _Terminated as exc:
+        print(f"\nstopped by signal {exc.signum}; nothing partial was kept", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

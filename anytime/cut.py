@@ -30,11 +30,12 @@ from anytime.train.runs import WEIGHTS, LoadedRun, load_run
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
-from anytime.utils.results import staged_dir
+from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
 from anytime.wrappers import CUT_KINDS, apply_cuts, residual_blocks
 from anytime.wrappers.batchnorm import recompute_bn_statistics
 from anytime.wrappers.separate import count_flops
 
+CUT_STUDY = "cut study"
 CUT_COLUMNS: tuple[str, ...] = (
     "config", "kind", "scope", "blocks", "blocks_cut", "flops", "flops_ratio", "latency_p50_ms", "latency_p90_ms",
     "latency_ratio", "accuracy", "accuracy_recalibrated", "accuracy_finetuned",
@@ -119,7 +120,7 @@ def cut_configurations(num_blocks: int, kinds: Sequence[str]) -> list[tuple[str,
 def cut_study(
     run_dir: str | Path, *, kinds: Sequence[str] = CUT_KINDS, recalibrate_bn: bool = False, finetune_epochs: int = 0,
     finetune_lr: float = 0.01, split: str = "test", images: int | None = None, recalibration_batches: int = 20,
-    latency_repeats: int = 30, device: str = "cpu", out: str | Path | None = None,
+    latency_repeats: int = 30, device: str = "cpu", out: str | Path | None = None, overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> CutStudy:  # fmt: skip
     """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind; measure each
@@ -129,7 +130,8 @@ def cut_study(
     ``recalibrate_bn`` adds the accuracy after recomputing every batch-norm statistic on
     ``recalibration_batches`` training batches (no augmentation) with the cut in place; ``finetune_epochs``
     adds the accuracy after that many epochs of fine-tuning each configuration (lr ``finetune_lr``).
-    Written to ``OUT/cut.csv``, ``OUT/cut.json`` and plots in ``OUT`` (default ``RUN/cut``).
+    Written to ``OUT/cut.csv``, ``OUT/cut.json`` and plots in ``OUT`` (default ``RUN/cut``), all at once; an
+    earlier study there is replaced only with ``overwrite``.
     """
     for kind in kinds:
         if kind not in CUT_KINDS:
@@ -138,7 +140,9 @@ def cut_study(
         raise AnytimeError("fine-tune epochs must be >= 0, recalibration batches and latency repeats >= 1")
     if split not in ("val", "test"):
         raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    folder = Path(out) if out is not None else Path(run_dir) / "cut"
     run = _plain_run(run_dir, device)
+    check_replaceable(folder, CUT_STUDY, overwrite=overwrite, create_parents=out is None)
     splits = _splits_of(run)
     info = splits.info
     seed = run.config.seed
@@ -182,8 +186,6 @@ def cut_study(
             progress(f"[{index + 1}/{len(configs)}] {name:<16} acc {100 * row['accuracy']:5.1f}%  "
                      f"latency {p50:.2f} ms  FLOPs {100 * row['flops_ratio']:.0f}%")  # fmt: skip
     apply_cuts(model, {})
-    folder = Path(out) if out is not None else Path(run_dir) / "cut"
-    csv_path = write_csv(folder / "cut.csv", rows, CUT_COLUMNS)
     report = {
         "run": str(run_dir), "model": run.config.model, "split": split, "images": len(y_eval),
         "blocks": [name for name, _ in residual_blocks(model)], "kinds": list(kinds),
@@ -194,20 +196,23 @@ def cut_study(
         "machine": describe_machine(), "git_sha": git_sha(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows,
     }  # fmt: skip
-    json_path = write_json(folder / "cut.json", report)
     from anytime.plotting.cut import plot_cut_study
 
-    plots = plot_cut_study({run.config.model: rows}, folder / "cut", title=f"{run.config.model}: {split} accuracy")
-    return CutStudy(rows, csv_path, json_path, plots)
+    with staged_dir(folder, CUT_STUDY, overwrite=overwrite, create_parents=out is None) as work:
+        write_csv(work / "cut.csv", rows, CUT_COLUMNS)
+        write_json(work / "cut.json", report)
+        plots = plot_cut_study({run.config.model: rows}, work / "cut", title=f"{run.config.model}: {split} accuracy")
+    return CutStudy(rows, folder / "cut.csv", folder / "cut.json", [folder / p.name for p in plots])
 
 
-def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu") -> dict[str, Any]:
+def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu", overwrite: bool = False) -> dict[str, Any]:
     """Write ``out``, a run whose model is the cumulative block-drop ladder of the plain ResNet in ``run_dir``
     (step k keeps the first k blocks whole; the same weights), with every step's validation and test
     accuracy in its summary, so that collect, sweep, profile and schedule take it like a trained run."""
     target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise AnytimeError(f"{target} already exists and is not an empty folder; choose another --out for the ladder run")
+    if target.exists() and target.resolve() == Path(run_dir).resolve():
+        raise AnytimeError(f"--out {target} is the run being cut; give the ladder run a folder of its own")
+    check_replaceable(target, RUN, overwrite=overwrite, create_parents=False)
     run = _plain_run(run_dir, device)
     config = run.config.replace(ladder="top-down")
     size = run.dataset.get("image_size") or [32, 32]
@@ -220,7 +225,7 @@ def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu"
     _, val_accs = evaluate_exits(ladder, make_loader(splits.val, splits.info, **loader_kw), run.device)
     _, test_accs = evaluate_exits(ladder, make_loader(splits.test, splits.info, **loader_kw), run.device)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with staged_dir(target) as staged:  # the run appears whole or not at all
+    with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as staged:
         summary = _write_ladder(staged, target, run, config, ladder, val_accs, test_accs, now)
     return summary
 

@@ -33,7 +33,7 @@ from anytime.profile import measure_train_step
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
-from anytime.utils.results import staged_dir
+from anytime.utils.outputs import staged_dir
 
 DEMO_CONFIG = TrainConfig(
     model="resnet20", data="digits", epochs=8, batch_size=64, lr=0.05, schedule="cosine", exits="auto"
@@ -56,12 +56,17 @@ class DemoResult:
     files: list[Path]
 
 
-def run_demo(out_dir: str | Path, *, config: TrainConfig = DEMO_CONFIG, progress: bool = False) -> DemoResult:
-    """Run the demo into ``out_dir``; earlier demo results there are replaced only once the new ones are complete."""
+def run_demo(
+    out_dir: str | Path, *, config: TrainConfig = DEMO_CONFIG, progress: bool = False, overwrite: bool = False,
+    create_parents: bool = True,
+) -> DemoResult:  # fmt: skip
+    """Run the demo into ``out_dir`` (new, empty, or with ``overwrite`` an earlier demo's folder); earlier demo
+    results there are replaced only once the new ones are complete."""
     target = Path(out_dir)
-    with staged_dir(target) as work:
+    with staged_dir(target, "demo", overwrite=overwrite, create_parents=create_parents) as work:
         result = _run(work, config, progress)
-    files = sorted(p for p in target.rglob("*") if p.is_file() and p.suffix in {".png", ".svg", ".csv", ".json"})
+    files = sorted(p for p in target.rglob("*") if p.is_file() and p.suffix in {".png", ".svg", ".csv", ".json"}
+                   and not p.name.startswith("."))  # fmt: skip
     summary, batch_rows, calibration, evaluation, deadlines = result
     return DemoResult(target, summary, batch_rows, calibration, evaluation, deadlines, files)
 

@@ -30,12 +30,14 @@ from anytime.calibrate.sweep import exit_costs
 from anytime.data import DatasetSplits, make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
-from anytime.profile.store import DeviceProfile, device_slug
+from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option
 from anytime.train import load_splits
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, weights_fingerprint
 from anytime.utils.io import read_json, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
+from anytime.utils.outputs import check_output_file, output_lock, staged_files
+from anytime.utils.resources import check_forward_memory
 
 CALIBRATION = "calibration.json"
 CALIBRATION_FORMAT = "anytime-calibration-v1"
@@ -72,15 +74,24 @@ def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_s
     run = load_run(run_dir, device)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; train it with --exits to collect exits' outputs")
-    splits = _splits_of(run)
-    data = getattr(splits, split)
-    loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
-    cache = collect(
-        run.model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
-        meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.config.model, "run": str(run.run_dir)},
-    )  # fmt: skip
-    cache.save(cache_path(run_dir, split))
+    target = check_output_file(cache_path(run_dir, split), what="output cache")
+    check_forward_memory(run.model, _input_shape(run), batch_size, what=f"collecting at batch {batch_size}",
+                         hint="lower --batch-size")  # fmt: skip
+    with output_lock(target):
+        splits = _splits_of(run)
+        data = getattr(splits, split)
+        loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
+        cache = collect(
+            run.model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
+            meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.config.model, "run": str(run.run_dir)},
+        )  # fmt: skip
+        cache.save(target)
     return cache
+
+
+def _input_shape(run: LoadedRun) -> tuple[int, int, int]:
+    size = run.dataset.get("image_size") or [32, 32]
+    return int(run.dataset["in_channels"]), int(size[0]), int(size[1])
 
 
 def _cache(run_dir: str | Path, split: str) -> OutputCache:
@@ -122,6 +133,13 @@ def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000,
     setting, with its Pareto flag) and ``RUN/sweep-SPLIT.json`` (the fronts, the oracle, the exits)."""
     _check_split(split)
     cache = _cache(run_dir, split)
+    csv_target = check_output_file(Path(run_dir) / f"sweep-{split}.csv", what="sweep")
+    check_output_file(Path(run_dir) / f"sweep-{split}.json", what="sweep")
+    with output_lock(csv_target):
+        return _sweep(run_dir, cache, criteria, settings, split)
+
+
+def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], settings: int, split: str) -> SweepReport:
     results = {name: sweep(cache, name, settings=settings) for name in criteria}
     rows = []
     fronts: dict[str, list[dict[str, float]]] = {}
@@ -149,6 +167,18 @@ def calibrate_run(
     if (max_drop is None) == (budget is None):
         raise AnytimeError("give exactly one target: --max-drop POINTS or --budget-flops FRACTION")
     fingerprint = run_fingerprint(run_dir)
+    target = check_output_file(Path(out) if out else Path(run_dir) / CALIBRATION, what="calibration",
+                               format_tag=CALIBRATION_FORMAT, create_parents=out is None, example=CALIBRATION)  # fmt: skip
+    with output_lock(target):
+        report = _calibrate(run_dir, fingerprint, max_drop, budget, criterion, rule, temperature)
+        write_json(target, report)
+    return report
+
+
+def _calibrate(
+    run_dir: str | Path, fingerprint: str, max_drop: float | None, budget: float | None, criterion: str, rule: str,
+    temperature: bool,
+) -> dict[str, Any]:  # fmt: skip
     val = load_cache(run_dir, "val", fingerprint=fingerprint)
     calibration: Calibration
     extra: dict[str, Any] = {}
@@ -175,7 +205,6 @@ def calibrate_run(
         "oracle": {"validation": _oracle_dict(val), "test": None if test is None else _oracle_dict(test)},
         "steps": _steps_table({"val": val, "test": test}), **extra,
     }  # fmt: skip
-    write_json(Path(out) if out else Path(run_dir) / CALIBRATION, report)
     return report
 
 
@@ -230,6 +259,15 @@ def evaluate_run(
     )
     num_classes = int(run.dataset["num_classes"])
     policy.check(run.num_steps, num_classes)
+    target = check_output_file(Path(run_dir) / f"evaluation-{split}.json", what="evaluation")
+    with output_lock(target):
+        report = _evaluate(run, policy, split, latency_samples, batch_size)
+        write_json(target, report)
+    return report
+
+
+def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: int, batch_size: int) -> dict[str, Any]:
+    run_dir = run.run_dir
     splits = _splits_of(run)
     data = getattr(splits, split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
@@ -268,7 +306,6 @@ def evaluate_run(
     report["device"] = device_label(run.device)
     report["torch_threads"] = torch.get_num_threads()
     report["git_sha"] = git_sha()
-    write_json(Path(run_dir) / f"evaluation-{split}.json", report)
     return report
 
 
@@ -286,58 +323,87 @@ def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor) -> dict[s
             "speedup": plain["mean_ms"] / early["mean_ms"] if early["mean_ms"] > 0 else math.nan}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PlotReport:
+    """The figures ``plot_run`` wrote, and each section it could not draw with the reason."""
+
+    paths: list[Path]
+    skipped: list[str]
+
+
 def plot_run(
     run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None
-) -> list[Path]:
+) -> PlotReport:
     """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
     every exit alone), accuracy vs threshold, the calibrated exit histogram, per-exit accuracy by epoch, and,
-    once the run is profiled, accuracy vs deadline and the latency distributions."""
+    once the run is profiled, accuracy vs deadline and the latency distributions.
+
+    Everything that can refuse (the caches, the calibration, the profile) is read before any figure is drawn,
+    and the figures replace the old ones all together or not at all. A section that cannot be drawn is named
+    in ``skipped`` with the reason (by the rule ``schedule`` follows for profiles); a ``profile`` given
+    explicitly must be usable.
+    """
     from anytime.calibrate import CRITERIA
-    from anytime.plotting import (
-        plot_exit_accuracy_epochs,
-        plot_exit_histogram,
-        plot_exit_pareto,
-        plot_threshold_curves,
-    )
     from anytime.train import read_metrics
 
     val = _cache(run_dir, "val")
-    names = list(criteria or CRITERIA)
-    results = {name: sweep(val, name, settings=settings) for name in names}
     folder = Path(run_dir) / "plots"
-    title = Path(run_dir).name
-    paths = plot_exit_pareto(results, val, oracle(val), folder / "pareto", title)
-    paths += plot_threshold_curves(results, folder / "threshold", title)
+    check_output_file(folder / "pareto.png", what="figure")
+    skipped: list[str] = []
+    report = None
     calibration = Path(run_dir) / CALIBRATION
     if calibration.is_file():
         _, report = load_calibration(calibration, fingerprint=val.model_fingerprint, num_steps=val.num_steps)
-        paths += plot_exit_histogram(report, list(val.step_names), folder / "exit_histogram", title)
-    rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.csv").is_file() else []  # a ladder run trained nothing
-    if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
-        paths += plot_exit_accuracy_epochs(rows, list(val.step_names), folder / "exit_accuracy", title)
+    else:
+        skipped.append(f"exit histogram: no {CALIBRATION} in {run_dir}; run `anytime calibrate {run_dir} --max-drop 1`")
+    rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.csv").is_file() else []
+    if not (rows and any(key.startswith("val_acc_exit") for key in rows[0])):
+        skipped.append(f"accuracy by epoch: {run_dir} has no per-exit training metrics (a run made without training)")
+    scheduler = None
     if profile is not None:
-        paths += _plot_deadlines(run_dir, profile, folder, title)
-    elif any(Path(run_dir).glob("profile-*.json")):
-        try:  # the run's own profile, if there is exactly one and it is of these weights
-            paths += _plot_deadlines(run_dir, None, folder, title)
-        except AnytimeError:
-            pass
-    return paths
+        scheduler, _ = scheduler_for_run(run_dir, profile)
+    else:
+        try:
+            scheduler, _ = scheduler_for_run(run_dir, None)
+        except AnytimeError as exc:
+            skipped.append(f"deadline plots: {exc}")
+    results = {name: sweep(val, name, settings=settings) for name in list(criteria or CRITERIA)}
+    with output_lock(folder), staged_files(folder) as work:
+        names = _draw_run(Path(run_dir).name, work, val, results, report, rows, scheduler)
+    return PlotReport([folder / name for name in names], skipped)
 
 
-def _plot_deadlines(run_dir: str | Path, profile: str | Path | None, folder: Path, title: str) -> list[Path]:
-    from anytime.plotting import plot_deadline_accuracy, plot_latency_distributions
+def _draw_run(
+    title: str, work: Path, val: OutputCache, results: dict[str, SweepResult], report: dict[str, Any] | None,
+    rows: list[dict[str, str]], scheduler: DeadlineScheduler | None,
+) -> list[str]:  # fmt: skip
+    from anytime.plotting import (
+        plot_deadline_accuracy,
+        plot_exit_accuracy_epochs,
+        plot_exit_histogram,
+        plot_exit_pareto,
+        plot_latency_distributions,
+        plot_threshold_curves,
+    )
 
-    scheduler, _ = scheduler_for_run(run_dir, profile)
-    quantile = scheduler.profile.highest_quantile()
-    batch = min(scheduler.profile.batch_sizes)
-    paths = plot_deadline_accuracy(scheduler, folder / "deadline_accuracy", title, quantile=quantile, batch_size=batch)
-    return paths + plot_latency_distributions(scheduler.profile, folder / "latency", title, batch_size=batch)
+    paths = plot_exit_pareto(results, val, oracle(val), work / "pareto", title)
+    paths += plot_threshold_curves(results, work / "threshold", title)
+    if report is not None:
+        paths += plot_exit_histogram(report, list(val.step_names), work / "exit_histogram", title)
+    if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
+        paths += plot_exit_accuracy_epochs(rows, list(val.step_names), work / "exit_accuracy", title)
+    if scheduler is not None:
+        quantile = scheduler.profile.highest_quantile()
+        batch = min(scheduler.profile.batch_sizes)
+        paths += plot_deadline_accuracy(scheduler, work / "deadline_accuracy", title, quantile=quantile, batch_size=batch)
+        paths += plot_latency_distributions(scheduler.profile, work / "latency", title, batch_size=batch)
+    return [p.name for p in paths]
 
 
-def default_profile_path(run_dir: str | Path, profile: DeviceProfile) -> Path:
-    """Where ``anytime profile`` writes by default: ``RUN/profile-<device>.json``."""
-    return Path(run_dir) / f"profile-{device_slug(profile.device)}.json"
+def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
+    """Where ``anytime profile`` writes by default: ``RUN/profile-<device>.json``, named as the profile names
+    the device."""
+    return Path(run_dir) / f"profile-{device_slug({'type': device.type, 'label': device_label(device)})}.json"
 
 
 def profile_run(
@@ -352,8 +418,13 @@ def profile_run(
     from anytime.profile.memory import inference_memory
 
     run = load_run(run_dir, device)
-    size = run.dataset.get("image_size") or [32, 32]
-    shape = (int(run.dataset["in_channels"]), int(size[0]), int(size[1]))
+    shape = _input_shape(run)
+    sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
+    target = check_output_file(Path(out) if out else default_profile_path(run_dir, run.device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
+                               example="profile.json")  # fmt: skip
+    largest = max(sizes)
+    check_forward_memory(run.model, shape, largest, training=train, what=f"profiling at batch {largest}",
+                         hint="profile smaller --batch-sizes, e.g. 1,8,16,32")  # fmt: skip
 
     def probe(sizes: list[int]) -> dict[int, dict[str, Any]]:
         threads = torch.get_num_threads()
@@ -362,13 +433,15 @@ def profile_run(
         except RuntimeError as exc:
             raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
 
-    profile = profile_model(
-        run.model, shape, batch_sizes=batch_sizes or DEFAULT_BATCH_SIZES, repeats=repeats, warmup=warmup,
-        device=run.device, model_name=run.config.model, fingerprint=run.fingerprint,
-        num_classes=int(run.dataset["num_classes"]), train=train, memory=probe if memory else None,
-    )  # fmt: skip
-    path = profile.save(Path(out) if out else default_profile_path(run_dir, profile))
+    with output_lock(target):
+        profile = profile_model(
+            run.model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=run.device,
+            model_name=run.config.model, fingerprint=run.fingerprint, num_classes=int(run.dataset["num_classes"]),
+            train=train, memory=probe if memory else None,
+        )  # fmt: skip
+        path = profile.save(target)
     return profile, path
+
 
 
 def find_profile(run_dir: str | Path, profile: str | Path | None = None) -> Path:

@@ -4,15 +4,15 @@ The edge-training characterisation: for each model and batch size, train on one 
 batch (synthetic 3x32x32 tensors when the images are absent), discard warm-up iterations, and time
 the rest. The first (cold) iteration is reported apart from the steady-state median.
 
-Run: `anytime experiment batch-time [--quick] [--out DIR]` (full: about 10 minutes on 2 CPU cores).
-Writes: results.csv, results.json, config.json and one bar plot per model (PNG + SVG).
+Run: `anytime experiment batch-time [--quick] [--out DIR] [--overwrite] [--drop-caches]` (full: about 10 minutes
+on 2 CPU cores). The page cache is dropped first only with --drop-caches (root; it affects the whole machine).
+Writes: results.csv, results.json, config.json (which says whether the cache was dropped) and one bar plot per
+model (PNG + SVG).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import torch
 
@@ -22,8 +22,9 @@ from anytime.errors import AnytimeError
 from anytime.plotting import plot_batch_time
 from anytime.profile import measure_train_step
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.machine import device_label, drop_page_cache, resolve_device
-from anytime.utils.results import staged_dir, write_study_config
+from anytime.utils.machine import device_label, resolve_device
+from anytime.utils.outputs import staged_dir
+from anytime.utils.results import page_cache_note, study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
 MODELS = ("lenet", "resnet18", "preact_resnet18", "resnext29_2x64d", "mobilenetv2", "vgg11")
@@ -38,10 +39,8 @@ QUICK = {"BATCH_SIZES": (8, 16), "WARMUP": 1, "REPEATS": 3}  # minutes, not tens
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="anytime experiment batch-time", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="results/batch-time")
-    args = parser.parse_args(argv)
+    args = study_parser("batch-time", __doc__.splitlines()[0], drops_caches=True).parse_args(argv)
+    out_dir, create_parents = study_output(args, "batch-time")
     batch_sizes, warmup, repeats = BATCH_SIZES, WARMUP, REPEATS
     if args.quick:
         batch_sizes, warmup, repeats = QUICK["BATCH_SIZES"], QUICK["WARMUP"], QUICK["REPEATS"]
@@ -60,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     images, labels = next(iter(loader))
     images, labels = images.to(device), labels.to(device)
 
-    dropped, cache_note = drop_page_cache()
+    cache_note = page_cache_note(args)
     rows = []
-    with staged_dir(args.out) as out:
+    with staged_dir(out_dir, "batch-time study", overwrite=args.overwrite, create_parents=create_parents) as out:
         for model_name in MODELS:
             model_rows = []
             for batch_size in batch_sizes:
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             data_path=data_path,
             notes=[cache_note, "times are medians of the timed iterations; first_iteration_s is the cold start"],
         )
-    print(f"results in {Path(args.out)}/ (page cache {'dropped' if dropped else 'not dropped'})")
+    print(f"results in {out_dir}/ ({cache_note})")
     return 0
 
 

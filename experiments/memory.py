@@ -6,13 +6,13 @@ workers, through our uint8-cache pipeline and through torchvision's ImageFolder 
 the memory of the whole process tree: RSS summed over processes (counts copy-on-write pages once
 per worker) and PSS (shares them out; the honest total on a small-memory device).
 
-Run: `anytime experiment memory [--quick] [--out DIR]` (full: about 10 minutes on 2 CPU cores).
+Run: `anytime experiment memory [--quick] [--out DIR] [--overwrite] [--drop-caches]` (full: about 10 minutes on 2
+CPU cores). The page cache is dropped before each loader probe only with --drop-caches (root; machine-wide).
 Writes: by_batch_size.csv, by_workers.csv, results.json, config.json and memory.png / .svg.
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
@@ -24,8 +24,9 @@ from anytime.plotting import plot_memory
 from anytime.profile import run_isolated
 from anytime.profile.memory import loader_memory, train_step_memory
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.machine import cpu_model, drop_page_cache
-from anytime.utils.results import staged_dir, write_study_config
+from anytime.utils.machine import cpu_model
+from anytime.utils.outputs import staged_dir
+from anytime.utils.results import page_cache_note, study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
 MODELS = ("lenet", "resnet18", "mobilenetv2", "vgg11")
@@ -51,10 +52,8 @@ def _generated_folder(root: Path, per_class: int = 100) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="anytime experiment memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="results/memory")
-    args = parser.parse_args(argv)
+    args = study_parser("memory", __doc__.splitlines()[0], drops_caches=True).parse_args(argv)
+    out_dir, create_parents = study_output(args, "memory")
     models, batch_sizes, loader_batches = MODELS, BATCH_SIZES, LOADER_BATCHES
     if args.quick:
         models, batch_sizes, loader_batches = QUICK["MODELS"], QUICK["BATCH_SIZES"], QUICK["LOADER_BATCHES"]
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         by_workers = []
         for pipeline in ("anytime", "torchvision"):
             for workers in WORKERS:
-                dropped, cache_note = drop_page_cache()
+                cache_note = page_cache_note(args)
                 row = run_isolated(loader_memory, pipeline, str(root), workers=workers, batches=loader_batches,
                                    cache_dir=str(cache_dir))  # fmt: skip
                 by_workers.append(row)
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['images_per_s']:7.0f} images/s")  # fmt: skip
         notes.append(cache_note)
 
-    with staged_dir(args.out) as out:
+    with staged_dir(out_dir, "memory study", overwrite=args.overwrite, create_parents=create_parents) as out:
         flat = [row for rows in by_batch.values() for row in rows]
         write_csv(out / "by_batch_size.csv", flat)
         write_csv(out / "by_workers.csv", by_workers)
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             data_path=root if root.exists() else None,
             notes=notes,
         )
-    print(f"results in {Path(args.out)}/")
+    print(f"results in {out_dir}/")
     return 0
 
 

@@ -15,14 +15,13 @@ from the widest slice) and the block-drop ladder of the plain and the stochastic
 own). Each run is profiled on this machine (batch 1) and every step's test accuracy is plotted against its
 mean latency.
 
-Run: `anytime experiment residual-cutting [--quick] [--out DIR]` (full: about 80 minutes of training and 20 of
+Run: `anytime experiment residual-cutting [--quick] [--out DIR] [--overwrite]` (full: about 80 minutes of training and 20 of
 measurement on 2 CPU cores, reusing finished runs in runs/study; --quick trains on 1,000 images for one epoch).
 Writes: cut-<run>.csv, families.csv, results.json, config.json, cut.png/.svg, families.png/.svg.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,14 @@ from typing import Any
 from anytime.compare import StepPoint, matched_table, step_points
 from anytime.cut import cut_study, make_ladder_run
 from anytime.data import load_dataset
+from anytime.errors import AnytimeError
 from anytime.pipeline import profile_run
 from anytime.plotting.cut import plot_cut_study, plot_step_families
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import device_label, resolve_device
-from anytime.utils.results import staged_dir, write_study_config
+from anytime.utils.outputs import staged_dir
+from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
 LIMIT_TRAIN = 20_000  # training images (of the 45,000 left after 5,000 are held out for validation)
@@ -80,7 +81,7 @@ def ensure_run(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
         differing = [k for k in wanted if k not in TrainConfig.RUNTIME_FIELDS and saved.get(k) != wanted[k]]
         if not differing:
             return json.loads(summary_path.read_text())
-        raise SystemExit(f"{run_dir} was trained with other settings ({', '.join(differing)}); move it away first")
+        raise AnytimeError(f"{run_dir} was trained with other settings ({', '.join(differing)}); move it away first")
     return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file())
 
 
@@ -107,10 +108,8 @@ def budgets(points: dict[str, list[StepPoint]], count: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="anytime experiment residual-cutting", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="results/residual-cutting")
-    args = parser.parse_args(argv)
+    args = study_parser("residual-cutting", __doc__.splitlines()[0]).parse_args(argv)
+    out_dir, create_parents = study_output(args, "residual-cutting")
     hyper = {k: QUICK.get(k, v) if args.quick else v for k, v in {
         "LIMIT_TRAIN": LIMIT_TRAIN, "EPOCHS": EPOCHS, "EVAL_IMAGES": EVAL_IMAGES,
         "CUT_LATENCY_REPEATS": CUT_LATENCY_REPEATS, "PROFILE_REPEATS": PROFILE_REPEATS, "RUNS": RUNS}.items()}  # fmt: skip
@@ -124,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<26} test {100 * summaries[name]['final']['test_acc']:.2f}%  "
               f"({summaries[name]['train_time_s'] / 60:.1f} min of training)", flush=True)  # fmt: skip
 
-    with staged_dir(args.out) as out:
+    with staged_dir(out_dir, "residual-cutting study", overwrite=args.overwrite, create_parents=create_parents) as out:
         # 2. The cutting study on the plain and the stochastic-depth nets.
         studies: dict[str, list[dict[str, Any]]] = {}
+        (out / "cut").mkdir()
         for model, design in CUT_MODELS.items():
             for name in (model, f"{model}-sd"):
                 study = cut_study(runs / name, recalibrate_bn=RECALIBRATE_BN, images=hyper["EVAL_IMAGES"],
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                            "seed": SEED, "stochastic_depth": STOCHASTIC_DEPTH, "exits": EXITS, "slices": SLICES,
                            "recalibrate_bn": RECALIBRATE_BN, "recalibration_batches": RECALIBRATION_BATCHES,
                            "quick": args.quick}, data_path=splits.info.source)  # fmt: skip
-    print(f"results in {Path(args.out)}/")
+    print(f"results in {out_dir}/")
     return 0
 
 

@@ -4,22 +4,21 @@ Each model is trained with the trainer (SGD, cosine schedule) on the real CIFAR-
 validation split (carved from the training images, never trained on) is scored after every epoch.
 Epoch 0 (start-up costs) and the steady-state epochs are reported apart.
 
-Run: `anytime experiment time-accuracy [--quick] [--out DIR]`
+Run: `anytime experiment time-accuracy [--quick] [--out DIR] [--overwrite] [--drop-caches]`
 (full: about an hour on 2 CPU cores; --quick trains on 2,000 images for 2 epochs, a few minutes).
 Writes: curves.csv, results.json, config.json, time_accuracy.png / .svg and each model's run folder.
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 from anytime.data import load_dataset
 from anytime.plotting import plot_time_accuracy
 from anytime.train import TrainConfig, Trainer, read_metrics
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.machine import device_label, drop_page_cache, resolve_device
-from anytime.utils.results import staged_dir, write_study_config
+from anytime.utils.machine import device_label, resolve_device
+from anytime.utils.outputs import staged_dir
+from anytime.utils.results import page_cache_note, study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
 MODELS = {"lenet": 20, "resnet20": 15, "resnet32": 10}  # model -> epochs
@@ -32,19 +31,17 @@ QUICK = {"MODELS": {"lenet": 2, "resnet20": 2}, "LIMIT_TRAIN": 2000}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="anytime experiment time-accuracy", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="results/time-accuracy")
-    args = parser.parse_args(argv)
+    args = study_parser("time-accuracy", __doc__.splitlines()[0], drops_caches=True).parse_args(argv)
+    out_dir, create_parents = study_output(args, "time-accuracy")
     models, limit = (QUICK["MODELS"], QUICK["LIMIT_TRAIN"]) if args.quick else (MODELS, LIMIT_TRAIN)
 
     # Dropped before the images are read from disk, the only cold read of the study.
-    _, cache_note = drop_page_cache()
+    cache_note = page_cache_note(args)
     splits = load_dataset("cifar10", seed=SEED, limit_train=limit)  # a clear error when the images are absent
     notes = [cache_note]
     curves: dict[str, list[dict]] = {}
     summaries = {}
-    with staged_dir(args.out) as out:
+    with staged_dir(out_dir, "time-accuracy study", overwrite=args.overwrite, create_parents=create_parents) as out:
         for model, epochs in models.items():
             config = TrainConfig(model=model, data="cifar10", epochs=epochs, batch_size=BATCH_SIZE, lr=LR, seed=SEED,
                                  limit_train=limit)  # fmt: skip
@@ -69,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             data_path=splits.info.source,
             notes=notes,
         )
-    print(f"results in {Path(args.out)}/")
+    print(f"results in {out_dir}/")
     return 0
 
 

@@ -176,7 +176,7 @@ def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_p
     cli_error(["cut", str(exit_run)], "anytime model")
     cli_error(["cut", str(plain_run), "--ladder"], "--out")
     cli_error(["cut", str(plain_run), "--ladder", "--out", str(tmp_path / "l"), "--recalibrate-bn"], "study")
-    cli_error(["cut", str(plain_run), "--ladder", "--out", str(plain_run)], "not an empty folder")
+    cli_error(["cut", str(plain_run), "--ladder", "--out", str(plain_run)], "is the run being cut")
     cli_error(["cut", str(plain_run), "--ladder", "--out", str(tmp_path / "l"), "--kind", "branch"], "--kind")
     cli_error(["cut", str(tmp_path / "nothing")], "no run directory")
 

@@ -151,10 +151,12 @@ def test_evaluate_reports_accuracy_agreement_and_latency(collected):
 
 def test_plots(collected):
     calibrate_run(collected, max_drop=1.0)
-    paths = plot_run(collected)
-    names = {p.name for p in paths}
+    report = plot_run(collected)
+    names = {p.name for p in report.paths}
     assert {"pareto.png", "pareto.svg", "threshold.png", "exit_histogram.png", "exit_accuracy.png"} <= names
-    assert all(p.stat().st_size > 1000 for p in paths)
+    assert all(p.stat().st_size > 1000 for p in report.paths)
+    assert report.skipped == [f"deadline plots: {collected} has no device profile; measure one with "
+                              f"`anytime profile {collected}`"]
 
 
 def test_the_cli_pipeline(collected, capsys, tmp_path):

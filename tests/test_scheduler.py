@@ -441,5 +441,5 @@ def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
 def test_deadline_plots(profiled):
     from anytime.pipeline import plot_run
 
-    names = {p.name for p in plot_run(profiled)}
+    names = {p.name for p in plot_run(profiled).paths}
     assert {"deadline_accuracy.png", "latency.png"} <= names

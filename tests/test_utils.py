@@ -13,7 +13,8 @@ import pytest
 from anytime.train.memory import TreeMemorySampler, peak_rss_bytes, tree_memory
 from anytime.utils.io import write_json, write_text
 from anytime.utils.machine import describe_machine, git_sha, resolve_device, storage_of
-from anytime.utils.results import staged_dir
+from anytime.errors import AnytimeError
+from anytime.utils.outputs import staged_dir
 from anytime.utils.seed import derive_seed
 
 
@@ -31,7 +32,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_debris(tmp_path, monkeypatch)
         raise HalfWritten("disk full")  # the new bytes are on disk in the temporary file, not yet renamed
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
-    with pytest.raises(HalfWritten):
+    with pytest.raises(AnytimeError, match=f"could not write {path} "):
         write_json(path, {"a": 1})
     monkeypatch.undo()
     assert path.read_text() == "old"
@@ -49,15 +50,15 @@ def _umask() -> int:
 
 def test_staged_dir_keeps_old_results_when_a_run_fails(tmp_path):
     target = tmp_path / "results"
-    with staged_dir(target) as work:
+    with staged_dir(target, "study") as work:
         (work / "a.csv").write_text("first")
-    with pytest.raises(RuntimeError), staged_dir(target) as work:
+    with pytest.raises(RuntimeError), staged_dir(target, "study", overwrite=True) as work:
         (work / "a.csv").write_text("half")
         raise RuntimeError("interrupted")
     assert (target / "a.csv").read_text() == "first"
-    with staged_dir(target) as work:
+    with staged_dir(target, "study", overwrite=True) as work:
         (work / "b.csv").write_text("second")
-    assert sorted(p.name for p in target.iterdir()) == ["b.csv"]
+    assert sorted(p.name for p in target.iterdir()) == [".anytime.json", "b.csv"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
 
 

@@ -7,6 +7,7 @@ turns a split into batches of normalised float images (augmented for training).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,14 +26,18 @@ from anytime.data.base import (
 )
 from anytime.data.cifar10 import load_cifar10
 from anytime.data.digits import load_digits_raw
-from anytime.data.imagefolder import cache_path_for, load_folder
+from anytime.data.imagefolder import cache_path_for, load_folder, scan_folder
 from anytime.data.loader import BatchLoader, make_loader
-from anytime.data.synthetic import load_synthetic_raw
+from anytime.data.synthetic import SYNTHETIC_TEST, SYNTHETIC_TRAIN, load_synthetic_raw
 from anytime.errors import AnytimeError
+from anytime.utils.resources import check_memory
 from anytime.utils.seed import derive_seed
 
 DATASETS: tuple[str, ...] = ("digits", "cifar10", "folder", "synthetic")
 DIGITS_TEST_FRACTION = 0.2
+DIGITS_COUNT = 1797  # scikit-learn's bundled handwritten digits
+CIFAR10_COUNT = 60_000
+_RESIZE_CHUNK = 4096  # images resized at once (float32)
 
 __all__ = [
     "DATASETS",
@@ -52,11 +57,33 @@ __all__ = [
 def _resize(images: np.ndarray, size: int) -> np.ndarray:
     """Bilinear (antialiased) resize of uint8 [N,C,H,W] to ``size`` x ``size``, in chunks to bound memory."""
     out = np.empty((images.shape[0], images.shape[1], size, size), dtype=np.uint8)
-    for start in range(0, images.shape[0], 4096):
-        chunk = torch.from_numpy(images[start : start + 4096]).float()
+    for start in range(0, images.shape[0], _RESIZE_CHUNK):
+        chunk = torch.from_numpy(images[start : start + _RESIZE_CHUNK]).float()
         resized = F.interpolate(chunk, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-        out[start : start + 4096] = resized.round_().clamp_(0, 255).to(torch.uint8).numpy()
+        out[start : start + _RESIZE_CHUNK] = resized.round_().clamp_(0, 255).to(torch.uint8).numpy()
     return out
+
+
+def _check_image_memory(name: str, root: str | os.PathLike[str] | None, image_size: int) -> None:
+    """Refuse an image size whose decoded dataset cannot fit in memory, before any image is decoded: the uint8
+    arrays (source, resized, splits) and the float chunks of the resize, or the float arrays a generated
+    dataset is drawn in."""
+    float_bytes = {"digits": 4, "synthetic": 16}.get(name, 0)  # whole-dataset float arrays while generating
+    channels = 1 if name == "digits" else 3
+    if name == "digits":
+        count = DIGITS_COUNT
+    elif name == "synthetic":
+        count = SYNTHETIC_TRAIN + SYNTHETIC_TEST
+    elif name == "cifar10":
+        count = CIFAR10_COUNT
+    elif root is not None and Path(root).is_dir():
+        scan = scan_folder(root)
+        count = len(scan.train) + len(scan.test)
+    else:
+        return  # the loader says what is missing
+    pixels = channels * image_size * image_size
+    need = count * pixels * (3 + float_bytes) + min(count, _RESIZE_CHUNK) * pixels * 8
+    check_memory(need, f"{count:,} {name} images at {image_size}x{image_size}", "choose a smaller --image-size")
 
 
 def _load_raw(
@@ -105,6 +132,8 @@ def load_dataset(
         raise AnytimeError(f"image_size must be a positive number of pixels, got {image_size}")
     if limit_train is not None and limit_train < 1:
         raise AnytimeError(f"limit_train must be >= 1, got {limit_train}")
+    if image_size is not None:
+        _check_image_memory(name, root, image_size)
     raw = _load_raw(name, root, seed=seed, cache_dir=cache_dir, image_size=image_size)
     train_x, train_y = raw.train_images, raw.train_labels
     test_x, test_y = raw.test_images, raw.test_labels

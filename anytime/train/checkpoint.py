@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,21 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = torch.load(target, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
-        raise AnytimeError(
-            f"{target} is not a safe anytime checkpoint ({first}); only weights-only files are loaded"
-        ) from None
+        raise AnytimeError(payload_refusal(target, exc)) from None
     except Exception as exc:  # noqa: BLE001  a corrupt file can fail anywhere inside the unpickler
         raise AnytimeError(f"{target} is not a readable checkpoint ({type(exc).__name__}); is it truncated?") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise AnytimeError(f"{target} is a torch file but not an anytime checkpoint (no '{CHECKPOINT_FORMAT}' tag)")
     return state
+
+
+def payload_refusal(path: Path, exc: BaseException) -> str:
+    """The refusal of a torch file that holds more than tensors. PyTorch's own message suggests
+    ``weights_only=False``; for a file from an unknown source that is exactly what must not be done."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    what = f" (it calls {found.group(1)})" if found else ""
+    return (f"{path} holds code, not only weights{what}, so it was not loaded; do not load it with "
+            "weights_only=False unless you trust its source: that would run the code")
 
 
 def save_weights(model: nn.Module, path: str | os.PathLike[str]) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from anytime.train.config import TrainConfig
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    from anytime.train.checkpoint import read_weights
+    from anytime.train.checkpoint import payload_refusal, read_weights
 
     if path.is_dir():
         if (path / "model.safetensors").is_file():
@@ -32,7 +33,9 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
             raise AnytimeError(f"--init: {exc}") from None
     try:  # not an anytime checkpoint: a plain state dict (torch.save(model.state_dict()), torchvision's files)
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001  any unreadable or unsafe file gets the same answer
+    except pickle.UnpicklingError as exc:
+        raise AnytimeError(f"--init: {payload_refusal(path, exc)}") from None
+    except Exception:  # noqa: BLE001  any unreadable file gets the same answer
         raise AnytimeError(f"--init {path} is not a checkpoint or a state dict that loads weights-only") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]

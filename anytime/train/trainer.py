@@ -22,8 +22,19 @@ from anytime.train.config import TrainConfig
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.timing import PHASES, Clock, PhaseLog
-from anytime.utils.io import read_csv, write_csv, write_json
+from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
+from anytime.utils.outputs import (
+    MARKER,
+    RUN,
+    RUN_ENTRIES,
+    DirState,
+    check_output_dir,
+    clear_run,
+    output_lock,
+    write_marker,
+)
+from anytime.utils.resources import check_disk, check_forward_memory, model_bytes
 from anytime.utils.seed import derive_seed, seed_everything
 
 CHECKPOINT = "checkpoint.pt"
@@ -113,26 +124,94 @@ class Trainer:
         on_epoch_end: Callable[[EpochEnd], None] | None = None,
         on_start: Callable[[str], None] | None = None,
         extra_config: dict[str, Any] | None = None,
+        create_parents: bool = True,
     ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
+        self.create_parents = create_parents
         self.progress = progress
         self.on_epoch_end = on_epoch_end
         self.on_start = on_start
         self.extra_config = dict(extra_config or {})
 
-    def fit(self, *, resume: bool = False, splits: DatasetSplits | None = None) -> dict[str, Any]:
-        """Train (or continue training) and return the summary that is also written to ``summary.json``."""
+    def fit(
+        self, *, resume: bool = False, extend: bool = False, overwrite: bool = False, splits: DatasetSplits | None = None
+    ) -> dict[str, Any]:
+        """Train (or continue training) and return the summary that is also written to ``summary.json``.
+
+        The run folder must be new, empty, or (with ``overwrite``) an earlier run, whose files alone are
+        replaced. ``resume`` continues an interrupted run exactly; ``extend`` continues a run to the larger
+        ``epochs`` of this recipe, with the learning-rate schedule recomputed for the new length (recorded in
+        the run's ``config.json`` and summary). A run folder is written by one process at a time.
+        """
+        if (resume or extend) and overwrite:
+            raise AnytimeError("--overwrite starts the run again; it does not go with --resume or --extend")
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise AnytimeError(f"--out {self.run_dir} is a file, not a folder; give a new folder name for the run")
+        if not (resume or extend):
+            check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
+        elif not (self.run_dir / CHECKPOINT).is_file():
+            verb = "extend" if extend else "resume"
+            raise AnytimeError(f"no run to {verb} at {self.run_dir} (no {CHECKPOINT}); train one with `anytime train --out {self.run_dir}`")
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with output_lock(self.run_dir):
+            fresh = not (resume or extend)
+            created = fresh and self._claim(overwrite)
+            try:
+                return self._fit(resume or extend, extend, splits)
+            except DiskFullError as exc:
+                if not (self.run_dir / CHECKPOINT).is_file():
+                    raise
+                raise DiskFullError(
+                    f"{exc}; the last complete epoch is kept: continue with `anytime train --out {self.run_dir} --resume`"
+                ) from None
+            except BaseException:
+                if fresh and not (self.run_dir / CHECKPOINT).is_file():
+                    self._remove_unstarted(created)
+                raise
+
+    def _claim(self, overwrite: bool) -> bool:
+        """Check the run folder again under the lock; clear an earlier run if allowed. True if we create it."""
+        state = check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
+        if state is DirState.OURS:
+            if not overwrite:
+                raise AnytimeError(
+                    f"{self.run_dir} already holds a run; continue it with --resume, train it longer with --extend "
+                    "--epochs N, replace it with --overwrite, or choose another --out"
+                )
+            clear_run(self.run_dir)
+        self.run_dir.mkdir(exist_ok=True)
+        write_marker(self.run_dir, RUN, RUN_ENTRIES)
+        return state is DirState.NEW
+
+    def _remove_unstarted(self, created: bool) -> None:
+        """A run that failed before its first checkpoint leaves nothing behind (the user's empty folder stays)."""
+        if not self.run_dir.is_dir():
+            return
+        clear_run(self.run_dir)
+        (self.run_dir / MARKER).unlink(missing_ok=True)
+        if created and not any(self.run_dir.iterdir()):
+            self.run_dir.rmdir()
+
+    def _fit(self, resume: bool, extend: bool, splits: DatasetSplits | None) -> dict[str, Any]:
         cfg = self.config
         checkpoint_path = self.run_dir / CHECKPOINT
         state: dict[str, Any] | None = None
+        extensions: list[dict[str, Any]] = []
         if resume:
             state = load_checkpoint(checkpoint_path)
-            self._check_same_recipe(state["config"])
-        elif checkpoint_path.exists():
-            raise AnytimeError(
-                f"{self.run_dir} already holds a run; continue it with --resume or choose another --out"
-            )
+            self._check_same_recipe(state["config"], extend=extend)
+            extensions = list(state.get("extensions", []))
+            before = TrainConfig.from_dict(state["config"]).epochs
+            done = int(state["epoch"]) + 1
+            if extend and (cfg.epochs < before or (cfg.epochs == before and done >= before)):
+                raise AnytimeError(
+                    f"--extend trains {self.run_dir} longer: --epochs must be more than its {before} (got {cfg.epochs})"
+                )
+            extend = extend and cfg.epochs > before  # an interrupted extension goes on like a resume
+            if extend:
+                extensions.append({"from_epochs": before, "to_epochs": cfg.epochs, "at_epoch": int(state["epoch"]) + 1,
+                                   "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})  # fmt: skip
         device = resolve_device(cfg.device)
         if splits is None:
             splits = load_splits(cfg)
@@ -142,6 +221,7 @@ class Trainer:
             cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
             load_init=state is None,  # a resumed run takes every weight from its checkpoint
         ).to(device)
+        self._check_resources(model, info.in_channels, info.image_size)
         optimizer = torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
         )
@@ -160,8 +240,12 @@ class Trainer:
             scheduler.load_state_dict(state["scheduler"])
             history = list(state["history"])
             start_epoch = int(state["epoch"]) + 1
+            if extend:  # the schedule of the new length, from the epoch the run goes on at
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr * lr_factor(cfg, start_epoch)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None)
+        self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
+                           extensions=extensions)  # fmt: skip
 
         loader_kw = {"seed": cfg.seed, "workers": cfg.workers, "prefetch_factor": cfg.prefetch_factor,
                      "pin_memory": cfg.pin_memory and device.type == "cuda"}  # fmt: skip
@@ -183,7 +267,7 @@ class Trainer:
                 {
                     "epoch": epoch, "config": cfg.to_dict(), "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
-                    "dataset": info.to_dict(),
+                    "dataset": info.to_dict(), "extensions": extensions,
                 },
             )  # fmt: skip
             self._write_tables(history)
@@ -194,6 +278,8 @@ class Trainer:
         test_loss, test_accs = evaluate_exits(model, test_loader, device)
         save_weights(model, self.run_dir / "model.safetensors")
         summary = self._summary(history, model, device, test_loss, test_accs, info.to_dict())
+        if extensions:
+            summary["extended"] = extensions
         write_json(self.run_dir / "summary.json", summary)
         return summary
 
@@ -291,21 +377,37 @@ class Trainer:
                   "batch": [float(b) for b in log.batch]}  # fmt: skip
         return record, phases
 
-    def _check_same_recipe(self, saved: dict[str, Any]) -> None:
+    def _check_same_recipe(self, saved: dict[str, Any], *, extend: bool = False) -> None:
         current = self.config.to_dict()
         saved = TrainConfig.from_dict(saved).to_dict()  # a checkpoint from before a setting existed has its default
+        free = set(TrainConfig.RUNTIME_FIELDS) | ({"epochs"} if extend else set())
         differing = [
             f"{key}={current[key]!r} (run has {saved.get(key)!r})"
             for key in current
-            if key not in TrainConfig.RUNTIME_FIELDS and saved.get(key) != current[key]
+            if key not in free and saved.get(key) != current[key]
         ]
         if differing:
+            longer = "; to train longer, use --extend --epochs N" if not extend and current["epochs"] != saved["epochs"] else ""
             raise AnytimeError(
-                f"--resume continues {self.run_dir} as it was configured, but these differ: {'; '.join(differing)}; "
-                "drop those options or start a new --out"
+                f"{'--extend' if extend else '--resume'} continues {self.run_dir} as it was configured, but these "
+                f"differ: {'; '.join(differing)}; drop those options or start a new --out{longer}"
             )
 
-    def _write_config(self, dataset: dict[str, Any], device: torch.device, resumed_from: int | None) -> None:
+    def _check_resources(self, model: nn.Module, channels: int, size: tuple[int, int]) -> None:
+        """Refuse, before the first batch, a batch that cannot fit in memory or checkpoints that cannot fit on disk."""
+        cfg = self.config
+        shape = (channels, *size)
+        check_forward_memory(model, shape, cfg.batch_size, training=True,
+                             what=f"training {cfg.model} on batches of {cfg.batch_size} {size[0]}x{size[1]} images",
+                             hint="lower --batch-size or --image-size")  # fmt: skip
+        # the checkpoint (weights and momentum) twice while it is replaced, and the final weights
+        check_disk(self.run_dir, 5 * model_bytes(model), f"the checkpoints of {cfg.model}",
+                   "free some space or choose another --out")  # fmt: skip
+
+    def _write_config(
+        self, dataset: dict[str, Any], device: torch.device, resumed_from: int | None,
+        extensions: list[dict[str, Any]] | None = None,
+    ) -> None:  # fmt: skip
         path = self.run_dir / "config.json"
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         payload: dict[str, Any] = {
@@ -324,6 +426,8 @@ class Trainer:
                 old = {}  # the checkpoint, not this record, is what the run resumes from
             payload["created"] = old.get("created", now)
             payload["resumed"] = [*old.get("resumed", []), {"at_epoch": resumed_from, "time": now}]
+        if extensions:
+            payload["extended"] = extensions
         write_json(path, payload)
 
     def _write_tables(self, history: list[dict[str, Any]]) -> None:
