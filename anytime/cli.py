@@ -298,7 +298,7 @@ def _float_list(text: str, what: str) -> tuple[float, ...]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from anytime.train import TrainConfig, Trainer, load_card, record_results
-    from anytime.train.trainer import CHECKPOINT
+    from anytime.train.trainer import CHECKPOINT, require_checkpoint
 
     card = load_card(args.card) if args.card else None
     overrides = {field: getattr(args, field) for field in _TRAIN_FIELDS if getattr(args, field) is not None}
@@ -322,10 +322,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume or args.extend:
         from anytime.train import load_checkpoint
 
-        if not (run_dir / CHECKPOINT).is_file():
-            raise AnytimeError(f"no run to {'extend' if args.extend else 'resume'} at {run_dir} (no {CHECKPOINT}); "
-                               f"train one with `anytime train --out {run_dir}`")  # fmt: skip
-        saved = load_checkpoint(run_dir / CHECKPOINT)["config"]
+        saved = load_checkpoint(require_checkpoint(run_dir, "extend" if args.extend else "resume"))["config"]
         base = TrainConfig.from_dict(saved, where=str(run_dir / CHECKPOINT))
     else:
         base = card.config if card else TrainConfig()

@@ -359,6 +359,7 @@ def plot_run(
     rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.csv").is_file() else []
     if not (rows and any(key.startswith("val_acc_exit") for key in rows[0])):
         skipped.append(f"accuracy by epoch: {run_dir} has no per-exit training metrics (a run made without training)")
+        rows = []
     scheduler = None
     if profile is not None:
         scheduler, _ = scheduler_for_run(run_dir, profile)
@@ -390,7 +391,7 @@ def _draw_run(
     paths += plot_threshold_curves(results, work / "threshold", title)
     if report is not None:
         paths += plot_exit_histogram(report, list(val.step_names), work / "exit_histogram", title)
-    if rows and any(key.startswith("val_acc_exit") for key in rows[0]):
+    if rows:
         paths += plot_exit_accuracy_epochs(rows, list(val.step_names), work / "exit_accuracy", title)
     if scheduler is not None:
         quantile = scheduler.profile.highest_quantile()

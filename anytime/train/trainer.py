@@ -63,6 +63,14 @@ def lr_factor(config: TrainConfig, epoch: int) -> float:
     return 1.0
 
 
+def require_checkpoint(run_dir: str | Path, verb: str) -> Path:
+    """The checkpoint of the run to ``verb`` (resume or extend), or a one-line error saying there is none."""
+    path = Path(run_dir) / CHECKPOINT
+    if not path.is_file():
+        raise AnytimeError(f"no run to {verb} at {run_dir} (no {CHECKPOINT}); train one with `anytime train --out {run_dir}`")
+    return path
+
+
 def load_splits(config: TrainConfig) -> DatasetSplits:
     """The train / validation / test splits a recipe trains on."""
     return load_dataset(
@@ -150,9 +158,8 @@ class Trainer:
             raise AnytimeError(f"--out {self.run_dir} is a file, not a folder; give a new folder name for the run")
         if not (resume or extend):
             check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
-        elif not (self.run_dir / CHECKPOINT).is_file():
-            verb = "extend" if extend else "resume"
-            raise AnytimeError(f"no run to {verb} at {self.run_dir} (no {CHECKPOINT}); train one with `anytime train --out {self.run_dir}`")
+        else:
+            require_checkpoint(self.run_dir, "extend" if extend else "resume")
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         with output_lock(self.run_dir):
             fresh = not (resume or extend)

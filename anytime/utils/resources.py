@@ -39,9 +39,12 @@ def available_memory() -> int:
         except (OSError, ValueError):
             available = 1 << 62
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
+            used = int((cgroup / "memory.current").read_text().strip())
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+            used -= int(stat.get("file", 0))  # the page cache is given back on demand
             available = min(available, max(int(limit) - used, 0))
     except (OSError, ValueError):
         pass
