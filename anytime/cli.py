@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
     "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
     "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
+    "quantize": "a run's steps at another precision (int8, int8-dynamic, bf16, fp16), as a run the pipeline takes",
     "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
@@ -238,6 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
     cut.add_argument("--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)")
     cut.add_argument("--overwrite", action="store_true", help="replace an earlier study (or ladder run) in --out")
+
+    quantize = sub.add_parser("quantize", description=COMMANDS["quantize"])
+    quantize.add_argument("run", metavar="RUN", help="a finished float run (exits, slices, a ladder or a plain model)")
+    quantize.add_argument("--precision", required=True, choices=["int8", "int8-dynamic", "bf16", "fp16"],
+                          help="int8: PT2E static, X86InductorQuantizer, each stage and exit head a graph of its own; "
+                               "int8-dynamic: Linear layers (torchao); bf16/fp16: casts (fp16 on CUDA)")
+    quantize.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
+                          help="int8: training images that calibrate the activations (default 512; never validation or test)")
+    quantize.add_argument("--no-compile", action="store_true",
+                          help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
+    quantize.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    quantize.add_argument("--out", metavar="DIR", help="the new run (default RUN-PRECISION beside RUN)")
+    quantize.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
@@ -722,10 +736,30 @@ def _cmd_cut(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from anytime.quantize import quantize_run
+
+    summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
+                           compile=not args.no_compile, overwrite=args.overwrite, device=args.device)  # fmt: skip
+    record = summary["precision"]
+    print(f"run        {summary['run_dir']}: {args.run} at {record['precision']} ({record['backend']}, "
+          f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
+    if record["calibration_images"]:
+        print(f"calibrated on {record['calibration_images']} training images")
+    print(f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}")
+    rows = summary.get("exits") or [{"name": "model", **summary["final"]}]
+    for row, flops in zip(rows, summary["step_flops"]):
+        print(f"{row['name']:<16} {flops / 1e9:8.4f} {100 * row['val_acc']:6.2f}% {100 * row['parent_val_acc']:7.2f}% "
+              f"{100 * row['test_acc']:6.2f}% {100 * row['parent_test_acc']:7.2f}%")  # fmt: skip
+    print(f"next: anytime collect {summary['run_dir']} --split val; anytime profile {summary['run_dir']}")
+    return 0
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
-    "schedule": _cmd_schedule, "cut": _cmd_cut, "experiment": _cmd_experiment, "demo": _cmd_demo,
+    "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "experiment": _cmd_experiment,
+    "demo": _cmd_demo,
 }  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option
 from anytime.train import load_splits
-from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, weights_fingerprint
+from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, run_weights_fingerprint
 from anytime.utils.io import read_json, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
@@ -49,7 +49,7 @@ def run_fingerprint(run_dir: str | Path) -> str:
     run_config(run_dir)  # a clear error if this is not a run at all
     if not weights.is_file():
         raise AnytimeError(f"{run_dir} has no {WEIGHTS}: its training has not finished")
-    return weights_fingerprint(weights)
+    return run_weights_fingerprint(run_dir)
 
 
 def _splits_of(run: LoadedRun) -> DatasetSplits:

@@ -70,7 +70,10 @@ def weights_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for tensor in model.state_dict().values():
-        key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+        try:
+            key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+        except NotImplementedError:  # an opaque tensor (oneDNN's prepacked int8 weights) has no storage to share
+            key = id(tensor)
         if key not in seen:
             seen.add(key)
             total += tensor.numel() * tensor.element_size()
@@ -145,6 +148,8 @@ def profile_model(
     """
     if repeats < 1 or warmup < 0:
         raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
+    if train and getattr(model, "spec", None) is not None:
+        raise AnytimeError("a converted (quantized or cast) model has no training step to time; profile its float run with --train")
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise AnytimeError(f"batch sizes must be positive whole numbers (got {list(batch_sizes)})")
@@ -162,7 +167,8 @@ def profile_model(
     try:
         with torch.inference_mode():
             sample = torch.randn(1, *input_shape, generator=generator).to(target)
-            flops = tuple(_flops(model, sample, k) for k in range(num_steps))
+            # a quantized graph counts as zero FLOPs: a converted model carries its float graph's
+            flops = getattr(model, "step_flops", None) or tuple(_flops(model, sample, k) for k in range(num_steps))
             classes = num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
             for b in sizes:
                 x = torch.randn(b, *input_shape, generator=generator).to(target)
@@ -195,9 +201,16 @@ def profile_model(
         step_params=_step_params(model, num_steps), model_bytes=weights_bytes(model), latency=latency,
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
+                  "precision": _precision(model),
                   "inputs": "random normal", "timer": "time.perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )  # fmt: skip
+
+
+def _precision(model: nn.Module) -> dict[str, Any]:
+    """What the profile measured: the precision, the backend that ran it and whether it was compiled."""
+    spec = getattr(model, "spec", None)
+    return spec.to_dict() if spec is not None else {"precision": "fp32", "backend": "eager", "compile": False}
 
 
 def _step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
@@ -207,5 +220,6 @@ def _step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
 
     info = getattr(model, "exit_info", None)
     if info is not None and len(info) == num_steps:
-        return tuple(f"exit{e.index}" if isinstance(model, MultiExitModel) else e.name for e in info)
+        exits = isinstance(getattr(model, "float_model", model), MultiExitModel)
+        return tuple(f"exit{e.index}" if exits else e.name for e in info)
     return tuple(f"step{k}" for k in range(num_steps))

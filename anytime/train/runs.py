@@ -18,6 +18,7 @@ from anytime.train.multi_exit import build_model
 from anytime.utils.machine import resolve_device
 
 WEIGHTS = "model.safetensors"
+QUANT_STATE = "quant.safetensors"  # a quantized run's int8 calibration statistics
 
 
 @dataclass
@@ -43,6 +44,31 @@ def weights_fingerprint(path: str | Path) -> str:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def precision_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """A converted run's precision record (``config.json``'s ``precision``), or None for a float run."""
+    try:
+        record = json.loads((Path(run_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = record.get("precision") if isinstance(record, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def run_weights_fingerprint(run_dir: str | Path) -> str:
+    """The fingerprint of what a run computes with: its weights and, for a converted run, its precision and
+    calibration statistics too (so a profile or calibration of the float run is refused for it)."""
+    run = Path(run_dir)
+    plain = weights_fingerprint(run / WEIGHTS)
+    record = precision_record(run)
+    if record is None:
+        return plain
+    digest = hashlib.sha256(plain.encode())
+    digest.update(json.dumps({k: record.get(k) for k in ("precision", "backend", "compile")}, sort_keys=True).encode())
+    if (run / QUANT_STATE).is_file():
+        digest.update(weights_fingerprint(run / QUANT_STATE).encode())
     return digest.hexdigest()[:16]
 
 
@@ -79,4 +105,22 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedR
     model = build_model(config, load_init=False, **shape)  # type: ignore[arg-type]
     load_weights(model, weights)
     target = resolve_device(str(device))
-    return LoadedRun(run, config, dataset, model.to(target).eval(), weights_fingerprint(weights), target)
+    record = precision_record(run)
+    if record is not None:
+        model = _converted(run, model.eval(), record, (shape["in_channels"], *shape["image_size"]), target)
+    return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target)
+
+
+def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple[int, ...], device: torch.device) -> nn.Module:
+    from anytime.precision import PrecisionSpec, convert
+
+    spec = PrecisionSpec.from_dict(record, where=str(run / "config.json"))
+    state = None
+    if spec.precision == "int8":
+        from anytime.train.checkpoint import read_weights
+
+        if not (run / QUANT_STATE).is_file():
+            raise AnytimeError(f"{run} has no {QUANT_STATE} (its int8 statistics); quantize the parent run again")
+        state = read_weights(run / QUANT_STATE)
+    converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device)
+    return converted

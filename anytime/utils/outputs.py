@@ -42,7 +42,8 @@ TEMP_KINDS = ("tmp", "partial", "old")
 
 # What a run folder may hold: everything `anytime train` and the commands that extend a run write there.
 RUN_ENTRIES: tuple[str, ...] = (
-    MARKER, "config.json", "checkpoint.pt", "model.safetensors", "summary.json", "metrics.csv", "iterations.csv",
+    MARKER, "config.json", "checkpoint.pt", "model.safetensors", "quant.safetensors", "summary.json", "metrics.csv",
+    "iterations.csv",
     "outputs", "plots", "cut", "profile-*.json", "calibration*.json", "sweep-*.csv", "sweep-*.json",
     "evaluation-*.json",
 )  # fmt: skip
@@ -382,7 +383,14 @@ def staged_dir(
                 shutil.rmtree(work, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _put_in_place(work: Path, final: Path, kind: str, flag: str) -> None:
+    os.chmod(work, 0o777 & ~_umask())  # mkdtemp made it private; results get a plain mkdir's permissions
     state = check_output_dir(final, kind, flag=flag)  # again: the user may have put something there meanwhile
     if state is DirState.NEW:
         os.rename(work, final)

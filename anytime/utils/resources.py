@@ -146,6 +146,7 @@ def check_forward_memory(
     model: nn.Module, input_shape: Sequence[int], batch_size: int, *, training: bool = False, what: str, hint: str
 ) -> None:
     """Refuse a forward (or training step) of ``batch_size`` samples that cannot fit in memory."""
+    model = getattr(model, "float_model", model)  # a converted model is judged by its float graph
     per_sample = forward_bytes_per_sample(model, input_shape, training=training)
     weights = model_bytes(model) * (4 if training else 1)  # training: gradients, momentum and the update
     check_memory(batch_size * per_sample + weights, what, hint)

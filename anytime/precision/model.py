@@ -1,0 +1,402 @@
+"""Any model under the step contract at another precision: int8 (PT2E static, per stage and head), int8-dynamic
+(Linear layers), bf16 or fp16 casts. The result keeps the step contract, so collect, sweep, calibrate, evaluate,
+profile, schedule and the runtime take it unchanged; early exit still skips the stages it does not need, because
+each stage and each exit head of a multi-exit model is a graph of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import platform
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+
+PRECISIONS: tuple[str, ...] = ("int8", "int8-dynamic", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_OBSERVER = "activation_post_process"
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """How a run's steps were converted: the precision, the backend that runs it, and whether the graphs are
+    compiled (``torch.compile`` is what makes int8 run as int8 kernels on a CPU; uncompiled int8 graphs run
+    quantize/dequantize reference arithmetic, right in value but not in speed)."""
+
+    precision: str
+    backend: str
+    compile: bool
+
+    @property
+    def mode(self) -> str:
+        """How the graphs run: ``onednn`` (int8 lowered to oneDNN kernels), ``reference`` (int8 as
+        quantize/dequantize arithmetic), ``inductor`` (``torch.compile``) or ``eager``."""
+        if self.precision == "int8":
+            return "onednn" if self.compile else "reference"
+        return "inductor" if self.compile else "eager"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record."""
+        return {"precision": self.precision, "backend": self.backend, "compile": self.compile, "mode": self.mode}
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, where: str = "precision record") -> PrecisionSpec:
+        """Rebuild from :meth:`to_dict`; a malformed record is a one-line error."""
+        try:
+            spec = cls(str(doc["precision"]), str(doc["backend"]), bool(doc["compile"]))
+        except (KeyError, TypeError):
+            raise AnytimeError(f"{where} does not say which precision the run is in; was it edited?") from None
+        if spec.precision not in PRECISIONS:
+            raise AnytimeError(f"{where}: unknown precision '{spec.precision}'; one of {', '.join(PRECISIONS)}")
+        return spec
+
+
+def backend_for(precision: str, device: torch.device) -> str:
+    """The backend that runs ``precision`` on ``device``, or a one-line error naming one that runs here."""
+    if precision not in PRECISIONS:
+        raise AnytimeError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    if precision == "int8":
+        if device.type != "cpu":
+            raise AnytimeError(f"int8 static quantization runs on the CPU here (PT2E, X86InductorQuantizer); on "
+                               f"{device.type} export the fp32 run and build a TensorRT int8 engine, or use bf16/fp16")  # fmt: skip
+        if not x86:
+            raise AnytimeError(
+                f"int8 static quantization here uses X86InductorQuantizer, which needs an x86 CPU ({platform.machine()} "
+                "found); on ARM boards use XNNPACKQuantizer with ExecuTorch, or TensorRT int8 on a Jetson; "
+                "int8-dynamic and bf16 run here"
+            )
+        return "x86-inductor"
+    if precision == "int8-dynamic":
+        return "torchao-dynamic"
+    if precision == "fp16" and device.type == "cpu":
+        raise AnytimeError("fp16 runs on CUDA devices; on this CPU choose bf16, int8 or int8-dynamic")
+    return "cast"
+
+
+def _quiet_torchao() -> contextlib.AbstractContextManager[None]:
+    """torchao logs a deprecation notice of torch's at import; it is not the user's concern."""
+    logger = logging.getLogger("torch.utils._pytree")
+
+    @contextlib.contextmanager
+    def quiet() -> Iterator[None]:
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+    return quiet()
+
+
+class _Step(nn.Module):
+    """Step ``k`` of a model whose steps are separate forwards, as a module of its own (to export it)."""
+
+    def __init__(self, model: nn.Module, k: int) -> None:
+        super().__init__()
+        self.model = model
+        self.k = k
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model.forward_until(x, self.k)  # type: ignore[operator]
+
+
+def _layout(model: nn.Module) -> str:
+    if hasattr(model, "segments") and hasattr(model, "heads"):
+        return "exits"
+    if hasattr(model, "forward_until") and int(getattr(model, "num_steps", 1)) > 1:
+        return "steps"
+    return "plain"
+
+
+def float_parts(model: nn.Module) -> list[nn.Module]:
+    """The graphs a model is converted as: for a multi-exit model segment 0, head 0, segment 1, ...,
+    the last segment; for separate steps one module per step; otherwise the model itself."""
+    layout = _layout(model)
+    if layout == "exits":
+        segments, heads = list(model.segments), list(model.heads)  # type: ignore[arg-type]
+        parts: list[nn.Module] = []
+        for k, segment in enumerate(segments):
+            parts.append(segment)
+            if k < len(heads):
+                parts.append(heads[k])
+        return parts
+    if layout == "steps":
+        return [_Step(model, k) for k in range(int(model.num_steps))]  # type: ignore[arg-type]
+    return [model]
+
+
+def _part_inputs(layout: str, parts: list[nn.Module], x: Tensor) -> list[Tensor]:
+    """The input each part sees when the model runs on ``x`` (a multi-exit model's head sees its segment's output)."""
+    if layout != "exits":
+        return [x] * len(parts)
+    inputs, h = [], x
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            inputs.append(h)
+            h = part(h)
+        else:
+            inputs.append(h)
+    return inputs
+
+
+class PrecisionModel(nn.Module):
+    """A model's steps at another precision, under the same step contract as the float model it came from.
+
+    ``float_model`` is the float original (for FLOPs, memory estimates and comparisons); ``step_flops`` are
+    the float graph's FLOPs per step (a quantized graph counts as zero in ``FlopCounterMode``).
+    """
+
+    def __init__(self, float_model: nn.Module, parts: list[nn.Module], spec: PrecisionSpec, step_flops: tuple[int, ...]) -> None:
+        super().__init__()
+        self.layout = _layout(float_model)
+        self.parts = nn.ModuleList(parts)
+        self.spec = spec
+        self.step_flops = step_flops
+        object.__setattr__(self, "float_model", float_model)  # not a submodule: saved and moved by its owner
+        self.exit_info = getattr(float_model, "exit_info", None)
+        self.backbone_flops = getattr(float_model, "backbone_flops", step_flops[-1])
+        self.incremental = self.layout == "exits"
+        self._dtype = _DTYPES.get(spec.precision, torch.float32)
+        self.training = False
+
+    @property
+    def num_steps(self) -> int:
+        """The number of steps (exits, slices, ladder steps; 1 for a plain model)."""
+        if self.layout == "exits":
+            return (len(self.parts) + 1) // 2
+        return len(self.parts)
+
+    @property
+    def segments(self) -> tuple[nn.Module, ...]:
+        """Multi-exit models: the converted backbone segments (with the input cast of the first)."""
+        return tuple(_Cast(p, self._dtype) if i == 0 else p for i, p in enumerate(self.parts[0::2]))
+
+    @property
+    def heads(self) -> list[nn.Module]:
+        """Multi-exit models: the converted exit heads (logits returned in float32)."""
+        return [_Float(p) for p in self.parts[1::2]]
+
+    def backbone(self, x: Tensor) -> Tensor:
+        """The whole converted network to its last exit (what the plain backbone computes)."""
+        return self.forward_until(x, self.num_steps - 1)
+
+    def steps(self, x: Tensor) -> Iterator[Tensor]:
+        """Each step's logits in turn; for a multi-exit model each computed only when asked for."""
+        if self.layout != "exits":
+            for k in range(self.num_steps):
+                yield self.forward_until(x, k)
+            return
+        h = x.to(self._dtype)
+        last = self.num_steps - 1
+        for k in range(self.num_steps):
+            h = self.parts[2 * k](h)
+            yield h.float() if k == last else self.parts[2 * k + 1](h).float()
+
+    def forward_until(self, x: Tensor, k: int) -> Tensor:
+        """Logits ``[B, C]`` of step ``k``, computing no more than it needs."""
+        if not isinstance(k, int) or not -self.num_steps <= k < self.num_steps:
+            raise AnytimeError(f"step {k} does not exist; this model has steps 0..{self.num_steps - 1}")
+        k %= self.num_steps
+        if self.layout != "exits":
+            return self.parts[k](x.to(self._dtype)).float()
+        h = x.to(self._dtype)
+        for i in range(k + 1):
+            h = self.parts[2 * i](h)
+        return h.float() if k == self.num_steps - 1 else self.parts[2 * k + 1](h).float()
+
+    def forward_all(self, x: Tensor) -> Tensor:
+        """Logits of every step, ``[K, B, C]``, cheapest first."""
+        return torch.stack(list(self.steps(x)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``forward_all`` for a model of several steps, the logits ``[B, C]`` for a plain one."""
+        return self.forward_until(x, 0) if self.layout == "plain" else self.forward_all(x)
+
+    def train(self, mode: bool = True) -> PrecisionModel:
+        """Always in inference mode: the converted graphs were exported in eval mode and have no other."""
+        if mode:
+            raise AnytimeError("a converted model is for inference; train the float run it came from")
+        self.training = False  # not passed down: exported graphs refuse train()/eval()
+        return self
+
+
+class _Cast(nn.Module):
+    def __init__(self, part: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.part, self.dtype = part, dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.part(x.to(self.dtype))
+
+
+class _Float(nn.Module):
+    def __init__(self, part: nn.Module) -> None:
+        super().__init__()
+        self.part = part
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.part(x).float()
+
+
+def _lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
+    """An int8 graph lowered to oneDNN's int8 kernels: exported again with a dynamic batch, then inductor's
+    freezing passes (the X86 patterns torchao registers: weight prepacking, fused ReLU and residual adds)
+    and constant folding, as torchao's ``lower_pt2e_quantized_to_x86`` does for one fixed batch size."""
+    from torch._inductor.constant_folding import constant_fold
+    from torch._inductor.fx_passes.freezing_patterns import freezing_passes
+
+    with _quiet_torchao():
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  registers the patterns
+    keep = {k: v for k, v in torch.export.default_decompositions().items() if torch._export.utils._is_cia_op(k)}
+    with torch.no_grad():
+        exported = torch.export.export(part, (example,), dynamic_shapes=({0: torch.export.Dim.AUTO},), strict=True)
+        lowered = exported.run_decompositions(keep).module()
+        graph = lowered.graph
+        for node in list(graph.nodes):
+            if node.target == torch.ops.aten.t.default:  # the linear patterns expect permute, not t
+                with graph.inserting_before(node):
+                    permuted = graph.call_function(torch.ops.aten.permute.default, args=(node.args[0], [1, 0]))
+                node.replace_all_uses_with(permuted)
+                graph.erase_node(node)
+            elif node.target == torch.ops.aten.view.default:  # oneDNN hands on channels-last tensors
+                node.target = torch.ops.aten.reshape.default
+        lowered.recompile()
+        freezing_passes(lowered, (example,))
+        constant_fold(lowered)
+    return lowered
+
+
+def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor]) -> list[nn.Module]:
+    with _quiet_torchao():
+        from torchao.quantization.pt2e.constant_fold import constant_fold
+        from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+            X86InductorQuantizer,
+            get_default_x86_inductor_quantization_config,
+        )
+    prepared = []
+    for part, example in zip(parts, inputs):
+        sample = example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
+        try:
+            exported = torch.export.export(part, (sample,), dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
+        except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AnytimeError(f"{type(part).__name__} cannot be exported for int8 quantization ({first})") from None
+        constant_fold(exported)  # weights computed from parameters (a slice's leading channels) become constants
+        _folded_as_parameters(exported)
+        quantizer = X86InductorQuantizer()
+        quantizer.set_global(get_default_x86_inductor_quantization_config())
+        prepared.append(prepare_pt2e(exported, quantizer))
+    return prepared
+
+
+def _folded_as_parameters(graph_module: torch.fx.GraphModule) -> None:
+    """Folded constants become frozen parameters: prepare_pt2e folds batch norm into a convolution by assigning a
+    parameter at the convolution weight's name, which a plain tensor attribute of that name refuses."""
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("_frozen_param"):
+            value = getattr(graph_module, node.target)
+            if not isinstance(value, nn.Parameter):
+                delattr(graph_module, node.target)
+                graph_module.register_parameter(node.target, nn.Parameter(value, requires_grad=False))
+
+
+def _calibrate(layout: str, prepared: list[nn.Module], batches: Iterable[Tensor]) -> int:
+    seen = 0
+    with torch.no_grad():
+        for x in batches:
+            if layout == "exits":
+                h = x
+                for i in range(0, len(prepared), 2):
+                    h = prepared[i](h)
+                    if i + 1 < len(prepared):
+                        prepared[i + 1](h)
+            else:
+                for part in prepared:
+                    part(x)
+            seen += x.shape[0]
+    return seen
+
+
+def observer_state(prepared: list[nn.Module]) -> dict[str, Tensor]:
+    """The calibration statistics of prepared int8 graphs (what, with the float weights, rebuilds them)."""
+    return {f"part{i}.{key}": value.detach().clone().contiguous() for i, part in enumerate(prepared)
+            for key, value in part.state_dict().items() if _OBSERVER in key}  # fmt: skip
+
+
+def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor]) -> None:
+    for i, part in enumerate(prepared):
+        mine = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"part{i}.")}
+        expected = {k for k in part.state_dict() if _OBSERVER in k}
+        if set(mine) != expected:
+            raise AnytimeError("the run's int8 statistics do not fit its model (another model or torchao version?); "
+                               "quantize the parent run again")  # fmt: skip
+        part.load_state_dict(mine, strict=False)
+
+
+def _float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tuple[int, ...]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = []
+    sample = torch.zeros(1, *shape)
+    for k in range(num_steps):
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model.forward_until(sample, k) if num_steps > 1 else model(sample)  # type: ignore[operator]
+        flops.append(int(counter.get_total_flops()))
+    return tuple(flops)
+
+
+def convert(
+    model: nn.Module, precision: str, *, input_shape: tuple[int, ...], calibration: Iterable[Tensor] | None = None,
+    state: dict[str, Tensor] | None = None, compile: bool = True, device: torch.device | None = None,
+) -> tuple[PrecisionModel, dict[str, Tensor]]:  # fmt: skip
+    """Convert a float model (on the CPU, eval mode) to ``precision``; return it and the state that rebuilds it.
+
+    int8 needs either ``calibration`` batches (training images: never validation or test) or the ``state``
+    recorded by an earlier conversion of the same weights; the other precisions need neither.
+    """
+    target = device or torch.device("cpu")
+    spec = PrecisionSpec(precision, backend_for(precision, target), compile)
+    model = model.eval()
+    num_steps = int(getattr(model, "num_steps", 1))
+    layout = _layout(model)
+    flops = _float_flops(model, input_shape, num_steps)
+    with torch.no_grad():
+        inputs = _part_inputs(layout, float_parts(model), torch.zeros(2, *input_shape))
+    if precision == "int8":
+        parts = float_parts(model)
+        prepared = _prepare_int8(parts, inputs)
+        if state is None:
+            if calibration is None or _calibrate(layout, prepared, calibration) == 0:
+                raise AnytimeError("int8 static quantization needs calibration images from the training split")
+            state = observer_state(prepared)
+        else:
+            _load_observers(prepared, state)
+        with _quiet_torchao():
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+            converted: list[nn.Module] = [convert_pt2e(p) for p in prepared]
+        if compile:
+            converted = [_lower_int8(p, example[:2]) for p, example in zip(converted, inputs)]
+    elif precision == "int8-dynamic":
+        with _quiet_torchao():
+            from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+        copied = copy.deepcopy(model)
+        quantize_(copied, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
+        converted, state = float_parts(copied), {}
+    else:
+        copied = copy.deepcopy(model).to(target, _DTYPES[precision])
+        converted, state = float_parts(copied), {}
+    if compile and precision != "int8":
+        converted = [torch.compile(p) for p in converted]
+    return PrecisionModel(model, converted, spec, flops), state

@@ -1,0 +1,117 @@
+"""``anytime quantize RUN --precision P``: a run whose steps are the parent run's steps at another precision.
+
+The new run holds the parent's recipe and float weights, the precision record (precision, backend, compile
+mode, parent run and fingerprint, library versions) and, for int8, the calibration statistics measured on
+training images only; ``load_run`` rebuilds the converted model from them, so collect, sweep, calibrate,
+evaluate, profile, schedule and the runtime take the new run as they take any run. Its summary reports every
+step's validation and test accuracy beside the parent's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anytime.data import make_loader
+from anytime.errors import AnytimeError
+from anytime.pipeline import _splits_of
+from anytime.precision import backend_for, convert
+from anytime.train.runs import QUANT_STATE, WEIGHTS, load_run, precision_record, run_config
+from anytime.train.trainer import evaluate_exits
+from anytime.utils.io import atomic_path, read_json, write_json
+from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
+from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
+
+DEFAULT_CALIBRATION_IMAGES = 512
+_BATCH = 64
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _parent_accuracy(run_dir: Path, num_steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    summary = read_json(run_dir / "summary.json", what="training summary", make="its training has not finished",
+                        redo="train the run again")  # fmt: skip
+    try:
+        steps = [dict(e) for e in summary["exits"]] if num_steps > 1 else []
+        final = dict(summary["final"])
+    except (KeyError, TypeError):
+        raise AnytimeError(f"{run_dir / 'summary.json'} does not hold every step's accuracy; was it edited?") from None
+    if num_steps > 1 and len(steps) != num_steps:
+        raise AnytimeError(f"{run_dir / 'summary.json'} has {len(steps)} steps but the model has {num_steps}")
+    return steps, final
+
+
+def quantize_run(
+    run_dir: str | Path, precision: str, *, calibration_images: int = DEFAULT_CALIBRATION_IMAGES,
+    out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
+) -> dict[str, Any]:  # fmt: skip
+    """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, and return
+    its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test)."""
+    parent = Path(run_dir)
+    run_config(parent)  # a clear error for a folder that is not a run
+    if precision_record(parent) is not None:
+        raise AnytimeError(f"{parent} is already a converted run; quantize the float run it came from")
+    target_device = resolve_device(device)
+    backend = backend_for(precision, target_device)
+    if calibration_images < 1:
+        raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")
+    target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
+    check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
+    run = load_run(parent, "cpu")
+    shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
+    parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
+    splits = _splits_of(run)
+    seed = run.config.seed
+    calibration = None
+    if precision == "int8":  # training images only: validation picks thresholds, test is only reported
+        chosen = splits.train.sample(min(calibration_images, len(splits.train)), seed)
+        calibration = (x for x, _ in make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=seed))
+    model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
+                           device=target_device)  # fmt: skip
+    model = model.to(target_device)
+    loader_kw = {"batch_size": 256, "train": False, "seed": seed}
+    _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
+    _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record = {
+        **model.spec.to_dict(), "parent_run": str(parent), "parent_fingerprint": run.fingerprint,
+        "calibration_images": min(calibration_images, len(splits.train)) if precision == "int8" else None,
+        "calibration_split": "train" if precision == "int8" else None,
+        "torch": torch.__version__, "torchao": _version("torchao"),
+    }  # fmt: skip
+    steps = [{**e, "val_acc": val_accs[k], "test_acc": test_accs[k], "parent_val_acc": e.get("val_acc"),
+              "parent_test_acc": e.get("test_acc")} for k, e in enumerate(parent_steps)]  # fmt: skip
+    summary: dict[str, Any] = {
+        "run_dir": str(target), "model": run.config.model, "data": run.config.data, "precision": record,
+        "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1], "parent_val_acc": parent_final.get("val_acc"),
+                  "parent_test_acc": parent_final.get("test_acc")},
+        "step_flops": list(model.step_flops), "device": device_label(target_device), "created": now,
+    }  # fmt: skip
+    if steps:
+        summary["exits"] = steps
+        summary["backbone_flops"] = int(model.backbone_flops)
+    with staged_dir(target, RUN, overwrite=overwrite, create_parents=out is None, entries=RUN_ENTRIES) as work:
+        write_json(work / "config.json", {
+            "train": run.config.to_dict(), "dataset": run.dataset, "precision": record, "device": str(target_device),
+            "machine": describe_machine(), "git_sha": git_sha(), "created": now,
+        })  # fmt: skip
+        with atomic_path(work / WEIGHTS) as tmp:
+            shutil.copyfile(parent / WEIGHTS, tmp)
+        if state:
+            from safetensors.torch import save_file
+
+            with atomic_path(work / QUANT_STATE) as tmp:
+                save_file(state, str(tmp))
+        write_json(work / "summary.json", summary)
+    return summary
