@@ -1,0 +1,187 @@
+"""Precision as a dimension of every step: converted models keep the step contract, int8 early exit still skips
+computation, int8 calibration reads training images only, and a quantized run goes through the pipeline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from anytime.backbones import create_model
+from anytime.cli import main
+from anytime.errors import AnytimeError
+from anytime.precision import PrecisionModel, convert
+from anytime.wrappers import BlockDropLadder, attach_exits, slice_model
+
+SHAPE = (3, 32, 32)
+
+
+def _families() -> dict[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    return {
+        "exits": attach_exits(create_model("resnet20", num_classes=10), "auto", num_classes=10, input_shape=SHAPE),
+        "slices": slice_model(create_model("resnet20", num_classes=10), (0.5, 1.0), input_shape=SHAPE),
+        "ladder": BlockDropLadder(create_model("resnet20", num_classes=10), input_shape=SHAPE),
+        "plain": create_model("resnet20", num_classes=10),
+    }
+
+
+@pytest.fixture(scope="module")
+def calibration() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(16, *SHAPE, generator=generator) for _ in range(2)]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic", "bf16"])
+@pytest.mark.parametrize("family", ["exits", "slices", "ladder", "plain"])
+def test_converted_steps_keep_the_step_contract(family, precision, calibration):
+    model = _families()[family].eval()
+    # int8's deployed form (oneDNN kernels) on two families; the others as reference graphs, to keep the suite short
+    lowered = precision == "int8" and family in ("exits", "plain")
+    converted, _ = convert(model, precision, input_shape=SHAPE, calibration=calibration, compile=lowered)
+    assert isinstance(converted, PrecisionModel)
+    x = torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(x)
+        out = converted(x)
+        assert out.shape == reference.shape and out.dtype == torch.float32
+        steps = int(getattr(model, "num_steps", 1))
+        assert converted.num_steps == steps and len(converted.step_flops) == steps
+        if steps > 1:
+            for k in range(steps):
+                assert torch.equal(converted.forward_until(x, k), out[k])
+            assert torch.equal(torch.stack(list(converted.steps(x))), out)
+        agree = (reference.argmax(-1) == out.argmax(-1)).float().mean().item()
+    assert agree >= 0.75, f"{family} at {precision}: top-1 agrees on {agree:.0%} of the samples"
+    assert converted.step_flops[-1] > 0  # the float graph's FLOPs, not the quantized graph's zero
+    with pytest.raises(AnytimeError, match="does not exist"):
+        converted.forward_until(x, steps)
+
+
+def test_int8_early_exit_does_not_run_later_stages(calibration):
+    model = _families()["exits"].eval()
+    converted, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=True)
+    called: list[int] = []
+    for i, part in enumerate(converted.parts):
+        part.register_forward_hook(lambda *args, i=i: called.append(i))
+    with torch.no_grad():
+        converted.forward_until(torch.randn(2, *SHAPE), 0)
+        assert called == [0, 1]  # segment 0 and head 0 only
+        called.clear()
+        first = next(converted.steps(torch.randn(2, *SHAPE)))
+    assert called == [0, 1] and first.shape == (2, 10)
+
+
+def test_int8_rebuilds_exactly_from_its_statistics(calibration):
+    model = _families()["exits"].eval()
+    first, state = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    again, _ = convert(model, "int8", input_shape=SHAPE, state=state, compile=False)
+    x = torch.randn(4, *SHAPE)
+    with torch.no_grad():
+        assert torch.equal(first(x), again(x))
+    with pytest.raises(AnytimeError, match="calibration images"):
+        convert(model, "int8", input_shape=SHAPE)
+    other = _families()["plain"].eval()
+    with pytest.raises(AnytimeError, match="do not fit its model"):
+        convert(other, "int8", input_shape=SHAPE, state=state, compile=False)
+
+
+def test_a_precision_the_device_cannot_run_is_refused():
+    model = create_model("lenet", num_classes=10).eval()
+    with pytest.raises(AnytimeError, match="fp16 runs on CUDA.*bf16"):
+        convert(model, "fp16", input_shape=SHAPE)
+    with pytest.raises(AnytimeError, match="unknown precision"):
+        convert(model, "int4", input_shape=SHAPE)
+
+
+def _quantized(exit_run, folder, *, compile: bool):
+    from anytime.quantize import quantize_run
+
+    parent = folder / "run"
+    shutil.copytree(exit_run, parent)
+    quantize_run(parent, "int8", calibration_images=128, compile=compile)
+    return parent, folder / "run-int8"
+
+
+@pytest.fixture(scope="module")
+def quantized(exit_run, tmp_path_factory):
+    """The trained multi-exit digits run and its int8 form as reference graphs (quick to rebuild)."""
+    return _quantized(exit_run, tmp_path_factory.mktemp("quantized"), compile=False)
+
+
+def test_a_quantized_run_reports_every_step_beside_its_parent(quantized):
+    parent, qrun = quantized
+    summary = json.loads((qrun / "summary.json").read_text())
+    float_summary = json.loads((parent / "summary.json").read_text())
+    record = summary["precision"]
+    assert record["precision"] == "int8" and record["backend"] == "x86-inductor" and record["mode"] == "reference"
+    assert record["calibration_split"] == "train" and record["calibration_images"] == 128 and record["torchao"]
+    assert [e["parent_val_acc"] for e in summary["exits"]] == [e["val_acc"] for e in float_summary["exits"]]
+    for e in summary["exits"]:
+        assert abs(e["val_acc"] - e["parent_val_acc"]) < 0.1 and 0 <= e["test_acc"] <= 1
+    config = json.loads((qrun / "config.json").read_text())
+    assert config["precision"]["parent_fingerprint"] and (qrun / "quant.safetensors").is_file()
+
+
+def test_int8_calibration_reads_training_images_only(exit_run, tmp_path, monkeypatch):
+    import anytime.quantize as quantize
+
+    parent = tmp_path / "run"
+    shutil.copytree(exit_run, parent)
+    seen: list[str] = []
+    real_loader, real_convert = quantize.make_loader, quantize.convert
+
+    def loader(split, *args, **kwargs):
+        seen.append(split.name)
+        return real_loader(split, *args, **kwargs)
+
+    def converting(*args, calibration=None, **kwargs):
+        batches = list(calibration)  # everything the calibration reads is read now
+        assert seen == ["train"], f"calibration read {seen}"
+        return real_convert(*args, calibration=batches, **kwargs)
+
+    monkeypatch.setattr(quantize, "make_loader", loader)
+    monkeypatch.setattr(quantize, "convert", converting)
+    quantize.quantize_run(parent, "int8", calibration_images=64, compile=False)
+    assert seen[1:] == ["val", "test"]  # after calibration: only the report
+
+
+def _through_the_pipeline(parent, qrun, capsys, cli_error, mode):
+    for argv in (["collect", str(qrun)], ["calibrate", str(qrun), "--max-drop", "1"],
+                 ["profile", str(qrun), "--batch-sizes", "1,4", "--repeats", "100", "--warmup", "2", "--no-memory"],
+                 ["schedule", str(qrun), "--deadline-ms", "1000"]):  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert '"fits": true' in out
+    profile = json.loads(next(qrun.glob("profile-*.json")).read_text())
+    assert profile["settings"]["precision"]["mode"] == mode
+    summary = json.loads((qrun / "summary.json").read_text())
+    assert [s["flops"] for s in profile["steps"]] == summary["step_flops"]
+    assert main(["profile", str(parent), "--batch-sizes", "1", "--repeats", "20", "--no-memory",
+                 "--out", str(parent / "float.json")]) == 0  # fmt: skip
+    capsys.readouterr()
+    cli_error(["schedule", str(qrun), "--deadline-ms", "5", "--profile", str(parent / "float.json")], "another model")
+
+
+def test_a_quantized_run_goes_through_the_pipeline(quantized, capsys, cli_error):
+    _through_the_pipeline(*quantized, capsys, cli_error, "reference")
+
+
+@pytest.mark.slow
+def test_a_deployed_int8_run_goes_through_the_pipeline(exit_run, tmp_path, capsys, cli_error):
+    _through_the_pipeline(*_quantized(exit_run, tmp_path, compile=True), capsys, cli_error, "onednn")
+
+
+def test_quantize_refuses_bad_requests_in_one_line(quantized, tmp_path, cli_error):
+    parent, qrun = quantized
+    cli_error(["quantize", str(qrun), "--precision", "int8"], "already a converted run")
+    cli_error(["quantize", str(parent), "--precision", "fp16"], "fp16 runs on CUDA")
+    cli_error(["quantize", str(parent), "--precision", "int8"], str(qrun), "--overwrite")
+    cli_error(["quantize", str(tmp_path / "nothing"), "--precision", "int8"], "no run directory")
+    untrained = tmp_path / "untrained"
+    shutil.copytree(parent, untrained)
+    (untrained / "model.safetensors").unlink()
+    cli_error(["quantize", str(untrained), "--precision", "int8", "--out", str(tmp_path / "q")], "has not finished")
+    assert not (tmp_path / "q").exists()
