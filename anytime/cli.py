@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the latency quantile that must fit (default 0.99)")
     schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
     schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
+    schedule.add_argument("--with", dest="variants", metavar="QRUN[,QRUN2]",
+                          help="runs of the same model at other precisions (anytime quantize), each with its own "
+                               "profile on this device: one frontier over (step, precision)")
 
     cut = sub.add_parser("cut", description=COMMANDS["cut"])
     cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
@@ -694,11 +697,28 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
     if not math.isfinite(args.deadline_ms):
         raise AnytimeError(f"deadline {args.deadline_ms} ms is not a finite positive number of milliseconds")
+    if args.variants:
+        return _schedule_variants(args)
     scheduler, path = scheduler_for_run(args.run, args.profile)
     choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size)
     frontier = [{"option": o.name, "kind": o.kind, "accuracy": o.accuracy, "latency_ms": latency}
                 for o, latency in scheduler.frontier(args.quantile, args.batch_size)]  # fmt: skip
     print(json.dumps({**choice.to_dict(), "profile": str(path), "frontier": frontier}, indent=2))
+    return 0
+
+
+def _schedule_variants(args: argparse.Namespace) -> int:
+    from anytime.pipeline import precision_scheduler
+
+    runs = [args.run, *(r for r in args.variants.split(",") if r)]
+    scheduler, runs_of = precision_scheduler(runs, args.profile)
+    choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size)
+    frontier = [{"option": o.name, "run": str(runs_of[scheduler.variant_of(o.name)]), "kind": o.kind,
+                 "accuracy": o.accuracy, "latency_ms": latency}
+                for o, latency in scheduler.frontier(args.quantile, args.batch_size)]  # fmt: skip
+    variant = scheduler.variant_of(choice.option)
+    print(json.dumps({**choice.to_dict(), "precision": variant, "run": str(runs_of[variant]), "frontier": frontier},
+                     indent=2))  # fmt: skip
     return 0
 
 

@@ -31,9 +31,9 @@ from anytime.data import DatasetSplits, make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
-from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option
+from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option, PrecisionScheduler
 from anytime.train import load_splits
-from anytime.train.runs import WEIGHTS, LoadedRun, load_run, run_config, run_weights_fingerprint
+from anytime.train.runs import WEIGHTS, LoadedRun, load_run, precision_record, run_config, run_weights_fingerprint
 from anytime.utils.io import read_json, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
@@ -494,6 +494,29 @@ def scheduler_for_run(
     path = find_profile(run_dir, profile)
     loaded = DeviceProfile.load(path, fingerprint=fingerprint)
     return DeadlineScheduler(loaded, run_options(run_dir, loaded.step_names), adapt=adapt), path
+
+
+def precision_scheduler(
+    runs: Sequence[str | Path], profile: str | Path | None = None
+) -> tuple[PrecisionScheduler, dict[str, Path]]:
+    """One frontier over the steps of a run and of its converted forms (``anytime quantize``), each scheduled
+    with its own profile (``profile`` names the first run's; the others use their only one). Returns the
+    scheduler and the run of each variant (named by its precision, ``fp32`` for a float run)."""
+    schedulers: dict[str, DeadlineScheduler] = {}
+    runs_of: dict[str, Path] = {}
+    base = Path(runs[0])
+    base_fingerprint = run_fingerprint(base)
+    for i, run in enumerate(runs):
+        record = precision_record(run)
+        name = record["precision"] if record is not None else "fp32"
+        if name in runs_of:
+            raise AnytimeError(f"{runs_of[name]} and {run} are both {name}; give each precision once")
+        if i > 0 and (record is None or record.get("parent_fingerprint") != base_fingerprint):
+            raise AnytimeError(f"{run} is not a converted form of {base} (anytime quantize {base} --precision P); "
+                               "only one model's precisions share a frontier")  # fmt: skip
+        schedulers[name], _ = scheduler_for_run(run, profile if i == 0 else None)
+        runs_of[name] = Path(run)
+    return PrecisionScheduler(schedulers), runs_of
 
 
 def runner_for_run(

@@ -159,10 +159,18 @@ def _through_the_pipeline(parent, qrun, capsys, cli_error, mode):
     assert profile["settings"]["precision"]["mode"] == mode
     summary = json.loads((qrun / "summary.json").read_text())
     assert [s["flops"] for s in profile["steps"]] == summary["step_flops"]
-    assert main(["profile", str(parent), "--batch-sizes", "1", "--repeats", "20", "--no-memory",
-                 "--out", str(parent / "float.json")]) == 0  # fmt: skip
+    float_profile = parent / "float.json"
+    assert main(["profile", str(parent), "--batch-sizes", "1,4", "--repeats", "100", "--warmup", "2", "--no-memory",
+                 "--out", str(float_profile)]) == 0  # fmt: skip
     capsys.readouterr()
-    cli_error(["schedule", str(qrun), "--deadline-ms", "5", "--profile", str(parent / "float.json")], "another model")
+    cli_error(["schedule", str(qrun), "--deadline-ms", "5", "--profile", str(float_profile)], "another model")
+    assert main(["schedule", str(parent), "--profile", str(float_profile), "--with", str(qrun), "--deadline-ms", "1000"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["fits"] and both["precision"] in ("fp32", "int8") and both["run"] in (str(parent), str(qrun))
+    assert {f["run"] for f in both["frontier"]} <= {str(parent), str(qrun)}
+    assert all(f["option"].split()[0] in ("fp32", "int8") for f in both["frontier"])
+    cli_error(["schedule", str(parent), "--profile", str(float_profile), "--with", str(parent), "--deadline-ms", "5"],
+              "both fp32")  # fmt: skip
 
 
 def test_a_quantized_run_goes_through_the_pipeline(quantized, capsys, cli_error):

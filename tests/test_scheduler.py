@@ -443,3 +443,33 @@ def test_deadline_plots(profiled):
 
     names = {p.name for p in plot_run(profiled).paths}
     assert {"deadline_accuracy.png", "latency.png"} <= names
+
+
+# ---------------------------------------------------------------- one frontier over precisions
+
+
+def test_one_frontier_over_two_precisions():
+    from anytime.scheduler import PrecisionScheduler
+
+    fp32 = DeadlineScheduler.from_accuracies(make_profile([2.0, 4.0, 8.0]), [0.60, 0.80, 0.90])
+    int8 = DeadlineScheduler.from_accuracies(make_profile([1.0, 2.0, 3.0], fingerprint="int8"), [0.58, 0.79, 0.88])
+    both = PrecisionScheduler({"fp32": fp32, "int8": int8})
+    names = [o.name for o, _ in both.frontier()]
+    assert names == ["int8 exit0", "int8 exit1", "int8 exit2", "fp32 exit2"]  # fp32 exit0/exit1 are dominated
+    for deadline in (1.0, 2.0, 3.0, 5.0, 8.0, 100.0):  # never less accurate than fp32 alone where fp32 has an option
+        chosen, alone = both.select(deadline), fp32.select(deadline)
+        assert chosen.fits and (not alone.fits or chosen.accuracy >= alone.accuracy), deadline
+    assert both.select(1.5).option == "int8 exit0" and not fp32.select(1.5).fits  # int8 makes an option fit
+    assert both.select(8.0).option == "fp32 exit2" and both.variant_of("fp32 exit2") == "fp32"
+    low = both.select(0.5)
+    assert not low.fits and low.option == "int8 exit0" and "likely miss" in low.note
+
+
+def test_precisions_measured_on_different_devices_are_refused():
+    from anytime.scheduler import PrecisionScheduler
+
+    other = make_profile([1.0])
+    other = DeviceProfile(**{**other.__dict__, "device": {"type": "cuda", "label": "a gpu"}})
+    with pytest.raises(AnytimeError, match="different devices"):
+        PrecisionScheduler({"fp32": DeadlineScheduler.from_accuracies(make_profile([1.0]), [0.5]),
+                            "int8": DeadlineScheduler.from_accuracies(other, [0.5])})  # fmt: skip

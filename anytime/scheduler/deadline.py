@@ -156,16 +156,7 @@ class DeadlineScheduler:
         if self.adapt and self.drift.ready:
             adapted = self._adapted.get(key)
             f = adapted if adapted is not None and adapted.version == self.drift.version else self._adapt(key)
-        i = bisect.bisect_right(f.latency, deadline_ms) - 1
-        if i < 0:
-            o, latency = f.options[0], f.latency[0]
-            note = (f"deadline {deadline_ms:g} ms is below the cheapest option: {o.name} takes {latency:.4g} ms "
-                    f"at p{100 * quantile:g}, so it will likely miss")  # fmt: skip
-            return Selection(o.name, o.kind, o.step, o.accuracy, latency, float(deadline_ms), quantile, batch_size,
-                             False, latency / f.profiled[0], note)  # fmt: skip
-        o = f.options[i]
-        return Selection(o.name, o.kind, o.step, o.accuracy, f.latency[i], float(deadline_ms), quantile, batch_size,
-                         True, f.latency[i] / f.profiled[i])  # fmt: skip
+        return _pick(f, deadline_ms, quantile, batch_size)
 
     def observe(
         self, option: str | Option | Selection, seconds: float, batch_size: int | None = None, *, step: int | None = None
@@ -237,6 +228,18 @@ class DeadlineScheduler:
         return frontier
 
 
+def _pick(f: _Frontier, deadline_ms: float, quantile: float, batch_size: int) -> Selection:
+    """The last option of the frontier that fits the deadline, or the cheapest with a note that it will miss."""
+    i = bisect.bisect_right(f.latency, deadline_ms) - 1
+    fits = i >= 0
+    i = max(i, 0)
+    o, latency = f.options[i], f.latency[i]
+    note = None if fits else (f"deadline {deadline_ms:g} ms is below the cheapest option: {o.name} takes "
+                              f"{latency:.4g} ms at p{100 * quantile:g}, so it will likely miss")  # fmt: skip
+    return Selection(o.name, o.kind, o.step, o.accuracy, latency, float(deadline_ms), quantile, batch_size, fits,
+                     latency / f.profiled[i], note)  # fmt: skip
+
+
 def _build(costs: dict[str, float], profiled: dict[str, float], options: dict[str, Option], version: int) -> _Frontier:
     """Options sorted by cost; only those more accurate than every cheaper one kept (ties: the more accurate
     at equal cost, the cheaper at equal accuracy)."""
@@ -263,3 +266,62 @@ def _check_option(option: Option, profile: DeviceProfile) -> None:
     share = option.exit_share
     if share is None or len(share) != profile.num_steps or not all(s >= 0 and math.isfinite(s) for s in share) or sum(share) <= 0:
         raise AnytimeError(f"option {option.name}: needs {profile.num_steps} non-negative exit shares")
+
+
+class PrecisionScheduler:
+    """One frontier over the options of several schedulers: the same model at several precisions (or any
+    variants of it), each with its own profile, measured on the same device.
+
+    ``select`` answers with the most accurate (variant, option) whose latency fits; its ``option`` reads
+    ``"VARIANT OPTION"`` (``int8 exit1``) and :meth:`variant_of` says which variant's model serves it.
+    """
+
+    def __init__(self, schedulers: dict[str, DeadlineScheduler]) -> None:
+        if not schedulers:
+            raise AnytimeError("give at least one variant to schedule")
+        devices = {name: _device_key(s.profile) for name, s in schedulers.items()}
+        first = next(iter(devices.values()))
+        other = next((name for name, d in devices.items() if d != first), None)
+        if other is not None:
+            raise AnytimeError(
+                f"the profiles were measured on different devices ({first[1]} vs {devices[other][1]} for {other}); "
+                "profile every variant on the device that will run it"
+            )
+        self.schedulers = dict(schedulers)
+        self._options = {f"{variant} {o.name}": (variant, o) for variant, s in schedulers.items() for o in s.options.values()}
+        self._frontiers: dict[tuple[float, int], _Frontier] = {}
+
+    def variant_of(self, option: str) -> str:
+        """The variant (a scheduler's name) whose model serves ``option``."""
+        try:
+            return self._options[option][0]
+        except KeyError:
+            raise AnytimeError(f"no option named '{option}'; the options are {', '.join(self._options)}") from None
+
+    def frontier(self, quantile: float = 0.99, batch_size: int = 1) -> list[tuple[Option, float]]:
+        """The (variant, option) pairs worth choosing, cheapest first, each with its profiled latency (ms);
+        an option's name is prefixed with its variant's."""
+        f = self._frontier(quantile, batch_size)
+        return list(zip(f.options, f.latency))
+
+    def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1) -> Selection:
+        """The most accurate (variant, option) whose latency at ``quantile`` fits in ``deadline_ms``; below every
+        option, the cheapest with ``fits=False`` and a note, as :meth:`DeadlineScheduler.select`."""
+        check_deadline(deadline_ms)
+        return _pick(self._frontier(quantile, batch_size), deadline_ms, quantile, batch_size)
+
+    def _frontier(self, quantile: float, batch_size: int) -> _Frontier:
+        key = (quantile, batch_size)
+        if key not in self._frontiers:
+            costs: dict[str, float] = {}
+            options: dict[str, Option] = {}
+            for name, (variant, o) in self._options.items():
+                costs[name] = self.schedulers[variant].latency(o, quantile, batch_size)
+                options[name] = Option(name, o.accuracy, o.step, o.policy, o.exit_share)
+            self._frontiers[key] = _build(costs, costs, options, -1)
+        return self._frontiers[key]
+
+
+def _device_key(profile: DeviceProfile) -> tuple[str, str]:
+    device = profile.device
+    return str(device.get("type")), str(device.get("label"))
