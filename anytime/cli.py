@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -791,14 +792,19 @@ class _Terminated(BaseException):
         self.signum = signum
 
 
-def _terminate(signum: int, _frame: Any) -> None:
+def _terminate(owner: int, signum: int, _frame: Any) -> None:
+    if os.getpid() != owner:  # a forked worker (a decoding pool, a DataLoader) inherited this: end as it would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise _Terminated(signum)
 
 
 def _catch_termination() -> dict[int, Any]:
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    handler = functools.partial(_terminate, os.getpid())
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def _quiet_broken_pipe() -> int:

@@ -283,6 +283,17 @@ def test_a_terminated_training_leaves_no_temporary_file(tmp_path):
         assert (run / "checkpoint.pt").is_file()
 
 
+def test_a_forked_worker_ends_quietly_on_sigterm():
+    script = ("import multiprocessing, time\n"
+              "from anytime.cli import _catch_termination\n"
+              "_catch_termination()\n"
+              "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))\n"
+              "worker.start(); time.sleep(0.5); worker.terminate(); worker.join()\n"
+              "print(worker.exitcode)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == str(-signal.SIGTERM) and done.stderr == "", done.stderr
+
+
 def test_a_second_writer_of_the_same_result_is_refused(ok, copied_run, cli_error):
     ok(["collect", str(copied_run)])
     target = copied_run / "calibration.json"
