@@ -112,3 +112,17 @@ def test_deadline_benchmark_quick(tmp_path, cifar_root):
                                         "one core busy, adaptive"}  # fmt: skip
     assert len(figures["rows"]) == 16 and all(0 <= r["miss_rate"] <= 1 for r in figures["rows"])
     assert (tmp_path / "run-quick" / "deadline" / "deadline_cifar10.png").is_file()
+
+
+@pytest.mark.needs_data
+def test_quantized_member_benchmark_quick(tmp_path, cifar_root):
+    figures = _benchmark(tmp_path, "quantized_member", "--run", str(tmp_path / "run"))["figures"]
+    assert {"batch 1", "batch 32", "size ratio", "drop points"} <= set(figures)
+    assert (tmp_path / "run-quick-int8" / "quant.safetensors").is_file()
+
+
+@pytest.mark.needs_data
+def test_precision_schedule_benchmark_quick(tmp_path, cifar_root):
+    data = _benchmark(tmp_path, "precision_schedule", "--run", str(tmp_path / "run"))
+    assert data["verdict"] in ("pass", "fail") and data["figures"]["frontier"]
+    assert any(option["option"].startswith(("fp32 ", "int8 ")) for option in data["figures"]["frontier"])
