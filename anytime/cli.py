@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from anytime.errors import AnytimeError
 
@@ -75,9 +75,16 @@ def _finite_float(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line, like every other error, pointing at the command's help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (exposed for tests and documentation)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="anytime",
         description="Anytime inference research in PyTorch: train, measure and schedule models on a device.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -414,10 +421,13 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from anytime.demo import DEMO_CONFIG, DEMO_REQUESTS, run_demo
 
+    from anytime.utils.outputs import check_replaceable
+
+    out = Path(args.out) if args.out else Path("runs") / "demo"
+    check_replaceable(out, "demo", overwrite=args.overwrite, create_parents=args.out is None)
     print(f"demo: training {DEMO_CONFIG.model} on the embedded digits for {DEMO_CONFIG.epochs} epochs...",
           file=sys.stderr)  # fmt: skip
-    result = run_demo(args.out or Path("runs") / "demo", progress=sys.stderr.isatty(), overwrite=args.overwrite,
-                      create_parents=args.out is None)  # fmt: skip
+    result = run_demo(out, progress=sys.stderr.isatty(), overwrite=args.overwrite, create_parents=args.out is None)
     final = result.summary["final"]
     print(f"test accuracy {100 * final['test_acc']:.2f}% (validation {100 * final['val_acc']:.2f}%) "
           f"in {result.summary['train_time_s']:.1f} s of training")  # fmt: skip

@@ -74,7 +74,7 @@ def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_s
     run = load_run(run_dir, device)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; train it with --exits to collect exits' outputs")
-    target = check_output_file(cache_path(run_dir, split), what="output cache")
+    target = check_output_file(cache_path(run_dir, split), what="output cache", flag="")
     check_forward_memory(run.model, _input_shape(run), batch_size, what=f"collecting at batch {batch_size}",
                          hint="lower --batch-size")  # fmt: skip
     with output_lock(target):
@@ -133,8 +133,8 @@ def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000,
     setting, with its Pareto flag) and ``RUN/sweep-SPLIT.json`` (the fronts, the oracle, the exits)."""
     _check_split(split)
     cache = _cache(run_dir, split)
-    csv_target = check_output_file(Path(run_dir) / f"sweep-{split}.csv", what="sweep")
-    check_output_file(Path(run_dir) / f"sweep-{split}.json", what="sweep")
+    csv_target = check_output_file(Path(run_dir) / f"sweep-{split}.csv", what="sweep", flag="")
+    check_output_file(Path(run_dir) / f"sweep-{split}.json", what="sweep", flag="")
     with output_lock(csv_target):
         return _sweep(run_dir, cache, criteria, settings, split)
 
@@ -259,7 +259,7 @@ def evaluate_run(
     )
     num_classes = int(run.dataset["num_classes"])
     policy.check(run.num_steps, num_classes)
-    target = check_output_file(Path(run_dir) / f"evaluation-{split}.json", what="evaluation")
+    target = check_output_file(Path(run_dir) / f"evaluation-{split}.json", what="evaluation", flag="")
     with output_lock(target):
         report = _evaluate(run, policy, split, latency_samples, batch_size)
         write_json(target, report)
@@ -348,7 +348,7 @@ def plot_run(
 
     val = _cache(run_dir, "val")
     folder = Path(run_dir) / "plots"
-    check_output_file(folder / "pareto.png", what="figure")
+    check_output_file(folder / "pareto.png", what="figure", flag="")
     skipped: list[str] = []
     report = None
     calibration = Path(run_dir) / CALIBRATION

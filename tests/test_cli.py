@@ -125,7 +125,7 @@ def test_argument_errors_are_reported_by_argparse(capsys):
             main(argv)
         assert info.value.code == 2
         err = capsys.readouterr().err
-        assert "Traceback" not in err and "error:" in err
+        assert "Traceback" not in err and "error:" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_demo_writes_results_and_plots(capsys, tmp_path):

@@ -423,3 +423,72 @@ def test_extend_records_itself_in_the_card(ok, tmp_path, capsys):
     text = card.read_text()
     assert "epochs = 2" in text.split("[results]")[1] and "extended_from = 1" in text
     capsys.readouterr()
+
+
+# ---- cases found by an adversarial pass -----------------------------------------------------------------------
+
+
+def test_overwrite_refuses_init_weights_inside_the_run_it_would_clear(ok, tmp_path, cli_error):
+    run = tmp_path / "run"
+    ok(_train(run, "--epochs", "1"))
+    before = _tree(run)
+    cli_error(_train(run, "--epochs", "1", "--init", str(run), "--overwrite"), "--overwrite would clear")
+    assert _tree(run) == before
+
+
+def test_overwrite_refuses_user_files_inside_anytimes_sub_folders(ok, copied_run, tmp_path, cli_error):
+    (copied_run / "outputs").mkdir()
+    (copied_run / "outputs" / "mynotes.txt").write_text("mine")
+    cli_error(_train(copied_run, "--epochs", "1", "--overwrite"), "outputs/mynotes.txt")
+    assert (copied_run / "outputs" / "mynotes.txt").read_text() == "mine"
+    study = tmp_path / "study"
+    with staged_dir(study, "study") as work:
+        (work / "runs").mkdir()
+        (work / "runs" / "a.csv").write_text("a")
+    (study / "runs" / "b.txt").write_text("mine")
+    with pytest.raises(AnytimeError, match="runs/b.txt"), staged_dir(study, "study", overwrite=True):
+        pass
+    assert (study / "runs" / "b.txt").read_text() == "mine"
+
+
+def test_a_run_killed_before_its_first_epoch_can_be_trained_again(ok, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    outputs.write_marker(run, "run", outputs.RUN_ENTRIES)
+    (run / "config.json").write_text("{}")  # what a kill -9 in the first epoch leaves
+    ok(_train(run, "--epochs", "1"))
+    assert (run / "model.safetensors").is_file()
+
+
+def test_pipes_symlinks_and_dangling_links_as_output_files(ok, copied_run, tmp_path, cli_error):
+    ok(["collect", str(copied_run)])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cli_error(["calibrate", str(copied_run), "--max-drop", "1", "--out", str(fifo)], "not a regular file")
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.json")
+    cli_error(["calibrate", str(copied_run), "--max-drop", "1", "--out", str(dangling)], "symbolic link to nothing")
+    real, link = tmp_path / "cal.json", tmp_path / "link.json"
+    ok(["calibrate", str(copied_run), "--max-drop", "1", "--out", str(real)])
+    link.symlink_to(real)
+    ok(["calibrate", str(copied_run), "--max-drop", "2", "--out", str(link)])
+    assert link.is_symlink() and json.loads(real.read_text())["target"]["max_drop_points"] == 2
+
+
+def test_any_failure_of_a_writer_is_one_line_naming_the_users_path(tmp_path, monkeypatch):
+    import anytime.train.checkpoint as checkpoint
+
+    def odd(obj, path):  # what torch.save said on a full tmpfs
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0")
+
+    monkeypatch.setattr(checkpoint.torch, "save", odd)
+    monkeypatch.setattr(resources, "free_space", lambda path: 0)
+    with pytest.raises(AnytimeError, match=f"no space left to write {tmp_path / 'study' / 'c.pt'}"):
+        with staged_dir(tmp_path / "study", "study") as work:
+            checkpoint.save_checkpoint(work / "c.pt", {"epoch": 0})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_checks_its_folder_before_announcing_the_training(tmp_path, cli_error):
+    (tmp_path / "mine.txt").write_text("x")
+    cli_error(["demo", "--out", str(tmp_path)], "mine.txt")

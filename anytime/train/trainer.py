@@ -180,12 +180,18 @@ class Trainer:
     def _claim(self, overwrite: bool) -> bool:
         """Check the run folder again under the lock; clear an earlier run if allowed. True if we create it."""
         state = check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
-        if state is DirState.OURS:
+        started = any((self.run_dir / name).is_file() for name in (CHECKPOINT, "model.safetensors"))
+        if state is DirState.OURS and started:  # a run that never finished an epoch holds nothing to lose
+            init = self.config.init
+            if overwrite and init is not None and Path(init).resolve().is_relative_to(self.run_dir.resolve()):
+                raise AnytimeError(f"--init {init} is inside {self.run_dir}, which --overwrite would clear; copy the "
+                                   "weights elsewhere or choose another --out")  # fmt: skip
             if not overwrite:
                 raise AnytimeError(
                     f"{self.run_dir} already holds a run; continue it with --resume, train it longer with --extend "
                     "--epochs N, replace it with --overwrite, or choose another --out"
                 )
+        if state is DirState.OURS:
             clear_run(self.run_dir)
         self.run_dir.mkdir(exist_ok=True)
         write_marker(self.run_dir, RUN, RUN_ENTRIES)

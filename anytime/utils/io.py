@@ -38,10 +38,10 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         try:
             yield tmp
-        except (OSError, RuntimeError) as exc:
-            if isinstance(exc, OSError) or _is_write_failure(exc):
-                raise write_error(target, exc) from None
+        except AnytimeError:
             raise
+        except Exception as exc:  # noqa: BLE001  the block only writes: torch, safetensors and numpy fail in their own ways
+            raise write_error(target, exc) from None
         # mkstemp creates 0600 files; results and checkpoints get the permissions a plain open() would give.
         umask = os.umask(0)
         os.umask(umask)
@@ -62,12 +62,14 @@ class DiskFullError(AnytimeError):
 def write_error(target: Path, exc: BaseException) -> AnytimeError:
     """The one-line error for a failed write of ``target``: the path, the reason and, when the disk is full,
     the free space left."""
-    code = getattr(exc, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT) or (isinstance(exc, RuntimeError) and _is_write_failure(exc)):
-        from anytime.utils.resources import format_bytes, free_space
+    from anytime.utils.outputs import user_path
+    from anytime.utils.resources import format_bytes, free_space
 
-        free = free_space(target.parent)
-        if code in (errno.ENOSPC, errno.EDQUOT) or free < 64 * 2**20:
+    code = getattr(exc, "errno", None)
+    free = free_space(target.parent)
+    target = Path(user_path(target))  # a file inside a staged folder is named where it will be
+    if code in (errno.ENOSPC, errno.EDQUOT) or not isinstance(exc, OSError):
+        if code in (errno.ENOSPC, errno.EDQUOT) or free < 64 * 2**20 or "space" in str(exc).lower():
             return DiskFullError(
                 f"no space left to write {target} ({format_bytes(free)} free on its file system); "
                 "free some space or write elsewhere"
@@ -77,11 +79,6 @@ def write_error(target: Path, exc: BaseException) -> AnytimeError:
         return AnytimeError(f"{target} is a folder, not a file; choose another path")
     reason = getattr(exc, "strerror", None) or str(exc)
     return AnytimeError(f"could not write {target} ({reason}); check the folder's permissions or choose another path")
-
-
-def _is_write_failure(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "write" in text or "no space" in text
 
 
 @contextlib.contextmanager

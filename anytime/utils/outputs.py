@@ -64,10 +64,12 @@ def temp_prefix(name: str) -> str:
 
 
 def user_path(path: str | os.PathLike[str]) -> str:
-    """The path a user knows for one of our temporary names (the file it was about to become)."""
-    text = os.fspath(path)
-    match = _TEMP.match(os.path.basename(text))
-    return os.path.join(os.path.dirname(text), match["name"]) if match else text
+    """The path a user knows for a path through our temporary names (what each was about to become)."""
+    parts = []
+    for part in Path(os.fspath(path)).parts:
+        match = _TEMP.match(part)
+        parts.append(match["name"] if match else part)
+    return str(Path(*parts)) if parts else os.fspath(path)
 
 
 def is_temporary(name: str) -> bool:
@@ -169,8 +171,9 @@ def output_lock(target: str | os.PathLike[str], *, command: str = "") -> Iterato
     else:
         raise AnytimeError(f"could not lock {target}: its lock file keeps changing; is another process writing it?")
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": host_tag(), "command": command or " ".join(sys.argv)}).encode())
+        with contextlib.suppress(OSError):  # on a full disk the lock still holds; only the holder's name is lost
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": host_tag(), "command": command or " ".join(sys.argv)}).encode())
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -198,8 +201,9 @@ class Marker:
     entries: tuple[str, ...]
 
     def owns(self, name: str) -> bool:
-        """True if ``name`` (an entry of the folder) is one anytime wrote there."""
-        return name == MARKER or is_temporary(name) or any(fnmatch.fnmatchcase(name, p) for p in self.entries)
+        """True if ``name`` (an entry of the folder, a file or a sub-folder) is one anytime wrote there."""
+        return name == MARKER or is_temporary(name) or any(
+            fnmatch.fnmatchcase(name, p) or p.startswith(f"{name}/") for p in self.entries)
 
 
 def write_marker(folder: str | os.PathLike[str], kind: str, entries: Sequence[str]) -> Path:
@@ -245,10 +249,12 @@ def _check_parent(path: Path, flag: str, create_parents: bool) -> None:
         if ancestor.parent == ancestor:
             break
         ancestor = ancestor.parent
+    where = f"{flag} {path}" if flag else str(path)
+    advice = f"choose another {flag}" if flag else "move it away or fix the run folder"
     if ancestor.exists() and not ancestor.is_dir():
-        raise AnytimeError(f"{flag} {path}: {ancestor} is a file, so nothing can be written below it; choose another {flag}")
+        raise AnytimeError(f"{where}: {ancestor} is a file, so nothing can be written below it; {advice}")
     if ancestor != parent and not create_parents:
-        raise AnytimeError(f"{flag} {path}: the folder {parent} does not exist; create it first or choose another {flag}")
+        raise AnytimeError(f"{where}: the folder {parent} does not exist; create it first or {advice}")
     probe_writable(ancestor, flag=flag, given=path)
 
 
@@ -257,10 +263,9 @@ def probe_writable(folder: Path, *, flag: str = "--out", given: Path | None = No
     try:
         fd, name = tempfile.mkstemp(prefix=temp_prefix("probe"), suffix=".tmp", dir=folder)
     except OSError as exc:
-        what = f"{flag} {given}: " if given is not None else ""
-        raise AnytimeError(
-            f"{what}cannot write in {folder} ({exc.strerror or exc}); fix its permissions or choose another {flag}"
-        ) from None
+        what = (f"{flag} {given}: " if flag else f"{given}: ") if given is not None else ""
+        advice = f"fix its permissions or free space, or choose another {flag}" if flag else "fix its permissions or free space"
+        raise AnytimeError(f"{what}cannot write in {folder} ({exc.strerror or exc}); {advice}") from None
     os.close(fd)
     os.unlink(name)
 
@@ -287,7 +292,7 @@ def check_output_dir(
         )
     if marker.kind != kind:
         raise AnytimeError(f"{flag} {target} holds a {marker.kind}, not a {kind}; choose another folder")
-    strays = [n for n in names if not marker.owns(n)]
+    strays = _strays(target, marker)
     if strays:
         raise AnytimeError(
             f"{flag} {target} holds a {kind} and also files anytime did not write (e.g. {strays[0]}); "
@@ -303,12 +308,19 @@ def check_output_file(
     """Check an output file before any work: not a folder, its folder writable (and existing, unless
     ``create_parents``), and an existing file replaced only if it is an anytime ``what`` (its ``format_tag``)."""
     target = Path(path)
+    label = f"{flag} {target}" if flag else str(target)
+    if target.is_symlink():
+        if not target.exists():
+            raise AnytimeError(f"{label} is a symbolic link to nothing ({os.readlink(target)}); give a real file name")
+        target = target.resolve()  # written where the link points, the link kept
     if target.is_dir():
-        raise AnytimeError(f"{flag} {target} is a folder; give the {what} a file name, e.g. {target / example}")
+        raise AnytimeError(f"{label} is a folder; give the {what} a file name, e.g. {target / example}")
+    if target.exists() and not target.is_file():
+        raise AnytimeError(f"{label} is not a regular file (a pipe or a device); give a file name")
     if target.exists():
         if format_tag is not None and not _has_format(target, format_tag):
             raise AnytimeError(
-                f"{flag} {target} exists and is not an anytime {what}; anytime never overwrites a file it did not "
+                f"{label} exists and is not an anytime {what}; anytime never overwrites a file it did not "
                 "write: choose another file name"
             )
         probe_writable(target.parent, flag=flag, given=target)
@@ -325,6 +337,40 @@ def _has_format(path: Path, tag: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and doc.get("format") == tag
+
+
+# What the run's own sub-folders hold (the cut study's folder is marked as its own).
+_RUN_SUBFOLDERS = {"outputs": ("*.npz",), "plots": ("*.png", "*.svg")}
+
+
+def _strays(folder: Path, marker: Marker) -> list[str]:
+    """Everything below ``folder`` that ``marker`` does not own, sub-folders included: a sub-folder with a
+    marker of its own is checked against it, a run's ``outputs`` and ``plots`` against what they hold, any
+    other against the files recorded when the results were staged."""
+    strays: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        path = folder / name
+        if name == MARKER or is_temporary(name):
+            continue
+        if not marker.owns(name):
+            strays.append(name)
+        elif path.is_dir() and not path.is_symlink():
+            inner = read_marker(path)
+            if inner is not None:
+                strays += [f"{name}/{n}" for n in _strays(path, inner)]
+                continue
+            patterns = _RUN_SUBFOLDERS.get(name) if marker.kind == RUN else None
+            for file in sorted(p for p in path.rglob("*") if not p.is_dir()):
+                relative = file.relative_to(folder).as_posix()
+                if is_temporary(file.name):
+                    continue
+                if patterns is not None:
+                    ours = file.parent == path and any(fnmatch.fnmatchcase(file.name, p) for p in patterns)
+                else:
+                    ours = relative in marker.entries
+                if not ours:
+                    strays.append(relative)
+    return strays
 
 
 def clear_run(folder: str | os.PathLike[str]) -> None:
@@ -376,7 +422,8 @@ def staged_dir(
         work = Path(tempfile.mkdtemp(prefix=temp_prefix(final.name), suffix=".partial", dir=final.parent))
         try:
             yield work
-            write_marker(work, kind, entries if entries is not None else [e for e in os.listdir(work) if e != MARKER])
+            written = [p.relative_to(work).as_posix() for p in work.rglob("*") if not p.is_dir() and p.name != MARKER]
+            write_marker(work, kind, entries if entries is not None else written)
             _put_in_place(work, final, kind, flag)
         finally:
             if work.exists():
