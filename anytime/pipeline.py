@@ -371,6 +371,11 @@ def plot_run(
     results = {name: sweep(val, name, settings=settings) for name in list(criteria or CRITERIA)}
     with output_lock(folder), staged_files(folder) as work:
         names = _draw_run(Path(run_dir).name, work, val, results, report, rows, scheduler)
+    for stem, drawn in (("exit_histogram", report is not None), ("exit_accuracy", bool(rows)),
+                        ("deadline_accuracy", scheduler is not None), ("latency", scheduler is not None)):  # fmt: skip
+        if not drawn:  # an earlier figure of a section not drawn now would be mistaken for a current one
+            for old in (folder / f"{stem}.png", folder / f"{stem}.svg"):
+                old.unlink(missing_ok=True)
     return PlotReport([folder / name for name in names], skipped)
 
 

@@ -366,6 +366,9 @@ def test_plot_says_why_deadline_plots_are_missing(ok, copied_run, tmp_path, caps
     out = ok(["plot", str(copied_run)])
     assert "not drawn: deadline plots:" in out and "several profiles" in out and "--profile" in out
     assert (copied_run / "plots" / "pareto.png").is_file() and not (copied_run / "plots" / "latency.png").exists()
+    (copied_run / "plots" / "latency.png").write_bytes(b"an earlier figure")
+    ok(["plot", str(copied_run)])
+    assert not (copied_run / "plots" / "latency.png").exists(), "a stale figure of a section not drawn was left"
 
     shutil.rmtree(copied_run / "plots")
     bad = tmp_path / "other.json"
@@ -492,3 +495,18 @@ def test_any_failure_of_a_writer_is_one_line_naming_the_users_path(tmp_path, mon
 def test_demo_checks_its_folder_before_announcing_the_training(tmp_path, cli_error):
     (tmp_path / "mine.txt").write_text("x")
     cli_error(["demo", "--out", str(tmp_path)], "mine.txt")
+
+
+def test_absurd_worker_counts_are_refused(tmp_path, cli_error):
+    cli_error(_train(tmp_path / "run", "--epochs", "1", "--workers", "100000"), "workers must be 0..64")
+    assert not (tmp_path / "run").exists()
+
+
+def test_update_card_writes_through_a_link(ok, tmp_path):
+    card = tmp_path / "my.toml"
+    card.write_text('[card]\nname = "tiny"\n[model]\nname = "lenet"\n[data]\nname = "digits"\n'
+                    "[train]\nepochs = 1\nbatch_size = 64\n[results]\n")  # fmt: skip
+    link = tmp_path / "link.toml"
+    link.symlink_to(card)
+    ok(["train", "--card", str(link), "--out", str(tmp_path / "run"), "--no-progress", "--update-card"])
+    assert link.is_symlink() and "test_acc" in card.read_text()

@@ -91,7 +91,7 @@ def record_results(card: ModelCard, results: dict[str, Any]) -> Path:
     while head and not head[-1].strip():
         head.pop()
     body = ["[results]", *(f"{key} = {_toml_value(key, value)}" for key, value in results.items())]
-    return write_text(card.path, "\n".join([*head, "", *body]) + "\n")
+    return write_text(card.path.resolve(), "\n".join([*head, "", *body]) + "\n")  # through a link, the link kept
 
 
 def _toml_value(key: str, value: Any) -> str:

@@ -20,6 +20,9 @@ _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [
                                 "exit_weights": "one loss weight per exit, e.g. [1, 1, 1]"}  # fmt: skip
 
 
+MAX_WORKERS = 64  # DataLoader worker processes; more only exhausts memory (each holds its own copy)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides a training run's result (and a few knobs that only decide its speed).
@@ -86,7 +89,9 @@ class TrainConfig:
             ),
             (0 < self.val_fraction < 1, f"validation fraction must be in (0, 1) (got {self.val_fraction})"),
             (self.schedule in SCHEDULES, f"unknown lr schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}"),
-            (self.workers >= 0, f"workers must be >= 0 (got {self.workers})"),
+            (0 <= self.workers <= MAX_WORKERS,
+             f"workers must be 0..{MAX_WORKERS} (got {self.workers}): each worker is a process with its own copy of "
+             "the loader; a few per core is plenty"),
             (self.prefetch_factor >= 1, f"prefetch factor must be >= 1 (got {self.prefetch_factor})"),
             (self.limit_train is None or self.limit_train >= 1, "limit_train must be a positive count"),
             (all(0 < m < 1 for m in self.step_milestones), "step milestones are fractions of the run in (0, 1)"),
