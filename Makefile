@@ -10,7 +10,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,deploy]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

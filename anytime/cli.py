@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
     "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
     "quantize": "a run's steps at another precision (int8, int8-dynamic, bf16, fp16), as a run the pipeline takes",
+    "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
     "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
@@ -263,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     quantize.add_argument("--out", metavar="DIR", help="the new run (default RUN-PRECISION beside RUN)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+
+    export = sub.add_parser("export", description=COMMANDS["export"])
+    export.add_argument("run", metavar="RUN", help="a finished run: float, or converted by 'anytime quantize'")
+    export.add_argument("--format", required=True, choices=["pt2", "onnx"],
+                        help="pt2: torch.export programs (fp32, int8 PT2E, bf16); onnx: ONNX graphs for ONNX Runtime or "
+                             "TensorRT (fp32, int8 QDQ by ONNX Runtime's quantize_static; needs anytime[deploy])")
+    export.add_argument("--precision", choices=["fp32", "int8", "bf16"],
+                        help="default: the run's own (fp32 for a float run)")
+    export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
+    export.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
+                        help="int8 from a float run: training images that calibrate it (default 512)")
+    export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
+                        help="test images the parity table compares on (default 1000; 0: no table)")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
@@ -786,10 +801,34 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from anytime.export import export_run
+
+    report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
+                        calibration_images=args.calibration_images, parity_images=args.parity_images)  # fmt: skip
+    manifest = report.manifest
+    print(f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
+          f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else ""))
+    for part in manifest.parts:
+        print(f"  {part.file:<16} {part.role:<8} step {part.step}  in {'x'.join(map(str, part.input_shape)):<10} "
+              f"out {'x'.join(map(str, part.output_shape)):<10} {part.bytes / 1e6:8.3f} MB")
+    if report.parity:
+        print(f"{'step':<5} {'dtype':<6} {'input':<10} {'max err':>9} {'top-1 agree':>12} {'eager ms':>9} {'artifact ms':>12} "
+              f"{'eager img/s':>12} {'artifact img/s':>15}")
+        for r in report.parity:
+            print(f"{r.step:<5} {r.dtype:<6} {r.input_shape:<10} {r.max_abs_err:9.2e} {100 * r.top1_agreement:11.2f}% "
+                  f"{r.eager_p50_ms:9.3f} {r.artifact_p50_ms:12.3f} {r.eager_images_per_s:12.0f} {r.artifact_images_per_s:15.0f}")
+        print(f"parity on {report.parity[0].images} test images; batch-1 p50 and batch-32 throughput, eager fp32 vs the artifact")
+        print(f"table {report.out / 'parity.csv'}")
+    print(f"next: anytime profile {report.out}")
+    return 0
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
-    "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "experiment": _cmd_experiment,
+    "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
+    "experiment": _cmd_experiment,
     "demo": _cmd_demo,
 }  # fmt: skip
 

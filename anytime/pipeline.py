@@ -35,7 +35,7 @@ from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option, Precisio
 from anytime.train import load_splits
 from anytime.train.runs import WEIGHTS, LoadedRun, load_run, precision_record, run_config, run_weights_fingerprint
 from anytime.utils.io import read_json, write_csv, write_json
-from anytime.utils.machine import describe_machine, device_label, git_sha
+from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
 from anytime.utils.resources import check_forward_memory
 
@@ -416,38 +416,60 @@ def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
-    """Profile a finished run's model on this device (synthetic inputs: no dataset needed) and save it.
+    """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
+    inputs: no dataset needed) and save it.
 
     On a CPU the peak memory of each batch size is measured in a fresh process; on a GPU, by the allocator.
     """
+    from anytime.precision.export import MANIFEST
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
-    run = load_run(run_dir, device)
-    shape = _input_shape(run)
+    if (Path(run_dir) / MANIFEST).is_file():
+        model, shape, name, fingerprint, classes, target_device = _export_target(run_dir, device, train)
+    else:
+        run = load_run(run_dir, device)
+        model, shape, name, fingerprint = run.model, _input_shape(run), run.config.model, run.fingerprint
+        classes, target_device = int(run.dataset["num_classes"]), run.device
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
-    target = check_output_file(Path(out) if out else default_profile_path(run_dir, run.device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
+    target = check_output_file(Path(out) if out else default_profile_path(run_dir, target_device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
                                example="profile.json")  # fmt: skip
     largest = max(sizes)
-    check_forward_memory(run.model, shape, largest, training=train, what=f"profiling at batch {largest}",
+    check_forward_memory(model, shape, largest, training=train, what=f"profiling at batch {largest}",
                          hint="profile smaller --batch-sizes, e.g. 1,8,16,32")  # fmt: skip
 
     def probe(sizes: list[int]) -> dict[int, dict[str, Any]]:
         threads = torch.get_num_threads()
         try:
-            return {b: run_isolated(inference_memory, str(run.run_dir), b, threads=threads, timeout_s=600) for b in sizes}
+            return {b: run_isolated(inference_memory, str(run_dir), b, threads=threads, timeout_s=600) for b in sizes}
         except RuntimeError as exc:
             raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
 
     with output_lock(target):
         profile = profile_model(
-            run.model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=run.device,
-            model_name=run.config.model, fingerprint=run.fingerprint, num_classes=int(run.dataset["num_classes"]),
-            train=train, memory=probe if memory else None,
+            model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
+            model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
+            memory=probe if memory else None,
         )  # fmt: skip
         path = profile.save(target)
     return profile, path
 
+
+def _export_target(
+    folder: str | Path, device: str, train: bool
+) -> tuple[torch.nn.Module, tuple[int, ...], str, str, int, torch.device]:
+    """An export's artifacts as ``profile_run`` measures them: on the CPU (ONNX through ONNX Runtime)."""
+    from anytime.precision.export import load_export
+
+    if train:
+        raise AnytimeError(f"{folder} is an export (inference artifacts); profile training with its float run")
+    if resolve_device(device).type != "cpu":
+        raise AnytimeError(f"{folder} is profiled on the CPU here; on a GPU board build a TensorRT engine from the ONNX "
+                           "export and time it with trtexec (see the README)")  # fmt: skip
+    exported = load_export(folder)
+    manifest = exported.manifest
+    name = f"{manifest.model} ({manifest.format} {manifest.precision}, {exported.backend})"
+    return exported, manifest.input_shape, name, manifest.fingerprint, manifest.num_classes, torch.device("cpu")
 
 
 def find_profile(run_dir: str | Path, profile: str | Path | None = None) -> Path:

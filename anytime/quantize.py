@@ -13,15 +13,17 @@ import shutil
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
-from anytime.train.runs import QUANT_STATE, WEIGHTS, load_run, precision_record, run_config
+from anytime.train.runs import QUANT_STATE, WEIGHTS, LoadedRun, load_run, precision_record, run_config
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -51,6 +53,14 @@ def _parent_accuracy(run_dir: Path, num_steps: int) -> tuple[list[dict[str, Any]
     return steps, final
 
 
+def calibration_batches(run: LoadedRun, count: int) -> Iterator[Tensor]:
+    """``count`` training images of the run's data (seeded), in batches: what int8 calibration sees. Never
+    validation (it picks thresholds) or test (it is only reported)."""
+    splits = _splits_of(run)
+    chosen = splits.train.sample(min(count, len(splits.train)), run.config.seed)
+    return (x for x, _ in make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=run.config.seed))
+
+
 def quantize_run(
     run_dir: str | Path, precision: str, *, calibration_images: int = DEFAULT_CALIBRATION_IMAGES,
     out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
@@ -72,10 +82,7 @@ def quantize_run(
     parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
     splits = _splits_of(run)
     seed = run.config.seed
-    calibration = None
-    if precision == "int8":  # training images only: validation picks thresholds, test is only reported
-        chosen = splits.train.sample(min(calibration_images, len(splits.train)), seed)
-        calibration = (x for x, _ in make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=seed))
+    calibration = calibration_batches(run, calibration_images) if precision == "int8" else None
     model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
                            device=target_device)  # fmt: skip
     model = model.to(target_device)

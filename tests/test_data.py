@@ -273,9 +273,15 @@ def test_folder_cache_reuse_and_rebuild(tmp_path: Path, monkeypatch: pytest.Monk
     changed = load_dataset("folder", tree, cache_dir=cache)
     assert len(calls) == 3 and int(changed.test.images[1, 2].min()) == 255
 
+    for image in tree.rglob("*.png"):  # a copy that did not keep modification times: the same data
+        st = image.stat()
+        os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns + 5 * 10**9))
+    touched = load_dataset("folder", tree, cache_dir=cache)
+    assert len(calls) == 4 and touched.info.fingerprint == changed.info.fingerprint
+
     (tree / "test" / "owl" / "new.png").unlink()
     load_dataset("folder", tree, cache_dir=cache)
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 def test_default_cache_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,13 +35,17 @@ Arrays = dict[str, np.ndarray]
 
 @dataclass(frozen=True)
 class FolderScan:
-    """The image files of a tree, in a fixed order, with the classes and the stat fingerprint."""
+    """The image files of a tree, in a fixed order, with the classes and two fingerprints: ``fingerprint``
+    names the data (file names and sizes, so a copy of the tree that changed only modification times is the
+    same data and its runs' splits still hold), ``stamp`` adds the modification times (the decoded cache is
+    rebuilt when a file may have been rewritten)."""
 
     root: Path
     classes: tuple[str, ...]
     train: tuple[tuple[str, int], ...]  # (relative path, class index)
     test: tuple[tuple[str, int], ...]
     fingerprint: str
+    stamp: str
 
 
 def _visible(name: str) -> bool:
@@ -95,7 +99,7 @@ def scan_folder(root: str | os.PathLike[str]) -> FolderScan:
         )
     if len(train_classes) < 2:
         raise AnytimeError(f"{base}/train needs at least 2 class folders, found {len(train_classes)}")
-    digest = hashlib.sha1()
+    digest, stamp = hashlib.sha1(), hashlib.sha1()
     prefix = len(os.path.join(str(base), ""))  # slicing is much faster than os.path.relpath over 60,000 files
     splits: dict[str, list[tuple[str, int]]] = {"train": [], "test": []}
     for split in ("train", "test"):
@@ -107,7 +111,8 @@ def scan_folder(root: str | os.PathLike[str]) -> FolderScan:
             for path, st in files:
                 rel = path[prefix:]
                 splits[split].append((rel, label))
-                digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+                digest.update(f"{rel}\0{st.st_size}\n".encode("utf-8", "surrogateescape"))
+                stamp.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
     if not splits["test"]:
         raise AnytimeError(f"{base}/test holds no images; put test images in {base}/test/<class>/")
     return FolderScan(
@@ -116,6 +121,7 @@ def scan_folder(root: str | os.PathLike[str]) -> FolderScan:
         train=tuple(splits["train"]),
         test=tuple(splits["test"]),
         fingerprint=digest.hexdigest(),
+        stamp=stamp.hexdigest(),
     )
 
 
@@ -242,7 +248,7 @@ def load_folder(
     """Scan, decode (or take from the cache) and describe an image-folder tree."""
     scan = scan_folder(root)
     arrays = cached_arrays(
-        name, scan.root, scan.fingerprint, functools.partial(decode_folder, scan, image_size),
+        name, scan.root, scan.stamp, functools.partial(decode_folder, scan, image_size),
         image_size=image_size, cache_dir=cache_dir,
     )  # fmt: skip
     return RawDataset(

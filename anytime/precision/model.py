@@ -81,7 +81,7 @@ def backend_for(precision: str, device: torch.device) -> str:
     return "cast"
 
 
-def _quiet_torchao() -> contextlib.AbstractContextManager[None]:
+def quiet_torchao() -> contextlib.AbstractContextManager[None]:
     """torchao logs a deprecation notice of torch's at import; it is not the user's concern."""
     logger = logging.getLogger("torch.utils._pytree")
 
@@ -109,7 +109,8 @@ class _Step(nn.Module):
         return self.model.forward_until(x, self.k)  # type: ignore[operator]
 
 
-def _layout(model: nn.Module) -> str:
+def layout_of(model: nn.Module) -> str:
+    """How a model's steps are computed: ``exits`` (segments and heads), ``steps`` (one forward per step) or ``plain``."""
     if hasattr(model, "segments") and hasattr(model, "heads"):
         return "exits"
     if hasattr(model, "forward_until") and int(getattr(model, "num_steps", 1)) > 1:
@@ -120,7 +121,7 @@ def _layout(model: nn.Module) -> str:
 def float_parts(model: nn.Module) -> list[nn.Module]:
     """The graphs a model is converted as: for a multi-exit model segment 0, head 0, segment 1, ...,
     the last segment; for separate steps one module per step; otherwise the model itself."""
-    layout = _layout(model)
+    layout = layout_of(model)
     if layout == "exits":
         segments, heads = list(model.segments), list(model.heads)  # type: ignore[arg-type]
         parts: list[nn.Module] = []
@@ -134,7 +135,7 @@ def float_parts(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
-def _part_inputs(layout: str, parts: list[nn.Module], x: Tensor) -> list[Tensor]:
+def part_inputs(layout: str, parts: list[nn.Module], x: Tensor) -> list[Tensor]:
     """The input each part sees when the model runs on ``x`` (a multi-exit model's head sees its segment's output)."""
     if layout != "exits":
         return [x] * len(parts)
@@ -148,24 +149,23 @@ def _part_inputs(layout: str, parts: list[nn.Module], x: Tensor) -> list[Tensor]
     return inputs
 
 
-class PrecisionModel(nn.Module):
-    """A model's steps at another precision, under the same step contract as the float model it came from.
+class PartsModel(nn.Module):
+    """Steps computed by a chain of graphs (``float_parts`` of a model, converted or exported), under the step
+    contract: a multi-exit model's parts are segment 0, head 0, segment 1, ..., the last segment; otherwise
+    one part per step. Inputs are cast to ``dtype`` and logits come back in float32."""
 
-    ``float_model`` is the float original (for FLOPs, memory estimates and comparisons); ``step_flops`` are
-    the float graph's FLOPs per step (a quantized graph counts as zero in ``FlopCounterMode``).
-    """
-
-    def __init__(self, float_model: nn.Module, parts: list[nn.Module], spec: PrecisionSpec, step_flops: tuple[int, ...]) -> None:
+    def __init__(
+        self, layout: str, parts: list[nn.Module], *, dtype: torch.dtype, step_flops: tuple[int, ...],
+        exit_info: Any = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.layout = _layout(float_model)
+        self.layout = layout
         self.parts = nn.ModuleList(parts)
-        self.spec = spec
         self.step_flops = step_flops
-        object.__setattr__(self, "float_model", float_model)  # not a submodule: saved and moved by its owner
-        self.exit_info = getattr(float_model, "exit_info", None)
-        self.backbone_flops = getattr(float_model, "backbone_flops", step_flops[-1])
-        self.incremental = self.layout == "exits"
-        self._dtype = _DTYPES.get(spec.precision, torch.float32)
+        self.exit_info = exit_info
+        self.backbone_flops = step_flops[-1]
+        self.incremental = layout == "exits"
+        self._dtype = dtype
         self.training = False
 
     @property
@@ -221,12 +221,27 @@ class PrecisionModel(nn.Module):
         """``forward_all`` for a model of several steps, the logits ``[B, C]`` for a plain one."""
         return self.forward_until(x, 0) if self.layout == "plain" else self.forward_all(x)
 
-    def train(self, mode: bool = True) -> PrecisionModel:
+    def train(self, mode: bool = True) -> PartsModel:
         """Always in inference mode: the converted graphs were exported in eval mode and have no other."""
         if mode:
             raise AnytimeError("a converted model is for inference; train the float run it came from")
         self.training = False  # not passed down: exported graphs refuse train()/eval()
         return self
+
+
+class PrecisionModel(PartsModel):
+    """A model's steps at another precision, under the same step contract as the float model it came from.
+
+    ``float_model`` is the float original (for FLOPs, memory estimates and comparisons); ``step_flops`` are
+    the float graph's FLOPs per step (a quantized graph counts as zero in ``FlopCounterMode``).
+    """
+
+    def __init__(self, float_model: nn.Module, parts: list[nn.Module], spec: PrecisionSpec, step_flops: tuple[int, ...]) -> None:
+        super().__init__(layout_of(float_model), parts, dtype=_DTYPES.get(spec.precision, torch.float32),
+                         step_flops=step_flops, exit_info=getattr(float_model, "exit_info", None))  # fmt: skip
+        self.spec = spec
+        object.__setattr__(self, "float_model", float_model)  # not a submodule: saved and moved by its owner
+        self.backbone_flops = getattr(float_model, "backbone_flops", step_flops[-1])
 
 
 class _Cast(nn.Module):
@@ -247,14 +262,14 @@ class _Float(nn.Module):
         return self.part(x).float()
 
 
-def _lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
+def lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
     """An int8 graph lowered to oneDNN's int8 kernels: exported again with a dynamic batch, then inductor's
     freezing passes (the X86 patterns torchao registers: weight prepacking, fused ReLU and residual adds)
     and constant folding, as torchao's ``lower_pt2e_quantized_to_x86`` does for one fixed batch size."""
     from torch._inductor.constant_folding import constant_fold
     from torch._inductor.fx_passes.freezing_patterns import freezing_passes
 
-    with _quiet_torchao():
+    with quiet_torchao():
         import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  registers the patterns
     keep = {k: v for k, v in torch.export.default_decompositions().items() if torch._export.utils._is_cia_op(k)}
     with torch.no_grad():
@@ -276,7 +291,7 @@ def _lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
 
 
 def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor]) -> list[nn.Module]:
-    with _quiet_torchao():
+    with quiet_torchao():
         from torchao.quantization.pt2e.constant_fold import constant_fold
         from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
@@ -343,7 +358,8 @@ def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor]) -> None
         part.load_state_dict(mine, strict=False)
 
 
-def _float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tuple[int, ...]:
+def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tuple[int, ...]:
+    """FLOPs of each step of a float model on one sample of ``shape`` (``FlopCounterMode``)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     flops = []
@@ -369,10 +385,10 @@ def convert(
     spec = PrecisionSpec(precision, backend_for(precision, target), compile)
     model = model.eval()
     num_steps = int(getattr(model, "num_steps", 1))
-    layout = _layout(model)
-    flops = _float_flops(model, input_shape, num_steps)
+    layout = layout_of(model)
+    flops = float_flops(model, input_shape, num_steps)
     with torch.no_grad():
-        inputs = _part_inputs(layout, float_parts(model), torch.zeros(2, *input_shape))
+        inputs = part_inputs(layout, float_parts(model), torch.zeros(2, *input_shape))
     if precision == "int8":
         parts = float_parts(model)
         prepared = _prepare_int8(parts, inputs)
@@ -382,14 +398,14 @@ def convert(
             state = observer_state(prepared)
         else:
             _load_observers(prepared, state)
-        with _quiet_torchao():
+        with quiet_torchao():
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
             converted: list[nn.Module] = [convert_pt2e(p) for p in prepared]
         if compile:
-            converted = [_lower_int8(p, example[:2]) for p, example in zip(converted, inputs)]
+            converted = [lower_int8(p, example[:2]) for p, example in zip(converted, inputs)]
     elif precision == "int8-dynamic":
-        with _quiet_torchao():
+        with quiet_torchao():
             from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
         copied = copy.deepcopy(model)
         quantize_(copied, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))

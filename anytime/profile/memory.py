@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,19 +122,26 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     ``ru_maxrss`` is read, which also counts loading. ``activations_mb`` is the peak above the RSS with the
     model and the input loaded.
     """
+    from anytime.precision.export import MANIFEST, load_export
     from anytime.profile.steps import run_step, step_count
     from anytime.train.runs import load_run
 
     if threads is not None:
         torch.set_num_threads(threads)
-    run = load_run(run_dir, "cpu")
-    shape = run.dataset.get("image_size") or [32, 32]
-    x = torch.randn(batch_size, int(run.dataset["in_channels"]), int(shape[0]), int(shape[1]))
+    if (Path(run_dir) / MANIFEST).is_file():  # an export's artifacts
+        exported = load_export(run_dir, threads=threads)
+        model: torch.nn.Module = exported
+        x = torch.randn(batch_size, *exported.manifest.input_shape)
+    else:
+        run = load_run(run_dir, "cpu")
+        model = run.model
+        shape = run.dataset.get("image_size") or [32, 32]
+        x = torch.randn(batch_size, int(run.dataset["in_channels"]), int(shape[0]), int(shape[1]))
     with torch.inference_mode():
         loaded = current_rss_bytes()
         reset = _reset_peak_rss()
         for _ in range(2):
-            run_step(run.model, x, step_count(run.model) - 1)
+            run_step(model, x, step_count(model) - 1)
         peak = (_hwm_bytes() if reset else None) or peak_rss_bytes()
     how = "VmHWM after a reset" if reset else "ru_maxrss, loading included"
     return {"peak_mb": peak / MIB, "activations_mb": max(0, peak - loaded) / MIB,

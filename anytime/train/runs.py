@@ -86,8 +86,9 @@ def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
         raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?") from None
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
-    """Rebuild a finished run's model from its recipe and load its final weights (``model.safetensors``)."""
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, converted: bool = True) -> LoadedRun:
+    """Rebuild a finished run's model from its recipe and load its final weights (``model.safetensors``); a
+    converted run's model is converted to its precision unless ``converted=False`` (its float weights)."""
     run = Path(run_dir)
     config, dataset = run_config(run)
     weights = run / WEIGHTS
@@ -106,7 +107,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedR
     load_weights(model, weights)
     target = resolve_device(str(device))
     record = precision_record(run)
-    if record is not None:
+    if record is not None and converted:
         model = _converted(run, model.eval(), record, (shape["in_channels"], *shape["image_size"]), target)
     return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target)
 

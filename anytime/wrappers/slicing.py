@@ -98,7 +98,7 @@ class SlicedConv2d(nn.Conv2d):
         full = self.weight
         if cout == full.shape[0] and cin == full.shape[1]:
             return full
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # traced (export, compile): no Python cache
             return full[:cout, :cin]
         # Inference: keep a contiguous copy per slice, so a narrow step does not copy weights on every call.
         key = (cout, cin)

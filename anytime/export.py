@@ -1,0 +1,201 @@
+"""``anytime export RUN --format pt2|onnx [--precision P] --out DIR``: deployable artifacts of a run's steps,
+a manifest, and the parity table (the torch2trt columns: step, data type, input shape, max abs error vs eager
+fp32, top-1 agreement on real test images, latency and throughput of eager PyTorch vs the artifact).
+
+A float run exports at fp32, or at int8 after calibration on its training images; a converted run
+(``anytime quantize``) exports at its own precision, from its own calibration statistics, so the artifacts
+compute what the quantized run computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+from anytime.pipeline import _splits_of
+from anytime.precision import backend_for, convert
+from anytime.precision.export import (
+    EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, load_export, write_artifacts,
+)  # fmt: skip
+from anytime.precision.model import float_flops, float_parts, layout_of, part_inputs
+from anytime.profile.latency import per_sample_latency, quantile_of
+from anytime.quantize import DEFAULT_CALIBRATION_IMAGES, calibration_batches
+from anytime.train.runs import QUANT_STATE, LoadedRun, load_run, precision_record, run_config, run_weights_fingerprint
+from anytime.utils.io import write_csv, write_json
+from anytime.utils.outputs import staged_dir
+
+PARITY_COLUMNS = (
+    "step", "dtype", "input_shape", "images", "max_abs_err", "top1_agreement", "eager_p50_ms", "artifact_p50_ms",
+    "eager_images_per_s", "artifact_images_per_s",
+)  # fmt: skip
+THROUGHPUT_BATCH = 32
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    """One step of an artifact against the eager fp32 model: error, agreement, latency at batch 1 (p50) and
+    throughput at batch 32."""
+
+    step: int
+    dtype: str
+    input_shape: str
+    images: int
+    max_abs_err: float
+    top1_agreement: float
+    eager_p50_ms: float
+    artifact_p50_ms: float
+    eager_images_per_s: float
+    artifact_images_per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record, in the table's column order."""
+        return {name: getattr(self, name) for name in PARITY_COLUMNS}
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What ``export_run`` wrote: the folder, its manifest and the parity table (empty if not measured)."""
+
+    out: Path
+    manifest: ExportManifest
+    parity: tuple[ParityRow, ...]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _step_logits(model: nn.Module, x: Tensor, k: int) -> Tensor:
+    return model.forward_until(x, k) if int(getattr(model, "num_steps", 1)) > 1 else model(x)  # type: ignore[operator]
+
+
+@torch.inference_mode()
+def parity_table(
+    float_model: nn.Module, exported: ExportedModel, images: Tensor, *, latency_images: int = 50, batches: int = 4,
+) -> list[ParityRow]:  # fmt: skip
+    """Every step of ``exported`` against the eager fp32 model on ``images`` (real test images): the largest
+    absolute difference of the logits and the share of images whose top-1 class agrees; then latency at batch 1
+    (p50 over ``latency_images`` images) and throughput at batch 32 (median over ``batches`` batches), the two
+    interleaved on the same inputs."""
+    manifest = exported.manifest
+    rows = []
+    for k in range(manifest.num_steps):
+        errors, agree = [], 0
+        for start in range(0, images.shape[0], 256):
+            x = images[start : start + 256]
+            reference, answer = _step_logits(float_model, x, k).float(), exported.forward_until(x, k).float()
+            errors.append(float((answer - reference).abs().max()))
+            agree += int((answer.argmax(1) == reference.argmax(1)).sum())
+        functions = {"eager": lambda x, k=k: _step_logits(float_model, x, k), "artifact": lambda x, k=k: exported.forward_until(x, k)}
+        single = per_sample_latency(functions, images[: latency_images + 5], warmup=5)
+        count = min(images.shape[0], THROUGHPUT_BATCH * (batches + 1))
+        batched = per_sample_latency(functions, images[:count], warmup=1, batch_size=THROUGHPUT_BATCH)
+        rows.append(ParityRow(
+            k, manifest.precision, "x".join(str(v) for v in manifest.input_shape), int(images.shape[0]),
+            max(errors), agree / images.shape[0], 1000 * quantile_of(single["eager"], 0.5),
+            1000 * quantile_of(single["artifact"], 0.5), THROUGHPUT_BATCH / float(np.median(batched["eager"])),
+            THROUGHPUT_BATCH / float(np.median(batched["artifact"])),
+        ))  # fmt: skip
+    return rows
+
+
+def _converted_parts(
+    run: LoadedRun, precision: str, fmt: str, shape: tuple[int, ...], state: dict[str, Tensor] | None,
+    calibration_images: int,
+) -> tuple[list[nn.Module], list[list[Tensor]] | None, int | None]:  # fmt: skip
+    """The modules to export and, for int8 ONNX, each part's inputs on the calibration images."""
+    model = run.model
+    if precision == "fp32":
+        return float_parts(model), None, None
+    if precision == "bf16":
+        converted, _ = convert(model, "bf16", input_shape=shape, compile=False)
+        return list(converted.parts), None, None
+    calibrated = min(calibration_images, len(_splits_of(run).train))
+    if fmt == "pt2":
+        batches = calibration_batches(run, calibration_images) if state is None else None
+        converted, _ = convert(model, "int8", input_shape=shape, calibration=batches, state=state, compile=False)
+        return list(converted.parts), None, calibrated if state is None else None
+    parts = float_parts(model)
+    seen: list[list[Tensor]] = [[] for _ in parts]
+    with torch.no_grad():
+        for x in calibration_batches(run, calibration_images):
+            for i, inputs in enumerate(part_inputs(layout_of(model), parts, x)):
+                seen[i].append(inputs)
+    return parts, seen, calibrated
+
+
+def export_run(
+    run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
+    calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
+) -> ExportReport:  # fmt: skip
+    """Export a run's steps as ``fmt`` artifacts into ``out`` with a manifest and (unless ``parity_images`` is
+    0) the parity table, written as ``parity.csv`` and ``parity.json``."""
+    source = Path(run_dir)
+    run_config(source)  # a clear error for a folder that is not a run
+    record = precision_record(source)
+    own = record["precision"] if record is not None else "fp32"
+    precision = precision or own
+    check_exportable(fmt, precision)
+    if record is not None and precision != own:
+        raise AnytimeError(f"{source} is a {own} run; export it at {own}, or export the float run it came from at {precision}")
+    if precision == "int8" and fmt == "pt2":
+        backend_for("int8", torch.device("cpu"))
+    if calibration_images < 1 or parity_images < 0:
+        raise AnytimeError("--calibration-images must be at least 1 and --parity-images at least 0")
+    run = load_run(source, "cpu", converted=False)
+    shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
+    state = None
+    if record is not None and precision == "int8":
+        from anytime.train.checkpoint import read_weights
+
+        state = read_weights(source / QUANT_STATE) if fmt == "pt2" else None
+    float_model = run.model.eval()
+    parts, calibration, calibrated = _converted_parts(run, precision, fmt, shape, state, calibration_images)
+    if record is not None and precision == "int8":
+        calibrated = record.get("calibration_images")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    with torch.no_grad():
+        examples = [x.to(dtype) for x in part_inputs(layout_of(float_model), float_parts(float_model), torch.zeros(2, *shape))]
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    flops = float_flops(float_model, shape, int(getattr(float_model, "num_steps", 1)))
+    images = _test_images(run, parity_images) if parity_images else None
+    entries = (MANIFEST, "parity.csv", "parity.json", f"*.{fmt}", "profile-*.json")
+    with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
+        written = write_artifacts(parts, examples, layout=layout_of(float_model), fmt=fmt, folder=work, calibration=calibration)
+        quantizer = None
+        if precision == "int8":
+            quantizer = "X86InductorQuantizer (PT2E)" if fmt == "pt2" else "onnxruntime quantize_static (QDQ, per channel)"
+        manifest = ExportManifest(
+            fmt, precision, layout_of(float_model), run.config.model, int(run.dataset["num_classes"]), shape, flops,
+            tuple(written), str(source), run_weights_fingerprint(source), now, quantizer, calibrated,
+            {"torch": torch.__version__, "torchao": _version("torchao"), "onnx": _version("onnx"),
+             "onnxruntime": _version("onnxruntime")},
+        )  # fmt: skip
+        write_json(work / MANIFEST, manifest.to_dict())
+        rows: list[ParityRow] = []
+        if images is not None:
+            exported = load_export(work)
+            rows = parity_table(float_model, exported, images, latency_images=latency_images)
+            write_csv(work / "parity.csv", [r.to_dict() for r in rows], PARITY_COLUMNS)
+            write_json(work / "parity.json", {"export": manifest.to_dict(), "backend": exported.backend,
+                                              "threads": torch.get_num_threads(), "rows": [r.to_dict() for r in rows]})  # fmt: skip
+    return ExportReport(Path(out), manifest, tuple(rows))
+
+
+def _test_images(run: LoadedRun, count: int) -> Tensor:
+    from anytime.data import make_loader
+
+    splits = _splits_of(run)
+    chosen = splits.test.sample(min(count, len(splits.test)), run.config.seed)
+    return torch.cat([x for x, _ in make_loader(chosen, splits.info, batch_size=256, train=False, seed=run.config.seed)])

@@ -1,0 +1,412 @@
+"""Deployable artifacts of a model's steps: ``torch.export`` programs (``.pt2``) or ONNX graphs, one per step
+(one per segment and per exit head of a multi-exit model, so a deployed early exit still skips the rest),
+a manifest that names, sizes and checksums them, and a loader that never executes pickled code.
+
+int8 ``.pt2`` artifacts hold the PT2E graph (int8 weights, quantize/dequantize around each kernel) and are
+lowered to oneDNN's int8 kernels when loaded on an x86 CPU; int8 ONNX artifacts are quantized by ONNX
+Runtime's ``quantize_static`` (QDQ, int8 weights per channel, uint8 activations) calibrated on the same
+training images, and run through ONNX Runtime's execution providers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+from anytime.precision.model import PartsModel, quiet_torchao, lower_int8
+
+FORMATS: tuple[str, ...] = ("pt2", "onnx")
+EXPORTABLE: dict[str, tuple[str, ...]] = {"pt2": ("fp32", "int8", "bf16"), "onnx": ("fp32", "int8")}
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "anytime-export-v1"
+EXPORT = "export"  # the kind of results folder an export is
+MAX_BATCH = 4096  # the largest batch an artifact's dynamic batch dimension admits
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+_DTYPES = {"fp32": torch.float32, "int8": torch.float32, "bf16": torch.bfloat16}
+DEPLOY_HINT = "pip install 'anytime[deploy]' (onnx, onnxscript, onnxruntime)"
+
+
+@dataclass(frozen=True)
+class ArtifactPart:
+    """One file of an export: a segment, an exit head, a step or the whole model."""
+
+    file: str
+    role: str  # segment | head | step | model
+    step: int
+    input_shape: tuple[int, ...]  # one sample's, without the batch dimension
+    output_shape: tuple[int, ...]
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record."""
+        return {"file": self.file, "role": self.role, "step": self.step, "input_shape": list(self.input_shape),
+                "output_shape": list(self.output_shape), "bytes": self.bytes, "sha256": self.sha256}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> ArtifactPart:
+        """Rebuild from :meth:`to_dict` (a malformed record raises ``KeyError``/``TypeError``/``ValueError``)."""
+        return cls(str(doc["file"]), str(doc["role"]), int(doc["step"]), tuple(int(v) for v in doc["input_shape"]),
+                   tuple(int(v) for v in doc["output_shape"]), int(doc["bytes"]), str(doc["sha256"]))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    """What an export holds and where it came from; ``fingerprint`` names the artifacts' bytes (a profile of the
+    export must name it), ``parent_fingerprint`` the run they were exported from."""
+
+    format: str
+    precision: str
+    layout: str
+    model: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    step_flops: tuple[int, ...]
+    parts: tuple[ArtifactPart, ...]
+    parent_run: str
+    parent_fingerprint: str
+    created: str
+    quantizer: str | None = None
+    calibration_images: int | None = None
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        """The number of steps the artifacts answer at."""
+        return len(self.step_flops)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short SHA-256 over the artifacts' checksums, their format and precision."""
+        digest = hashlib.sha256(f"{self.format}/{self.precision}".encode())
+        for part in self.parts:
+            digest.update(part.sha256.encode())
+        return digest.hexdigest()[:16]
+
+    @property
+    def bytes(self) -> int:
+        """The artifacts' total size on disk."""
+        return sum(p.bytes for p in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record (with its format tag)."""
+        return {
+            "format_tag": MANIFEST_FORMAT, "format": self.format, "precision": self.precision, "layout": self.layout,
+            "model": self.model, "num_classes": self.num_classes, "input_shape": list(self.input_shape),
+            "step_flops": list(self.step_flops), "parts": [p.to_dict() for p in self.parts],
+            "parent_run": self.parent_run, "parent_fingerprint": self.parent_fingerprint,
+            "fingerprint": self.fingerprint, "bytes": self.bytes, "created": self.created,
+            "quantizer": self.quantizer, "calibration_images": self.calibration_images, "versions": self.versions,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, where: str) -> ExportManifest:
+        """Rebuild from :meth:`to_dict`; anything malformed is a one-line error naming ``where``."""
+        if not isinstance(doc, dict) or doc.get("format_tag") != MANIFEST_FORMAT:
+            raise AnytimeError(f"{where} is not an anytime export manifest; export the run again with `anytime export`")
+        try:
+            manifest = cls(
+                str(doc["format"]), str(doc["precision"]), str(doc["layout"]), str(doc["model"]),
+                int(doc["num_classes"]), tuple(int(v) for v in doc["input_shape"]),
+                tuple(int(v) for v in doc["step_flops"]), tuple(ArtifactPart.from_dict(p) for p in doc["parts"]),
+                str(doc["parent_run"]), str(doc["parent_fingerprint"]), str(doc["created"]),
+                doc.get("quantizer"), doc.get("calibration_images"), dict(doc.get("versions") or {}),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            raise AnytimeError(f"{where} is missing fields or has malformed ones; was it edited? Export the run again") from None
+        if manifest.format not in FORMATS or manifest.precision not in EXPORTABLE[manifest.format]:
+            raise AnytimeError(f"{where}: format '{manifest.format}' at precision '{manifest.precision}' is not one anytime exports")
+        expected = 2 * manifest.num_steps - 1 if manifest.layout == "exits" else manifest.num_steps
+        if not manifest.parts or len(manifest.parts) != expected or manifest.num_steps < 1:
+            raise AnytimeError(f"{where} lists {len(manifest.parts)} artifacts for {manifest.num_steps} steps; was it edited?")
+        if doc.get("fingerprint") not in (None, manifest.fingerprint):
+            raise AnytimeError(f"{where}: the fingerprint does not match the artifacts' checksums; was it edited?")
+        return manifest
+
+
+def check_exportable(fmt: str, precision: str) -> None:
+    """A one-line error for a format or a precision anytime does not export."""
+    if fmt not in FORMATS:
+        raise AnytimeError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
+    if precision not in EXPORTABLE[fmt]:
+        raise AnytimeError(f"{fmt} artifacts are exported at {', '.join(EXPORTABLE[fmt])}, not {precision}")
+
+
+def _roles(layout: str, count: int) -> list[tuple[str, int]]:
+    if layout == "exits":
+        return [("segment" if i % 2 == 0 else "head", i // 2) for i in range(count)]
+    if layout == "steps":
+        return [("step", i) for i in range(count)]
+    return [("model", 0)]
+
+
+def sha256_of(path: Path) -> str:
+    """The full SHA-256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _without_unused_state(part: nn.Module) -> nn.Module:
+    """A converted int8 graph keeps the float weights it no longer reads (the int8 copies replaced them);
+    ``torch.export`` would store them all, so an int8 artifact would be no smaller than the float one."""
+    if not isinstance(part, torch.fx.GraphModule):
+        return part
+    used = {str(node.target) for node in part.graph.nodes if node.op == "get_attr"}
+    for name, _ in [*part.named_parameters(), *part.named_buffers()]:
+        if name not in used:
+            owner, _, attr = name.rpartition(".")
+            delattr(part.get_submodule(owner) if owner else part, attr)
+    return part
+
+
+def _dynamic_batch() -> tuple[dict[int, Any]]:
+    return ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
+
+
+def _export_pt2(part: nn.Module, example: Tensor, path: Path, what: str) -> None:
+    try:
+        with torch.no_grad():
+            program = torch.export.export(_without_unused_state(part), (example,), dynamic_shapes=_dynamic_batch())
+        torch.export.save(program, str(path))
+    except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
+        raise AnytimeError(f"{what} cannot be exported as a .pt2 program ({_first_line(exc)})") from None
+
+
+def _onnx_modules() -> tuple[Any, Any]:
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError:
+        raise AnytimeError(f"ONNX artifacts need onnx and onnxruntime, which are not installed; {DEPLOY_HINT}") from None
+    return onnx, onnxruntime
+
+
+def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str) -> None:
+    _onnx_modules()
+    try:
+        # the exporter reports its progress on stdout; a library stays quiet
+        with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+            torch.onnx.export(
+                part, (example,), str(path), dynamo=True, external_data=False, input_names=["input"],
+                output_names=["output"], dynamic_shapes=_dynamic_batch(), verbose=False,
+            )  # fmt: skip
+    except ImportError as exc:
+        raise AnytimeError(f"ONNX export needs {exc.name or 'onnxscript'}; {DEPLOY_HINT}") from None
+    except Exception as exc:  # noqa: BLE001
+        raise AnytimeError(f"{what} cannot be exported as an ONNX graph ({_first_line(exc)})") from None
+
+
+def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str) -> None:
+    _onnx_modules()
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(CalibrationDataReader):  # the inputs this part saw on the calibration images
+        def __init__(self) -> None:
+            self._batches = iter(batches)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            batch = next(self._batches, None)
+            return None if batch is None else {"input": batch}
+
+    reader = Reader()
+    prepared = path.with_name(path.stem + ".pre.onnx")
+    try:
+        quant_pre_process(str(float_path), str(prepared))
+        quantize_static(
+            str(prepared), str(path), reader, quant_format=QuantFormat.QDQ, per_channel=True,
+            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001
+        raise AnytimeError(f"ONNX Runtime could not quantize {what} ({_first_line(exc)})") from None
+    finally:
+        prepared.unlink(missing_ok=True)
+        float_path.unlink(missing_ok=True)
+
+
+def write_artifacts(
+    parts: Sequence[nn.Module], examples: Sequence[Tensor], *, layout: str, fmt: str, folder: Path,
+    calibration: Sequence[Sequence[Tensor]] | None = None,
+) -> list[ArtifactPart]:  # fmt: skip
+    """Write one artifact per part into ``folder`` and describe them. ``examples`` are each part's input
+    (a small batch, in the part's dtype); for int8 ONNX artifacts ``parts`` are float and ``calibration`` holds
+    each part's inputs on the calibration images (training images only)."""
+    written = []
+    roles = _roles(layout, len(parts))
+    for i, (part, example, (role, step)) in enumerate(zip(parts, examples, roles)):
+        name = f"model.{fmt}" if role == "model" else f"{role}{step}.{fmt}"
+        path = folder / name
+        what = {"segment": f"segment {step}", "head": f"exit head {step}", "step": f"step {step}"}.get(role, "the model")
+        if not isinstance(part, torch.fx.GraphModule):
+            part.eval()  # a multi-exit model's segments are fresh containers, in training mode until told
+        if fmt == "pt2":
+            _export_pt2(part, example, path, what)
+        elif calibration is None:
+            _export_onnx(part, example, path, what)
+        else:
+            float_path = path.with_name(path.stem + ".float.onnx")
+            _export_onnx(part, example, float_path, what)
+            _quantize_onnx(float_path, path, [b.detach().float().numpy() for b in calibration[i]], what)
+        with torch.no_grad():
+            output = part(example)
+        written.append(ArtifactPart(name, role, step, tuple(example.shape[1:]), tuple(output.shape[1:]),
+                                    path.stat().st_size, sha256_of(path)))  # fmt: skip
+    return written
+
+
+def read_manifest(folder: str | os.PathLike[str]) -> ExportManifest:
+    """The manifest of an export folder, checked against the files: each present, of its size and checksum."""
+    root = Path(folder)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise AnytimeError(f"no export at {folder}; write one with `anytime export RUN --format pt2 --out {folder}`")
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AnytimeError(f"{folder} is not an export (no {MANIFEST}); write one with `anytime export`") from None
+    except (OSError, ValueError):
+        raise AnytimeError(f"{path} is not readable JSON; was it truncated? Export the run again") from None
+    manifest = ExportManifest.from_dict(doc, where=str(path))
+    for part in manifest.parts:
+        file = root / part.file
+        if Path(part.file).name != part.file or not file.is_file():
+            raise AnytimeError(f"{file} is missing; the export is incomplete, export the run again")
+        size = file.stat().st_size
+        if size != part.bytes:
+            raise AnytimeError(f"{file} has {size} bytes but the manifest says {part.bytes} (truncated or replaced); export the run again")
+        if sha256_of(file) != part.sha256:
+            raise AnytimeError(f"{file} does not match its checksum in the manifest (changed since export); export the run again")
+    return manifest
+
+
+def _refuse_pickles(path: Path) -> None:
+    """A ``.pt2`` archive stores tensor subclasses and custom objects as pickles; refuse those before loading."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if name.endswith("_config.json") and ("/weights/" in name or "/constants/" in name):
+                    config = json.loads(archive.read(name)).get("config", {})
+                    if any(entry.get("use_pickle") for entry in config.values()):
+                        raise AnytimeError(f"{path} holds pickled objects, which anytime never loads; export the run with anytime")
+    except (zipfile.BadZipFile, ValueError, AttributeError):
+        raise AnytimeError(f"{path} is not a readable .pt2 archive; export the run again") from None
+
+
+@contextlib.contextmanager
+def _weights_only() -> Iterator[None]:
+    """Every ``torch.load`` inside (the archive's example inputs) refuses to unpickle code."""
+    saved = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _load_pt2(path: Path, precision: str) -> nn.Module:
+    _refuse_pickles(path)
+    if precision == "int8":  # registers the quantize/dequantize operators the int8 graphs call
+        with quiet_torchao():
+            import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+    logger = logging.getLogger("torch.export")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # a failed load logs the whole traceback as warnings; the error says it in one line
+    try:
+        with _weights_only():
+            return torch.export.load(str(path)).module()
+    except Exception as exc:  # noqa: BLE001
+        raise AnytimeError(f"{path} could not be loaded as a .pt2 program ({_first_line(exc)}); export the run again") from None
+    finally:
+        logger.setLevel(level)
+
+
+class _OrtPart(nn.Module):
+    """One ONNX artifact run by an ONNX Runtime session, as a module of tensors."""
+
+    def __init__(self, session: Any) -> None:
+        super().__init__()
+        self.session = session
+        self.input_name = session.get_inputs()[0].name
+
+    def forward(self, x: Tensor) -> Tensor:
+        array = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
+        return torch.from_numpy(self.session.run(None, {self.input_name: array})[0])
+
+
+def _ort_session(path: Path, provider: str, threads: int) -> Any:
+    _, ort = _onnx_modules()
+    wanted = PROVIDERS.get(provider)
+    if wanted is None:
+        raise AnytimeError(f"unknown ONNX Runtime provider '{provider}'; choose one of {', '.join(PROVIDERS)}")
+    available = ort.get_available_providers()
+    if wanted not in available:
+        raise AnytimeError(f"ONNX Runtime here has no {wanted} (it has {', '.join(available)}); install the onnxruntime build "
+                           "for that device, or run with the cpu provider")  # fmt: skip
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), options, providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
+    except Exception as exc:  # noqa: BLE001
+        raise AnytimeError(f"ONNX Runtime could not load {path} ({_first_line(exc)}); export the run again") from None
+
+
+class ExportedModel(PartsModel):
+    """An export's artifacts under the step contract: ``.pt2`` programs (int8 lowered to oneDNN kernels unless
+    ``lower=False``) or ONNX graphs run by ONNX Runtime. ``manifest`` says what they are."""
+
+    def __init__(self, manifest: ExportManifest, parts: list[nn.Module], backend: str) -> None:
+        super().__init__(manifest.layout, parts, dtype=_DTYPES[manifest.precision], step_flops=manifest.step_flops)
+        self.manifest = manifest
+        self.backend = backend
+
+
+def load_export(
+    folder: str | os.PathLike[str], *, provider: str = "cpu", lower: bool = True, threads: int | None = None,
+) -> ExportedModel:  # fmt: skip
+    """Load an export's artifacts after checking them against the manifest; never unpickles code."""
+    root = Path(folder)
+    manifest = read_manifest(root)
+    parts: list[nn.Module] = []
+    if manifest.format == "pt2":
+        if provider != "cpu":
+            raise AnytimeError(".pt2 artifacts run through PyTorch here; --provider applies to ONNX artifacts")
+        for part in manifest.parts:
+            module = _load_pt2(root / part.file, manifest.precision)
+            if manifest.precision == "int8" and lower:
+                module = lower_int8(module, torch.zeros(2, *part.input_shape))
+            parts.append(module)
+        backend = "torch (oneDNN int8)" if manifest.precision == "int8" and lower else "torch"
+    else:
+        count = threads or torch.get_num_threads()
+        parts = [_OrtPart(_ort_session(root / part.file, provider, count)) for part in manifest.parts]
+        backend = f"onnxruntime ({PROVIDERS[provider]})"
+    return ExportedModel(manifest, parts, backend)

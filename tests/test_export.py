@@ -1,0 +1,233 @@
+"""Deployment artifacts: every family's steps export and load back under the step contract, exported early exits
+still skip later stages, int8 artifacts store int8 weights (>= 3.5x smaller where weights dominate), the parity
+table is measured, and a damaged, edited, pickled or foreign artifact is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from anytime.cli import main
+from anytime.errors import AnytimeError
+from anytime.export import export_run
+from anytime.precision import convert
+from anytime.precision.export import (
+    MANIFEST, ExportedModel, ExportManifest, load_export, read_manifest, sha256_of, write_artifacts,
+)  # fmt: skip
+from anytime.precision.model import float_flops, float_parts, layout_of, part_inputs
+from tests.test_precision import SHAPE, _families
+
+pytest.importorskip("onnxruntime")
+
+
+def _export(model: nn.Module, fmt: str, folder: Path, shape: tuple[int, ...] = SHAPE, *, precision: str = "fp32",
+            calibration: list[torch.Tensor] | None = None) -> ExportedModel:  # fmt: skip
+    """Export a model (no run needed) the way ``export_run`` does, and load it back."""
+    model = model.eval()
+    layout = layout_of(model)
+    float_ = float_parts(model)
+    with torch.no_grad():
+        examples = part_inputs(layout, float_, torch.zeros(2, *shape))
+        parts, per_part = float_, None
+        if precision == "int8" and fmt == "pt2":
+            converted, _ = convert(model, "int8", input_shape=shape, calibration=calibration, compile=False)
+            parts = list(converted.parts)
+        elif precision == "int8":
+            per_part = [[] for _ in float_]
+            for x in calibration or []:
+                for i, inputs in enumerate(part_inputs(layout, float_, x)):
+                    per_part[i].append(inputs)
+    folder.mkdir(parents=True)
+    written = write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part)
+    steps = int(getattr(model, "num_steps", 1))
+    manifest = ExportManifest(fmt, precision, layout, type(model).__name__, 10, shape, float_flops(model, shape, steps),
+                              tuple(written), "none", "0" * 16, datetime.now(timezone.utc).isoformat())  # fmt: skip
+    (folder / MANIFEST).write_text(json.dumps(manifest.to_dict()))
+    return load_export(folder)
+
+
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+@pytest.mark.parametrize("family", ["exits", "slices", "ladder", "plain"])
+def test_fp32_artifacts_of_every_family_match_eager(family, fmt, tmp_path):
+    model = _families()[family].eval()
+    exported = _export(model, fmt, tmp_path / "export")
+    steps = int(getattr(model, "num_steps", 1))
+    assert exported.num_steps == steps
+    expected = 2 * steps - 1 if family == "exits" else steps
+    assert len(exported.manifest.parts) == expected
+    x = torch.randn(5, *SHAPE, generator=torch.Generator().manual_seed(3))  # a batch size not seen at export
+    with torch.no_grad():
+        reference, out = model(x), exported(x)
+        assert out.shape == reference.shape and out.dtype == torch.float32
+        assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
+        if steps > 1:
+            assert torch.equal(torch.stack(list(exported.steps(x))), out)
+
+
+def test_an_exported_early_exit_does_not_run_later_stages(tmp_path):
+    exported = _export(_families()["exits"], "onnx", tmp_path / "export")
+    called: list[int] = []
+    for i, part in enumerate(exported.parts):
+        part.register_forward_hook(lambda *args, i=i: called.append(i))
+    with torch.no_grad():
+        exported.forward_until(torch.randn(2, *SHAPE), 0)
+    assert called == [0, 1]  # segment 0 and head 0 only
+
+
+class _Wide(nn.Module):
+    """Weights dominate the file: two 1024x1024 layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_int8_artifacts_store_int8_weights(fmt, tmp_path):
+    torch.manual_seed(0)
+    model = _Wide().eval()
+    calibration = [torch.randn(32, 256) for _ in range(2)]
+    fp32 = _export(model, fmt, tmp_path / "fp32", (256,))
+    int8 = _export(model, fmt, tmp_path / "int8", (256,), precision="int8", calibration=calibration)
+    ratio = fp32.manifest.bytes / int8.manifest.bytes
+    assert ratio >= 3.5, f"{fmt}: the int8 artifact is only {ratio:.2f}x smaller"
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        agree = (int8(x).argmax(1) == model(x).argmax(1)).float().mean().item()
+    assert agree >= 0.9
+
+
+@pytest.fixture(scope="module")
+def exported_run(exit_run, tmp_path_factory):
+    """The trained multi-exit digits run exported as ONNX int8 (quantized by ONNX Runtime), with its parity table."""
+    out = tmp_path_factory.mktemp("exported") / "onnx-int8"
+    return exit_run, export_run(exit_run, "onnx", precision="int8", out=out, calibration_images=128, parity_images=200,
+                                latency_images=5)  # fmt: skip
+
+
+def test_export_of_a_run_writes_manifest_and_parity_table(exported_run):
+    run, report = exported_run
+    manifest = read_manifest(report.out)
+    assert manifest == report.manifest and manifest.precision == "int8" and manifest.calibration_images == 128
+    assert manifest.parent_run == str(run) and manifest.quantizer and manifest.versions["onnxruntime"]
+    assert [r.step for r in report.parity] == list(range(manifest.num_steps))
+    for row in report.parity:
+        assert row.images == 200 and row.top1_agreement >= 0.9 and row.max_abs_err > 0
+        assert row.eager_p50_ms > 0 and row.artifact_images_per_s > 0 and row.input_shape == "x".join(map(str, manifest.input_shape))
+    table = (report.out / "parity.csv").read_text().splitlines()
+    assert table[0].startswith("step,dtype,input_shape,images,max_abs_err,top1_agreement") and len(table) == 1 + manifest.num_steps
+
+
+def test_fp32_export_of_a_run_agrees_with_eager_on_test_images(exit_run, tmp_path, capsys):
+    out = tmp_path / "pt2"
+    assert main(["export", str(exit_run), "--format", "pt2", "--out", str(out), "--parity-images", "100"]) == 0
+    printed = capsys.readouterr().out
+    assert "top-1 agree" in printed and "100.00%" in printed and "segment0.pt2" in printed
+    rows = json.loads((out / "parity.json").read_text())["rows"]
+    assert all(r["top1_agreement"] == 1.0 and r["max_abs_err"] < 1e-4 for r in rows)
+    assert main(["profile", str(out), "--batch-sizes", "1,2", "--repeats", "5", "--warmup", "1", "--no-memory"]) == 0
+    profile = json.loads(next(out.glob("profile-*.json")).read_text())
+    assert profile["model_fingerprint"] == read_manifest(out).fingerprint and "pt2 fp32" in profile["model"]
+
+
+def test_damaged_or_foreign_exports_are_refused_in_one_line(exported_run, tmp_path, cli_error):
+    _, report = exported_run
+    for damage, words in (("truncate", ("bytes but the manifest says",)), ("edit", ("checksum",)),
+                          ("remove", ("missing",)), ("manifest", ("fingerprint does not match",)),
+                          ("garbage", ("not readable JSON",))):  # fmt: skip
+        copy = tmp_path / damage
+        shutil.copytree(report.out, copy)
+        first = copy / report.manifest.parts[0].file
+        if damage == "truncate":
+            first.write_bytes(first.read_bytes()[:100])
+        elif damage == "edit":
+            data = bytearray(first.read_bytes())
+            data[-1] ^= 0xFF
+            first.write_bytes(bytes(data))
+        elif damage == "remove":
+            first.unlink()
+        elif damage == "manifest":
+            doc = json.loads((copy / MANIFEST).read_text())
+            doc["parts"][0]["sha256"] = "0" * 64
+            doc["parts"][0]["file"], doc["parts"][1]["file"] = doc["parts"][1]["file"], doc["parts"][0]["file"]
+            (copy / MANIFEST).write_text(json.dumps(doc))
+        else:
+            (copy / MANIFEST).write_text("{not json")
+        with pytest.raises(AnytimeError) as raised:
+            load_export(copy)
+        assert all(w in str(raised.value) for w in words) and "\n" not in str(raised.value), str(raised.value)
+        cli_error(["profile", str(copy), "--no-memory"], *words)
+
+
+def test_a_pt2_archive_with_pickled_payloads_is_refused_before_loading(tmp_path):
+    exported = _export(_families()["plain"], "pt2", tmp_path / "export")
+    path = tmp_path / "export" / exported.manifest.parts[0].file
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    config = next(name for name in entries if name.endswith("weights_config.json"))
+    doc = json.loads(entries[config])
+    next(iter(doc["config"].values()))["use_pickle"] = True
+    entries[config] = json.dumps(doc).encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    manifest = json.loads((tmp_path / "export" / MANIFEST).read_text())
+    manifest["parts"][0].update(bytes=path.stat().st_size, sha256=sha256_of(path))
+    manifest.pop("fingerprint")
+    (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(AnytimeError, match="pickled objects"):
+        load_export(tmp_path / "export")
+
+
+def test_export_refuses_bad_requests_in_one_line(exit_run, exported_run, tmp_path, cli_error, monkeypatch):
+    cli_error(["export", str(tmp_path / "nothing"), "--format", "pt2", "--out", str(tmp_path / "e")], "no run directory")
+    cli_error(["export", str(exit_run), "--format", "onnx", "--precision", "bf16", "--out", str(tmp_path / "e")],
+              "onnx artifacts are exported at fp32, int8")  # fmt: skip
+    _, report = exported_run
+    cli_error(["export", str(exit_run), "--format", "onnx", "--precision", "int8", "--out", str(report.out)],
+              "--overwrite")  # fmt: skip
+    cli_error(["export", str(exit_run), "--format", "pt2", "--out", str(tmp_path / "no" / "e")], "does not exist")
+    cli_error(["profile", str(report.out), "--train"], "export")
+    cli_error(["profile", str(report.out), "--no-memory", "--device", "cuda"], "cuda")
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_onnxruntime(name, *args, **kwargs):
+        if name.split(".")[0] in ("onnxruntime", "onnx"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_onnxruntime)
+    cli_error(["profile", str(report.out), "--no-memory"], "pip install 'anytime[deploy]'")
+    cli_error(["export", str(exit_run), "--format", "onnx", "--out", str(tmp_path / "e")], "pip install 'anytime[deploy]'")
+    assert not (tmp_path / "e").exists()
+
+
+def test_a_converted_run_exports_at_its_own_precision(exit_run, tmp_path, cli_error):
+    from anytime.quantize import quantize_run
+
+    parent = tmp_path / "run"
+    shutil.copytree(exit_run, parent)
+    quantize_run(parent, "int8", calibration_images=64, compile=False)
+    qrun = tmp_path / "run-int8"
+    cli_error(["export", str(qrun), "--format", "pt2", "--precision", "fp32", "--out", str(tmp_path / "e")], "int8 run")
+    report = export_run(qrun, "pt2", out=tmp_path / "e", parity_images=64, latency_images=3)
+    assert report.manifest.precision == "int8" and report.manifest.calibration_images == 64
+    from anytime.train.runs import load_run
+
+    quantized = load_run(qrun).model
+    x = torch.randn(4, *report.manifest.input_shape)
+    exported = load_export(report.out, lower=False)  # the reference graphs: the same arithmetic as the run's
+    with torch.no_grad():
+        assert torch.allclose(exported(x), quantized(x), atol=1e-5)
