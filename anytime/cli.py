@@ -259,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "int8-dynamic: Linear layers (torchao); bf16/fp16: casts (fp16 on CUDA)")
     quantize.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
                           help="int8: training images that calibrate the activations (default 512; never validation or test)")
+    quantize.add_argument("--qat-epochs", type=_int_at_least(0), default=0, metavar="N",
+                          help="int8: then N epochs of quantization-aware training (PT2E QAT) on the training split; "
+                               "the summary shows every step after PTQ and after QAT")
+    quantize.add_argument("--qat-lr", type=_finite_float, default=1e-3, metavar="LR",
+                          help="QAT's initial learning rate (SGD, cosine; default 0.001)")
     quantize.add_argument("--no-compile", action="store_true",
                           help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
     quantize.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
@@ -786,17 +791,22 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from anytime.quantize import quantize_run
 
     summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
-                           compile=not args.no_compile, overwrite=args.overwrite, device=args.device)  # fmt: skip
+                           compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
+                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=lambda line: print(line, flush=True))  # fmt: skip
     record = summary["precision"]
     print(f"run        {summary['run_dir']}: {args.run} at {record['precision']} ({record['backend']}, "
           f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
     if record["calibration_images"]:
         print(f"calibrated on {record['calibration_images']} training images")
-    print(f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}")
+    qat = bool(record.get("qat_epochs"))
+    if qat:
+        print(f"fine-tuned by {record['qat_epochs']} epochs of quantization-aware training (lr {record['qat_lr']})")
+    print(f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}" + (f" {'PTQ val':>8} {'PTQ test':>9}" if qat else ""))
     rows = summary.get("exits") or [{"name": "model", **summary["final"]}]
     for row, flops in zip(rows, summary["step_flops"]):
+        ptq = f" {100 * row['ptq_val_acc']:7.2f}% {100 * row['ptq_test_acc']:8.2f}%" if qat else ""
         print(f"{row['name']:<16} {flops / 1e9:8.4f} {100 * row['val_acc']:6.2f}% {100 * row['parent_val_acc']:7.2f}% "
-              f"{100 * row['test_acc']:6.2f}% {100 * row['parent_test_acc']:7.2f}%")  # fmt: skip
+              f"{100 * row['test_acc']:6.2f}% {100 * row['parent_test_acc']:7.2f}%{ptq}")  # fmt: skip
     print(f"next: anytime collect {summary['run_dir']} --split val; anytime profile {summary['run_dir']}")
     return 0
 

@@ -112,7 +112,7 @@ def parity_table(
 
 def _converted_parts(
     run: LoadedRun, precision: str, fmt: str, shape: tuple[int, ...], state: dict[str, Tensor] | None,
-    calibration_images: int,
+    calibration_images: int, qat: bool,
 ) -> tuple[list[nn.Module], list[list[Tensor]] | None, int | None]:  # fmt: skip
     """The modules to export and, for int8 ONNX, each part's inputs on the calibration images."""
     model = run.model
@@ -124,7 +124,7 @@ def _converted_parts(
     calibrated = min(calibration_images, len(_splits_of(run).train))
     if fmt == "pt2":
         batches = calibration_batches(run, calibration_images) if state is None else None
-        converted, _ = convert(model, "int8", input_shape=shape, calibration=batches, state=state, compile=False)
+        converted, _ = convert(model, "int8", input_shape=shape, calibration=batches, state=state, compile=False, qat=qat)
         return list(converted.parts), None, calibrated if state is None else None
     parts = float_parts(model)
     seen: list[list[Tensor]] = [[] for _ in parts]
@@ -161,7 +161,11 @@ def export_run(
 
         state = read_weights(source / QUANT_STATE) if fmt == "pt2" else None
     float_model = run.model.eval()
-    parts, calibration, calibrated = _converted_parts(run, precision, fmt, shape, state, calibration_images)
+    qat = bool(record and record.get("qat_epochs"))
+    if qat and fmt == "onnx":
+        raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
+                           "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
+    parts, calibration, calibrated = _converted_parts(run, precision, fmt, shape, state, calibration_images, qat)
     if record is not None and precision == "int8":
         calibrated = record.get("calibration_images")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

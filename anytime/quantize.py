@@ -13,7 +13,8 @@ import shutil
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
+from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
 from anytime.train.runs import QUANT_STATE, WEIGHTS, LoadedRun, load_run, precision_record, run_config
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
@@ -61,12 +63,60 @@ def calibration_batches(run: LoadedRun, count: int) -> Iterator[Tensor]:
     return (x for x, _ in make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=run.config.seed))
 
 
+def fine_tune_int8(
+    run: LoadedRun, shape: tuple[int, ...], *, epochs: int, lr: float, calibration_images: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Tensor]:  # fmt: skip
+    """Quantization-aware training: the run's parts as PT2E QAT graphs (fake-quantized weights and activations,
+    batch norm folded into the convolutions), their ranges first set on ``calibration_images`` training images,
+    then ``epochs`` epochs of SGD (momentum 0.9, the run's weight decay, cosine from ``lr``) on the training
+    split with the run's augmentation, the mean cross-entropy of every step as the loss; observers are frozen
+    for the second half of the epochs. Returns the trained graphs' state (what ``convert(..., qat=True)``
+    rebuilds the int8 model from)."""
+    import torch.nn.functional as F
+
+    with quiet_torchao():
+        from torchao.quantization.pt2e import disable_observer
+    layout = layout_of(run.model)
+    prepared = prepare_qat(run.model, shape)
+    with torch.no_grad():
+        for x in calibration_batches(run, calibration_images):
+            run_parts(layout, prepared, x)
+    splits = _splits_of(run)
+    config = run.config
+    params = [p for part in prepared for p in part.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=config.weight_decay)
+    per_epoch = max(1, len(splits.train) // config.batch_size)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / (epochs * per_epoch))))
+    for epoch in range(epochs):
+        if epochs > 1 and epoch == (epochs + 1) // 2:
+            for part in prepared:
+                part.apply(disable_observer)
+        total, count = 0.0, 0
+        loader = make_loader(splits.train, splits.info, batch_size=config.batch_size, train=True,
+                             seed=config.seed + 1000 + epoch, drop_last=True)  # fmt: skip
+        for x, y in loader:
+            outputs = run_parts(layout, prepared, x)
+            loss = sum(F.cross_entropy(o, y) for o in outputs) / len(outputs)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total, count = total + float(loss.detach()) * y.numel(), count + y.numel()
+        if progress is not None:
+            progress(f"QAT epoch {epoch + 1}/{epochs}: training loss {total / max(count, 1):.4f}")
+    return graph_state(prepared)
+
+
 def quantize_run(
     run_dir: str | Path, precision: str, *, calibration_images: int = DEFAULT_CALIBRATION_IMAGES,
     out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
+    qat_epochs: int = 0, qat_lr: float = 1e-3, progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, and return
-    its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test)."""
+    its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test);
+    with ``qat_epochs`` it is then fine-tuned by quantization-aware training (:func:`fine_tune_int8`), and
+    the summary reports every step after post-training quantization (``ptq_*``) and after QAT."""
     parent = Path(run_dir)
     run_config(parent)  # a clear error for a folder that is not a run
     if precision_record(parent) is not None:
@@ -75,6 +125,10 @@ def quantize_run(
     backend = backend_for(precision, target_device)
     if calibration_images < 1:
         raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")
+    if qat_epochs < 0 or (qat_epochs and precision != "int8"):
+        raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
+    if not (math.isfinite(qat_lr) and qat_lr > 0):
+        raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
@@ -89,20 +143,31 @@ def quantize_run(
     loader_kw = {"batch_size": 256, "train": False, "seed": seed}
     _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
     _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
+    ptq_val, ptq_test = val_accs, test_accs
+    if qat_epochs:
+        state = fine_tune_int8(run, shape, epochs=qat_epochs, lr=qat_lr, calibration_images=calibration_images,
+                               progress=progress)  # fmt: skip
+        model, _ = convert(run.model, "int8", input_shape=shape, state=state, compile=compile, qat=True)
+        _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
+        _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record = {
         **model.spec.to_dict(), "parent_run": str(parent), "parent_fingerprint": run.fingerprint,
         "calibration_images": min(calibration_images, len(splits.train)) if precision == "int8" else None,
         "calibration_split": "train" if precision == "int8" else None,
+        "qat_epochs": qat_epochs or None, "qat_lr": qat_lr if qat_epochs else None,
         "torch": torch.__version__, "torchao": _version("torchao"),
     }  # fmt: skip
+    qat = {"ptq_val_acc": ptq_val[-1], "ptq_test_acc": ptq_test[-1]} if qat_epochs else {}
     steps = [{**e, "val_acc": val_accs[k], "test_acc": test_accs[k], "parent_val_acc": e.get("val_acc"),
-              "parent_test_acc": e.get("test_acc")} for k, e in enumerate(parent_steps)]  # fmt: skip
+              "parent_test_acc": e.get("test_acc"),
+              **({"ptq_val_acc": ptq_val[k], "ptq_test_acc": ptq_test[k]} if qat_epochs else {})}
+             for k, e in enumerate(parent_steps)]  # fmt: skip
     summary: dict[str, Any] = {
         "run_dir": str(target), "model": run.config.model, "data": run.config.data, "precision": record,
         "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
         "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1], "parent_val_acc": parent_final.get("val_acc"),
-                  "parent_test_acc": parent_final.get("test_acc")},
+                  "parent_test_acc": parent_final.get("test_acc"), **qat},
         "step_flops": list(model.step_flops), "device": device_label(target_device), "created": now,
     }  # fmt: skip
     if steps:

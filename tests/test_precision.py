@@ -193,3 +193,33 @@ def test_quantize_refuses_bad_requests_in_one_line(quantized, tmp_path, cli_erro
     (untrained / "model.safetensors").unlink()
     cli_error(["quantize", str(untrained), "--precision", "int8", "--out", str(tmp_path / "q")], "has not finished")
     assert not (tmp_path / "q").exists()
+
+
+def test_quantization_aware_training_reports_ptq_and_qat_and_rebuilds(tmp_path, tiny_config, capsys):
+    from anytime.train import Trainer
+    from anytime.train.runs import load_run
+
+    parent = tmp_path / "lenet"
+    Trainer(tiny_config.replace(epochs=1), parent).fit()
+    assert main(["quantize", str(parent), "--precision", "int8", "--qat-epochs", "1", "--qat-lr", "0.01",
+                 "--calibration-images", "64", "--no-compile"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "QAT epoch 1/1" in out and "PTQ test" in out
+    qrun = tmp_path / "lenet-int8"
+    summary = json.loads((qrun / "summary.json").read_text())
+    record, final = summary["precision"], summary["final"]
+    assert record["qat_epochs"] == 1 and record["qat_lr"] == 0.01
+    assert {"ptq_val_acc", "ptq_test_acc", "val_acc", "test_acc"} <= set(final)
+    first, again = load_run(qrun).model, load_run(qrun).model  # rebuilt from the trained graphs' state
+    x = torch.randn(8, 1, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(first(x), again(x))
+    float_model = load_run(parent).model
+    with torch.no_grad():
+        assert not torch.equal(first(x), float_model(x))
+
+
+def test_qat_refuses_other_precisions(exit_run, tmp_path, cli_error):
+    cli_error(["quantize", str(exit_run), "--precision", "bf16", "--qat-epochs", "1", "--out", str(tmp_path / "q")],
+              "--qat-epochs fine-tunes int8")  # fmt: skip
+    assert not (tmp_path / "q").exists()

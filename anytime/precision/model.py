@@ -10,7 +10,7 @@ import contextlib
 import copy
 import logging
 import platform
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,10 +290,12 @@ def lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
     return lowered
 
 
-def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor]) -> list[nn.Module]:
+def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = False) -> list[nn.Module]:
+    """Each part exported and prepared for int8: observers (post-training) or fake quantization (``qat``: the
+    parts are exported in training mode, so batch norm keeps training and folds into the convolution)."""
     with quiet_torchao():
         from torchao.quantization.pt2e.constant_fold import constant_fold
-        from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+        from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
             X86InductorQuantizer,
             get_default_x86_inductor_quantization_config,
@@ -302,16 +304,54 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor]) -> list[nn.Modul
     for part, example in zip(parts, inputs):
         sample = example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
         try:
+            part.train(qat)
             exported = torch.export.export(part, (sample,), dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
         except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise AnytimeError(f"{type(part).__name__} cannot be exported for int8 quantization ({first})") from None
-        constant_fold(exported)  # weights computed from parameters (a slice's leading channels) become constants
-        _folded_as_parameters(exported)
+        finally:
+            part.eval()
+        if not qat:  # fine-tuned weights must stay parameters; folding is for the post-training graphs
+            constant_fold(exported)  # weights computed from parameters (a slice's leading channels) become constants
+            _folded_as_parameters(exported)
         quantizer = X86InductorQuantizer()
-        quantizer.set_global(get_default_x86_inductor_quantization_config())
-        prepared.append(prepare_pt2e(exported, quantizer))
+        quantizer.set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
+        prepared.append(prepare_qat_pt2e(exported, quantizer) if qat else prepare_pt2e(exported, quantizer))
     return prepared
+
+
+def prepare_qat(model: nn.Module, input_shape: tuple[int, ...]) -> list[nn.Module]:
+    """Quantization-aware training graphs of a float model's parts (a copy: the model is left as it was), in
+    training mode, with fake quantization of weights and activations; train them, then pass
+    :func:`graph_state` of them to :func:`convert` with ``qat=True``."""
+    copied = copy.deepcopy(model).eval()
+    parts = float_parts(copied)
+    with torch.no_grad():
+        inputs = part_inputs(layout_of(copied), parts, torch.zeros(2, *input_shape))
+    prepared = _prepare_int8(parts, inputs, qat=True)
+    with quiet_torchao():
+        from torchao.quantization.pt2e import move_exported_model_to_train
+    for part in prepared:
+        move_exported_model_to_train(part)
+    return prepared
+
+
+def run_parts(layout: str, parts: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
+    """Every step's output of a chain of parts (segments and heads, or one part per step) on ``x``."""
+    if layout != "exits":
+        return [part(x) for part in parts]
+    outputs, h = [], x
+    for i in range(0, len(parts), 2):
+        h = parts[i](h)
+        outputs.append(parts[i + 1](h) if i + 1 < len(parts) else h)
+    return outputs
+
+
+def graph_state(prepared: Sequence[nn.Module]) -> dict[str, Tensor]:
+    """Every parameter and buffer of prepared graphs (after quantization-aware training: the fine-tuned
+    weights, batch-norm statistics and fake-quantization ranges), what rebuilds them exactly."""
+    return {f"part{i}.{key}": value.detach().clone().contiguous() for i, part in enumerate(prepared)
+            for key, value in part.state_dict().items()}  # fmt: skip
 
 
 def _folded_as_parameters(graph_module: torch.fx.GraphModule) -> None:
@@ -329,15 +369,7 @@ def _calibrate(layout: str, prepared: list[nn.Module], batches: Iterable[Tensor]
     seen = 0
     with torch.no_grad():
         for x in batches:
-            if layout == "exits":
-                h = x
-                for i in range(0, len(prepared), 2):
-                    h = prepared[i](h)
-                    if i + 1 < len(prepared):
-                        prepared[i + 1](h)
-            else:
-                for part in prepared:
-                    part(x)
+            run_parts(layout, prepared, x)
             seen += x.shape[0]
     return seen
 
@@ -348,10 +380,10 @@ def observer_state(prepared: list[nn.Module]) -> dict[str, Tensor]:
             for key, value in part.state_dict().items() if _OBSERVER in key}  # fmt: skip
 
 
-def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor]) -> None:
+def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor], *, everything: bool = False) -> None:
     for i, part in enumerate(prepared):
         mine = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"part{i}.")}
-        expected = {k for k in part.state_dict() if _OBSERVER in k}
+        expected = {k for k in part.state_dict() if everything or _OBSERVER in k}
         if set(mine) != expected:
             raise AnytimeError("the run's int8 statistics do not fit its model (another model or torchao version?); "
                                "quantize the parent run again")  # fmt: skip
@@ -375,11 +407,13 @@ def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tup
 def convert(
     model: nn.Module, precision: str, *, input_shape: tuple[int, ...], calibration: Iterable[Tensor] | None = None,
     state: dict[str, Tensor] | None = None, compile: bool = True, device: torch.device | None = None,
+    qat: bool = False,
 ) -> tuple[PrecisionModel, dict[str, Tensor]]:  # fmt: skip
     """Convert a float model (on the CPU, eval mode) to ``precision``; return it and the state that rebuilds it.
 
     int8 needs either ``calibration`` batches (training images: never validation or test) or the ``state``
-    recorded by an earlier conversion of the same weights; the other precisions need neither.
+    recorded by an earlier conversion of the same weights; with ``qat`` the state is :func:`graph_state` of
+    graphs from :func:`prepare_qat` after training. The other precisions need neither.
     """
     target = device or torch.device("cpu")
     spec = PrecisionSpec(precision, backend_for(precision, target), compile)
@@ -389,15 +423,24 @@ def convert(
     flops = float_flops(model, input_shape, num_steps)
     with torch.no_grad():
         inputs = part_inputs(layout, float_parts(model), torch.zeros(2, *input_shape))
-    if precision == "int8":
-        parts = float_parts(model)
-        prepared = _prepare_int8(parts, inputs)
+    if precision == "int8" and qat:
+        if state is None:
+            raise AnytimeError("a quantization-aware int8 model is rebuilt from its trained graphs' state")
+        prepared = prepare_qat(model, input_shape)
+        _load_observers(prepared, state, everything=True)
+        with quiet_torchao():
+            from torchao.quantization.pt2e import move_exported_model_to_eval
+        for part in prepared:
+            move_exported_model_to_eval(part)
+    elif precision == "int8":
+        prepared = _prepare_int8(float_parts(model), inputs)
         if state is None:
             if calibration is None or _calibrate(layout, prepared, calibration) == 0:
                 raise AnytimeError("int8 static quantization needs calibration images from the training split")
             state = observer_state(prepared)
         else:
             _load_observers(prepared, state)
+    if precision == "int8":
         with quiet_torchao():
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 

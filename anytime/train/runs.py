@@ -123,5 +123,6 @@ def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple
         if not (run / QUANT_STATE).is_file():
             raise AnytimeError(f"{run} has no {QUANT_STATE} (its int8 statistics); quantize the parent run again")
         state = read_weights(run / QUANT_STATE)
-    converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device)
+    converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device,
+                           qat=bool(record.get("qat_epochs")))  # fmt: skip
     return converted
