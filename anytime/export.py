@@ -10,8 +10,6 @@ compute what the quantized run computes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +19,8 @@ from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
-from anytime.precision import backend_for, convert
-from anytime.precision.export import (
-    EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, load_export, write_artifacts,
-)  # fmt: skip
-from anytime.precision.model import float_flops, float_parts, layout_of, part_inputs
+from anytime.precision import backend_for
+from anytime.precision.export import EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, export_model, load_export
 from anytime.profile.latency import per_sample_latency, quantile_of
 from anytime.quantize import DEFAULT_CALIBRATION_IMAGES, calibration_batches
 from anytime.train.runs import QUANT_STATE, LoadedRun, load_run, precision_record, run_config, run_weights_fingerprint
@@ -69,13 +64,6 @@ class ExportReport:
     parity: tuple[ParityRow, ...]
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _step_logits(model: nn.Module, x: Tensor, k: int) -> Tensor:
     return model.forward_until(x, k) if int(getattr(model, "num_steps", 1)) > 1 else model(x)  # type: ignore[operator]
 
@@ -110,31 +98,6 @@ def parity_table(
     return rows
 
 
-def _converted_parts(
-    run: LoadedRun, precision: str, fmt: str, shape: tuple[int, ...], state: dict[str, Tensor] | None,
-    calibration_images: int, qat: bool,
-) -> tuple[list[nn.Module], list[list[Tensor]] | None, int | None]:  # fmt: skip
-    """The modules to export and, for int8 ONNX, each part's inputs on the calibration images."""
-    model = run.model
-    if precision == "fp32":
-        return float_parts(model), None, None
-    if precision == "bf16":
-        converted, _ = convert(model, "bf16", input_shape=shape, compile=False)
-        return list(converted.parts), None, None
-    calibrated = min(calibration_images, len(_splits_of(run).train))
-    if fmt == "pt2":
-        batches = calibration_batches(run, calibration_images) if state is None else None
-        converted, _ = convert(model, "int8", input_shape=shape, calibration=batches, state=state, compile=False, qat=qat)
-        return list(converted.parts), None, calibrated if state is None else None
-    parts = float_parts(model)
-    seen: list[list[Tensor]] = [[] for _ in parts]
-    with torch.no_grad():
-        for x in calibration_batches(run, calibration_images):
-            for i, inputs in enumerate(part_inputs(layout_of(model), parts, x)):
-                seen[i].append(inputs)
-    return parts, seen, calibrated
-
-
 def export_run(
     run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
     calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
@@ -153,40 +116,29 @@ def export_run(
         backend_for("int8", torch.device("cpu"))
     if calibration_images < 1 or parity_images < 0:
         raise AnytimeError("--calibration-images must be at least 1 and --parity-images at least 0")
-    run = load_run(source, "cpu", converted=False)
-    shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
-    state = None
-    if record is not None and precision == "int8":
-        from anytime.train.checkpoint import read_weights
-
-        state = read_weights(source / QUANT_STATE) if fmt == "pt2" else None
-    float_model = run.model.eval()
     qat = bool(record and record.get("qat_epochs"))
     if qat and fmt == "onnx":
         raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
                            "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
-    parts, calibration, calibrated = _converted_parts(run, precision, fmt, shape, state, calibration_images, qat)
-    if record is not None and precision == "int8":
-        calibrated = record.get("calibration_images")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    with torch.no_grad():
-        examples = [x.to(dtype) for x in part_inputs(layout_of(float_model), float_parts(float_model), torch.zeros(2, *shape))]
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    flops = float_flops(float_model, shape, int(getattr(float_model, "num_steps", 1)))
+    run = load_run(source, "cpu", converted=False)
+    shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
+    state, calibration, calibrated = None, None, None
+    if precision == "int8" and record is not None and fmt == "pt2":  # the quantized run's own statistics
+        from anytime.train.checkpoint import read_weights
+
+        state, calibrated = read_weights(source / QUANT_STATE), record.get("calibration_images")
+    elif precision == "int8":
+        calibration = list(calibration_batches(run, calibration_images))
+        calibrated = sum(int(x.shape[0]) for x in calibration)
+    float_model = run.model.eval()
     images = _test_images(run, parity_images) if parity_images else None
     entries = (MANIFEST, "parity.csv", "parity.json", f"*.{fmt}", "profile-*.json")
     with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
-        written = write_artifacts(parts, examples, layout=layout_of(float_model), fmt=fmt, folder=work, calibration=calibration)
-        quantizer = None
-        if precision == "int8":
-            quantizer = "X86InductorQuantizer (PT2E)" if fmt == "pt2" else "onnxruntime quantize_static (QDQ, per channel)"
-        manifest = ExportManifest(
-            fmt, precision, layout_of(float_model), run.config.model, int(run.dataset["num_classes"]), shape, flops,
-            tuple(written), str(source), run_weights_fingerprint(source), now, quantizer, calibrated,
-            {"torch": torch.__version__, "torchao": _version("torchao"), "onnx": _version("onnx"),
-             "onnxruntime": _version("onnxruntime")},
+        manifest = export_model(
+            float_model, fmt, precision, work, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
+            name=run.config.model, calibration=calibration, state=state, qat=qat, parent_run=str(source),
+            parent_fingerprint=run_weights_fingerprint(source), calibration_images=calibrated,
         )  # fmt: skip
-        write_json(work / MANIFEST, manifest.to_dict())
         rows: list[ParityRow] = []
         if images is not None:
             exported = load_export(work)

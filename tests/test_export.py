@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import zipfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,7 @@ from torch import nn
 from anytime.cli import main
 from anytime.errors import AnytimeError
 from anytime.export import export_run
-from anytime.precision import convert
-from anytime.precision.export import (
-    MANIFEST, ExportedModel, ExportManifest, load_export, read_manifest, sha256_of, write_artifacts,
-)  # fmt: skip
-from anytime.precision.model import float_flops, float_parts, layout_of, part_inputs
+from anytime.precision.export import MANIFEST, ExportedModel, export_model, load_export, read_manifest, sha256_of
 from tests.test_precision import SHAPE, _families
 
 pytest.importorskip("onnxruntime")
@@ -29,27 +24,10 @@ pytest.importorskip("onnxruntime")
 
 def _export(model: nn.Module, fmt: str, folder: Path, shape: tuple[int, ...] = SHAPE, *, precision: str = "fp32",
             calibration: list[torch.Tensor] | None = None) -> ExportedModel:  # fmt: skip
-    """Export a model (no run needed) the way ``export_run`` does, and load it back."""
-    model = model.eval()
-    layout = layout_of(model)
-    float_ = float_parts(model)
-    with torch.no_grad():
-        examples = part_inputs(layout, float_, torch.zeros(2, *shape))
-        parts, per_part = float_, None
-        if precision == "int8" and fmt == "pt2":
-            converted, _ = convert(model, "int8", input_shape=shape, calibration=calibration, compile=False)
-            parts = list(converted.parts)
-        elif precision == "int8":
-            per_part = [[] for _ in float_]
-            for x in calibration or []:
-                for i, inputs in enumerate(part_inputs(layout, float_, x)):
-                    per_part[i].append(inputs)
+    """Export a model (no run needed) and load it back."""
     folder.mkdir(parents=True)
-    written = write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part)
-    steps = int(getattr(model, "num_steps", 1))
-    manifest = ExportManifest(fmt, precision, layout, type(model).__name__, 10, shape, float_flops(model, shape, steps),
-                              tuple(written), "none", "0" * 16, datetime.now(timezone.utc).isoformat())  # fmt: skip
-    (folder / MANIFEST).write_text(json.dumps(manifest.to_dict()))
+    export_model(model, fmt, precision, folder, input_shape=shape, num_classes=10, name=type(model).__name__,
+                 calibration=calibration)  # fmt: skip
     return load_export(folder)
 
 

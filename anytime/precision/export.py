@@ -246,7 +246,7 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
         float_path.unlink(missing_ok=True)
 
 
-def write_artifacts(
+def _write_artifacts(
     parts: Sequence[nn.Module], examples: Sequence[Tensor], *, layout: str, fmt: str, folder: Path,
     calibration: Sequence[Sequence[Tensor]] | None = None,
 ) -> list[ArtifactPart]:  # fmt: skip
@@ -274,6 +274,70 @@ def write_artifacts(
         written.append(ArtifactPart(name, role, step, tuple(example.shape[1:]), tuple(output.shape[1:]),
                                     path.stat().st_size, sha256_of(path)))  # fmt: skip
     return written
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    found: dict[str, str | None] = {"torch": torch.__version__}
+    for package in ("torchao", "onnx", "onnxruntime"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def export_model(
+    model: nn.Module, fmt: str, precision: str, folder: Path, *, input_shape: tuple[int, ...], num_classes: int,
+    name: str, calibration: Sequence[Tensor] | None = None, state: dict[str, Tensor] | None = None,
+    qat: bool = False, parent_run: str = "", parent_fingerprint: str = "", calibration_images: int | None = None,
+) -> ExportManifest:  # fmt: skip
+    """Write a float model's steps (eval mode, on the CPU) as ``fmt`` artifacts at ``precision`` into the existing
+    ``folder``, with the manifest; return it. int8 needs ``calibration`` batches (training images) or, for
+    ``.pt2``, the ``state`` of an earlier conversion (``qat``: of quantization-aware training)."""
+    from anytime.precision.model import convert, float_flops, float_parts, layout_of, part_inputs
+
+    check_exportable(fmt, precision)
+    model = model.eval()
+    layout = layout_of(model)
+    floats = float_parts(model)
+    dtype = _DTYPES[precision]
+    with torch.no_grad():
+        examples = [x.to(dtype) for x in part_inputs(layout, floats, torch.zeros(2, *input_shape))]
+    parts: list[nn.Module] = floats
+    per_part: list[list[Tensor]] | None = None
+    if precision == "bf16":
+        parts = list(convert(model, "bf16", input_shape=input_shape, compile=False)[0].parts)
+    elif precision == "int8" and fmt == "pt2":
+        converted, _ = convert(model, "int8", input_shape=input_shape, calibration=calibration, state=state,
+                               compile=False, qat=qat)  # fmt: skip
+        parts = list(converted.parts)
+    elif precision == "int8":
+        if qat:
+            raise AnytimeError("a model fine-tuned for int8 (QAT) exports as pt2: ONNX int8 artifacts are quantized by "
+                               "ONNX Runtime from float weights, which would drop the fine-tuning")  # fmt: skip
+        per_part = [[] for _ in floats]
+        with torch.no_grad():
+            for x in calibration or ():
+                for i, inputs in enumerate(part_inputs(layout, floats, x)):
+                    per_part[i].append(inputs)
+        if not per_part[0]:
+            raise AnytimeError("int8 ONNX artifacts need calibration images from the training split")
+    written = _write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part)
+    quantizer = None
+    if precision == "int8":
+        quantizer = "X86InductorQuantizer (PT2E)" if fmt == "pt2" else "onnxruntime quantize_static (QDQ, per channel)"
+    from datetime import datetime, timezone
+
+    manifest = ExportManifest(
+        fmt, precision, layout, name, num_classes, tuple(input_shape),
+        float_flops(model, tuple(input_shape), int(getattr(model, "num_steps", 1))), tuple(written), parent_run,
+        parent_fingerprint, datetime.now(timezone.utc).isoformat(timespec="seconds"), quantizer,
+        calibration_images if precision == "int8" else None, _versions(),
+    )  # fmt: skip
+    (folder / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2))
+    return manifest
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> ExportManifest:
