@@ -290,6 +290,22 @@ def lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
     return lowered
 
 
+def _export_for_quantization(part: nn.Module, sample: Tensor) -> torch.fx.GraphModule:
+    """The part as an exported graph with a dynamic batch. Strict (TorchDynamo) tracing first: the non-strict
+    graph of torchvision's ResNets splits a residual add in a way X86InductorQuantizer's fusion patterns refuse;
+    non-strict when Dynamo cannot trace the part, and for a step of a sliced or skipping model, whose forward
+    sets Python state (the width, the blocks skipped) that non-strict tracing runs as plain Python."""
+    dynamic = ({0: torch.export.Dim.AUTO},)
+    failure: Exception | None = None
+    for strict in (False,) if isinstance(part, _Step) else (True, False):
+        try:
+            return torch.export.export(part, (sample,), dynamic_shapes=dynamic, strict=strict).module()
+        except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
+            failure = failure or exc
+    first = str(failure).strip().splitlines()[0] if str(failure).strip() else type(failure).__name__
+    raise AnytimeError(f"{type(part).__name__} cannot be exported for int8 quantization ({first})") from None
+
+
 def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = False) -> list[nn.Module]:
     """Each part exported and prepared for int8: observers (post-training) or fake quantization (``qat``: the
     parts are exported in training mode, so batch norm keeps training and folds into the convolution)."""
@@ -303,12 +319,9 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
     prepared = []
     for part, example in zip(parts, inputs):
         sample = example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
+        part.train(qat)
         try:
-            part.train(qat)
-            exported = torch.export.export(part, (sample,), dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
-        except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise AnytimeError(f"{type(part).__name__} cannot be exported for int8 quantization ({first})") from None
+            exported = _export_for_quantization(part, sample)
         finally:
             part.eval()
         if not qat:  # fine-tuned weights must stay parameters; folding is for the post-training graphs
@@ -316,7 +329,11 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
             _folded_as_parameters(exported)
         quantizer = X86InductorQuantizer()
         quantizer.set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
-        prepared.append(prepare_qat_pt2e(exported, quantizer) if qat else prepare_pt2e(exported, quantizer))
+        try:
+            prepared.append(prepare_qat_pt2e(exported, quantizer) if qat else prepare_pt2e(exported, quantizer))
+        except Exception as exc:  # noqa: BLE001  the quantizer's pattern matching fails with plain ValueErrors
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AnytimeError(f"X86InductorQuantizer cannot quantize {type(part).__name__} ({first})") from None
     return prepared
 
 
