@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = sub.add_parser("profile", description=COMMANDS["profile"],
                              usage="anytime profile RUN [options] | anytime profile --compare A.json B.json")
-    profile.add_argument("run", metavar="RUN", nargs="?", help="a finished run directory")
+    profile.add_argument("run", metavar="RUN", nargs="?", help="a finished run directory, or an export (anytime export)")
     profile.add_argument("--batch-sizes", default="1,8,16,32", metavar="B,B,...", help="default 1,8,16,32")
     profile.add_argument("--repeats", type=_positive_int, default=200, metavar="N",
                          help="timed repetitions per batch size (default 200; a p99 needs at least 100)")
@@ -222,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
     profile.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two profiles side by side")
     profile.add_argument("--json", action="store_true", help="print the summary as JSON")
+    trt = profile.add_argument_group("timings from a board (an ONNX export timed by TensorRT's trtexec)")
+    trt.add_argument("--trtexec-times", metavar="DIR",
+                     help="DIR/<artifact>.json from `trtexec --onnx=<artifact>.onnx --exportTimes=<artifact>.json`, one per "
+                          "artifact of the export RUN: written as its profile instead of measuring here")
+    trt.add_argument("--engine-precision", choices=["fp32", "fp16", "int8"],
+                     help="what the engines were built for (trtexec --fp16/--int8; default the export's)")
+    trt.add_argument("--device-label", default="TensorRT (trtexec)", metavar="TEXT",
+                     help="the board, as the profile names it (e.g. 'Jetson Orin Nano 15W')")
+    trt.add_argument("--trtexec-batch", type=_positive_int, default=1, metavar="B", help="the engines' batch size (default 1)")
 
     schedule = sub.add_parser("schedule", description=COMMANDS["schedule"])
     schedule.add_argument("run", metavar="RUN")
@@ -680,6 +689,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         return _compare_profiles(a, b, args.compare)
     if not args.run:
         raise AnytimeError("give a run directory to profile (anytime profile RUN) or --compare A.json B.json")
+    if args.trtexec_times:
+        return _trtexec_profile(args)
     import torch
 
     from anytime.pipeline import profile_run
@@ -698,6 +709,22 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                     entry.pop("samples_ms")
         print(json.dumps(summary, indent=2))
         return 0
+    _print_profile(profile, path)
+    return 0
+
+
+def _trtexec_profile(args: argparse.Namespace) -> int:
+    from anytime.profile.store import PROFILE_FORMAT
+    from anytime.profile.trtexec import trtexec_profile
+    from anytime.utils.outputs import check_output_file, output_lock
+
+    profile = trtexec_profile(args.run, args.trtexec_times, batch_size=args.trtexec_batch, device_label=args.device_label,
+                              engine_precision=args.engine_precision)  # fmt: skip
+    default = Path(args.run) / "profile-tensorrt.json"
+    target = check_output_file(Path(args.out) if args.out else default, what="profile", format_tag=PROFILE_FORMAT,
+                               create_parents=False, example="profile.json")  # fmt: skip
+    with output_lock(target):
+        path = profile.save(target)
     _print_profile(profile, path)
     return 0
 

@@ -209,3 +209,29 @@ def test_a_converted_run_exports_at_its_own_precision(exit_run, tmp_path, cli_er
     exported = load_export(report.out, lower=False)  # the reference graphs: the same arithmetic as the run's
     with torch.no_grad():
         assert torch.allclose(exported(x), quantized(x), atol=1e-5)
+
+
+def test_trtexec_timings_become_a_profile_of_the_export(exported_run, tmp_path, capsys, cli_error):
+    _, report = exported_run
+    times = tmp_path / "times"
+    times.mkdir()
+    manifest = report.manifest
+    for i, part in enumerate(manifest.parts):  # what trtexec --exportTimes writes: one record per inference
+        records = [{"startComputeMs": 0.0, "latencyMs": 1.0 + i + 0.01 * j, "computeMs": 0.5} for j in range(120)]
+        (times / f"{Path(part.file).stem}.json").write_text(json.dumps(records))
+    out = tmp_path / "board.json"
+    assert main(["profile", str(report.out), "--trtexec-times", str(times), "--device-label", "Jetson Orin Nano",
+                 "--engine-precision", "fp16", "--out", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    from anytime.profile import DeviceProfile
+
+    profile = DeviceProfile.load(out, fingerprint=manifest.fingerprint, num_steps=manifest.num_steps)
+    assert profile.device["label"] == "Jetson Orin Nano" and profile.settings["precision"]["precision"] == "fp16"
+    assert profile.incremental and profile.model_bytes == manifest.bytes
+    # exit 0 = segment 0 (part 0) + head 0 (part 1); exit 1 adds segment 1 (part 2) and head 1 (part 3)
+    assert profile.step_quantile(0, 0.5) == pytest.approx(1.0 + 2.0 + 0.02 * 59, abs=0.03)
+    assert profile.step_quantile(1, 0.5) == pytest.approx(1.0 + 3.0 + 4.0 + 0.03 * 59, abs=0.05)
+    (times / f"{Path(manifest.parts[0].file).stem}.json").write_text("[{}]")
+    cli_error(["profile", str(report.out), "--trtexec-times", str(times), "--out", str(tmp_path / "b2.json")], "exportTimes")
+    cli_error(["profile", str(report.out), "--trtexec-times", str(tmp_path / "none"), "--out", str(tmp_path / "b3.json")],
+              "missing")  # fmt: skip

@@ -452,6 +452,11 @@ class ExportedModel(PartsModel):
         self.manifest = manifest
         self.backend = backend
 
+    @property
+    def artifact_bytes(self) -> int:
+        """The artifacts' size on disk (what a profile reports as the model's bytes)."""
+        return self.manifest.bytes
+
 
 def load_export(
     folder: str | os.PathLike[str], *, provider: str = "cpu", lower: bool = True, threads: int | None = None,

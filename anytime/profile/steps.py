@@ -198,7 +198,7 @@ def profile_model(
     return DeviceProfile(
         model_fingerprint=fingerprint, model=model_name, input_shape=tuple(int(v) for v in input_shape),
         incremental=incremental, step_names=_step_names(model, num_steps), step_flops=flops,
-        step_params=_step_params(model, num_steps), model_bytes=weights_bytes(model), latency=latency,
+        step_params=_step_params(model, num_steps), model_bytes=getattr(model, "artifact_bytes", None) or weights_bytes(model), latency=latency,
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model),
