@@ -223,3 +223,12 @@ def test_qat_refuses_other_precisions(exit_run, tmp_path, cli_error):
     cli_error(["quantize", str(exit_run), "--precision", "bf16", "--qat-epochs", "1", "--out", str(tmp_path / "q")],
               "--qat-epochs fine-tunes int8")  # fmt: skip
     assert not (tmp_path / "q").exists()
+
+
+def test_torchvision_resnets_quantize_to_int8():
+    # the non-strict export of torchvision's residual adds is refused by X86InductorQuantizer's fusion patterns
+    model = create_model("tv:resnet18", num_classes=10).eval()
+    calibration = [torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(4))]
+    converted, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    with torch.no_grad():
+        assert converted(torch.randn(3, *SHAPE)).shape == (3, 10)
