@@ -185,10 +185,16 @@ def _dynamic_batch() -> tuple[dict[int, Any]]:
     return ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
 
 
+_DEBUG_META = ("stack_trace", "from_node", "source_fn_stack", "nn_module_stack", "torch_fn", "custom")
+
+
 def _export_pt2(part: nn.Module, example: Tensor, path: Path, what: str) -> None:
     try:
         with torch.no_grad():
             program = torch.export.export(_without_unused_state(part), (example,), dynamic_shapes=_dynamic_batch())
+        for node in program.graph.nodes:  # where each node came from in the Python source: a third of the file
+            for key in _DEBUG_META:
+                node.meta.pop(key, None)
         torch.export.save(program, str(path))
     except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
         raise AnytimeError(f"{what} cannot be exported as a .pt2 program ({_first_line(exc)})") from None
@@ -216,6 +222,17 @@ def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str) -> Non
         raise AnytimeError(f"ONNX export needs {exc.name or 'onnxscript'}; {DEPLOY_HINT}") from None
     except Exception as exc:  # noqa: BLE001
         raise AnytimeError(f"{what} cannot be exported as an ONNX graph ({_first_line(exc)})") from None
+    _without_debug_info(path)
+
+
+def _without_debug_info(path: Path) -> None:
+    """The exporter annotates every node with its Python stack and module path; a deployed graph needs neither."""
+    onnx, _ = _onnx_modules()
+    model = onnx.load(str(path))
+    for node in model.graph.node:
+        del node.metadata_props[:]
+        node.doc_string = ""
+    onnx.save(model, str(path))
 
 
 def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str) -> None:
@@ -241,6 +258,8 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         raise AnytimeError(f"ONNX Runtime could not quantize {what} ({_first_line(exc)})") from None
+    else:
+        _without_debug_info(path)
     finally:
         prepared.unlink(missing_ok=True)
         float_path.unlink(missing_ok=True)
@@ -437,6 +456,9 @@ def _ort_session(path: Path, provider: str, threads: int) -> Any:
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    # ONNX Runtime's threads spin after each run by default, taking the cores from whatever runs next in this
+    # process (PyTorch steps timed beside it, a server's other work); they sleep instead
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), options, providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))
     except Exception as exc:  # noqa: BLE001
