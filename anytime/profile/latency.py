@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,20 @@ from torch import Tensor
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector collected first and paused inside, as ``timeit`` does: a collection
+    over a process full of traced graphs takes tens of milliseconds and lands in whichever timing it interrupts."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @torch.inference_mode()
@@ -35,14 +51,15 @@ def per_sample_latency(
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in functions}
     names = list(functions)
-    for i, x in enumerate(batches):
-        # The order alternates (A, B, then B, A): whichever runs second on a batch finds the caches in the
-        # state the first left, which measurably favours or penalises it on a small machine.
-        for name in names if i % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            functions[name](x)
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
+    with paused_gc():
+        for i, x in enumerate(batches):
+            # The order alternates (A, B, then B, A): whichever runs second on a batch finds the caches in the
+            # state the first left, which measurably favours or penalises it on a small machine.
+            for name in names if i % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                functions[name](x)
+                _sync(device)
+                times[name].append(time.perf_counter() - start)
     return {name: np.asarray(values) for name, values in times.items()}
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
+from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
 from anytime.utils.machine import describe_machine, device_label
@@ -176,11 +177,12 @@ def profile_model(
                     _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
                 alone: list[list[float]] = []
                 stages: list[list[float]] = []
-                for i in range(repeats):
-                    a, s = _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
-                    alone.append(a)
-                    if s is not None:
-                        stages.append(s)
+                with paused_gc():
+                    for i in range(repeats):
+                        a, s = _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
+                        alone.append(a)
+                        if s is not None:
+                            stages.append(s)
                 mem = _cuda_memory(model, x, num_steps) if target.type == "cuda" else None
                 latency[b] = BatchLatency(
                     b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
