@@ -13,9 +13,9 @@ from anytime.plotting.figures import save_figure
 
 
 def plot_precision(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], *, title: str = "") -> list[Path]:
-    """Two panels from the study's rows (``model``, ``variant``, ``latency_b1_p50_ms``, ``images_per_s_b32``,
-    ``accuracy``): batch-1 latency of each variant per model (log scale; batch-32 throughput printed on the
-    bars), and accuracy against batch-1 latency for the models with an accuracy, one line per model."""
+    """Two panels from the study's rows (``model``, ``variant``, ``latency_b1_p50_ms``,
+    ``accuracy``): batch-1 latency of each variant per model (log scale), and accuracy against batch-1 latency
+    for the models with an accuracy (a colour per model, a marker per variant)."""
     models = list(dict.fromkeys(r["model"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     fig = Figure(figsize=(15, 4.8))
@@ -34,18 +34,20 @@ def plot_precision(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[st
     ax_latency.grid(alpha=0.3, axis="y")
     ax_latency.legend(fontsize=7, ncol=2)
     scored = [m for m in models if any(r["model"] == m and r.get("accuracy") not in (None, "") for r in rows)]
+    markers = dict(zip(variants, "osD^v<>Pp*hX"))
     for model in scored:
         points = sorted((float(r["latency_b1_p50_ms"]), 100 * float(r["accuracy"]), r["variant"])
                         for r in rows if r["model"] == model and r.get("accuracy") not in (None, ""))  # fmt: skip
-        line = ax_accuracy.plot([p[0] for p in points], [p[1] for p in points], ":", alpha=0.5)[0]
+        line = ax_accuracy.plot([p[0] for p in points], [p[1] for p in points], ":", alpha=0.5, label=model)[0]
         for latency, accuracy, variant in points:
-            ax_accuracy.plot([latency], [accuracy], marker="o", color=line.get_color())
-            ax_accuracy.annotate(variant, (latency, accuracy), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        line.set_label(model)
+            ax_accuracy.plot([latency], [accuracy], linestyle="none", marker=markers[variant], color=line.get_color())
+    for variant in variants:  # the marker legend: one entry per variant, in grey
+        if any(r["variant"] == variant and r.get("accuracy") not in (None, "") for r in rows):
+            ax_accuracy.plot([], [], linestyle="none", marker=markers[variant], color="grey", label=variant)
     ax_accuracy.set(xlabel="batch-1 latency, median (ms)", ylabel="test accuracy (%)", title="accuracy vs latency")
     ax_accuracy.grid(alpha=0.3)
     if scored:
-        ax_accuracy.legend(fontsize=7)
+        ax_accuracy.legend(fontsize=6, ncol=2)
     else:
         ax_accuracy.text(0.5, 0.5, "no trained run measured", ha="center", va="center", transform=ax_accuracy.transAxes)
     if title:
