@@ -32,7 +32,7 @@ COMMANDS: dict[str, str] = {
     "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
     "quantize": "a run's steps at another precision (int8, int8-dynamic, bf16, fp16), as a run the pipeline takes",
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
-    "experiment": "run an edge-training study from experiments/ (batch-time, memory, time-accuracy)",
+    "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
 
