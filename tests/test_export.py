@@ -85,6 +85,15 @@ def test_int8_artifacts_store_int8_weights(fmt, tmp_path):
     assert agree >= 0.9
 
 
+def test_pt2_archives_deflate_their_graph_and_hold_no_example_inputs(tmp_path):
+    exported = _export(_Wide().eval(), "pt2", tmp_path / "fp32", (256,))
+    with zipfile.ZipFile(tmp_path / "fp32" / exported.manifest.parts[0].file) as archive:
+        entries = archive.infolist()
+    assert all(e.file_size == 0 for e in entries if "sample_inputs" in e.filename)
+    assert all(e.compress_type == zipfile.ZIP_DEFLATED for e in entries if e.filename.endswith(".json"))
+    assert all(e.compress_type == zipfile.ZIP_STORED for e in entries if "/weights/weight_" in e.filename)
+
+
 @pytest.fixture(scope="module")
 def exported_run(exit_run, tmp_path_factory):
     """The trained multi-exit digits run exported as ONNX int8 (quantized by ONNX Runtime), with its parity table."""

@@ -195,9 +195,25 @@ def _export_pt2(part: nn.Module, example: Tensor, path: Path, what: str) -> None
         for node in program.graph.nodes:  # where each node came from in the Python source: a third of the file
             for key in _DEBUG_META:
                 node.meta.pop(key, None)
+        program.example_inputs = None  # a pickled tensor: the manifest names the input shape instead
         torch.export.save(program, str(path))
     except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
         raise AnytimeError(f"{what} cannot be exported as a .pt2 program ({_first_line(exc)})") from None
+    _deflate_descriptions(path)
+
+
+def _deflate_descriptions(path: Path) -> None:
+    """Compress the archive's JSON entries (the graph and the weights' table), which torch stores uncompressed.
+
+    For a small int8 network the graph's description is as large as its int8 weights (ResNet-20: 155 KB of
+    JSON beside 275 KB of weights); deflated it is a tenth of that. Weights stay stored, aligned, as written.
+    """
+    staged = path.with_name(f".{path.name}.deflating")
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(staged, "w") as target:
+        for info in source.infolist():
+            packed = zipfile.ZIP_DEFLATED if info.filename.endswith(".json") else zipfile.ZIP_STORED
+            target.writestr(info, source.read(info), compress_type=packed)
+    os.replace(staged, path)
 
 
 def _onnx_modules() -> tuple[Any, Any]:
