@@ -32,6 +32,8 @@ COMMANDS: dict[str, str] = {
     "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
     "quantize": "a run's steps at another precision (int8, int8-dynamic, bf16, fp16), as a run the pipeline takes",
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
+    "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
+    "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="anytime",
         description="Anytime inference research in PyTorch: train, measure and schedule models on a device.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {name:<11} {text}" for name, text in COMMANDS.items())
+        epilog="commands:\n" + "\n".join(f"  {name:<18} {text}" for name, text in COMMANDS.items())
         + "\n\nrun 'anytime COMMAND --help' for a command's options",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help="one of the commands below")
@@ -292,6 +294,42 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
                         help="test images the parity table compares on (default 1000; 0: no table)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+
+    ensemble = sub.add_parser("ensemble", description=COMMANDS["ensemble"])
+    ensemble.add_argument("--members", required=True, metavar="RUN,RUN,...",
+                          help="finished runs trained on the same data and split (a multi-exit run answers with its "
+                               "last exit; a quantized run at its precision)")
+    ensemble.add_argument("--order", choices=["cost", "greedy", "given"], default="cost",
+                          help="cost: cheapest first (batch-1 latency, from the members' profiles or measured); greedy: "
+                               "most validation accuracy per millisecond first; given: as listed (default cost)")
+    ensemble.add_argument("--fuser", choices=["mlp", "mean", "vote", "weighted"], default="mlp",
+                          help="the fuser the run deploys (all four are fit and reported; default mlp)")
+    ensemble.add_argument("--folds", type=_int_at_least(2), default=5, metavar="K",
+                          help="cross-fitting folds of the validation split (default 5)")
+    ensemble.add_argument("--fit-split", default="val", metavar="SPLIT",
+                          help="where fusers are fit: the validation split, held out of every member (the only choice)")
+    ensemble.add_argument("--hidden", type=_positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)")
+    ensemble.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    ensemble.add_argument("--out", required=True, metavar="DIR", help="the ensemble run (a new or empty folder)")
+    ensemble.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+
+    baseline = sub.add_parser("ensemble-baseline", description=COMMANDS["ensemble-baseline"])
+    baseline.add_argument("--method", required=True, choices=["fusion", "voting", "bagging", "gradient-boosting", "snapshot"])
+    baseline.add_argument("--model", required=True, help="the members' zoo model (each member a fresh copy)")
+    baseline.add_argument("--estimators", required=True, type=_positive_int, metavar="N", help="members")
+    baseline.add_argument("--epochs", required=True, type=_positive_int, metavar="E",
+                          help="training epochs (snapshot: a multiple of --estimators)")
+    baseline.add_argument("--data", choices=["digits", "cifar10", "folder", "synthetic"], default="digits")
+    baseline.add_argument("--data-root", metavar="PATH", help="dataset folder (as for train)")
+    baseline.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only")
+    baseline.add_argument("--batch-size", type=_positive_int, default=128, metavar="B")
+    baseline.add_argument("--lr", type=_finite_float, default=0.05, metavar="LR", help="SGD learning rate (default 0.05)")
+    baseline.add_argument("--seed", type=_non_negative_int, default=0, metavar="S")
+    baseline.add_argument("--shrinkage", type=_finite_float, default=1.0, metavar="R",
+                          help="gradient boosting's shrinkage rate (default 1)")
+    baseline.add_argument("--device", default="cpu", help="cpu | cuda (default cpu; never assumed)")
+    baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
+    baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
@@ -838,6 +876,49 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ensemble(args: argparse.Namespace) -> int:
+    from anytime.ensemble import build_ensemble
+    from anytime.ensembles import FUSERS, FitSettings
+
+    members = [m for m in args.members.split(",") if m.strip()]
+    report = build_ensemble(members, args.out, order=args.order, fuser=args.fuser, folds=args.folds,
+                            fit_split=args.fit_split, settings=FitSettings(hidden=args.hidden), device=args.device,
+                            overwrite=args.overwrite, progress=lambda line: print(line, flush=True))  # fmt: skip
+    print(f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} fuser")
+    print(f"{'#':<3} {'member':<20} {'precision':<9} {'val':>7} {'test':>7} {'ms (b1)':>8}  run")
+    for k, m in enumerate(report.members):
+        cost = f"{m.cost_ms:8.3f}" if m.cost_ms is not None else f"{'-':>8}"
+        print(f"{k:<3} {m.name:<20} {m.precision:<9} {100 * m.val_acc:6.2f}% {100 * m.test_acc:6.2f}% {cost}  {m.run}")
+    if report.cost_source != "not measured":
+        print(f"costs: {report.cost_source}")
+    print("fused accuracy of the first k members, test (validation cross-fitted):")
+    print(f"{'fuser':<9} " + " ".join(f"{f'k={k + 1}':>16}" for k in range(len(report.members))))
+    for kind in FUSERS:
+        cells = [f"{100 * t:6.2f}% ({100 * v:5.2f}%)" for t, v in zip(report.test_acc[kind], report.val_acc[kind])]
+        print(f"{kind + (' *' if kind == report.fuser else ''):<9} " + " ".join(f"{c:>16}" for c in cells))
+    best = report.best_member
+    print(f"best single member (by validation): {best.name}, test {100 * best.test_acc:.2f}%")
+    print(f"next: anytime profile {report.out}; anytime calibrate {report.out} ...; anytime schedule {report.out} --deadline-ms D")
+    return 0
+
+
+def _cmd_ensemble_baseline(args: argparse.Namespace) -> int:
+    from anytime.baseline import train_baseline
+    from anytime.train import TrainConfig
+
+    config = TrainConfig(model=args.model, data=args.data, data_root=args.data_root, limit_train=args.limit_train,
+                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)  # fmt: skip
+    report = train_baseline(args.method, config, estimators=args.estimators, out=args.out, shrinkage=args.shrinkage,
+                            overwrite=args.overwrite, progress=lambda line: print(line, flush=True))  # fmt: skip
+    print(f"run    {report.out}: {args.method}, {report.estimators} x {report.model}, {report.epochs} epochs")
+    print("method | test accuracy | training time | evaluation time")
+    print(f"{args.method} | {100 * report.test_acc:.2f}% | {report.train_time_s:.2f} s | {report.eval_time_s:.2f} s")
+    for k, (val, test) in enumerate(zip(report.step_val_acc, report.step_test_acc)):
+        print(f"step {k} (first {k + 1} members)  val {100 * val:.2f}%  test {100 * test:.2f}%")
+    print(f"next: anytime collect {report.out} --split val; anytime profile {report.out}")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from anytime.export import export_run
 
@@ -865,6 +946,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
+    "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
     "experiment": _cmd_experiment,
     "demo": _cmd_demo,
 }  # fmt: skip

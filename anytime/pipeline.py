@@ -28,6 +28,7 @@ from anytime.calibrate import (
 )
 from anytime.calibrate.sweep import exit_costs
 from anytime.data import DatasetSplits, make_loader
+from anytime.ensembles import EnsembleModel
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
@@ -81,9 +82,12 @@ def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_s
         splits = _splits_of(run)
         data = getattr(splits, split)
         loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
+        model = run.model
+        if split == "val" and isinstance(model, EnsembleModel):  # its fusers were fit on this split: cross-fitted
+            model = model.heldout_view()
         cache = collect(
-            run.model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
-            meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.config.model, "run": str(run.run_dir)},
+            model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
+            meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.name, "run": str(run.run_dir)},
         )  # fmt: skip
         cache.save(target)
     return cache
@@ -429,7 +433,7 @@ def profile_run(
         model, shape, name, fingerprint, classes, target_device = _export_target(run_dir, device, train)
     else:
         run = load_run(run_dir, device)
-        model, shape, name, fingerprint = run.model, _input_shape(run), run.config.model, run.fingerprint
+        model, shape, name, fingerprint = run.model, _input_shape(run), run.name, run.fingerprint
         classes, target_device = int(run.dataset["num_classes"]), run.device
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
     target = check_output_file(Path(out) if out else default_profile_path(run_dir, target_device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,

@@ -25,7 +25,9 @@ from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
 from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
-from anytime.train.runs import QUANT_STATE, WEIGHTS, LoadedRun, load_run, precision_record, run_config
+from anytime.train.runs import (
+    QUANT_STATE, WEIGHTS, LoadedRun, baseline_record, ensemble_record, load_run, precision_record, run_config,
+)
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -121,6 +123,9 @@ def quantize_run(
     run_config(parent)  # a clear error for a folder that is not a run
     if precision_record(parent) is not None:
         raise AnytimeError(f"{parent} is already a converted run; quantize the float run it came from")
+    if ensemble_record(parent) is not None or baseline_record(parent) is not None:
+        raise AnytimeError(f"{parent} is an ensemble; quantize its members (anytime quantize MEMBER) and build an "
+                           "ensemble of the quantized runs")  # fmt: skip
     target_device = resolve_device(device)
     backend = backend_for(precision, target_device)
     if calibration_images < 1:

@@ -212,7 +212,13 @@ def profile_model(
 def _precision(model: nn.Module) -> dict[str, Any]:
     """What the profile measured: the precision, the backend that ran it and whether it was compiled."""
     spec = getattr(model, "spec", None)
-    return spec.to_dict() if spec is not None else {"precision": "fp32", "backend": "eager", "compile": False}
+    if spec is not None:
+        return spec.to_dict()
+    members = getattr(model, "member_precisions", None)  # an ensemble: each member at its own precision
+    if members:
+        return {"precision": "+".join(dict.fromkeys(members)), "backend": "each member's own", "compile": None,
+                "members": list(members)}  # fmt: skip
+    return {"precision": "fp32", "backend": "eager", "compile": False}
 
 
 def _step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:

@@ -31,11 +31,17 @@ class LoadedRun:
     model: nn.Module
     fingerprint: str
     device: torch.device
+    label: str | None = None
 
     @property
     def num_steps(self) -> int:
         """Steps of the model (1 for a plain classifier)."""
         return int(getattr(self.model, "num_steps", 1))
+
+    @property
+    def name(self) -> str:
+        """What the model is, for profiles and tables: the zoo name, or an ensemble's members."""
+        return self.label or self.config.model
 
 
 def weights_fingerprint(path: str | Path) -> str:
@@ -47,14 +53,28 @@ def weights_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def precision_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """A converted run's precision record (``config.json``'s ``precision``), or None for a float run."""
+def _record_entry(run_dir: str | Path, key: str) -> dict[str, Any] | None:
     try:
         record = json.loads((Path(run_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    found = record.get("precision") if isinstance(record, dict) else None
+    found = record.get(key) if isinstance(record, dict) else None
     return found if isinstance(found, dict) else None
+
+
+def precision_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """A converted run's precision record (``config.json``'s ``precision``), or None for a float run."""
+    return _record_entry(run_dir, "precision")
+
+
+def baseline_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """A torchensemble baseline run's record (``config.json``'s ``baseline``: method, estimators), or None."""
+    return _record_entry(run_dir, "baseline")
+
+
+def ensemble_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """An ensemble run's record (``config.json``'s ``ensemble``: members, order, fuser), or None."""
+    return _record_entry(run_dir, "ensemble")
 
 
 def run_weights_fingerprint(run_dir: str | Path) -> str:
@@ -62,6 +82,11 @@ def run_weights_fingerprint(run_dir: str | Path) -> str:
     calibration statistics too (so a profile or calibration of the float run is refused for it)."""
     run = Path(run_dir)
     plain = weights_fingerprint(run / WEIGHTS)
+    members = ensemble_record(run)
+    if members is not None:  # an ensemble computes with its fusers and with its members' weights
+        digest = hashlib.sha256(plain.encode())
+        digest.update(json.dumps([m.get("fingerprint") for m in members.get("members", [])]).encode())
+        return digest.hexdigest()[:16]
     record = precision_record(run)
     if record is None:
         return plain
@@ -103,9 +128,25 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, convert
                  "image_size": (int(size[0]), int(size[1]))}  # fmt: skip
     except (KeyError, TypeError, ValueError, IndexError):
         raise AnytimeError(f"{run / 'config.json'} does not describe its dataset; was it edited?") from None
+    target = resolve_device(str(device))
+    members = ensemble_record(run)
+    if members is not None:
+        if not converted:
+            raise AnytimeError(f"{run} is an ensemble, which has no float form of its own; quantize or export its "
+                               "members and build an ensemble of those")  # fmt: skip
+        model, label = _ensemble(run, members, int(shape["num_classes"]), target)
+        return LoadedRun(run, config, dataset, model.eval(), run_weights_fingerprint(run), target, label)
+    baseline = baseline_record(run)
+    if baseline is not None:
+        if not converted:
+            raise AnytimeError(f"{run} is a torchensemble baseline, which has no single float model to convert or "
+                               "export; quantize or export a run of one member")  # fmt: skip
+        model = _baseline(config, baseline, int(shape["num_classes"]), int(shape["in_channels"]))
+        load_weights(model, weights)
+        label = f"{baseline.get('method')}({len(model.members)} x {config.model})"
+        return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target, label)
     model = build_model(config, load_init=False, **shape)  # type: ignore[arg-type]
     load_weights(model, weights)
-    target = resolve_device(str(device))
     record = precision_record(run)
     if record is not None and converted:
         model = _converted(run, model.eval(), record, (shape["in_channels"], *shape["image_size"]), target)
@@ -126,3 +167,49 @@ def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple
     converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device,
                            qat=bool(record.get("qat_epochs")))  # fmt: skip
     return converted
+
+
+def _ensemble(run: Path, record: dict[str, Any], num_classes: int, device: torch.device) -> tuple[nn.Module, str]:
+    """An ensemble run's model: every member loaded from its own run (refused if it changed since the ensemble
+    was built) and the fusers from the ensemble's weights."""
+    from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
+
+    try:
+        entries = list(record["members"])
+        infos = [MemberInfo(str(m["name"]), None if m["step"] is None else int(m["step"]), int(m["flops"]),
+                            int(m["params"]), str(m.get("precision", "fp32"))) for m in entries]  # fmt: skip
+        bank = FuserBank(str(record["fuser"]), len(entries), num_classes, folds=int(record["folds"]),
+                         heldout=int(record["heldout"]), hidden=int(record["hidden"]))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AnytimeError(f"{run / 'config.json'} does not describe its ensemble ({exc}); was it edited?") from None
+    members = []
+    for entry in entries:
+        member = Path(entry["run"])
+        if not member.is_dir():
+            raise AnytimeError(f"member {member} of the ensemble {run} is gone; restore it or build the ensemble again")
+        loaded = load_run(member, device)
+        if loaded.fingerprint != entry.get("fingerprint"):
+            raise AnytimeError(
+                f"member {member} changed after the ensemble {run} was built (weights {loaded.fingerprint}, the "
+                f"ensemble was fit on {entry.get('fingerprint')}); build the ensemble again with `anytime ensemble`"
+            )  # fmt: skip
+        members.append(loaded.model)
+    load_weights(bank, run / WEIGHTS)
+    label = f"ensemble {record['fuser']}({' + '.join(i.name for i in infos)})"
+    return EnsembleModel(members, infos, bank).to(device), label
+
+
+def _baseline(config: TrainConfig, record: dict[str, Any], num_classes: int, in_channels: int) -> nn.Module:
+    """A torchensemble baseline run's model (``anytime ensemble-baseline``): its members rebuilt from the recipe,
+    fused as its method fuses them; the caller loads the weights."""
+    from anytime.backbones import create_model
+    from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
+
+    try:
+        count, kind, scale = int(record["estimators"]), str(record["fuser"]), float(record["scale"])
+        flops, params = int(record["member_flops"]), int(record["member_params"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AnytimeError(f"the run's baseline record is incomplete ({exc}); was config.json edited?") from None
+    members = [create_model(config.model, num_classes=num_classes, in_channels=in_channels) for _ in range(count)]
+    infos = [MemberInfo(f"{config.model}#{i}", None, flops, params) for i in range(count)]
+    return EnsembleModel(members, infos, FuserBank(kind, count, num_classes, scale=scale))

@@ -422,7 +422,8 @@ def staged_dir(
         work = Path(tempfile.mkdtemp(prefix=temp_prefix(final.name), suffix=".partial", dir=final.parent))
         try:
             yield work
-            written = [p.relative_to(work).as_posix() for p in work.rglob("*") if not p.is_dir() and p.name != MARKER]
+            written = [p.relative_to(work).as_posix() for p in work.rglob("*") if not p.is_dir()]
+            written = [name for name in written if name != MARKER]  # nested runs keep their own markers
             write_marker(work, kind, entries if entries is not None else written)
             _put_in_place(work, final, kind, flag)
         finally:

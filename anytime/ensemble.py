@@ -1,0 +1,313 @@
+"""Build an ensemble run (``anytime ensemble``): trained runs of any architecture and precision as members, put
+in an order, fused after each one, written as a run that collect, sweep, calibrate, profile, schedule and the
+runtime take unchanged.
+
+Every member answers with its last step (a multi-exit member's last exit). Members must share the dataset and
+its split (same data, validation fraction and seed), so the validation images the fusers are fit on were held
+out of every member's training. Fusers are fit on the validation split only and cross-fitted over its folds; the
+run's validation cache holds the cross-fitted answers, so thresholds calibrated on it are not calibrated on the
+fuser's own training data. The test split is only reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from anytime.data import make_loader
+from anytime.data.base import DatasetSplits
+from anytime.ensembles import FUSERS, EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, member_log_probs
+from anytime.errors import AnytimeError
+from anytime.outputs.cache import OutputCache, cache_path
+from anytime.pipeline import _splits_of, default_profile_path
+from anytime.precision.model import float_flops
+from anytime.train.checkpoint import save_weights
+from anytime.train.runs import (
+    WEIGHTS, LoadedRun, baseline_record, ensemble_record, load_run, precision_record, run_config, run_weights_fingerprint,
+)
+from anytime.utils.io import write_json
+from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
+from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
+
+ORDERS: tuple[str, ...] = ("cost", "greedy", "given")
+FIT_SPLITS: tuple[str, ...] = ("val",)
+_SPLIT_KEYS = ("data", "image_size", "val_fraction", "seed", "limit_train")  # the data itself: its fingerprint
+_DATASET_KEYS = ("name", "num_classes", "in_channels", "image_size", "fingerprint")
+_COST_SAMPLES = 60  # batch-1 timings per member when no profile says what a member costs
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """One member: its run, name, precision, accuracy alone and cost at batch 1 (p50, ms)."""
+
+    run: str
+    name: str
+    precision: str
+    val_acc: float
+    test_acc: float
+    cost_ms: float | None
+
+
+@dataclass(frozen=True)
+class EnsembleReport:
+    """What ``anytime ensemble`` built: the members in ladder order, every fuser's accuracy per step (validation
+    cross-fitted, test) and the run it wrote with the chosen fuser."""
+
+    out: Path
+    fuser: str
+    order: str
+    members: tuple[MemberReport, ...]
+    val_acc: dict[str, tuple[float, ...]]
+    test_acc: dict[str, tuple[float, ...]]
+    cost_source: str
+
+    @property
+    def best_member(self) -> MemberReport:
+        """The member most accurate on validation (test is only reported)."""
+        return max(self.members, key=lambda m: m.val_acc)
+
+
+def _check_choices(order: str, fuser: str, fit_split: str, folds: int) -> None:
+    if order not in ORDERS:
+        raise AnytimeError(f"unknown order '{order}'; choose one of {', '.join(ORDERS)}")
+    if fuser not in FUSERS:
+        raise AnytimeError(f"unknown fuser '{fuser}'; choose one of {', '.join(FUSERS)}")
+    if fit_split == "test":
+        raise AnytimeError("fusers are never fit on the test split (it is only reported); fit them on val")
+    if fit_split not in FIT_SPLITS:
+        raise AnytimeError(f"fusers are fit on the validation split, held out of every member's training (got "
+                           f"'{fit_split}'); use --fit-split val")  # fmt: skip
+    if folds < 2:
+        raise AnytimeError(f"--folds must be at least 2 for cross-fitting (got {folds})")
+
+
+def _check_compatible(paths: Sequence[Path]) -> None:
+    """Members must answer the same question on the same images, and share the held-out split."""
+    records = [(p, *run_config(p)) for p in paths]
+    first, first_config, first_data = records[0]
+    for path, config, data in records[1:]:
+        for key in _DATASET_KEYS:
+            if first_data.get(key) != data.get(key):
+                what = {"num_classes": "label sets", "in_channels": "input shapes", "image_size": "input shapes"}.get(key, "datasets")
+                raise AnytimeError(
+                    f"{first} and {path} have different {what} ({key} {first_data.get(key)} vs {data.get(key)}); "
+                    "an ensemble's members must be trained on the same data"
+                )  # fmt: skip
+        for key in _SPLIT_KEYS:
+            if getattr(first_config, key) != getattr(config, key):
+                raise AnytimeError(
+                    f"{first} and {path} split their data differently ({key} {getattr(first_config, key)} vs "
+                    f"{getattr(config, key)}): one's validation images may be the other's training images, so no "
+                    "fuser can be fit honestly; train the members with the same split"
+                )  # fmt: skip
+
+
+def _member_info(run: LoadedRun, shape: tuple[int, ...]) -> tuple[MemberInfo, str]:
+    record = precision_record(run.run_dir)
+    precision = str(record["precision"]) if record else "fp32"
+    steps = run.num_steps
+    # a quantized graph counts as zero FLOPs; a converted model carries its float graph's
+    flops = getattr(run.model, "step_flops", None) or float_flops(run.model, shape, steps)
+    float_model = getattr(run.model, "float_model", run.model)
+    params = sum(p.numel() for p in float_model.parameters())
+    name = run.config.model + ("" if precision == "fp32" else f"-{precision}")
+    return MemberInfo(name, steps - 1 if steps > 1 else None, int(flops[-1]), int(params), precision), precision
+
+
+def _profiled_cost(run: LoadedRun) -> float | None:
+    from anytime.profile.store import DeviceProfile
+
+    path = default_profile_path(run.run_dir, run.device)
+    if not path.is_file():
+        return None
+    profile = DeviceProfile.load(path, fingerprint=run.fingerprint)
+    if 1 not in profile.latency:
+        return None
+    return float(np.median(profile.at(1).steps[-1]))
+
+
+def _costs(runs: Sequence[LoadedRun], infos: Sequence[MemberInfo], shape: tuple[int, ...]) -> tuple[list[float], str]:
+    """Each member's batch-1 latency (p50, ms): from the members' profiles on this device when every member has
+    one, else measured here, interleaved, on random inputs."""
+    profiled = [_profiled_cost(r) for r in runs]
+    if all(c is not None for c in profiled):
+        return [float(c) for c in profiled], "profiles (batch 1, p50)"  # type: ignore[arg-type]
+    from anytime.profile.latency import per_sample_latency
+
+    inputs = torch.randn(_COST_SAMPLES, *shape, generator=torch.Generator().manual_seed(0)).to(runs[0].device)
+    calls = {str(i): (lambda x, r=r, info=info: member_log_probs(r.model, info.step, x))
+             for i, (r, info) in enumerate(zip(runs, infos))}  # fmt: skip
+    with torch.inference_mode():
+        times = per_sample_latency(calls, inputs)
+    return [float(np.median(times[str(i)]) * 1000) for i in range(len(runs))], "measured here (batch 1, p50)"
+
+
+@torch.no_grad()  # not inference mode: the fusers are then fit on these tensors
+def _member_outputs(runs: Sequence[LoadedRun], infos: Sequence[MemberInfo], splits: DatasetSplits, split: str,
+                    batch_size: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Every member's log-probabilities ``[M, N, C]`` on ``split`` and its labels."""
+    loader = make_loader(getattr(splits, split), splits.info, batch_size=batch_size, train=False, seed=runs[0].config.seed)
+    chunks: list[Tensor] = []
+    labels: list[Tensor] = []
+    for images, targets in loader:
+        x = images.to(runs[0].device)
+        chunks.append(torch.stack([member_log_probs(r.model, info.step, x).cpu() for r, info in zip(runs, infos)]))
+        labels.append(targets.cpu())
+    if not chunks:
+        raise AnytimeError(f"the {split} split is empty; an ensemble needs held-out images")
+    return torch.cat(chunks, dim=1), torch.cat(labels)
+
+
+def _accuracy(logits: Tensor | np.ndarray, labels: Tensor) -> float:
+    predicted = torch.as_tensor(logits).argmax(dim=-1)
+    return float((predicted == labels).float().mean())
+
+
+def greedy_order(logps: Tensor, labels: Tensor, costs: Sequence[float]) -> list[int]:
+    """Members in the order that adds the most validation accuracy per millisecond at each step (accuracy of the
+    prefix fused by the mean of probabilities; a first member is measured against chance)."""
+    left = list(range(logps.shape[0]))
+    chosen: list[int] = []
+    current = 1.0 / logps.shape[-1]
+    while left:
+        def gain(i: int) -> float:
+            fused = torch.logsumexp(logps[chosen + [i]], dim=0)
+            return (_accuracy(fused, labels) - current) / max(costs[i], 1e-6)
+
+        best = max(left, key=gain)
+        chosen.append(best)
+        left.remove(best)
+        current = _accuracy(torch.logsumexp(logps[chosen], dim=0), labels)
+    return chosen
+
+
+def build_ensemble(
+    members: Sequence[str | Path], out: str | Path, *, order: str = "cost", fuser: str = "mlp", folds: int = 5,
+    fit_split: str = "val", settings: FitSettings = FitSettings(), device: str = "cpu", batch_size: int = 256,
+    overwrite: bool = False, progress: Callable[[str], None] | None = None,
+) -> EnsembleReport:  # fmt: skip
+    """Write ``out``, an ensemble run of ``members`` (trained runs), and report every fuser's accuracy.
+
+    ``order``: ``cost`` (batch-1 latency, cheapest first), ``greedy`` (most validation accuracy gained per
+    millisecond first) or ``given``. ``fuser`` is the one the run deploys (``mlp``, ``mean``, ``vote`` or
+    ``weighted``); all four are fit and reported. Fitting uses the validation split only, in ``folds`` folds.
+    """
+    say = progress or (lambda _: None)
+    _check_choices(order, fuser, fit_split, folds)
+    paths = [Path(m) for m in members]
+    if len(paths) < 2:
+        raise AnytimeError("an ensemble needs at least two member runs, e.g. --members runs/a,runs/b")
+    if len({p.resolve() for p in paths}) != len(paths):
+        raise AnytimeError("a member run is named twice in --members; give each run once")
+    target = Path(out)
+    if any(target.resolve() == p.resolve() for p in paths):
+        raise AnytimeError(f"--out {target} is one of the members; give the ensemble a folder of its own")
+    check_replaceable(target, RUN, overwrite=overwrite, create_parents=False)
+    for path in paths:
+        if ensemble_record(path) is not None or baseline_record(path) is not None:
+            raise AnytimeError(f"{path} is itself an ensemble; give its members instead")
+    _check_compatible(paths)
+    target_device = resolve_device(device)
+    runs = [load_run(p, target_device) for p in paths]
+    size = runs[0].dataset.get("image_size") or [32, 32]
+    shape = (int(runs[0].dataset["in_channels"]), int(size[0]), int(size[1]))
+    described = [_member_info(r, shape) for r in runs]
+    infos = [d[0] for d in described]
+    costs, cost_source = _costs(runs, infos, shape) if order != "given" else ([float("nan")] * len(runs), "not measured")
+    say("running every member over the validation and test splits...")
+    splits = _splits_of(runs[0])
+    val_logps, val_labels = _member_outputs(runs, infos, splits, "val", batch_size)
+    test_logps, test_labels = _member_outputs(runs, infos, splits, "test", batch_size)
+    ranked = {"given": lambda: list(range(len(runs))),
+              "cost": lambda: sorted(range(len(runs)), key=lambda i: costs[i]),
+              "greedy": lambda: greedy_order(val_logps, val_labels, costs)}[order]()  # fmt: skip
+    runs = [runs[i] for i in ranked]
+    described = [described[i] for i in ranked]
+    infos = [infos[i] for i in ranked]
+    costs = [costs[i] for i in ranked]
+    val_logps, test_logps = val_logps[ranked], test_logps[ranked]
+    say(f"fitting fusers on {val_labels.numel()} validation images in {folds} folds...")
+    fits = {kind: cross_fit(kind, val_logps, val_labels, folds=folds, settings=settings) for kind in FUSERS}
+    val_acc: dict[str, tuple[float, ...]] = {}
+    test_acc: dict[str, tuple[float, ...]] = {}
+    test_fused: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for kind, fit in fits.items():
+            test_fused[kind] = torch.stack([f(test_logps[: k + 1]) for k, f in enumerate(fit.fusers)])
+            val_acc[kind] = tuple(_accuracy(fit.heldout[k], val_labels) for k in range(len(runs)))
+            test_acc[kind] = tuple(_accuracy(test_fused[kind][k], test_labels) for k in range(len(runs)))
+    reports = tuple(
+        MemberReport(str(r.run_dir), info.name, precision, _accuracy(val_logps[i], val_labels),
+                     _accuracy(test_logps[i], test_labels), None if np.isnan(costs[i]) else costs[i])
+        for i, (r, (info, precision)) in enumerate(zip(runs, described))
+    )  # fmt: skip
+    chosen = fits[fuser]
+    bank = FuserBank.of(chosen.fusers, chosen.fold_fusers, torch.from_numpy(chosen.folds))
+    model = EnsembleModel([r.model for r in runs], infos, bank)
+    record = {
+        "fuser": fuser, "order": order, "folds": folds, "heldout": int(val_labels.numel()), "hidden": settings.hidden,
+        "fit_split": fit_split, "fit": {"epochs": settings.epochs, "lr": settings.lr,
+                                        "weight_decay": settings.weight_decay, "seed": settings.seed},
+        "cost_source": cost_source,
+        "members": [{"run": str(r.run_dir.resolve()), "fingerprint": r.fingerprint, "name": info.name,
+                     "precision": precision, "step": info.step, "flops": info.flops, "params": info.params,
+                     "cost_ms": rep.cost_ms} for r, (info, precision), rep in zip(runs, described, reports)],
+    }  # fmt: skip
+    report = EnsembleReport(target, fuser, order, reports, val_acc, test_acc, cost_source)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as work:
+        write_json(work / "config.json", {
+            "train": runs[0].config.to_dict(), "dataset": runs[0].dataset, "ensemble": record,
+            "device": str(target_device), "machine": describe_machine(), "git_sha": git_sha(), "created": now,
+        })  # fmt: skip
+        save_weights(bank, work / WEIGHTS)
+        fingerprint = run_weights_fingerprint(work)
+        _write_caches(work, model, fingerprint, torch.from_numpy(chosen.heldout), val_labels, test_fused[fuser],
+                      test_labels, splits.info.fingerprint)  # fmt: skip
+        write_json(work / "summary.json", _summary(report, model, target, runs[0], target_device, now))
+    return report
+
+
+def _write_caches(folder: Path, model: EnsembleModel, fingerprint: str, val: Tensor, val_labels: Tensor, test: Tensor,
+                  test_labels: Tensor, dataset_fingerprint: str) -> None:  # fmt: skip
+    """The run's output caches, written now (the members have just run over both splits): validation holds
+    the cross-fitted answers, test the deployed fusers'."""
+    info = model.exit_info
+    names = tuple(e.name for e in info)
+    step_flops = np.array([e.flops for e in info], dtype=np.int64)
+    cost_flops = np.array([e.cost_flops for e in info], dtype=np.int64)
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    for split, logits, labels in (("val", val, val_labels), ("test", test, test_labels)):
+        cache = OutputCache(
+            logits=logits.numpy(), labels=labels.numpy().astype(np.int64), step_names=names, step_flops=step_flops,
+            cost_flops=cost_flops, base_flops=model.backbone_flops, split=split, model_fingerprint=fingerprint,
+            meta={"created": created, "dataset_fingerprint": dataset_fingerprint, "model": "ensemble",
+                  "run": str(folder), "cross_fitted": split == "val"},
+        )  # fmt: skip
+        path = cache_path(folder, split)
+        path.parent.mkdir(exist_ok=True)
+        cache.save(path)
+
+
+def _summary(report: EnsembleReport, model: EnsembleModel, target: Path, first: LoadedRun, device: torch.device,
+             now: str) -> dict[str, Any]:  # fmt: skip
+    fuser = report.fuser
+    return {
+        "run_dir": str(target), "model": "ensemble", "data": first.config.data, "fuser": fuser, "order": report.order,
+        "dataset": {k: first.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "members": [vars(m) for m in report.members],
+        "final": {"val_acc": report.val_acc[fuser][-1], "test_acc": report.test_acc[fuser][-1]},
+        "exits": [{**e.to_dict(), "val_acc": report.val_acc[fuser][e.index], "test_acc": report.test_acc[fuser][e.index]}
+                  for e in model.exit_info],
+        "fusers": {k: {"val_acc": list(report.val_acc[k]), "test_acc": list(report.test_acc[k])} for k in FUSERS},
+        "validation": "cross-fitted: each validation image answered by fusers fit without its fold",
+        "backbone_flops": model.backbone_flops, "cost_source": report.cost_source,
+        "device": device_label(device), "created": now,
+    }  # fmt: skip
