@@ -34,7 +34,8 @@ COMMANDS: dict[str, str] = {
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
-    "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision)",
+    "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
+                  "ensemble-baselines, ensembles)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
 }
 

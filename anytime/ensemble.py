@@ -11,6 +11,7 @@ fuser's own training data. The test split is only reported.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -256,7 +257,8 @@ def build_ensemble(
         "fit_split": fit_split, "fit": {"epochs": settings.epochs, "lr": settings.lr,
                                         "weight_decay": settings.weight_decay, "seed": settings.seed},
         "cost_source": cost_source,
-        "members": [{"run": str(r.run_dir.resolve()), "fingerprint": r.fingerprint, "name": info.name,
+        "members": [{"run": str(r.run_dir.resolve()), "relative": os.path.relpath(r.run_dir.resolve(), target.resolve()),
+                     "fingerprint": r.fingerprint, "name": info.name,
                      "precision": precision, "step": info.step, "flops": info.flops, "params": info.params,
                      "cost_ms": rep.cost_ms} for r, (info, precision), rep in zip(runs, described, reports)],
     }  # fmt: skip

@@ -311,3 +311,13 @@ def test_ensemble_baseline_refuses_bad_requests_in_one_line(tmp_path, cli_error)
 
     with pytest.raises(AnytimeError, match="unknown method"):
         train_baseline("stacking", TrainConfig(), estimators=2, out=tmp_path / "B")
+
+
+def test_an_ensemble_moved_with_its_members_still_loads(members, tmp_path):
+    tree = tmp_path / "tree"
+    for member in members[:2]:
+        shutil.copytree(member, tree / "members" / member.name)
+    build_ensemble([tree / "members" / m.name for m in members[:2]], tree / "E", fuser="mean", folds=2, order="given")
+    moved = shutil.move(str(tree), str(tmp_path / "moved"))
+    run = load_run(Path(moved) / "E")
+    assert run.num_steps == 2

@@ -151,3 +151,54 @@ def test_export_parity_benchmark_quick(tmp_path, cifar_root):
     figures = data["figures"]
     assert {(r["format"], r["dtype"]) for r in figures["rows"]} == {("pt2", "fp32"), ("pt2", "int8"), ("onnx", "fp32"), ("onnx", "int8")}
     assert data["verdict"] in ("pass", "fail") and len(figures["sizes"]) == 2
+
+
+def test_ensemble_baselines_study_quick(tmp_path):
+    out = tmp_path / "baselines"
+    assert main(["experiment", "ensemble-baselines", "--quick", "--out", str(out)]) == 0
+    rows = _rows(out / "results.csv")
+    assert {r["method"] for r in rows} == {"fusion", "voting", "bagging", "gradient-boosting", "snapshot"}
+    assert all(0 <= float(r["test_acc"]) <= 1 and float(r["train_time_s"]) > 0 for r in rows)
+    assert (out / "baselines.png").is_file() and (out / "runs" / "lenet-voting" / "model.safetensors").is_file()
+    assert main(["experiment", "ensemble-baselines", "--quick", "--out", str(out), "--overwrite"]) == 0
+
+
+def test_ensemble_baselines_benchmark_quick(tmp_path):
+    data = _benchmark(tmp_path, "ensemble_baselines")
+    assert data["verdict"] == "info" and {r["method"] for r in data["figures"]["rows"]} == {"voting", "fusion"}
+
+
+@pytest.fixture(scope="module")
+def cifar_members(tmp_path_factory, cifar_root) -> list[Path]:
+    """Two tiny CIFAR-10 runs of different architectures (1 epoch on 1,000 images) and their int8 forms."""
+    folder = tmp_path_factory.mktemp("members")
+    runs = []
+    for model in ("lenet", "resnet20"):
+        run_dir = folder / model
+        assert main(["train", "--model", model, "--data", "cifar10", "--epochs", "1", "--limit-train", "1000",
+                     "--lr", "0.05", "--out", str(run_dir), "--no-progress"]) == 0  # fmt: skip
+        assert main(["quantize", str(run_dir), "--precision", "int8", "--calibration-images", "64"]) == 0
+        runs.append(run_dir)
+    return runs
+
+
+@pytest.mark.needs_data
+def test_ensemble_fusion_and_ladder_benchmarks_quick(tmp_path, cifar_members):
+    members = ",".join(str(r) for r in cifar_members)
+    fusion = _benchmark(tmp_path, "ensemble_fusion", "--members", members)
+    assert set(fusion["figures"]["checks"]) == {"gain", "beats mean", "int8 loss", "fuser share"}
+    ladder = _benchmark(tmp_path, "ensemble_ladder", "--members", members)
+    assert len(ladder["figures"]["ladder steps"]) == 2 and ladder["figures"]["fuser ms"] > 0
+
+
+def test_ensembles_study_quick(tmp_path):
+    out = tmp_path / "ensembles"
+    assert main(["experiment", "ensembles", "--quick", "--out", str(out)]) == 0
+    rows = _rows(out / "results.csv")
+    kinds = {(r["kind"], r["precision"]) for r in rows}
+    assert {("ensemble mlp", "fp32"), ("ensemble mlp", "int8"), ("member alone", "int8"), ("early exits", "fp32")} <= kinds
+    assert all(float(r["p99_ms"]) > 0 and 0 <= float(r["test_acc"]) <= 1 for r in rows)
+    assert (out / "ensembles.png").is_file()
+    from anytime.train.runs import load_run
+
+    assert load_run(out / "runs" / "int8").num_steps == 2  # its members, kept inside the results, still found

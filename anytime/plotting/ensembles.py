@@ -31,3 +31,34 @@ def plot_baselines(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[st
         ax.legend()
     fig.suptitle(title)
     return save_figure(fig, stem)
+
+
+_STYLE = {"fp32": "-", "int8": "--"}
+
+
+def plot_ensemble_study(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], *, title: str) -> list[Path]:
+    """Test accuracy against p99 latency: every ensemble ladder (one line per fuser and precision, the MLP's bold),
+    every member alone (points: circles fp32, crosses int8) and the early-exit ladder."""
+    fig = Figure(figsize=(8, 5.5))
+    ax = fig.subplots()
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((str(row["kind"]), str(row["precision"])), []).append(row)
+    for (kind, precision), members in groups.items():
+        xs = [float(r["p99_ms"]) for r in members]
+        ys = [100 * float(r["test_acc"]) for r in members]
+        if kind == "member alone":
+            ax.scatter(xs, ys, marker="o" if precision == "fp32" else "x", color="black", zorder=3,
+                       label=f"members alone ({precision})")  # fmt: skip
+            for x, y, r in zip(xs, ys, members):
+                ax.annotate(str(r["step"]), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        elif kind == "early exits":
+            ax.plot(xs, ys, marker="s", color="#8172B3", label="early exits (fp32)")
+        else:
+            bold = kind.endswith("mlp")
+            ax.plot(xs, ys, _STYLE.get(precision, "-"), marker=".", linewidth=2.2 if bold else 1.0,
+                    alpha=1.0 if bold else 0.5, label=f"{kind} ({precision})")  # fmt: skip
+    ax.set(xlabel="p99 latency at batch 1 (ms)", ylabel="test accuracy (%)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return save_figure(fig, stem)

@@ -184,7 +184,9 @@ def _ensemble(run: Path, record: dict[str, Any], num_classes: int, device: torch
         raise AnytimeError(f"{run / 'config.json'} does not describe its ensemble ({exc}); was it edited?") from None
     members = []
     for entry in entries:
-        member = Path(entry["run"])
+        # where it was, seen from the ensemble (so a tree moved whole keeps working), else where it was built
+        relative = run / str(entry.get("relative", ""))
+        member = relative if entry.get("relative") and relative.is_dir() else Path(entry["run"])
         if not member.is_dir():
             raise AnytimeError(f"member {member} of the ensemble {run} is gone; restore it or build the ensemble again")
         loaded = load_run(member, device)
