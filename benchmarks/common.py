@@ -93,3 +93,36 @@ def prepare_exit_run(run_dir: Path, quick: bool, *, max_drop: float) -> tuple[di
                   for c in CRITERIA}  # fmt: skip
     best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
     return candidates, best, calibrate_run(run_dir, max_drop=max_drop, criterion=best)
+
+
+def member_runs(members: str) -> tuple[list[Path], list[Path]]:
+    """The float runs named in ``--members`` (comma-separated) and their int8 forms ``RUN-int8`` beside them,
+    refused in one line if any is missing."""
+    floats = [Path(m) for m in members.split(",") if m.strip()]
+    quantized = [m.with_name(f"{m.name}-int8") for m in floats]
+    missing = [str(m) for m in floats + quantized if not m.is_dir()]
+    if missing:
+        raise AnytimeError(f"runs missing: {', '.join(missing)}; train them (models/*.toml) and "
+                           "`anytime quantize RUN --precision int8` each")  # fmt: skip
+    return floats, quantized
+
+
+def fuser_share(ensemble_dir: Path, samples: int) -> tuple[float, float]:
+    """Median batch-1 ms of an ensemble run's last fuser alone and of its whole last step, interleaved on random
+    inputs (the fuser reads the members' answers to the first input)."""
+    import numpy as np
+    import torch
+
+    from anytime.profile.latency import per_sample_latency
+    from anytime.train.runs import load_run
+
+    run = load_run(ensemble_dir)
+    model, last = run.model, run.num_steps - 1
+    size = run.dataset.get("image_size") or [32, 32]
+    inputs = torch.randn(samples, int(run.dataset["in_channels"]), *size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        answers = torch.stack([model.member_answer(inputs[:1], i) for i in range(model.num_steps)])
+        fuser = model.bank.fusers[last]
+        times = per_sample_latency({"fuser": lambda x: fuser(answers), "ladder": lambda x: model.forward_until(x, last)},
+                                   inputs, warmup=20)  # fmt: skip
+    return float(np.median(times["fuser"]) * 1000), float(np.median(times["ladder"]) * 1000)
