@@ -22,7 +22,7 @@ from common import REPO, fuser_share, member_runs, parser, report, run
 from anytime.ensemble import build_ensemble
 
 # Hyper-parameters
-MEMBERS = ("cifar10-resnet20-5ep", "cifar10-resnet32-exits-12ep", "cifar10-resnet18-2ep")  # folders in runs/
+MEMBERS = ("cifar10-resnet20-5ep", "cifar10-resnet32-exits-12ep", "cifar10-resnet18-2ep", "cifar10-vgg11-10ep")  # in runs/
 FOLDS = 5  # cross-fitting folds of the validation split
 TIMED = 300  # batch-1 timings of the fuser and of the whole ensemble
 GAIN_POINTS = 2.0

@@ -25,7 +25,7 @@ from anytime.pipeline import profile_run, run_options
 from anytime.scheduler import DeadlineScheduler
 
 # Hyper-parameters
-MEMBERS = ("cifar10-resnet20-5ep", "cifar10-resnet32-exits-12ep", "cifar10-vgg11-10ep")  # float runs in runs/
+MEMBERS = ("cifar10-resnet20-5ep", "cifar10-resnet32-exits-12ep", "cifar10-resnet18-2ep", "cifar10-vgg11-10ep")  # in runs/
 REPEATS = 300  # batch-1 timings per step (a p99 needs at least 100)
 QUANTILE = 0.99
 FUSER_SHARE = 0.02
