@@ -228,6 +228,8 @@ def test_an_ensemble_run_goes_through_the_pipeline(ensemble_run, capsys):
     assert main(["calibrate", str(out), "--max-drop", "2"]) == 0
     assert main(["profile", str(out), "--batch-sizes", "1", "--repeats", "100", "--warmup", "2", "--no-memory"]) == 0
     capsys.readouterr()
+    profile = json.loads(next(out.glob("profile-*.json")).read_text())
+    assert profile["settings"]["precision"]["members"] == [m.precision for m in report.members]
     assert main(["schedule", str(out), "--deadline-ms", "1000"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"]
