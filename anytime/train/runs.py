@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,7 @@ def _ensemble(run: Path, record: dict[str, Any], num_classes: int, device: torch
     members = []
     for entry in entries:
         # where it was, seen from the ensemble (so a tree moved whole keeps working), else where it was built
-        relative = run / str(entry.get("relative", ""))
+        relative = Path(os.path.normpath(run / str(entry.get("relative", ""))))
         member = relative if entry.get("relative") and relative.is_dir() else Path(entry["run"])
         if not member.is_dir():
             raise AnytimeError(f"member {member} of the ensemble {run} is gone; restore it or build the ensemble again")
