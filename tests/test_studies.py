@@ -188,7 +188,7 @@ def test_ensemble_fusion_and_ladder_benchmarks_quick(tmp_path, cifar_members):
     fusion = _benchmark(tmp_path, "ensemble_fusion", "--members", members)
     assert set(fusion["figures"]["checks"]) == {"gain", "beats mean", "int8 loss", "fuser share"}
     ladder = _benchmark(tmp_path, "ensemble_ladder", "--members", members)
-    assert len(ladder["figures"]["ladder steps"]) == 2 and ladder["figures"]["fuser ms"] > 0
+    assert {len(v["steps"]) for v in ladder["figures"]["ladders"].values()} == {2} and ladder["figures"]["fuser ms"] > 0
 
 
 def test_ensembles_study_quick(tmp_path):
