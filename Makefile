@@ -3,14 +3,19 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The scheduler's query path under Python 3.10 with numpy alone (what a JetPack 6 board or a small service has)
+PYTHON310 ?= $(shell for p in python3.10 $$HOME/.pyenv/versions/3.10*/bin/python3.10; do \
+	$$p -c '' 2>/dev/null && { echo $$p; break; }; done)
+VENV310 ?= .venv310
+STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo test test-all test-slow install clean
+.PHONY: demo test test-all test-slow test-py310 install clean
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP): setup.cfg setup.py pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,deploy]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all,test]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,6 +23,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+	@if [ -n "$(PYTHON310)" ]; then $(MAKE) --no-print-directory test-py310; \
+	else echo "skipped the Python 3.10 query-path tests: no python3.10 on this machine"; fi
+
+$(STAMP310): constraints.txt
+	@test -x $(VENV310)/bin/python || $(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install --quiet -c constraints.txt numpy pytest tomli
+	@touch $(STAMP310)
+
+# numpy, pytest and tomli only: any import of torch on the query path fails these tests
+test-py310: $(STAMP310)
+	PYTHONPATH=. $(VENV310)/bin/python -m pytest -p no:cacheprovider tests/test_query.py
 
 # The slow studies and end-to-end runs left out of `make test`.
 test-slow: $(STAMP)
@@ -27,4 +43,4 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ""
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV310) build *.egg-info .pytest_cache

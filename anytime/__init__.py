@@ -6,13 +6,14 @@ The public API is small; everything else lives in the sub-packages.
 
 from __future__ import annotations
 
-from anytime.backbones import create_model, list_models
 from anytime.errors import AnytimeError
-from anytime.scheduler import AnytimeRunner, DeadlineScheduler
-from anytime.wrappers import BlockDropLadder, attach_exits, slice_model
+from anytime.utils.lazy import lazy_exports
 
-__all__ = [
-    "AnytimeError", "AnytimeRunner", "BlockDropLadder", "DeadlineScheduler", "attach_exits", "create_model",
-    "list_models", "slice_model",
-]  # fmt: skip
+_EXPORTS = {name: module for module, names in {
+    "anytime.backbones": ("create_model", "list_models"),
+    "anytime.scheduler": ("AnytimeRunner", "DeadlineScheduler"),
+    "anytime.wrappers": ("BlockDropLadder", "attach_exits", "slice_model"),
+}.items() for name in names}
+__all__ = sorted(_EXPORTS) + ["AnytimeError"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"

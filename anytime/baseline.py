@@ -31,7 +31,7 @@ from anytime.errors import AnytimeError
 from anytime.precision.model import float_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.config import TrainConfig
-from anytime.train.runs import WEIGHTS
+from anytime.train.records import WEIGHTS
 from anytime.train.trainer import evaluate_exits, load_splits
 from anytime.data import make_loader
 from anytime.utils.io import write_json

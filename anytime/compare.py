@@ -38,7 +38,7 @@ class StepPoint:
 def step_points(run_dir: str | Path, profile: DeviceProfile, *, family: str, batch_size: int = 1) -> list[StepPoint]:
     """Every step of a finished run with its accuracies (from the summary) and its latency alone at
     ``batch_size`` (from ``profile``, which must be of this run's weights and steps)."""
-    from anytime.pipeline import run_fingerprint
+    from anytime.scheduler.query import run_fingerprint
     from anytime.profile import quantile_of
 
     path = Path(run_dir) / "summary.json"

@@ -26,7 +26,8 @@ from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.train.checkpoint import save_weights
 from anytime.train.multi_exit import build_model
-from anytime.train.runs import WEIGHTS, LoadedRun, load_run
+from anytime.train.records import WEIGHTS
+from anytime.train.runs import LoadedRun, load_run
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha

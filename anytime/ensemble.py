@@ -30,9 +30,8 @@ from anytime.outputs.cache import OutputCache, cache_path
 from anytime.pipeline import _splits_of, default_profile_path
 from anytime.precision.model import float_flops
 from anytime.train.checkpoint import save_weights
-from anytime.train.runs import (
-    WEIGHTS, LoadedRun, baseline_record, ensemble_record, load_run, precision_record, run_config, run_weights_fingerprint,
-)
+from anytime.train.records import WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint
+from anytime.train.runs import LoadedRun, load_run, run_config
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir

@@ -21,9 +21,11 @@ from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for
 from anytime.precision.export import EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, export_model, load_export
-from anytime.profile.latency import per_sample_latency, quantile_of
+from anytime.profile.latency import per_sample_latency
+from anytime.profile.stats import quantile_of
 from anytime.quantize import DEFAULT_CALIBRATION_IMAGES, calibration_batches
-from anytime.train.runs import QUANT_STATE, LoadedRun, load_run, precision_record, run_config, run_weights_fingerprint
+from anytime.train.records import QUANT_STATE, precision_record, run_weights_fingerprint
+from anytime.train.runs import LoadedRun, load_run, run_config
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
 

@@ -8,7 +8,6 @@ Each function reads what the previous one wrote into the run and writes its own 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,32 +25,22 @@ from anytime.calibrate import (
     oracle,
     sweep,
 )
-from anytime.calibrate.sweep import exit_costs
+from anytime.calibrate.sweeps import exit_costs
 from anytime.data import DatasetSplits, make_loader
 from anytime.ensembles import EnsembleModel
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
-from anytime.scheduler import AnytimeRunner, DeadlineScheduler, Option, PrecisionScheduler
+from anytime.scheduler import AnytimeRunner, DeadlineScheduler
+from anytime.scheduler.query import (
+    CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, run_fingerprint, run_options, scheduler_for_run,
+)  # fmt: skip
 from anytime.train import load_splits
-from anytime.train.runs import WEIGHTS, LoadedRun, load_run, precision_record, run_config, run_weights_fingerprint
-from anytime.utils.io import read_json, write_csv, write_json
+from anytime.train.runs import LoadedRun, load_run
+from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
 from anytime.utils.resources import check_forward_memory
-
-CALIBRATION = "calibration.json"
-CALIBRATION_FORMAT = "anytime-calibration-v1"
-
-
-def run_fingerprint(run_dir: str | Path) -> str:
-    """The fingerprint of a finished run's weights (what its caches and calibrations must name)."""
-    weights = Path(run_dir) / WEIGHTS
-    run_config(run_dir)  # a clear error if this is not a run at all
-    if not weights.is_file():
-        raise AnytimeError(f"{run_dir} has no {WEIGHTS}: its training has not finished")
-    return run_weights_fingerprint(run_dir)
-
 
 def _splits_of(run: LoadedRun) -> DatasetSplits:
     splits = load_splits(run.config)
@@ -210,41 +199,6 @@ def _calibrate(
         "steps": _steps_table({"val": val, "test": test}), **extra,
     }  # fmt: skip
     return report
-
-
-def load_calibration(
-    path: str | Path, *, fingerprint: str | None = None, num_steps: int | None = None
-) -> tuple[ExitPolicy, dict[str, Any]]:
-    """The policy saved by :func:`calibrate_run`, refused if it was fit on another model (or, given
-    ``num_steps``, on a model with another number of exits) or if its figures are malformed."""
-    target = Path(path)
-    report = read_json(target, what="calibration", make="run `anytime calibrate RUN --max-drop 1` first",
-                       redo="calibrate again")  # fmt: skip
-    if not isinstance(report, dict) or report.get("format") != CALIBRATION_FORMAT:
-        raise AnytimeError(f"{target} is not an anytime calibration (no '{CALIBRATION_FORMAT}' tag)")
-    if fingerprint is not None and report.get("model_fingerprint") != fingerprint:
-        raise AnytimeError(
-            f"{target} was fit on another model (weights {report.get('model_fingerprint')}, this run's are "
-            f"{fingerprint}); calibrate this run instead"
-        )
-    policy = ExitPolicy.from_dict(report.get("policy", {}), where=str(target))
-    if num_steps is not None and policy.num_steps != num_steps:
-        raise AnytimeError(
-            f"{target} has thresholds for {policy.num_steps} exits but the model has {num_steps}; calibrate again"
-        )
-    for split in ("validation", "test"):
-        figures = report.get(split)
-        if split == "test" and figures is None:
-            continue
-        try:
-            shares = [float(s) for s in figures["exit_share"]]
-            ok = len(shares) == policy.num_steps and all(
-                math.isfinite(float(figures[key])) for key in ("accuracy", "flops_ratio", "last_exit_accuracy"))
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise AnytimeError(f"{target}: its {split} figures are malformed; calibrate again")
-    return policy, report
 
 
 def evaluate_run(
@@ -474,80 +428,6 @@ def _export_target(
     manifest = exported.manifest
     name = f"{manifest.model} ({manifest.format} {manifest.precision}, {exported.backend})"
     return exported, manifest.input_shape, name, manifest.fingerprint, manifest.num_classes, torch.device("cpu")
-
-
-def find_profile(run_dir: str | Path, profile: str | Path | None = None) -> Path:
-    """The profile to schedule with: the one given, or the run's only ``profile-*.json``."""
-    if profile is not None:
-        return Path(profile)
-    found = sorted(Path(run_dir).glob("profile-*.json"))
-    if not found:
-        raise AnytimeError(f"{run_dir} has no device profile; measure one with `anytime profile {run_dir}`")
-    if len(found) > 1:
-        names = ", ".join(p.name for p in found)
-        raise AnytimeError(f"{run_dir} has several profiles ({names}); choose one with --profile FILE")
-    return found[0]
-
-
-def run_options(run_dir: str | Path, step_names: Sequence[str]) -> list[Option]:
-    """The scheduler's options for a run: every step (named as its profile names them) with its validation
-    accuracy from the run's summary, and every early-exit policy calibrated in the run (``calibration*.json``)
-    with its validation accuracy and exit shares."""
-    num_steps = len(step_names)
-    summary_path = Path(run_dir) / "summary.json"
-    summary = read_json(summary_path, what="training summary", make="its training has not finished",
-                        redo="train the run again")  # fmt: skip
-    try:
-        if num_steps > 1:
-            accuracy = [float(e["val_acc"]) for e in summary["exits"]]
-        else:
-            accuracy = [float(summary["final"]["val_acc"])]
-    except (KeyError, TypeError, ValueError):
-        raise AnytimeError(f"{summary_path} does not hold every step's validation accuracy; was it edited?") from None
-    if len(accuracy) != num_steps or not all(0 <= a <= 1 for a in accuracy):
-        raise AnytimeError(f"{summary_path} has {len(accuracy)} valid step accuracies for {num_steps} steps")
-    options = [Option(name, a, step=k) for k, (name, a) in enumerate(zip(step_names, accuracy))]
-    if num_steps > 1:
-        fingerprint = run_fingerprint(run_dir)
-        for path in sorted(Path(run_dir).glob("calibration*.json")):
-            policy, report = load_calibration(path, fingerprint=fingerprint, num_steps=num_steps)
-            figures = report["validation"]
-            options.append(Option(f"{path.stem} ({policy.criterion})", float(figures["accuracy"]), policy=policy,
-                                  exit_share=tuple(float(v) for v in figures["exit_share"])))  # fmt: skip
-    return options
-
-
-def scheduler_for_run(
-    run_dir: str | Path, profile: str | Path | None = None, *, adapt: bool = True
-) -> tuple[DeadlineScheduler, Path]:
-    """A deadline scheduler for a run on a profiled device; the profile must name this run's weights."""
-    fingerprint = run_fingerprint(run_dir)
-    path = find_profile(run_dir, profile)
-    loaded = DeviceProfile.load(path, fingerprint=fingerprint)
-    return DeadlineScheduler(loaded, run_options(run_dir, loaded.step_names), adapt=adapt), path
-
-
-def precision_scheduler(
-    runs: Sequence[str | Path], profile: str | Path | None = None
-) -> tuple[PrecisionScheduler, dict[str, Path]]:
-    """One frontier over the steps of a run and of its converted forms (``anytime quantize``), each scheduled
-    with its own profile (``profile`` names the first run's; the others use their only one). Returns the
-    scheduler and the run of each variant (named by its precision, ``fp32`` for a float run)."""
-    schedulers: dict[str, DeadlineScheduler] = {}
-    runs_of: dict[str, Path] = {}
-    base = Path(runs[0])
-    base_fingerprint = run_fingerprint(base)
-    for i, run in enumerate(runs):
-        record = precision_record(run)
-        name = record["precision"] if record is not None else "fp32"
-        if name in runs_of:
-            raise AnytimeError(f"{runs_of[name]} and {run} are both {name}; give each precision once")
-        if i > 0 and (record is None or record.get("parent_fingerprint") != base_fingerprint):
-            raise AnytimeError(f"{run} is not a converted form of {base} (anytime quantize {base} --precision P); "
-                               "only one model's precisions share a frontier")  # fmt: skip
-        schedulers[name], _ = scheduler_for_run(run, profile if i == 0 else None)
-        runs_of[name] = Path(run)
-    return PrecisionScheduler(schedulers), runs_of
 
 
 def runner_for_run(

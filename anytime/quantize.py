@@ -25,9 +25,8 @@ from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
 from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
-from anytime.train.runs import (
-    QUANT_STATE, WEIGHTS, LoadedRun, baseline_record, ensemble_record, load_run, precision_record, run_config,
-)
+from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
+from anytime.train.runs import LoadedRun, load_run, run_config
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -127,7 +126,7 @@ def quantize_run(
         raise AnytimeError(f"{parent} is an ensemble; quantize its members (anytime quantize MEMBER) and build an "
                            "ensemble of the quantized runs")  # fmt: skip
     target_device = resolve_device(device)
-    backend = backend_for(precision, target_device)
+    backend_for(precision, target_device)  # refuses a precision this device cannot run, before any work
     if calibration_images < 1:
         raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")
     if qat_epochs < 0 or (qat_epochs and precision != "int8"):

@@ -25,7 +25,8 @@ from anytime.ensemble import build_ensemble
 from anytime.ensembles import member_log_probs
 from anytime.profile.latency import per_sample_latency
 from anytime.train.runs import load_run
-from anytime.pipeline import profile_run, run_options
+from anytime.pipeline import profile_run
+from anytime.scheduler.query import run_options
 from anytime.scheduler import DeadlineScheduler
 
 # Hyper-parameters

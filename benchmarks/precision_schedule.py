@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 from common import REPO, exit_run_dir, parser, prepare_exit_run, report, run
 
-from anytime.pipeline import calibrate_run, collect_run, precision_scheduler, profile_run, scheduler_for_run
+from anytime.pipeline import calibrate_run, collect_run, profile_run
+from anytime.scheduler.query import precision_scheduler, scheduler_for_run
 
 # Hyper-parameters
 MAX_DROP = 1.0  # accuracy points below the last exit that a calibrated policy may give up (validation)
@@ -40,7 +41,7 @@ def main() -> int:
     run_dir = exit_run_dir(args.run, args.quick)
     prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP)
     from anytime.quantize import quantize_run
-    from anytime.train.runs import precision_record, run_weights_fingerprint
+    from anytime.train.records import precision_record, run_weights_fingerprint
 
     qrun = run_dir.with_name(f"{run_dir.name}-int8")
     record = precision_record(qrun) if qrun.is_dir() else None

@@ -18,7 +18,7 @@ import torch
 from common import median, parser, report, run
 
 from anytime.calibrate import get_criterion, sweep
-from anytime.calibrate.sweep import evaluate_settings, scores_of, shared_grid
+from anytime.calibrate.sweeps import evaluate_settings, scores_of, shared_grid
 from anytime.outputs import OutputCache
 
 SETTINGS, SAMPLES, EXITS, CLASSES = 1000, 10_000, 5, 10

@@ -33,7 +33,7 @@ from anytime.plotting.precision import plot_precision
 from anytime.precision import convert
 from anytime.precision.export import export_model, load_export
 from anytime.profile import per_sample_latency
-from anytime.profile.latency import quantile_of
+from anytime.profile.stats import quantile_of
 from anytime.quantize import calibration_batches, quantize_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run

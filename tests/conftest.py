@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from anytime.train import TrainConfig
-
 REPO = Path(__file__).resolve().parents[1]
 CIFAR10_ROOT = REPO.parent / "shared" / "data" / "cifar10"
 
@@ -21,15 +19,17 @@ def cifar_root() -> Path:
 
 
 @pytest.fixture
-def tiny_config() -> TrainConfig:
+def tiny_config():
     """LeNet on the digits for 3 epochs: seconds on a CPU, enough to check behaviour."""
+    from anytime.train import TrainConfig
+
     return TrainConfig(model="lenet", data="digits", epochs=3, batch_size=32, lr=0.05, device="cpu")
 
 
 @pytest.fixture(scope="session")
 def exit_run(tmp_path_factory) -> Path:
     """A trained multi-exit ResNet-20 on the digits (exits after stages 0 and 1, 3 epochs; about 10 s)."""
-    from anytime.train import Trainer
+    from anytime.train import TrainConfig, Trainer
 
     run_dir = tmp_path_factory.mktemp("exit-run") / "run"
     config = TrainConfig(model="resnet20", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto", device="cpu")

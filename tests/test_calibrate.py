@@ -19,7 +19,7 @@ from anytime.calibrate import (
     oracle,
     sweep,
 )
-from anytime.calibrate.sweep import evaluate_settings, scores_of, shared_grid, sweep_shared
+from anytime.calibrate.sweeps import evaluate_settings, scores_of, shared_grid, sweep_shared
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 

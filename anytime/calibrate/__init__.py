@@ -4,13 +4,15 @@ Everything here reads the outputs cache (numbers, no network), except :meth:`Exi
 applies a policy to a running model.
 """
 
-from anytime.calibrate.criteria import CRITERIA, Criterion, fit_temperatures, get_criterion
-from anytime.calibrate.fit import RULES, Calibration, calibrate_budget, calibrate_max_drop, msdnet_shares
-from anytime.calibrate.policy import EarlyExitOutput, ExitPolicy, PolicyResult
-from anytime.calibrate.sweep import Oracle, SweepResult, oracle, sweep
+from __future__ import annotations
 
-__all__ = [
-    "CRITERIA", "RULES", "Calibration", "Criterion", "EarlyExitOutput", "ExitPolicy", "Oracle", "PolicyResult",
-    "SweepResult", "calibrate_budget", "calibrate_max_drop", "fit_temperatures", "get_criterion", "msdnet_shares",
-    "oracle", "sweep",
-]  # fmt: skip
+from anytime.utils.lazy import lazy_exports
+
+_EXPORTS = {name: module for module, names in {
+    "anytime.calibrate.criteria": ("CRITERIA", "Criterion", "fit_temperatures", "get_criterion"),
+    "anytime.calibrate.fit": ("RULES", "Calibration", "calibrate_budget", "calibrate_max_drop", "msdnet_shares"),
+    "anytime.calibrate.policy": ("EarlyExitOutput", "ExitPolicy", "PolicyResult"),
+    "anytime.calibrate.sweeps": ("Oracle", "SweepResult", "oracle", "sweep"),
+}.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

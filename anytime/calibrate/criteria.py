@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from anytime.errors import AnytimeError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 CRITERIA: tuple[str, ...] = ("entropy", "normalized-entropy", "confidence", "margin")
 
@@ -31,6 +31,9 @@ class Criterion:
 
     def score(self, logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
         """The score of every row of ``logits`` (after dividing by ``temperature``), float64."""
+        import torch
+        import torch.nn.functional as F
+
         z = logits.double()
         if not (isinstance(temperature, float) and temperature == 1.0):
             z = z / temperature
@@ -90,6 +93,9 @@ def get_criterion(name: str) -> Criterion:
 def fit_temperatures(logits: Tensor, labels: Tensor) -> list[float]:
     """Per-exit temperature scaling (Guo et al. 2017): the temperature minimising each exit's negative
     log-likelihood on ``logits`` ``[K, N, C]``, searched on a log grid from 0.05 to 20 and refined once."""
+    import torch
+    import torch.nn.functional as F
+
     def nll(z: Tensor, grid: Tensor) -> Tensor:
         return torch.stack([F.cross_entropy(z / t, labels) for t in grid])
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from anytime.calibrate.criteria import fit_temperatures, get_criterion
 from anytime.calibrate.policy import ExitPolicy, PolicyResult
-from anytime.calibrate.sweep import Scores, evaluate_settings, scores_of, shared_grid
+from anytime.calibrate.sweeps import Scores, evaluate_settings, scores_of, shared_grid
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 

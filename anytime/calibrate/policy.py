@@ -10,16 +10,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from anytime.calibrate.criteria import get_criterion
-from anytime.calibrate.sweep import assign_exits, evaluate_settings, scores_of
 from anytime.errors import AnytimeError
-from anytime.outputs import OutputCache
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import Tensor
+
+    from anytime.outputs import OutputCache
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class ExitPolicy:
 
     def signed_thresholds(self) -> Tensor:
         """Thresholds turned so that a sample leaves when its signed score is at most them; -inf: never."""
+        import torch
+
         return torch.tensor(self._limits, dtype=torch.float64)
 
     def confident(self, k: int, logits: Tensor) -> Tensor | None:
@@ -115,6 +118,8 @@ class ExitPolicy:
 
     def evaluate(self, cache: OutputCache) -> PolicyResult:
         """Accuracy, cost and exit shares of this policy on a cache (offline)."""
+        from anytime.calibrate.sweeps import evaluate_settings, scores_of
+
         self.check(cache.num_steps, cache.num_classes)
         scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
         acc, cost, share = evaluate_settings(scores, self.signed_thresholds().view(1, -1), floor_disables=False)
@@ -125,14 +130,23 @@ class ExitPolicy:
 
     def assign(self, cache: OutputCache) -> np.ndarray:
         """The exit every cached sample leaves at."""
+        from anytime.calibrate.sweeps import assign_exits, scores_of
+
         self.check(cache.num_steps, cache.num_classes)
         scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
         return assign_exits(scores.signed, self.signed_thresholds().view(1, -1))[0].numpy()
 
-    @torch.inference_mode()
     def run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
         """Real early exit of a multi-exit model on the batch ``x`` (in inference mode: the outputs carry
         no autograd history and cannot enter one)."""
+        import torch
+
+        with torch.inference_mode():
+            return self._run(model, x)
+
+    def _run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
+        import torch
+
         segments: Sequence[torch.nn.Module] = getattr(model, "segments", ())
         if len(segments) != self.num_steps:
             raise AnytimeError(
@@ -180,6 +194,8 @@ class ExitPolicy:
 
     def _run_one(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
         # One sample: no bookkeeping of who is still in, one scalar decision per exit (the latency path).
+        import torch
+
         last = len(segments) - 1
         h = x
         for k, segment in enumerate(segments):

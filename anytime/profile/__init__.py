@@ -1,11 +1,15 @@
 """Measurement on the device: the device profile of an anytime model, training-step timing and memory."""
 
-from anytime.profile.latency import latency_summary, per_sample_latency, quantile_of
-from anytime.profile.steps import DEFAULT_BATCH_SIZES, profile_model
-from anytime.profile.store import PROFILE_FORMAT, BatchLatency, DeviceProfile, device_slug
-from anytime.profile.training import TrainStepTiming, measure_train_step, run_isolated
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_BATCH_SIZES", "PROFILE_FORMAT", "BatchLatency", "DeviceProfile", "TrainStepTiming", "device_slug",
-    "latency_summary", "measure_train_step", "per_sample_latency", "profile_model", "quantile_of", "run_isolated",
-]  # fmt: skip
+from anytime.utils.lazy import lazy_exports
+
+_EXPORTS = {name: module for module, names in {
+    "anytime.profile.latency": ("per_sample_latency",),
+    "anytime.profile.stats": ("latency_summary", "quantile_of"),
+    "anytime.profile.steps": ("DEFAULT_BATCH_SIZES", "profile_model"),
+    "anytime.profile.store": ("PROFILE_FORMAT", "BatchLatency", "DeviceProfile", "device_slug"),
+    "anytime.profile.training": ("TrainStepTiming", "measure_train_step", "run_isolated"),
+}.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

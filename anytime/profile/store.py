@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from anytime.errors import AnytimeError
-from anytime.profile.latency import latency_summary, quantile_of
+from anytime.profile.stats import latency_summary, quantile_of
 from anytime.utils.io import read_json, write_json
 
 PROFILE_FORMAT = "anytime-profile-v1"

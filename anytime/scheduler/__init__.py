@@ -1,7 +1,13 @@
 """Deadline scheduling: the frontier of options on a device profile, online drift, the anytime runtime."""
 
-from anytime.scheduler.deadline import DeadlineScheduler, Option, PrecisionScheduler, Selection
-from anytime.scheduler.online import DriftEstimator
-from anytime.scheduler.runtime import AnytimePrediction, AnytimeRunner
+from __future__ import annotations
 
-__all__ = ["AnytimePrediction", "AnytimeRunner", "DeadlineScheduler", "DriftEstimator", "Option", "PrecisionScheduler", "Selection"]
+from anytime.utils.lazy import lazy_exports
+
+_EXPORTS = {name: module for module, names in {
+    "anytime.scheduler.deadline": ("DeadlineScheduler", "Option", "PrecisionScheduler", "Selection"),
+    "anytime.scheduler.online": ("DriftEstimator",),
+    "anytime.scheduler.runtime": ("AnytimePrediction", "AnytimeRunner"),
+}.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -20,7 +20,7 @@ import numpy as np
 
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
-from anytime.profile.latency import quantile_of
+from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.online import DriftEstimator
 

@@ -1,11 +1,14 @@
 """Training: the recipe, the instrumented loop, checkpoints and model cards."""
 
-from anytime.train.cards import ModelCard, load_card, record_results
-from anytime.train.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
-from anytime.train.config import SCHEDULES, TrainConfig
-from anytime.train.trainer import EpochEnd, Trainer, evaluate, load_splits, lr_factor, read_metrics
+from __future__ import annotations
 
-__all__ = [
-    "SCHEDULES", "EpochEnd", "ModelCard", "TrainConfig", "Trainer", "evaluate", "load_card", "load_checkpoint",
-    "load_splits", "load_weights", "lr_factor", "read_metrics", "record_results", "save_checkpoint", "save_weights",
-]  # fmt: skip
+from anytime.utils.lazy import lazy_exports
+
+_EXPORTS = {name: module for module, names in {
+    "anytime.train.cards": ("ModelCard", "load_card", "record_results"),
+    "anytime.train.checkpoint": ("load_checkpoint", "load_weights", "save_checkpoint", "save_weights"),
+    "anytime.train.config": ("SCHEDULES", "TrainConfig"),
+    "anytime.train.trainer": ("EpochEnd", "Trainer", "evaluate", "load_splits", "lr_factor", "read_metrics"),
+}.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -16,10 +15,11 @@ from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_weights
 from anytime.train.config import TrainConfig
 from anytime.train.multi_exit import build_model
+from anytime.train.records import (
+    QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint,
+)  # fmt: skip
 from anytime.utils.machine import resolve_device
 
-WEIGHTS = "model.safetensors"
-QUANT_STATE = "quant.safetensors"  # a quantized run's int8 calibration statistics
 
 
 @dataclass
@@ -43,59 +43,6 @@ class LoadedRun:
     def name(self) -> str:
         """What the model is, for profiles and tables: the zoo name, or an ensemble's members."""
         return self.label or self.config.model
-
-
-def weights_fingerprint(path: str | Path) -> str:
-    """A short SHA-256 of a weights file: two runs share it only if their weights are byte-identical."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-def _record_entry(run_dir: str | Path, key: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads((Path(run_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    found = record.get(key) if isinstance(record, dict) else None
-    return found if isinstance(found, dict) else None
-
-
-def precision_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """A converted run's precision record (``config.json``'s ``precision``), or None for a float run."""
-    return _record_entry(run_dir, "precision")
-
-
-def baseline_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """A torchensemble baseline run's record (``config.json``'s ``baseline``: method, estimators), or None."""
-    return _record_entry(run_dir, "baseline")
-
-
-def ensemble_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """An ensemble run's record (``config.json``'s ``ensemble``: members, order, fuser), or None."""
-    return _record_entry(run_dir, "ensemble")
-
-
-def run_weights_fingerprint(run_dir: str | Path) -> str:
-    """The fingerprint of what a run computes with: its weights and, for a converted run, its precision and
-    calibration statistics too (so a profile or calibration of the float run is refused for it)."""
-    run = Path(run_dir)
-    plain = weights_fingerprint(run / WEIGHTS)
-    members = ensemble_record(run)
-    if members is not None:  # an ensemble computes with its fusers and with its members' weights
-        digest = hashlib.sha256(plain.encode())
-        digest.update(json.dumps([m.get("fingerprint") for m in members.get("members", [])]).encode())
-        return digest.hexdigest()[:16]
-    record = precision_record(run)
-    if record is None:
-        return plain
-    digest = hashlib.sha256(plain.encode())
-    digest.update(json.dumps({k: record.get(k) for k in ("precision", "backend", "compile")}, sort_keys=True).encode())
-    if (run / QUANT_STATE).is_file():
-        digest.update(weights_fingerprint(run / QUANT_STATE).encode())
-    return digest.hexdigest()[:16]
 
 
 def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
@@ -154,6 +101,15 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, convert
     return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target)
 
 
+def _recorded_flops(run: Path) -> list[int] | None:
+    """The FLOPs per step counted when the run was converted (``summary.json``), so a load does not count again."""
+    try:
+        flops = json.loads((run / "summary.json").read_text())["step_flops"]
+        return [int(f) for f in flops] if all(isinstance(f, int) and f >= 0 for f in flops) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple[int, ...], device: torch.device) -> nn.Module:
     from anytime.precision import PrecisionSpec, convert
 
@@ -166,7 +122,7 @@ def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple
             raise AnytimeError(f"{run} has no {QUANT_STATE} (its int8 statistics); quantize the parent run again")
         state = read_weights(run / QUANT_STATE)
     converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device,
-                           qat=bool(record.get("qat_epochs")))  # fmt: skip
+                           qat=bool(record.get("qat_epochs")), step_flops=_recorded_flops(run))  # fmt: skip
     return converted
 
 
