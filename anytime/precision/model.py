@@ -424,20 +424,22 @@ def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tup
 def convert(
     model: nn.Module, precision: str, *, input_shape: tuple[int, ...], calibration: Iterable[Tensor] | None = None,
     state: dict[str, Tensor] | None = None, compile: bool = True, device: torch.device | None = None,
-    qat: bool = False,
+    qat: bool = False, step_flops: Sequence[int] | None = None,
 ) -> tuple[PrecisionModel, dict[str, Tensor]]:  # fmt: skip
     """Convert a float model (on the CPU, eval mode) to ``precision``; return it and the state that rebuilds it.
 
     int8 needs either ``calibration`` batches (training images: never validation or test) or the ``state``
     recorded by an earlier conversion of the same weights; with ``qat`` the state is :func:`graph_state` of
-    graphs from :func:`prepare_qat` after training. The other precisions need neither.
+    graphs from :func:`prepare_qat` after training. The other precisions need neither. ``step_flops``: the
+    float model's FLOPs per step as counted when the run was made (counted here when not given).
     """
     target = device or torch.device("cpu")
     spec = PrecisionSpec(precision, backend_for(precision, target), compile)
     model = model.eval()
     num_steps = int(getattr(model, "num_steps", 1))
     layout = layout_of(model)
-    flops = float_flops(model, input_shape, num_steps)
+    known = step_flops is not None and len(step_flops) == num_steps
+    flops = tuple(int(f) for f in step_flops) if known else float_flops(model, input_shape, num_steps)  # type: ignore[union-attr]
     with torch.no_grad():
         inputs = part_inputs(layout, float_parts(model), torch.zeros(2, *input_shape))
     if precision == "int8" and qat:

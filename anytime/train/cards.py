@@ -8,11 +8,12 @@ date). ``[results]`` is the card's last table so that :func:`record_results` can
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import re
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ from typing import Any
 from anytime.errors import AnytimeError
 from anytime.train.config import TrainConfig
 from anytime.utils.io import write_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (JetPack 6): the same parser, published as tomli
+    import tomli as tomllib
 
 _TABLES = ("card", "model", "data", "train", "results")
 _RESULTS_HEADER = re.compile(r"^\s*\[results\]\s*(#.*)?$")
@@ -38,11 +44,47 @@ class ModelCard:
     results: dict[str, Any]
 
 
+def _card_folders() -> list[Path]:
+    """Where the shipped cards are: ``models/`` of a source checkout, then the installed package's copy."""
+    root = Path(__file__).resolve().parents[2]
+    folders = [root / "models"] if (root / "setup.cfg").is_file() else []
+    try:  # the cards are data, not code: a namespace package, found by its search locations
+        spec = importlib.util.find_spec("anytime.cards")
+    except ImportError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations is not None:
+        folders += [Path(location) for location in spec.submodule_search_locations]
+    return [f for f in folders if f.is_dir()]
+
+
+def card_names() -> list[str]:
+    """The names of the cards shipped with the package (``anytime train --card NAME``)."""
+    return sorted({p.stem for folder in _card_folders() for p in folder.glob("*.toml")})
+
+
+def find_card(name_or_path: str | os.PathLike[str]) -> Path:
+    """A card file: a path to one, or the name of a shipped card (``cifar10-resnet20``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    if path.suffix == "" and len(path.parts) == 1:
+        for folder in _card_folders():
+            if (folder / f"{path.name}.toml").is_file():
+                return folder / f"{path.name}.toml"
+    names = card_names()
+    shipped = f"; shipped cards: {', '.join(names)}" if names else ""
+    raise AnytimeError(f"no model card at {path}: give a card file (models/NAME.toml) or a shipped card's name{shipped}")
+
+
+def is_shipped(path: Path) -> bool:
+    """Whether ``path`` is the installed package's own copy of a card (not a file of the user's or a checkout's)."""
+    return any(folder.name == "cards" and path.resolve().parent == folder.resolve() for folder in _card_folders())
+
+
 def load_card(path: str | os.PathLike[str]) -> ModelCard:
-    """Read and validate a card; every problem is a one-line :class:`AnytimeError`."""
-    card_path = Path(path)
-    if not card_path.is_file():
-        raise AnytimeError(f"no model card at {card_path}; cards live in models/*.toml")
+    """Read and validate a card (a file, or a shipped card's name); every problem is a one-line
+    :class:`AnytimeError`."""
+    card_path = find_card(path)
     try:
         raw = tomllib.loads(card_path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -80,8 +122,16 @@ def load_card(path: str | os.PathLike[str]) -> ModelCard:
     )
 
 
+def check_recordable(card: ModelCard) -> None:
+    """Refuse to record results into the installed package's own copy of a card."""
+    if is_shipped(card.path):
+        raise AnytimeError(f"{card.path} is the installed package's copy of the card; copy it (cp {card.path} "
+                           f"{card.path.name}) and train with --card {card.path.name} --update-card")  # fmt: skip
+
+
 def record_results(card: ModelCard, results: dict[str, Any]) -> Path:
     """Rewrite the card's ``[results]`` table with ``results`` (atomically), keeping the rest verbatim."""
+    check_recordable(card)
     text = card.path.read_text(encoding="utf-8")
     lines = text.splitlines()
     cut = next((i for i, line in enumerate(lines) if _RESULTS_HEADER.match(line)), None)

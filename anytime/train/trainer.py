@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from anytime.data import BatchLoader, DatasetSplits, load_dataset, make_loader
 from anytime.errors import AnytimeError
@@ -34,6 +33,7 @@ from anytime.utils.outputs import (
     output_lock,
     write_marker,
 )
+from anytime.utils.progress import progress_bar
 from anytime.utils.resources import check_disk, check_forward_memory, model_bytes
 from anytime.utils.seed import derive_seed, seed_everything
 
@@ -319,8 +319,7 @@ class Trainer:
         objective_sum = torch.zeros((), device=device, dtype=torch.float64)  # what is minimised
         correct = torch.zeros((), device=device, dtype=torch.int64)
         seen = 0
-        bar = tqdm(total=len(train_loader), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                   disable=not self.progress, unit="batch")  # fmt: skip
+        bar = progress_bar(len(train_loader), f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.progress, unit="batch")
         epoch_start = tick = clock.now()
         for iteration, (images, labels) in enumerate(train_loader):
             images = images.to(device, non_blocking=True)
