@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
+    "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted)",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
                   "ensemble-baselines, ensembles)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="commands:\n" + "\n".join(f"  {name:<18} {text}" for name, text in COMMANDS.items())
         + "\n\nrun 'anytime COMMAND --help' for a command's options",
     )
+    from anytime import __version__
+
+    parser.add_argument("--version", action="version", version=f"anytime {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help="one of the commands below")
 
     models = sub.add_parser("models", description=COMMANDS["models"])
@@ -103,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     train = sub.add_parser("train", description=COMMANDS["train"])
-    train.add_argument("--card", metavar="FILE", help="a model card (models/NAME.toml); other options override it")
+    train.add_argument("--card", metavar="CARD",
+                       help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
+                            "other options override it")
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
     train.add_argument("--data", choices=["digits", "cifar10", "folder", "synthetic"], help="default digits")
     train.add_argument("--data-root", metavar="PATH",
@@ -332,6 +338,25 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
 
+    serve = sub.add_parser("serve", description=COMMANDS["serve"])
+    serve.add_argument("run", metavar="RUN", help="a finished, profiled run (anytime profile RUN)")
+    serve.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
+    serve.add_argument("--calibration", metavar="FILE",
+                       help="early-exit thresholds (default RUN/calibration.json when there is one)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000, help="default 8000")
+    serve.add_argument("--max-batch", type=_positive_int, metavar="B",
+                       help="requests answered together when several are queued (default: the largest profiled batch "
+                            "size, up to 8)")
+    serve.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                       help="server processes, each with its own model and queue (default 1)")
+    serve.add_argument("--threads", type=_positive_int, metavar="N",
+                       help="torch CPU threads per process (default: torch's; with --workers, cores / workers)")
+    serve.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
+                       help="the latency quantile a step must fit at before it starts (default 0.99)")
+    serve.add_argument("--max-body-kb", type=_positive_int, default=1024, metavar="KB",
+                       help="larger request bodies are refused with 413 (default 1024)")
+
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
     experiment.add_argument("--quick", action="store_true", help="a few minutes on a laptop-class CPU")
@@ -391,6 +416,7 @@ def _float_list(text: str, what: str) -> tuple[float, ...]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from anytime.train import TrainConfig, Trainer, load_card, record_results
+    from anytime.train.cards import check_recordable
     from anytime.train.trainer import CHECKPOINT, require_checkpoint
 
     card = load_card(args.card) if args.card else None
@@ -401,6 +427,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides["exit_weights"] = _float_list(args.exit_weights, "--exit-weights")
     if args.update_card and card is None:
         raise AnytimeError("--update-card needs --card FILE")
+    if args.update_card and card is not None:
+        check_recordable(card)
     if args.extend and "epochs" not in overrides:
         raise AnytimeError("--extend trains a run longer: give its new number of epochs with --epochs N")
     free = set(TrainConfig.RUNTIME_FIELDS) | ({"epochs"} if args.extend else set())
@@ -790,22 +818,19 @@ def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from anytime.pipeline import scheduler_for_run
+    from anytime.scheduler.query import schedule_answer, scheduler_for_run
 
     if not math.isfinite(args.deadline_ms):
         raise AnytimeError(f"deadline {args.deadline_ms} ms is not a finite positive number of milliseconds")
     if args.variants:
         return _schedule_variants(args)
     scheduler, path = scheduler_for_run(args.run, args.profile)
-    choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size)
-    frontier = [{"option": o.name, "kind": o.kind, "accuracy": o.accuracy, "latency_ms": latency}
-                for o, latency in scheduler.frontier(args.quantile, args.batch_size)]  # fmt: skip
-    print(json.dumps({**choice.to_dict(), "profile": str(path), "frontier": frontier}, indent=2))
+    print(json.dumps(schedule_answer(scheduler, path, args.deadline_ms, args.quantile, args.batch_size), indent=2))
     return 0
 
 
 def _schedule_variants(args: argparse.Namespace) -> int:
-    from anytime.pipeline import precision_scheduler
+    from anytime.scheduler.query import precision_scheduler
 
     runs = [args.run, *(r for r in args.variants.split(",") if r)]
     scheduler, runs_of = precision_scheduler(runs, args.profile)
@@ -816,6 +841,20 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     variant = scheduler.variant_of(choice.option)
     print(json.dumps({**choice.to_dict(), "precision": variant, "run": str(runs_of[variant]), "frontier": frontier},
                      indent=2))  # fmt: skip
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from anytime.serve.http import ServeOptions, serve
+
+    options = ServeOptions(run=args.run, profile=args.profile, calibration=args.calibration, max_batch=args.max_batch,
+                           max_body_kb=args.max_body_kb, quantile=args.quantile, threads=args.threads)  # fmt: skip
+    try:
+        serve(options, host=args.host, port=args.port, workers=args.workers,
+              on_ready=lambda url: print(f"serving {args.run} on {url} (POST /predict, GET /schedule, /healthz, "
+                                         "/metrics; Ctrl-C stops)", file=sys.stderr, flush=True))  # fmt: skip
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -948,6 +987,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
+    "serve": _cmd_serve,
     "experiment": _cmd_experiment,
     "demo": _cmd_demo,
 }  # fmt: skip

@@ -1,0 +1,215 @@
+"""``anytime serve``'s HTTP endpoint: FastAPI on uvicorn (``anytime[serve]``), over :class:`Service`.
+
+Routes: ``POST /predict`` (an image or ``.npy`` array with a deadline), ``GET /schedule?deadline_ms=D``,
+``GET /healthz`` and ``GET /metrics`` (Prometheus). Every refusal is a 4xx JSON ``{"error": "one sentence"}``;
+the server never reads a path or unpickles anything a client sends.
+"""
+
+
+# FastAPI reads the routes' annotations at run time, so they are not postponed (no __future__ annotations).
+import asyncio
+import contextlib
+import email.parser
+import email.policy
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from anytime.errors import AnytimeError
+from anytime.serve.inputs import InputSpec
+from anytime.serve.service import BadRequest, Request, Service, parse_deadline
+
+ROUTES = "POST /predict, GET /schedule?deadline_ms=D, GET /healthz, GET /metrics"
+_TRUE = ("1", "true", "yes", "on")
+ENVIRONMENT = "ANYTIME_SERVE"  # how `--workers N` hands its options to each worker process
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``anytime serve`` was asked for."""
+
+    run: str
+    profile: str | None = None
+    calibration: str | None = None
+    max_batch: int | None = None
+    max_body_kb: int = 1024
+    quantile: float = 0.99
+    threads: int | None = None
+
+
+def _multipart_fields(body: bytes, content_type: str) -> dict[str, bytes]:
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode("latin-1") + body
+    )
+    if not message.is_multipart():
+        raise BadRequest("malformed multipart body: send the image in a form field named 'image'")
+    fields: dict[str, bytes] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if isinstance(name, str):
+            payload = part.get_payload(decode=True)
+            fields[name] = payload if isinstance(payload, bytes) else b""
+    return fields
+
+
+def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, float, int], dict[str, Any]], *,
+               info: dict[str, Any], max_body_bytes: int) -> Any:  # fmt: skip
+    """The FastAPI application over a started ``service``; ``schedule(deadline_ms, quantile, batch)`` answers
+    ``GET /schedule`` (as ``anytime schedule``)."""
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="anytime", description=f"Anytime inference under deadlines for {info.get('run')}",
+                  version=str(info.get("version")), docs_url="/docs", redoc_url=None)  # fmt: skip
+
+    def refuse(status: int, message: str) -> JSONResponse:
+        service.metrics.bad_request(status)
+        return JSONResponse({"error": message}, status_code=status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return refuse(404, f"no route {request.url.path}; the server answers {ROUTES}")
+        if exc.status_code == 405:
+            return refuse(405, f"{request.method} is not allowed on {request.url.path}; the server answers {ROUTES}")
+        return refuse(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return refuse(400, f"invalid {where or 'request'}: {first.get('msg', 'malformed')}")
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: HttpRequest, exc: BadRequest) -> JSONResponse:
+        return refuse(exc.status, str(exc))
+
+    @app.exception_handler(AnytimeError)
+    async def _refused(request: HttpRequest, exc: AnytimeError) -> JSONResponse:
+        return refuse(400, str(exc))
+
+    async def read_body(request: HttpRequest) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise BadRequest(f"the body is {int(declared)} bytes; the limit is {max_body_bytes} (--max-body-kb)", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise BadRequest(f"the body is over the limit of {max_body_bytes} bytes (--max-body-kb)", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.post("/predict")
+    async def predict(request: HttpRequest) -> JSONResponse:
+        """Answer one image or array within its deadline (queue time counted)."""
+        arrived = service.clock()
+        body = await read_body(request)
+        content_type = request.headers.get("content-type", "")
+        fields: dict[str, bytes] = {}
+        if content_type.startswith("multipart/form-data"):
+            fields = _multipart_fields(body, content_type)
+            if "image" not in fields:
+                raise BadRequest("the form has no 'image' field: send -F image=@picture.png -F deadline_ms=10")
+            body = fields["image"]
+        text = {k: v.decode("utf-8", "replace") for k, v in fields.items() if k != "image"}
+        deadline = parse_deadline(text.get("deadline_ms") or request.query_params.get("deadline_ms")
+                                  or request.headers.get("x-deadline-ms"))  # fmt: skip
+        cheapest = (text.get("cheapest") or request.query_params.get("cheapest") or "").lower() in _TRUE or (
+            request.headers.get("x-on-miss", "").lower() == "cheapest")  # fmt: skip
+        image = spec.decode(body)
+        answer = await asyncio.wrap_future(service.submit(Request(image, deadline, arrived, cheapest)))
+        return JSONResponse(answer.to_dict())
+
+    @app.get("/schedule")
+    async def schedule_route(deadline_ms: str | None = None, quantile: float = 0.99, batch_size: int = 1) -> JSONResponse:
+        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule``."""
+        if not (math.isfinite(quantile) and 0 < quantile <= 1):
+            raise BadRequest(f"quantile {quantile} must be in (0, 1]")
+        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size))
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """Liveness, with what is served."""
+        return JSONResponse({"status": "ok", **info, "queue_depth": service.queue_depth})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text: requests, misses, bad requests, latency per step, drift, queue depth."""
+        return PlainTextResponse(service.metrics.render(service.queue_depth),
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+
+    return app
+
+
+def build_app(options: ServeOptions) -> tuple[Any, Service]:
+    """Load the run (its model, profile and calibration) and make the application and its started service."""
+    import torch
+
+    from anytime import __version__
+    from anytime.pipeline import runner_for_run
+    from anytime.scheduler.query import schedule_answer, scheduler_for_run
+
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    if options.max_body_kb < 1:
+        raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
+    runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile)
+    spec = InputSpec.from_dataset(run.dataset)
+    service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
+                      max_batch=options.max_batch)  # fmt: skip
+    scheduler, profile_path = scheduler_for_run(options.run, options.profile)
+    info = {"run": str(Path(options.run)), "model": run.name, "profile": str(profile_path), "version": __version__,
+            "steps": list(runner.profile.step_names), "policy": runner.policy.to_dict() if runner.policy else None,
+            "input": spec.describe(), "max_batch": service.max_batch, "quantile": options.quantile}  # fmt: skip
+
+    def schedule(deadline_ms: float, quantile: float, batch_size: int) -> dict[str, Any]:
+        return schedule_answer(scheduler, profile_path, deadline_ms, quantile, batch_size)
+
+    with contextlib.suppress(ImportError):  # Pillow's decoders, loaded now rather than by the first image
+        from PIL import Image
+
+        Image.preinit()
+    service.warm_up(spec.decode(spec.example()))
+    service.start()
+    app = create_app(service, spec, schedule, info=info, max_body_bytes=1024 * options.max_body_kb)
+    return app, service
+
+
+def app_from_environment() -> Any:
+    """The application of one ``--workers`` process (uvicorn's factory), built from ``$ANYTIME_SERVE``."""
+    options = ServeOptions(**json.loads(os.environ[ENVIRONMENT]))
+    app, _ = build_app(options)
+    return app
+
+
+def serve(options: ServeOptions, *, host: str, port: int, workers: int = 1, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until interrupted; with ``workers`` > 1, that many processes, each with its own model."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise AnytimeError("anytime serve needs FastAPI and uvicorn: pip install 'anytime[serve]'") from None
+    if workers > 1:
+        threads = options.threads or max(1, (os.cpu_count() or 1) // workers)
+        os.environ[ENVIRONMENT] = json.dumps(asdict(ServeOptions(**{**asdict(options), "threads": threads})))
+        _, service = build_app(options)  # every error (a missing profile, a bad calibration) here, once
+        service.stop()
+        if on_ready:
+            on_ready(f"http://{host}:{port} ({workers} workers, {threads} threads each)")
+        uvicorn.run("anytime.serve.http:app_from_environment", factory=True, host=host, port=port, workers=workers,
+                    log_level="warning")  # fmt: skip
+        return
+    app, service = build_app(options)
+    if on_ready:
+        on_ready(f"http://{host}:{port}")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        service.stop()

@@ -1,0 +1,247 @@
+"""The serving core behind ``anytime serve``: requests queue, one worker thread answers them in batches with the
+anytime runtime, and the time a request waited counts against its deadline.
+
+The HTTP layer (:mod:`anytime.serve.http`) only parses, hands a :class:`Request` to :meth:`Service.submit` and
+waits for its :class:`Answer`. Everything that decides (what is left of a deadline, who has already missed,
+how large a batch is) lives here and reads one injectable clock, so tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from anytime.errors import AnytimeError
+from anytime.serve.metrics import Metrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from anytime.scheduler import AnytimeRunner
+
+#: Reasons an answer gives for where it stopped: the runtime's own, plus ``expired`` (the deadline had passed
+#: while the request queued, so no step was run for it unless the cheapest answer was asked for).
+REASONS = ("confident", "deadline", "last", "chosen", "expired")
+
+
+class BadRequest(AnytimeError):
+    """A request the server refuses (answered with a 4xx and this one-sentence message)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Request:
+    """One input (``[C, H, W]`` float32, already normalised) with its deadline, stamped when it arrived."""
+
+    image: torch.Tensor
+    deadline_ms: float
+    arrived: float
+    cheapest: bool = False
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the server answers: the class (None when the deadline passed in the queue and no answer was
+    asked for), the step that answered and why it stopped, the time queued and computing, and whether the
+    whole (queue + compute) fit in the deadline."""
+
+    label: int | None
+    class_name: str | None
+    step: int | None
+    step_name: str | None
+    reason: str
+    queued_ms: float
+    compute_ms: float
+    total_ms: float
+    deadline_ms: float
+    met: bool
+    batch_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body of ``POST /predict``."""
+        return {"class": self.label, "class_name": self.class_name, "step": self.step, "step_name": self.step_name,
+                "reason": self.reason, "queued_ms": round(self.queued_ms, 3), "compute_ms": round(self.compute_ms, 3),
+                "total_ms": round(self.total_ms, 3), "deadline_ms": self.deadline_ms, "met": self.met,
+                "batch_size": self.batch_size}  # fmt: skip
+
+
+def parse_deadline(text: str | None) -> float:
+    """A request's deadline in milliseconds; a :class:`BadRequest` for a missing, malformed, NaN or non-positive one."""
+    if text is None or not str(text).strip():
+        raise BadRequest("no deadline: give deadline_ms (a form field or query parameter) or an X-Deadline-Ms header")
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadRequest(f"deadline '{str(text)[:40]}' is not a number of milliseconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"deadline {text} ms must be a finite positive number of milliseconds")
+    return value
+
+
+class Service:
+    """The runtime of one run behind a queue: :meth:`submit` from any thread, one worker answers.
+
+    ``max_batch`` requests at most (default: the largest profiled batch size, up to 8) are answered together (those already queued when the worker is free; it
+    never waits for more), under the tightest deadline left among them. ``clock`` is in seconds (monotonic).
+    """
+
+    def __init__(
+        self, runner: AnytimeRunner, *, step_names: Sequence[str], class_names: Sequence[str] | None = None,
+        max_batch: int | None = None, max_queue: int = 1024, clock: Callable[[], float] = time.perf_counter,
+    ) -> None:  # fmt: skip
+        largest = max(runner.profile.batch_sizes)
+        max_batch = min(8, largest) if max_batch is None else max_batch
+        if max_batch < 1:
+            raise AnytimeError(f"--max-batch must be at least 1 (got {max_batch})")
+        if max_batch > largest:
+            raise AnytimeError(f"--max-batch {max_batch} is larger than any batch size the profile measured ({largest}); "
+                               f"profile with --batch-sizes up to {max_batch} or serve with --max-batch {largest}")  # fmt: skip
+        self.runner = runner
+        self.step_names = tuple(step_names)
+        self.class_names = tuple(class_names) if class_names else None
+        self.max_batch = max_batch
+        self.clock = clock
+        self.metrics = Metrics(self.step_names)
+        self._queue: queue.Queue[tuple[Request, Future[Answer]] | None] = queue.Queue(maxsize=max_queue)
+        self._worker: threading.Thread | None = None
+
+    def warm_up(self, example: torch.Tensor, repeats: int = 3) -> None:
+        """Run every step on ``example`` (``[C, H, W]``) at every batch size served, so that the first requests
+        do not pay for lazy initialisation (allocators, kernels picked on first call)."""
+        import torch
+
+        from anytime.profile.steps import run_step
+
+        with torch.inference_mode():
+            for batch in sorted({1, self.max_batch}):
+                x = example.expand(batch, *example.shape).contiguous()
+                for _ in range(repeats):
+                    for k in range(len(self.step_names)):
+                        run_step(self.runner.model, x, k)
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="anytime-serve", daemon=True)
+            self._worker.start()
+
+    def stop(self) -> None:
+        """Let the worker answer what is queued, then end it."""
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the worker."""
+        return self._queue.qsize()
+
+    def submit(self, request: Request) -> Future[Answer]:
+        """Queue ``request``; its answer arrives on the returned future. A full queue is refused (503)."""
+        future: Future[Answer] = Future()
+        try:
+            self._queue.put_nowait((request, future))
+        except queue.Full:
+            raise BadRequest("the server's queue is full; retry later or lower the request rate", status=503) from None
+        return future
+
+    def answer_now(self, requests: Sequence[Request]) -> list[Answer]:
+        """Answer ``requests`` as one batch, now, on the calling thread (the worker's step; tests call it)."""
+        live = [r for r in requests if self._left_ms(r) > 0]
+        expired = [r for r in requests if self._left_ms(r) <= 0]
+        answers: dict[int, Answer] = {}
+        if expired:
+            for r, a in zip(expired, self._expired(expired)):
+                answers[id(r)] = a
+        if live:
+            for r, a in zip(live, self._run(live)):
+                answers[id(r)] = a
+        out = [answers[id(r)] for r in requests]
+        for a in out:
+            self.metrics.record(a)
+        self.metrics.set_drift(self.runner.drift.level())
+        return out
+
+    def _left_ms(self, request: Request) -> float:
+        return request.deadline_ms - 1000.0 * (self.clock() - request.arrived)
+
+    def _run(self, requests: Sequence[Request]) -> list[Answer]:
+        import torch
+
+        started = self.clock()
+        budget = min(self._left_ms(r) for r in requests)
+        prediction = self.runner.predict(torch.stack([r.image for r in requests]), max(budget, 1e-6))
+        done = self.clock()
+        exits = prediction.exits.tolist()
+        labels = prediction.predictions.tolist()
+        answers = []
+        for r, label, k in zip(requests, labels, exits):
+            reason = "confident" if prediction.reason != "chosen" and k < prediction.step else prediction.reason
+            answers.append(self._answer(r, int(label), int(k), reason, started, done, len(requests)))
+        return answers
+
+    def _expired(self, requests: Sequence[Request]) -> list[Answer]:
+        import torch
+
+        from anytime.profile.steps import run_step
+
+        wanted = [r for r in requests if r.cheapest]
+        started = self.clock()
+        labels: dict[int, int] = {}
+        if wanted:
+            with torch.inference_mode():
+                logits = run_step(self.runner.model, torch.stack([r.image for r in wanted]), 0)
+            labels = {id(r): int(c) for r, c in zip(wanted, logits.argmax(dim=1).tolist())}
+        done = self.clock()
+        return [self._answer(r, labels.get(id(r)), 0 if id(r) in labels else None, "expired", started,
+                             done if id(r) in labels else started, len(requests)) for r in requests]  # fmt: skip
+
+    def _answer(self, request: Request, label: int | None, step: int | None, reason: str, started: float,
+                done: float, batch: int) -> Answer:  # fmt: skip
+        queued = 1000.0 * (started - request.arrived)
+        total = 1000.0 * (done - request.arrived)
+        name = None
+        if label is not None and self.class_names is not None and 0 <= label < len(self.class_names):
+            name = self.class_names[label]
+        return Answer(
+            label=label, class_name=name, step=step, step_name=None if step is None else self.step_names[step],
+            reason=reason, queued_ms=queued, compute_ms=1000.0 * (done - started), total_ms=total,
+            deadline_ms=request.deadline_ms, met=label is not None and total <= request.deadline_ms, batch_size=batch,
+        )  # fmt: skip
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            stop = False
+            while len(batch) < self.max_batch:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            try:
+                answers = self.answer_now([r for r, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, never the server
+                for _, future in batch:
+                    future.set_exception(exc)
+            else:
+                for (_, future), answer in zip(batch, answers):
+                    future.set_result(answer)
+            if stop:
+                return
