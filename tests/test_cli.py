@@ -139,7 +139,8 @@ def test_demo_writes_results_and_plots(capsys, tmp_path):
     assert demo["summary"]["final"]["test_acc"] > 0.8
     assert [int(r["batch_size"]) for r in demo["batch_time"]] == [8, 16, 32, 64]
     # The lowest deadline is half the first exit's p99: the scheduler says nothing fits, the runtime still answers.
+    # (Which exits it reaches depends on how fast this machine is right now, so that is not asserted here.)
     lowest = demo["deadlines"][0]
-    assert not lowest["choice"]["fits"] and lowest["runtime_accuracy"] > 0.5 and lowest["runtime_mean_step"] == 0
+    assert not lowest["choice"]["fits"] and lowest["runtime_accuracy"] > 0.5
     assert demo["deadlines"][-1]["choice"]["fits"] and "deadlines at batch 1" in out
     assert (out_dir / "run" / "plots" / "deadline_accuracy.png").is_file()

@@ -82,17 +82,17 @@ def weights_bytes(model: nn.Module) -> int:
 
 
 def _time_batch(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, flip: bool,
-                sync: Callable[[], None]) -> tuple[list[float], list[float] | None]:  # fmt: skip
+                sync: Callable[[], None], clock: Callable[[], float]) -> tuple[list[float], list[float] | None]:  # fmt: skip
     """One repetition: each step alone (order flipped every other repetition, so that no step always runs
     on caches another one warmed) and, for incremental models, the stages of one pass through all steps."""
     stages: list[float] | None = None
     if incremental:
         stages = []
         sync()
-        before = time.perf_counter()
+        before = clock()
         for _ in model.steps(x):  # type: ignore[operator]
             sync()
-            now = time.perf_counter()
+            now = clock()
             stages.append((now - before) * 1000)
             before = now
         if len(stages) != num_steps:
@@ -101,10 +101,10 @@ def _time_batch(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, 
     order = range(num_steps - 1, -1, -1) if flip else range(num_steps)
     for k in order:
         sync()
-        start = time.perf_counter()
+        start = clock()
         run_step(model, x, k)
         sync()
-        alone[k] = (time.perf_counter() - start) * 1000
+        alone[k] = (clock() - start) * 1000
     return alone, stages
 
 
@@ -138,6 +138,7 @@ def profile_model(
     repeats: int = 200, warmup: int = 10, device: str | torch.device = "cpu", model_name: str = "model",
     fingerprint: str | None = None, num_classes: int | None = None, train: bool = False, train_repeats: int = 10,
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
@@ -145,7 +146,8 @@ def profile_model(
     on the pixel values. ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is
     synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
     measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
-    backward and optimiser times at each batch size (on a copy of the model).
+    backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
+    the steps: tests inject a fake one.
     """
     if repeats < 1 or warmup < 0:
         raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
@@ -174,12 +176,12 @@ def profile_model(
             for b in sizes:
                 x = torch.randn(b, *input_shape, generator=generator).to(target)
                 for i in range(warmup):
-                    _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
+                    _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync, clock)
                 alone: list[list[float]] = []
                 stages: list[list[float]] = []
                 with paused_gc():
                     for i in range(repeats):
-                        a, s = _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync)
+                        a, s = _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync, clock)
                         alone.append(a)
                         if s is not None:
                             stages.append(s)

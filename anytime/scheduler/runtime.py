@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.profile.steps import is_incremental, run_step, step_count
-from anytime.profile.latency import quantile_of
+from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline
 from anytime.scheduler.online import DriftEstimator
@@ -59,12 +59,15 @@ class AnytimeRunner:
     chosen by ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits
     (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
     the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
+    ``clock`` (seconds, monotonic; default ``time.perf_counter``) is what every deadline is measured with: tests
+    inject a fake one.
     """
 
     def __init__(
         self, model: nn.Module, profile: DeviceProfile, policy: ExitPolicy | None = None, *, quantile: float = 0.99,
         adapt: bool = True, margin_ms: float = 0.0, window: int = 200, min_observations: int = 20,
         scheduler: DeadlineScheduler | None = None, step_accuracy: Sequence[float] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:  # fmt: skip
         num_steps = step_count(model)
         profile.check_model(None, num_steps, where="the profile")
@@ -72,6 +75,7 @@ class AnytimeRunner:
             raise AnytimeError(f"margin_ms must be a finite number >= 0 (got {margin_ms})")
         self.model = model
         self.profile = profile
+        self.clock = clock
         self.quantile = profile.check_quantile(quantile)
         self.adapt = adapt
         self.margin_ms = float(margin_ms)
@@ -123,7 +127,7 @@ class AnytimeRunner:
 
     def predict(self, x: Tensor, deadline_ms: float) -> AnytimePrediction:
         """Answer the batch ``x`` within ``deadline_ms`` (measured from this call), always with a prediction."""
-        start = time.perf_counter()
+        start = self.clock()
         check_deadline(deadline_ms)
         if self.model.training:
             raise AnytimeError("the anytime runtime needs the model in eval mode (call model.eval())")
@@ -149,7 +153,7 @@ class AnytimeRunner:
         try:
             for k, logits in enumerate(steps):
                 self._sync()
-                now = time.perf_counter()
+                now = self.clock()
                 if self.adapt:
                     # Measured from the previous answer, so the runner's own checks count as part of the stage.
                     self.drift.observe(1000.0 * (now - before), median[k], tail[k])
@@ -178,7 +182,7 @@ class AnytimeRunner:
                 following = tail[k + 1]
                 if self.adapt:
                     following = self.drift.estimate(following, self.quantile)
-                elapsed = 1000.0 * (time.perf_counter() - start)
+                elapsed = 1000.0 * (self.clock() - start)
                 if elapsed + following > budget:
                     reason = "deadline"
                     break
@@ -196,20 +200,20 @@ class AnytimeRunner:
         else:
             exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
         predictions = logits.argmax(dim=1)
-        elapsed_ms = 1000.0 * (time.perf_counter() - start)
+        elapsed_ms = 1000.0 * (self.clock() - start)
         return AnytimePrediction(predictions, logits, exits, k, reason, elapsed_ms, float(deadline_ms))
 
     def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float) -> AnytimePrediction:
         assert self.scheduler is not None
         batch = x.shape[0]
         profiled = self._profiled_batch(batch)
-        left = deadline_ms - self.margin_ms - 1000.0 * (time.perf_counter() - start)
+        left = deadline_ms - self.margin_ms - 1000.0 * (self.clock() - start)
         choice = self.scheduler.select(max(left, 1e-6), self.quantile, profiled)
         k = choice.step if choice.step is not None else self._num_steps - 1
-        begun = time.perf_counter()
+        begun = self.clock()
         logits = run_step(self.model, x, k)
         self._sync()
-        now = time.perf_counter()
+        now = self.clock()
         if self.adapt:
             self.scheduler.observe(choice, now - begun, profiled)
         exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
