@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
+    "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
     "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted)",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
                   "ensemble-baselines, ensembles)",
@@ -337,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--device", default="cpu", help="cpu | cuda (default cpu; never assumed)")
     baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+
+    report = sub.add_parser("report", description=COMMANDS["report"])
+    report.add_argument("run", metavar="RUN")
+    report.add_argument("--out", metavar="FILE", help="default RUN/report.html (replaced)")
+    report.add_argument("--json", action="store_true", help="print the page's path and missing sections as JSON")
 
     serve = sub.add_parser("serve", description=COMMANDS["serve"])
     serve.add_argument("run", metavar="RUN", help="a finished, profiled run (anytime profile RUN)")
@@ -844,6 +850,19 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from anytime.report import write_report
+
+    result = write_report(args.run, args.out)
+    if args.json:
+        print(json.dumps({"report": str(result.path), "missing": list(result.missing)}, indent=2))
+        return 0
+    print(f"report {result.path}")
+    for line in result.missing:
+        print(f"missing {line}")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from anytime.serve.http import ServeOptions, serve
 
@@ -987,6 +1006,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
+    "report": _cmd_report,
     "serve": _cmd_serve,
     "experiment": _cmd_experiment,
     "demo": _cmd_demo,

@@ -65,7 +65,7 @@ def run_demo(
     target = Path(out_dir)
     with staged_dir(target, "demo", overwrite=overwrite, create_parents=create_parents) as work:
         result = _run(work, config, progress)
-    files = sorted(p for p in target.rglob("*") if p.is_file() and p.suffix in {".png", ".svg", ".csv", ".json"}
+    files = sorted(p for p in target.rglob("*") if p.is_file() and p.suffix in {".png", ".svg", ".pdf", ".csv", ".json"}
                    and not p.name.startswith("."))  # fmt: skip
     summary, batch_rows, calibration, evaluation, deadlines = result
     return DemoResult(target, summary, batch_rows, calibration, evaluation, deadlines, files)

@@ -36,6 +36,7 @@ from anytime.scheduler.query import (
     CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, run_fingerprint, run_options, scheduler_for_run,
 )  # fmt: skip
 from anytime.train import load_splits
+from anytime.train.records import run_title
 from anytime.train.runs import LoadedRun, load_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -328,11 +329,11 @@ def plot_run(
             skipped.append(f"deadline plots: {exc}")
     results = {name: sweep(val, name, settings=settings) for name in list(criteria or CRITERIA)}
     with output_lock(folder), staged_files(folder) as work:
-        names = _draw_run(Path(run_dir).name, work, val, results, report, rows, scheduler)
+        names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler)
     for stem, drawn in (("exit_histogram", report is not None), ("exit_accuracy", bool(rows)),
                         ("deadline_accuracy", scheduler is not None), ("latency", scheduler is not None)):  # fmt: skip
         if not drawn:  # an earlier figure of a section not drawn now would be mistaken for a current one
-            for old in (folder / f"{stem}.png", folder / f"{stem}.svg"):
+            for old in (folder / f"{stem}.png", folder / f"{stem}.svg", folder / f"{stem}.pdf"):
                 old.unlink(missing_ok=True)
     return PlotReport([folder / name for name in names], skipped)
 

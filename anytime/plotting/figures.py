@@ -14,7 +14,7 @@ from anytime.utils.io import atomic_path
 PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "step": "#55A868", "data": "#8172B3"}
 
 
-def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg", "pdf")) -> list[Path]:
     """Save ``fig`` as ``stem.png`` and ``stem.svg`` (atomically).
 
     Figures are built with :class:`matplotlib.figure.Figure` directly, never through pyplot, so plotting

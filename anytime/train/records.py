@@ -84,3 +84,14 @@ def run_weights_fingerprint(run_dir: str | Path) -> str:
     if (run / QUANT_STATE).is_file():
         digest.update(weights_fingerprint(run / QUANT_STATE).encode())
     return digest.hexdigest()[:16]
+
+
+def run_title(run_dir: str | Path) -> str:
+    """What a run is, for figure titles and pages: ``resnet32 on cifar10`` (the folder's name if unreadable)."""
+    try:
+        record = json.loads((Path(run_dir) / "config.json").read_text())
+        model, data = record["train"]["model"], record["dataset"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return Path(run_dir).name
+    converted = precision_record(run_dir)
+    return f"{model}{' ' + converted['precision'] if converted else ''} on {data}"

@@ -45,7 +45,7 @@ RUN_ENTRIES: tuple[str, ...] = (
     MARKER, "config.json", "checkpoint.pt", "model.safetensors", "quant.safetensors", "summary.json", "metrics.csv",
     "iterations.csv",
     "outputs", "plots", "cut", "profile-*.json", "calibration*.json", "sweep-*.csv", "sweep-*.json",
-    "evaluation-*.json",
+    "evaluation-*.json", "report.html",
 )  # fmt: skip
 RUN = "run"
 
@@ -202,8 +202,10 @@ class Marker:
 
     def owns(self, name: str) -> bool:
         """True if ``name`` (an entry of the folder, a file or a sub-folder) is one anytime wrote there."""
+        # A run made by an earlier version also owns what runs hold today (a page added later, say).
+        patterns = self.entries + (RUN_ENTRIES if self.kind == RUN else ())
         return name == MARKER or is_temporary(name) or any(
-            fnmatch.fnmatchcase(name, p) or p.startswith(f"{name}/") for p in self.entries)
+            fnmatch.fnmatchcase(name, p) or p.startswith(f"{name}/") for p in patterns)
 
 
 def write_marker(folder: str | os.PathLike[str], kind: str, entries: Sequence[str]) -> Path:
@@ -340,7 +342,7 @@ def _has_format(path: Path, tag: str) -> bool:
 
 
 # What the run's own sub-folders hold (the cut study's folder is marked as its own).
-_RUN_SUBFOLDERS = {"outputs": ("*.npz",), "plots": ("*.png", "*.svg")}
+_RUN_SUBFOLDERS = {"outputs": ("*.npz",), "plots": ("*.png", "*.svg", "*.pdf")}
 
 
 def _strays(folder: Path, marker: Marker) -> list[str]:
