@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for
@@ -67,7 +68,7 @@ class ExportReport:
 
 
 def _step_logits(model: nn.Module, x: Tensor, k: int) -> Tensor:
-    return model.forward_until(x, k) if int(getattr(model, "num_steps", 1)) > 1 else model(x)  # type: ignore[operator]
+    return model.forward_until(x, k) if step_count(model) > 1 else model(x)  # type: ignore[operator]
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ import shutil
 import socket
 import threading
 import uuid
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,8 +36,16 @@ class FakeClock:
 class StubModel(nn.Module):
     """Two steps; step k answers class k + 1 for every sample."""
 
+    num_steps = 2
+
     def forward_until(self, x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.nn.functional.one_hot(torch.full((x.shape[0],), k + 1), 4).float()
+
+    def steps(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        return (self.forward_until(x, k) for k in range(self.num_steps))
+
+    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(list(self.steps(x)))
 
 
 class StubRunner:

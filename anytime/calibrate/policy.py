@@ -147,7 +147,9 @@ class ExitPolicy:
     def _run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
         import torch
 
-        segments: Sequence[torch.nn.Module] = getattr(model, "segments", ())
+        from anytime.contract import SegmentedModel
+
+        segments: Sequence[torch.nn.Module] = model.segments if isinstance(model, SegmentedModel) else ()
         if len(segments) != self.num_steps:
             raise AnytimeError(
                 f"this policy is for {self.num_steps} exits; the model has {len(segments) or 'no'} exits"
@@ -157,7 +159,7 @@ class ExitPolicy:
                 "early exit needs the model in eval mode (call model.eval()): in training mode batch norm would "
                 "depend on which samples are still in"
             )
-        heads = list(model.heads)  # type: ignore[union-attr, arg-type]
+        heads = list(model.heads)  # type: ignore[attr-defined]
         if x.shape[0] == 1:
             return self._run_one(segments, heads, x)
         crit = get_criterion(self.criterion)

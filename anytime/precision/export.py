@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.precision.model import PartsModel, quiet_torchao, lower_int8
 
@@ -367,7 +368,7 @@ def export_model(
 
     manifest = ExportManifest(
         fmt, precision, layout, name, num_classes, tuple(input_shape),
-        float_flops(model, tuple(input_shape), int(getattr(model, "num_steps", 1))), tuple(written), parent_run,
+        float_flops(model, tuple(input_shape), step_count(model)), tuple(written), parent_run,
         parent_fingerprint, datetime.now(timezone.utc).isoformat(timespec="seconds"), quantizer,
         calibration_images if precision == "int8" else None, _versions(),
     )  # fmt: skip

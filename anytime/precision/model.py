@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from anytime.contract import SegmentedModel, step_count
 from anytime.errors import AnytimeError
 
 PRECISIONS: tuple[str, ...] = ("int8", "int8-dynamic", "bf16", "fp16")
@@ -111,9 +112,9 @@ class _Step(nn.Module):
 
 def layout_of(model: nn.Module) -> str:
     """How a model's steps are computed: ``exits`` (segments and heads), ``steps`` (one forward per step) or ``plain``."""
-    if hasattr(model, "segments") and hasattr(model, "heads"):
+    if isinstance(model, SegmentedModel):
         return "exits"
-    if hasattr(model, "forward_until") and int(getattr(model, "num_steps", 1)) > 1:
+    if step_count(model) > 1:
         return "steps"
     return "plain"
 
@@ -436,7 +437,7 @@ def convert(
     target = device or torch.device("cpu")
     spec = PrecisionSpec(precision, backend_for(precision, target), compile)
     model = model.eval()
-    num_steps = int(getattr(model, "num_steps", 1))
+    num_steps = step_count(model)
     layout = layout_of(model)
     known = step_flops is not None and len(step_flops) == num_steps
     flops = tuple(int(f) for f in step_flops) if known else float_flops(model, input_shape, num_steps)  # type: ignore[union-attr]

@@ -123,7 +123,7 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     model and the input loaded.
     """
     from anytime.precision.export import MANIFEST, load_export
-    from anytime.profile.steps import run_step, step_count
+    from anytime.contract import run_step, step_count
     from anytime.train.runs import load_run
 
     if threads is not None:

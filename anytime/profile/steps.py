@@ -1,7 +1,6 @@
 """Measure every step of an anytime model on this device: the device profile.
 
-Any model obeying the step contract (``num_steps``, ``forward_until``; ``steps`` for incremental ones)
-is profiled on synthetic inputs of its input shape, so a board needs only the package and the weights.
+Any model obeying the step contract (:mod:`anytime.contract`) is profiled on synthetic inputs of its input shape, so a board needs only the package and the weights.
 A plain ``nn.Module`` is profiled as a single step.
 """
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from anytime.contract import is_incremental, run_step, step_count
 from anytime.errors import AnytimeError
 from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
@@ -26,21 +26,6 @@ from anytime.profile.training import measure_train_step
 from anytime.utils.machine import describe_machine, device_label
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 8, 16, 32)
-
-
-def is_incremental(model: nn.Module) -> bool:
-    """Whether step k+1 reuses step k's work (an ``incremental`` attribute, else having ``steps``)."""
-    return bool(getattr(model, "incremental", hasattr(model, "steps")))
-
-
-def step_count(model: nn.Module) -> int:
-    """Steps of a model under the step contract; 1 for a plain classifier."""
-    return int(getattr(model, "num_steps", 1))
-
-
-def run_step(model: nn.Module, x: Tensor, k: int) -> Tensor:
-    """Step ``k`` of ``model`` alone (a plain classifier's only step is its forward)."""
-    return model.forward_until(x, k) if hasattr(model, "forward_until") else model(x)  # type: ignore[operator]
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -138,7 +123,7 @@ def profile_model(
     repeats: int = 200, warmup: int = 10, device: str | torch.device = "cpu", model_name: str = "model",
     fingerprint: str | None = None, num_classes: int | None = None, train: bool = False, train_repeats: int = 10,
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] = time.perf_counter, progress: bool = False,
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
@@ -147,8 +132,10 @@ def profile_model(
     synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
     measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
     backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
-    the steps: tests inject a fake one.
+    the steps: tests inject a fake one. ``progress``: a bar on stderr.
     """
+    from anytime.utils.progress import progress_bar
+
     if repeats < 1 or warmup < 0:
         raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
     if train and getattr(model, "spec", None) is not None:
@@ -167,6 +154,7 @@ def profile_model(
     sync = _sync(target)
     generator = torch.Generator().manual_seed(seed)
     latency: dict[int, BatchLatency] = {}
+    bar = progress_bar(len(sizes) * (warmup + repeats), "profile", enabled=progress, unit="rep")
     try:
         with torch.inference_mode():
             sample = torch.randn(1, *input_shape, generator=generator).to(target)
@@ -177,6 +165,7 @@ def profile_model(
                 x = torch.randn(b, *input_shape, generator=generator).to(target)
                 for i in range(warmup):
                     _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync, clock)
+                    bar.update(1)
                 alone: list[list[float]] = []
                 stages: list[list[float]] = []
                 with paused_gc():
@@ -185,6 +174,7 @@ def profile_model(
                         alone.append(a)
                         if s is not None:
                             stages.append(s)
+                        bar.update(1)
                 mem = _cuda_memory(model, x, num_steps) if target.type == "cuda" else None
                 latency[b] = BatchLatency(
                     b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
@@ -195,6 +185,7 @@ def profile_model(
                 x = torch.randn(b, *input_shape, generator=generator).to(target)
                 latency[b] = replace(latency[b], training=_training(model, x, classes, train_repeats))
     finally:
+        bar.close()
         model.train(was_training)
     if memory is not None and target.type != "cuda":
         for b, figures in memory(sizes).items():

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
-from anytime.profile.steps import is_incremental, run_step, step_count
+from anytime.contract import is_incremental, run_step, step_count
 from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline

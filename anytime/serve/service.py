@@ -119,7 +119,7 @@ class Service:
         do not pay for lazy initialisation (allocators, kernels picked on first call)."""
         import torch
 
-        from anytime.profile.steps import run_step
+        from anytime.contract import run_step
 
         with torch.inference_mode():
             for batch in sorted({1, self.max_batch}):
@@ -193,7 +193,7 @@ class Service:
     def _expired(self, requests: Sequence[Request]) -> list[Answer]:
         import torch
 
-        from anytime.profile.steps import run_step
+        from anytime.contract import run_step
 
         wanted = [r for r in requests if r.cheapest]
         started = self.clock()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anytime.backbones import create_model
+from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.train.config import TrainConfig
 
@@ -117,7 +118,7 @@ def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
     if config.exit_weights is not None:
         return torch.tensor(config.exit_weights, dtype=torch.float32)
     if not isinstance(model, MultiExitModel):
-        return torch.ones(int(getattr(model, "num_steps", 1)))
+        return torch.ones(step_count(model))
     info = model.exit_info
     total = float(model.backbone_flops)  # type: ignore[union-attr]
     return torch.tensor([min(1.0, e.flops / total) for e in info[:-1]] + [1.0], dtype=torch.float32)

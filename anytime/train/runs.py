@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_weights
 from anytime.train.config import TrainConfig
@@ -37,7 +38,7 @@ class LoadedRun:
     @property
     def num_steps(self) -> int:
         """Steps of the model (1 for a plain classifier)."""
-        return int(getattr(self.model, "num_steps", 1))
+        return step_count(self.model)
 
     @property
     def name(self) -> str:
