@@ -88,12 +88,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help: appended where the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default {action.default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (exposed for tests and documentation)."""
     parser = _Parser(
         prog="anytime",
         description="Anytime inference research in PyTorch: train, measure and schedule models on a device.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
         epilog="commands:\n" + "\n".join(f"  {name:<18} {text}" for name, text in COMMANDS.items())
         + "\n\nrun 'anytime COMMAND --help' for a command's options",
     )
@@ -375,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", description=COMMANDS["demo"])
     demo.add_argument("--out", metavar="DIR", help="results folder (default runs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's results in --out")
+    for command in sub.choices.values():
+        command.formatter_class = _Formatter
+        for action in command._actions:  # argparse offers no public list; an option without help shows no default
+            if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                action.help = f"default {action.default}"
     return parser
 
 
@@ -612,7 +627,8 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     from anytime.outputs import cache_path
     from anytime.pipeline import collect_run
 
-    cache = collect_run(args.run, args.split, device=args.device, batch_size=args.batch_size)
+    cache = collect_run(args.run, args.split, device=args.device, batch_size=args.batch_size,
+                        progress=sys.stderr.isatty())
     acc = cache.step_accuracy()
     print(f"collected {cache.num_samples} {args.split} samples x {cache.num_steps} exits -> {cache_path(args.run, args.split)}")
     for k, name in enumerate(cache.step_names):
@@ -772,7 +788,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     profile, path = profile_run(
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
-        device=args.device, train=args.train, memory=not args.no_memory, out=args.out,
+        device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()

@@ -59,8 +59,11 @@ def _check_split(split: str) -> None:
         raise AnytimeError(f"unknown split '{split}'; choose one of {', '.join(SPLITS)}")
 
 
-def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_size: int = 512) -> OutputCache:
-    """Run a trained multi-exit model once over ``split`` and save every exit's logits to ``RUN/outputs/``."""
+def collect_run(
+    run_dir: str | Path, split: str, *, device: str = "cpu", batch_size: int = 512, progress: bool = False
+) -> OutputCache:
+    """Run a trained multi-exit model once over ``split`` and save every exit's logits to ``RUN/outputs/``
+    (a progress bar on stderr with ``progress``)."""
     _check_split(split)
     run = load_run(run_dir, device)
     if run.num_steps < 2:
@@ -78,6 +81,7 @@ def collect_run(run_dir: str | Path, split: str, *, device: str = "cpu", batch_s
         cache = collect(
             model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
             meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.name, "run": str(run.run_dir)},
+            progress=progress,
         )  # fmt: skip
         cache.save(target)
     return cache
@@ -374,6 +378,7 @@ def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
 def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
+    progress: bool = False,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs: no dataset needed) and save it.
@@ -408,7 +413,7 @@ def profile_run(
         profile = profile_model(
             model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
             model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
-            memory=probe if memory else None,
+            memory=probe if memory else None, progress=progress,
         )  # fmt: skip
         path = profile.save(target)
     return profile, path

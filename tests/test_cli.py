@@ -144,3 +144,16 @@ def test_demo_writes_results_and_plots(capsys, tmp_path):
     assert not lowest["choice"]["fits"] and lowest["runtime_accuracy"] > 0.5
     assert demo["deadlines"][-1]["choice"]["fits"] and "deadlines at batch 1" in out
     assert (out_dir / "run" / "plots" / "deadline_accuracy.png").is_file()
+
+
+def test_every_option_with_a_default_shows_it_in_its_help():
+    import argparse
+
+    from anytime.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                assert "default" in command._get_formatter()._get_help_string(action), (name, action.dest)

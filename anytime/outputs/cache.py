@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -142,17 +142,24 @@ def step_costs(model: torch.nn.Module) -> tuple[tuple[str, ...], np.ndarray, np.
 def collect(
     model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, split: str,
     model_fingerprint: str, device: torch.device | str = "cpu", meta: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> OutputCache:  # fmt: skip
     """Run ``model`` once over ``batches`` (normalised images and labels, e.g. an evaluation loader) and
-    cache every step's logits."""
+    cache every step's logits (with a progress bar on stderr if ``progress``)."""
+    from anytime.utils.progress import progress_bar
+
     if split not in SPLITS:
         raise AnytimeError(f"unknown split '{split}'; choose one of {', '.join(SPLITS)}")
     names, step_flops, cost_flops, base = step_costs(model)
     model.eval()
     chunks, targets = [], []
+    bar = progress_bar(len(batches) if isinstance(batches, Sized) else None, f"collect {split}", enabled=progress,
+                       unit="batch")  # fmt: skip
     for images, labels in batches:
         chunks.append(model.forward_all(images.to(device)).float().cpu())  # type: ignore[operator]
         targets.append(labels.cpu())
+        bar.update(1)
+    bar.close()
     if not chunks:
         raise AnytimeError(f"the {split} split is empty; nothing to collect")
     logits = torch.cat(chunks, dim=1).numpy()
