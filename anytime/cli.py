@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace the earlier run in --out (only if the folder holds nothing but that run)")
     train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     exits = train.add_argument_group("early exits")
     exits.add_argument("--exits", metavar="POINTS",
                        help="attach exits: auto (after each stage), sdn (15-90%% of FLOPs), N (exits in all), "
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--split", choices=["val", "test"], default="val")
     collect.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     collect.add_argument("--batch-size", type=_positive_int, default=512, metavar="B")
+    collect.add_argument("--json", action="store_true", help="print what was collected as JSON")
 
     sweep_cmd = sub.add_parser("sweep", description=COMMANDS["sweep"])
     sweep_cmd.add_argument("run", metavar="RUN")
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
     plot.add_argument("run", metavar="RUN")
     plot.add_argument("--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)")
+    plot.add_argument("--json", action="store_true", help="print the figures drawn and the sections skipped as JSON")
 
     profile = sub.add_parser("profile", description=COMMANDS["profile"],
                              usage="anytime profile RUN [options] | anytime profile --compare A.json B.json")
@@ -280,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
     cut.add_argument("--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)")
     cut.add_argument("--overwrite", action="store_true", help="replace an earlier study (or ladder run) in --out")
+    cut.add_argument("--json", action="store_true", help="print the study's files (or the ladder run's summary) as JSON")
 
     quantize = sub.add_parser("quantize", description=COMMANDS["quantize"])
     quantize.add_argument("run", metavar="RUN", help="a finished float run (exits, slices, a ladder or a plain model)")
@@ -298,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     quantize.add_argument("--out", metavar="DIR", help="the new run (default RUN-PRECISION beside RUN)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+    quantize.add_argument("--json", action="store_true", help="print the new run's summary as JSON")
 
     export = sub.add_parser("export", description=COMMANDS["export"])
     export.add_argument("run", metavar="RUN", help="a finished run: float, or converted by 'anytime quantize'")
@@ -312,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
                         help="test images the parity table compares on (default 1000; 0: no table)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    export.add_argument("--json", action="store_true", help="print the manifest and the parity table as JSON")
 
     ensemble = sub.add_parser("ensemble", description=COMMANDS["ensemble"])
     ensemble.add_argument("--members", required=True, metavar="RUN,RUN,...",
@@ -330,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     ensemble.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     ensemble.add_argument("--out", required=True, metavar="DIR", help="the ensemble run (a new or empty folder)")
     ensemble.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+    ensemble.add_argument("--json", action="store_true", help="print the ensemble's report as JSON")
 
     baseline = sub.add_parser("ensemble-baseline", description=COMMANDS["ensemble-baseline"])
     baseline.add_argument("--method", required=True, choices=["fusion", "voting", "bagging", "gradient-boosting", "snapshot"])
@@ -348,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--device", default="cpu", help="cpu | cuda (default cpu; never assumed)")
     baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
+    baseline.add_argument("--json", action="store_true", help="print the baseline's report as JSON")
 
     report = sub.add_parser("report", description=COMMANDS["report"])
     report.add_argument("run", metavar="RUN")
@@ -391,6 +399,27 @@ def build_parser() -> argparse.ArgumentParser:
             if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 action.help = f"default {action.default}"
     return parser
+
+
+def _print_json(value: Any) -> int:
+    """A command's result as JSON on stdout (dataclasses as dicts, paths as strings)."""
+    import dataclasses
+
+    from anytime.utils.io import _json_default
+
+    def default(item: Any) -> Any:
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            return dataclasses.asdict(item)
+        return _json_default(item)
+
+    print(json.dumps(value, indent=2, default=default))
+    return 0
+
+
+def _progress_printer(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where a long command's progress lines go: stdout, or stderr when stdout carries --json."""
+    stream = sys.stderr if getattr(args, "json", False) else sys.stdout
+    return lambda line: print(line, file=stream, flush=True)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -483,6 +512,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         else:
             print("\ninterrupted before the first epoch ended; nothing was kept", file=sys.stderr)
         return 130
+    if args.json and not args.update_card:
+        return _print_json(summary)
     final = summary["final"]
     steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
     print(f"run        {run_dir}")
@@ -630,6 +661,10 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     cache = collect_run(args.run, args.split, device=args.device, batch_size=args.batch_size,
                         progress=sys.stderr.isatty())
     acc = cache.step_accuracy()
+    if args.json:
+        return _print_json({"cache": cache_path(args.run, args.split), "split": args.split, "samples": cache.num_samples,
+                            "steps": [{"index": k, "name": n, "flops": int(cache.step_flops[k]), "accuracy": float(acc[k])}
+                                      for k, n in enumerate(cache.step_names)]})  # fmt: skip
     print(f"collected {cache.num_samples} {args.split} samples x {cache.num_steps} exits -> {cache_path(args.run, args.split)}")
     for k, name in enumerate(cache.step_names):
         print(f"  exit {k} {name:<16} {100 * cache.step_flops[k] / cache.base_flops:5.1f}% FLOPs  accuracy {100 * acc[k]:.2f}%")
@@ -732,6 +767,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from anytime.pipeline import plot_run
 
     report = plot_run(args.run, profile=args.profile)
+    if args.json:
+        return _print_json(report)
     for path in report.paths:
         print(path)
     for reason in report.skipped:
@@ -908,6 +945,8 @@ def _cmd_cut(args: argparse.Namespace) -> int:
             raise AnytimeError(f"{', '.join(study_only)} set the study; the ladder run skips branches from the top and "
                                "is scored on validation and test in full (collect and profile it next)")
         summary = make_ladder_run(args.run, args.out, device=args.device, overwrite=args.overwrite)
+        if args.json:
+            return _print_json(summary)
         print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
         for e in summary["exits"]:
             print(f"step {e['index']:<3} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
@@ -918,8 +957,10 @@ def _cmd_cut(args: argparse.Namespace) -> int:
     study = cut_study(
         args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
         split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device, out=args.out,
-        overwrite=args.overwrite, progress=lambda line: print(line, flush=True),
+        overwrite=args.overwrite, progress=_progress_printer(args),
     )  # fmt: skip
+    if args.json:
+        return _print_json(study)
     print(f"table  {study.csv}")
     print(f"report {study.json}")
     for path in study.plots:
@@ -932,7 +973,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
                            compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
-                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=lambda line: print(line, flush=True))  # fmt: skip
+                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=_progress_printer(args))  # fmt: skip
+    if args.json:
+        return _print_json(summary)
     record = summary["precision"]
     print(f"run        {summary['run_dir']}: {args.run} at {record['precision']} ({record['backend']}, "
           f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
@@ -958,7 +1001,9 @@ def _cmd_ensemble(args: argparse.Namespace) -> int:
     members = [m for m in args.members.split(",") if m.strip()]
     report = build_ensemble(members, args.out, order=args.order, fuser=args.fuser, folds=args.folds,
                             fit_split=args.fit_split, settings=FitSettings(hidden=args.hidden), device=args.device,
-                            overwrite=args.overwrite, progress=lambda line: print(line, flush=True))  # fmt: skip
+                            overwrite=args.overwrite, progress=_progress_printer(args))  # fmt: skip
+    if args.json:
+        return _print_json(report)
     print(f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} fuser")
     print(f"{'#':<3} {'member':<20} {'precision':<9} {'val':>7} {'test':>7} {'ms (b1)':>8}  run")
     for k, m in enumerate(report.members):
@@ -984,7 +1029,9 @@ def _cmd_ensemble_baseline(args: argparse.Namespace) -> int:
     config = TrainConfig(model=args.model, data=args.data, data_root=args.data_root, limit_train=args.limit_train,
                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)  # fmt: skip
     report = train_baseline(args.method, config, estimators=args.estimators, out=args.out, shrinkage=args.shrinkage,
-                            overwrite=args.overwrite, progress=lambda line: print(line, flush=True))  # fmt: skip
+                            overwrite=args.overwrite, progress=_progress_printer(args))  # fmt: skip
+    if args.json:
+        return _print_json(report)
     print(f"run    {report.out}: {args.method}, {report.estimators} x {report.model}, {report.epochs} epochs")
     print("method | test accuracy | training time | evaluation time")
     print(f"{args.method} | {100 * report.test_acc:.2f}% | {report.train_time_s:.2f} s | {report.eval_time_s:.2f} s")
@@ -999,6 +1046,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
                         calibration_images=args.calibration_images, parity_images=args.parity_images)  # fmt: skip
+    if args.json:
+        return _print_json(report)
     manifest = report.manifest
     print(f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
           f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else ""))

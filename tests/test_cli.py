@@ -157,3 +157,24 @@ def test_every_option_with_a_default_shows_it_in_its_help():
         for action in command._actions:
             if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 assert "default" in command._get_formatter()._get_help_string(action), (name, action.dest)
+
+
+def test_every_reporting_command_speaks_json(exit_run, tmp_path, capsys):
+    import argparse
+    import shutil
+
+    from anytime.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    quiet = {"serve", "experiment", "demo", "schedule"}  # a server, studies whose results are files, JSON always
+    for name, command in commands.items():
+        assert name in quiet or any("--json" in a.option_strings for a in command._actions), name
+    run = tmp_path / "run"
+    shutil.copytree(exit_run, run)
+    assert main(["collect", str(run), "--json"]) == 0
+    collected = json.loads(capsys.readouterr().out)
+    assert collected["split"] == "val" and len(collected["steps"]) == 3 and collected["samples"] > 0
+    assert main(["plot", str(run), "--json"]) == 0
+    drawn = json.loads(capsys.readouterr().out)
+    assert any(p.endswith("pareto.pdf") for p in drawn["paths"]) and any("calibrat" in s for s in drawn["skipped"])
