@@ -67,6 +67,8 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
+# One --device everywhere: int8 quantization, which runs on the CPU only, takes auto as the CPU.
+DEVICE_HELP = "auto (a CUDA GPU if torch sees one, else the CPU) | cpu | cuda[:N] (default auto)"
 _CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin")
 _non_negative_int = _int_at_least(0)
 
@@ -135,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weight-decay", type=_finite_float, metavar="WD", help="default 5e-4")
     train.add_argument("--schedule", choices=["constant", "cosine", "step"], help="lr schedule (default cosine)")
     train.add_argument("--seed", type=_non_negative_int, metavar="S")
-    train.add_argument("--device", help="auto | cpu | cuda (default auto)")
+    train.add_argument("--device", help=DEVICE_HELP)
     train.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader worker processes")
     train.add_argument("--prefetch-factor", type=_positive_int, metavar="N", help="batches prefetched per worker")
     train.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
@@ -190,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect = sub.add_parser("collect", description=COMMANDS["collect"])
     collect.add_argument("run", metavar="RUN", help="a run directory written by 'anytime train --exits ...'")
     collect.add_argument("--split", choices=["val", "test"], default="val")
-    collect.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    collect.add_argument("--device", default="auto", help=DEVICE_HELP)
     collect.add_argument("--batch-size", type=_positive_int, default=512, metavar="B")
     collect.add_argument("--json", action="store_true", help="print what was collected as JSON")
 
@@ -221,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run", metavar="RUN")
     evaluate.add_argument("--calibration", metavar="FILE", help="default RUN/calibration.json")
     evaluate.add_argument("--split", choices=["val", "test"], default="test")
-    evaluate.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
     evaluate.add_argument("--latency-samples", type=_non_negative_int, default=1000, metavar="N",
                           help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
     evaluate.add_argument("--json", action="store_true", help="print the whole report as JSON")
@@ -238,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=_positive_int, default=200, metavar="N",
                          help="timed repetitions per batch size (default 200; a p99 needs at least 100)")
     profile.add_argument("--warmup", type=_non_negative_int, default=10, metavar="N", help="untimed repetitions first")
-    profile.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    profile.add_argument("--device", default="auto", help=DEVICE_HELP)
     profile.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads (default: torch's)")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -278,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     cut.add_argument("--split", choices=["val", "test"], help="where the study scores each cut (default test)")
     cut.add_argument("--images", type=_positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)")
     cut.add_argument("--repeats", type=_positive_int, metavar="N", help="batch-1 timings per configuration (default 30)")
-    cut.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    cut.add_argument("--device", default="auto", help=DEVICE_HELP)
     cut.add_argument("--ladder", action="store_true",
                      help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
     cut.add_argument("--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)")
@@ -299,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="QAT's initial learning rate (SGD, cosine; default 0.001)")
     quantize.add_argument("--no-compile", action="store_true",
                           help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
-    quantize.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    quantize.add_argument("--device", default="auto", help=DEVICE_HELP)
     quantize.add_argument("--out", metavar="DIR", help="the new run (default RUN-PRECISION beside RUN)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     quantize.add_argument("--json", action="store_true", help="print the new run's summary as JSON")
@@ -333,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     ensemble.add_argument("--fit-split", default="val", metavar="SPLIT",
                           help="where fusers are fit: the validation split, held out of every member (the only choice)")
     ensemble.add_argument("--hidden", type=_positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)")
-    ensemble.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    ensemble.add_argument("--device", default="auto", help=DEVICE_HELP)
     ensemble.add_argument("--out", required=True, metavar="DIR", help="the ensemble run (a new or empty folder)")
     ensemble.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     ensemble.add_argument("--json", action="store_true", help="print the ensemble's report as JSON")
@@ -352,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--seed", type=_non_negative_int, default=0, metavar="S")
     baseline.add_argument("--shrinkage", type=_finite_float, default=1.0, metavar="R",
                           help="gradient boosting's shrinkage rate (default 1)")
-    baseline.add_argument("--device", default="cpu", help="cpu | cuda (default cpu; never assumed)")
+    baseline.add_argument("--device", default="auto", help=DEVICE_HELP + " (never torchensemble's own cuda=True)")
     baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     baseline.add_argument("--json", action="store_true", help="print the baseline's report as JSON")
@@ -376,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="server processes, each with its own model and queue (default 1)")
     serve.add_argument("--threads", type=_positive_int, metavar="N",
                        help="torch CPU threads per process (default: torch's; with --workers, cores / workers)")
+    serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
                        help="the latency quantile a step must fit at before it starts (default 0.99)")
     serve.add_argument("--max-body-kb", type=_positive_int, default=1024, metavar="KB",
@@ -920,7 +923,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from anytime.serve.http import ServeOptions, serve
 
     options = ServeOptions(run=args.run, profile=args.profile, calibration=args.calibration, max_batch=args.max_batch,
-                           max_body_kb=args.max_body_kb, quantile=args.quantile, threads=args.threads)  # fmt: skip
+                           max_body_kb=args.max_body_kb, quantile=args.quantile, threads=args.threads,
+                           device=args.device)  # fmt: skip
     try:
         serve(options, host=args.host, port=args.port, workers=args.workers,
               on_ready=lambda url: print(f"serving {args.run} on {url} (POST /predict, GET /schedule, /healthz, "

@@ -125,7 +125,8 @@ def quantize_run(
     if ensemble_record(parent) is not None or baseline_record(parent) is not None:
         raise AnytimeError(f"{parent} is an ensemble; quantize its members (anytime quantize MEMBER) and build an "
                            "ensemble of the quantized runs")  # fmt: skip
-    target_device = resolve_device(device)
+    # static int8 (PT2E, x86) runs on the CPU only: there "auto" can only mean the CPU
+    target_device = resolve_device("cpu" if device == "auto" and precision == "int8" else device)
     backend_for(precision, target_device)  # refuses a precision this device cannot run, before any work
     if calibration_images < 1:
         raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")

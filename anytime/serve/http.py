@@ -39,6 +39,7 @@ class ServeOptions:
     max_body_kb: int = 1024
     quantile: float = 0.99
     threads: int | None = None
+    device: str = "auto"
 
 
 def _multipart_fields(body: bytes, content_type: str) -> dict[str, bytes]:
@@ -161,7 +162,8 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
         torch.set_num_threads(options.threads)
     if options.max_body_kb < 1:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
-    runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile)
+    runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile,
+                                 device=options.device)  # fmt: skip
     spec = InputSpec.from_dataset(run.dataset)
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip

@@ -172,15 +172,19 @@ class Service:
         self.metrics.set_drift(self.runner.drift.level())
         return out
 
+    def _batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        import torch
+
+        device = next((p.device for p in self.runner.model.parameters()), torch.device("cpu"))
+        return torch.stack([r.image for r in requests]).to(device)
+
     def _left_ms(self, request: Request) -> float:
         return request.deadline_ms - 1000.0 * (self.clock() - request.arrived)
 
     def _run(self, requests: Sequence[Request]) -> list[Answer]:
-        import torch
-
         started = self.clock()
         budget = min(self._left_ms(r) for r in requests)
-        prediction = self.runner.predict(torch.stack([r.image for r in requests]), max(budget, 1e-6))
+        prediction = self.runner.predict(self._batch(requests), max(budget, 1e-6))
         done = self.clock()
         exits = prediction.exits.tolist()
         labels = prediction.predictions.tolist()
@@ -200,7 +204,7 @@ class Service:
         labels: dict[int, int] = {}
         if wanted:
             with torch.inference_mode():
-                logits = run_step(self.runner.model, torch.stack([r.image for r in wanted]), 0)
+                logits = run_step(self.runner.model, self._batch(wanted), 0)
             labels = {id(r): int(c) for r, c in zip(wanted, logits.argmax(dim=1).tolist())}
         done = self.clock()
         return [self._answer(r, labels.get(id(r)), 0 if id(r) in labels else None, "expired", started,
