@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -24,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from anytime.backbones import create_model
+from anytime.data import make_loader
 from anytime.data.augment import normalize, random_crop_flip
 from anytime.data.base import DatasetInfo, Split
 from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
@@ -33,10 +33,10 @@ from anytime.train.checkpoint import save_weights
 from anytime.train.config import TrainConfig
 from anytime.train.records import WEIGHTS
 from anytime.train.trainer import evaluate_exits, load_splits
-from anytime.data import make_loader
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
+from anytime.utils.timer import monotonic
 
 METHODS: dict[str, str] = {
     "fusion": "FusionClassifier", "voting": "VotingClassifier", "bagging": "BaggingClassifier",
@@ -160,17 +160,17 @@ def train_baseline(
     fit: dict[str, Any] = {"epochs": config.epochs, "save_model": False, "log_interval": 10**9}
     if method == "gradient-boosting":  # its default sums the residual loss over the batch: divergent at usual lrs
         fit["use_reduction_sum"] = False
-    start = time.perf_counter()
+    start = monotonic()
     with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per estimator and epoch; a library is quiet
         ensemble.fit(loader, **fit)
-    train_time = time.perf_counter() - start
+    train_time = monotonic() - start
     if not all(torch.isfinite(p).all() for p in ensemble.parameters()):
         raise AnytimeError(f"the {method} ensemble diverged (its weights hold NaN or infinity) at learning rate "
                            f"{config.lr}; train it again with a lower --lr")  # fmt: skip
-    start = time.perf_counter()
+    start = monotonic()
     with torch.no_grad():
         test_acc = float(ensemble.evaluate(test_loader)) / 100
-    eval_time = time.perf_counter() - start
+    eval_time = monotonic() - start
     members = [e.net for e in ensemble.estimators_]
     kind, scale = fuser_of(method, shrinkage)
     flops = float_flops(members[0].eval(), (info.in_channels, *info.image_size), 1)[-1]

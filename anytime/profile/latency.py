@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from anytime.utils.timer import Clock, monotonic
 
 
 def _sync(device: torch.device) -> None:
@@ -34,7 +35,8 @@ def paused_gc() -> Iterator[None]:
 
 @torch.inference_mode()
 def per_sample_latency(
-    functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor, *, warmup: int = 10, batch_size: int = 1
+    functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor, *, warmup: int = 10, batch_size: int = 1,
+    clock: Clock = monotonic,
 ) -> dict[str, np.ndarray]:
     """Seconds each function takes on every batch of ``batch_size`` samples of ``inputs``.
 
@@ -55,8 +57,8 @@ def per_sample_latency(
             # The order alternates (A, B, then B, A): whichever runs second on a batch finds the caches in the
             # state the first left, which measurably favours or penalises it on a small machine.
             for name in names if i % 2 == 0 else names[::-1]:
-                start = time.perf_counter()
+                start = clock()
                 functions[name](x)
                 _sync(device)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: np.asarray(values) for name, values in times.items()}

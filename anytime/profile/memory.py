@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from anytime.train.memory import TreeMemorySampler, current_rss_bytes, peak_rss_bytes
+from anytime.utils.timer import monotonic
 
 MIB = 2**20
 
@@ -73,12 +73,12 @@ def loader_memory(
         raise ValueError(f"unknown pipeline {pipeline!r}")
     images = 0
     with TreeMemorySampler(interval_s=0.02) as sampler:
-        start = time.perf_counter()
+        start = monotonic()
         for i, (x, _) in enumerate(loader):
             images += x.shape[0]
             if i + 1 >= batches:
                 break
-        elapsed = time.perf_counter() - start
+        elapsed = monotonic() - start
     return {
         "pipeline": pipeline,
         "workers": workers,
@@ -122,8 +122,8 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     ``ru_maxrss`` is read, which also counts loading. ``activations_mb`` is the peak above the RSS with the
     model and the input loaded.
     """
-    from anytime.precision.export import MANIFEST, load_export
     from anytime.contract import run_step, step_count
+    from anytime.precision.export import MANIFEST, load_export
     from anytime.train.runs import load_run
 
     if threads is not None:

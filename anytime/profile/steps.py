@@ -7,7 +7,6 @@ A plain ``nn.Module`` is profiled as a single step.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -23,6 +22,7 @@ from anytime.errors import AnytimeError
 from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
+from anytime.utils.timer import Clock, monotonic
 from anytime.utils.machine import describe_machine, device_label
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 8, 16, 32)
@@ -123,7 +123,7 @@ def profile_model(
     repeats: int = 200, warmup: int = 10, device: str | torch.device = "cpu", model_name: str = "model",
     fingerprint: str | None = None, num_classes: int | None = None, train: bool = False, train_repeats: int = 10,
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter, progress: bool = False,
+    clock: Clock = monotonic, progress: bool = False,
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
@@ -197,7 +197,7 @@ def profile_model(
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model),
-                  "inputs": "random normal", "timer": "time.perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
+                  "inputs": "random normal", "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )  # fmt: skip
 

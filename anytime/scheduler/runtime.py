@@ -10,8 +10,7 @@ up front by the scheduler.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline
 from anytime.scheduler.online import DriftEstimator
+from anytime.utils.timer import Clock, monotonic
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class AnytimeRunner:
     chosen by ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits
     (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
     the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
-    ``clock`` (seconds, monotonic; default ``time.perf_counter``) is what every deadline is measured with: tests
+    ``clock`` (seconds, monotonic; default :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests
     inject a fake one.
     """
 
@@ -67,7 +67,7 @@ class AnytimeRunner:
         self, model: nn.Module, profile: DeviceProfile, policy: ExitPolicy | None = None, *, quantile: float = 0.99,
         adapt: bool = True, margin_ms: float = 0.0, window: int = 200, min_observations: int = 20,
         scheduler: DeadlineScheduler | None = None, step_accuracy: Sequence[float] | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Clock = monotonic,
     ) -> None:  # fmt: skip
         num_steps = step_count(model)
         profile.check_model(None, num_steps, where="the profile")

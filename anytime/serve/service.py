@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError
+from anytime.utils.timer import Clock, monotonic
 from anytime.serve.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Service:
 
     def __init__(
         self, runner: AnytimeRunner, *, step_names: Sequence[str], class_names: Sequence[str] | None = None,
-        max_batch: int | None = None, max_queue: int = 1024, clock: Callable[[], float] = time.perf_counter,
+        max_batch: int | None = None, max_queue: int = 1024, clock: Clock = monotonic,
     ) -> None:  # fmt: skip
         largest = max(runner.profile.batch_sizes)
         max_batch = min(8, largest) if max_batch is None else max_batch

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from anytime.utils.timer import Clock as TimerClock
+from anytime.utils.timer import monotonic
+
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "step")
 
 
 class Clock:
-    """``perf_counter`` that first waits for queued CUDA work, so a phase is charged its own kernels."""
+    """The package's timer (or ``clock``) read after waiting for queued CUDA work, so a phase is charged its own
+    kernels."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, clock: TimerClock = monotonic) -> None:
         self._cuda = device if device.type == "cuda" else None
+        self._clock = clock
 
     def now(self) -> float:
         if self._cuda is not None:
             torch.cuda.synchronize(self._cuda)
-        return time.perf_counter()
+        return self._clock()
 
 
 @dataclass
