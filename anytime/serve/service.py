@@ -157,8 +157,9 @@ class Service:
 
     def answer_now(self, requests: Sequence[Request]) -> list[Answer]:
         """Answer ``requests`` as one batch, now, on the calling thread (the worker's step; tests call it)."""
-        live = [r for r in requests if self._left_ms(r) > 0]
-        expired = [r for r in requests if self._left_ms(r) <= 0]
+        gone = [self._left_ms(r) <= 0 for r in requests]  # read once: a request is live or expired, never both
+        live = [r for r, g in zip(requests, gone) if not g]
+        expired = [r for r, g in zip(requests, gone) if g]
         answers: dict[int, Answer] = {}
         if expired:
             for r, a in zip(expired, self._expired(expired)):
