@@ -36,7 +36,7 @@ from anytime.scheduler.query import (
     CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, run_fingerprint, run_options, scheduler_for_run,
 )  # fmt: skip
 from anytime.train import load_splits
-from anytime.train.records import run_title
+from anytime.train.records import run_title, step_labels
 from anytime.train.runs import LoadedRun, load_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -333,7 +333,8 @@ def plot_run(
             skipped.append(f"deadline plots: {exc}")
     results = {name: sweep(val, name, settings=settings) for name in list(criteria or CRITERIA)}
     with output_lock(folder), staged_files(folder) as work:
-        names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler)
+        labels = list(step_labels(run_dir, val.step_names))
+        names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler, labels)
     for stem, drawn in (("exit_histogram", report is not None), ("exit_accuracy", bool(rows)),
                         ("deadline_accuracy", scheduler is not None), ("latency", scheduler is not None)):  # fmt: skip
         if not drawn:  # an earlier figure of a section not drawn now would be mistaken for a current one
@@ -344,7 +345,7 @@ def plot_run(
 
 def _draw_run(
     title: str, work: Path, val: OutputCache, results: dict[str, SweepResult], report: dict[str, Any] | None,
-    rows: list[dict[str, str]], scheduler: DeadlineScheduler | None,
+    rows: list[dict[str, str]], scheduler: DeadlineScheduler | None, labels: list[str],
 ) -> list[str]:  # fmt: skip
     from anytime.plotting import (
         plot_deadline_accuracy,
@@ -355,12 +356,12 @@ def _draw_run(
         plot_threshold_curves,
     )
 
-    paths = plot_exit_pareto(results, val, oracle(val), work / "pareto", title)
+    paths = plot_exit_pareto(results, val, oracle(val), work / "pareto", title, labels)
     paths += plot_threshold_curves(results, work / "threshold", title)
     if report is not None:
-        paths += plot_exit_histogram(report, list(val.step_names), work / "exit_histogram", title)
+        paths += plot_exit_histogram(report, labels, work / "exit_histogram", title)
     if rows:
-        paths += plot_exit_accuracy_epochs(rows, list(val.step_names), work / "exit_accuracy", title)
+        paths += plot_exit_accuracy_epochs(rows, labels, work / "exit_accuracy", title)
     if scheduler is not None:
         quantile = scheduler.profile.highest_quantile()
         batch = min(scheduler.profile.batch_sizes)

@@ -18,18 +18,24 @@ if TYPE_CHECKING:
 
 
 def plot_exit_pareto(
-    results: Mapping[str, SweepResult], cache: OutputCache, best: Oracle, stem: str | os.PathLike[str], title: str
+    results: Mapping[str, SweepResult], cache: OutputCache, best: Oracle, stem: str | os.PathLike[str], title: str,
+    names: Sequence[str] | None = None,
 ) -> list[Path]:
-    """Accuracy vs mean FLOPs per sample: the Pareto front of each criterion, every exit on its own, the oracle."""
+    """Accuracy vs mean FLOPs per sample: the Pareto front of each criterion, every exit on its own (labelled with
+    ``names``, default the cache's), the oracle."""
     fig = Figure(figsize=(7, 4.8))
     ax = fig.subplots()
-    for name, result in results.items():
+    # Criteria that rank samples alike (entropy and normalised entropy) give the same front: each gets its own
+    # dash pattern and a thinner line than the one before, so that coinciding curves all stay visible.
+    styles = ("-", "--", ":", "-.")
+    for i, (name, result) in enumerate(results.items()):
         front = result.pareto()
-        ax.plot(result.flops_ratio[front], 100 * result.accuracy[front], marker=".", label=f"{name} (Pareto front)")
+        ax.plot(result.flops_ratio[front], 100 * result.accuracy[front], ls=styles[i % len(styles)],
+                lw=max(3.0 - 0.7 * i, 0.8), label=f"{name} (Pareto front)")  # fmt: skip
     ratio = cache.step_flops / cache.base_flops
     acc = 100 * cache.step_accuracy()
     ax.scatter(ratio, acc, marker="s", color="black", zorder=3, label="each exit alone")
-    for k, name in enumerate(cache.step_names):
+    for k, name in enumerate(names or cache.step_names):
         ax.annotate(name, (ratio[k], acc[k]), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.scatter([best.flops_ratio], [100 * best.accuracy], marker="*", s=150, color="#C44E52", zorder=4,
                label="oracle (first correct exit)")  # fmt: skip
@@ -85,7 +91,7 @@ def plot_exit_accuracy_epochs(
     ax = fig.subplots()
     epochs = [int(r["epoch"]) + 1 for r in rows]
     for k, name in enumerate(names):
-        ax.plot(epochs, [100 * float(r[f"val_acc_exit{k}"]) for r in rows], marker=".", label=f"exit {k}: {name}")
+        ax.plot(epochs, [100 * float(r[f"val_acc_exit{k}"]) for r in rows], marker=".", label=name)
     ax.set(xlabel="epoch", ylabel="validation accuracy (%)", title=f"{title}: accuracy of each exit")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

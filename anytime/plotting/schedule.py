@@ -33,17 +33,20 @@ def plot_deadline_accuracy(
     ax = fig.subplots()
     ax.step(deadlines, accuracy, where="post", color="#4C72B0", label=f"scheduler's choice (p{100 * quantile:g} fits)")
     profile = scheduler.profile
+    on_front = {option.name for option, _ in frontier}
     for k, name in enumerate(profile.step_names):
         latency = profile.step_quantile(k, quantile, batch_size)
         ax.axvline(latency, color="grey", lw=0.8, ls=":")
-        ax.annotate(name, (latency, ax.get_ylim()[0]), rotation=90, fontsize=7, xytext=(2, 4), textcoords="offset points")
+        if name not in on_front:  # a frontier point carries its own label; name only the steps off it
+            ax.annotate(name, (latency, ax.get_ylim()[0]), rotation=90, fontsize=7, xytext=(2, 4),
+                        textcoords="offset points")  # fmt: skip
     for option, latency in frontier:
         ax.scatter([latency], [100 * option.accuracy], color="#C44E52" if option.kind == "policy" else "black", zorder=3)
         ax.annotate(option.name, (latency, 100 * option.accuracy), fontsize=7, xytext=(4, -10), textcoords="offset points")
     ax.set(xlabel="deadline (ms)", ylabel="validation accuracy (%)",
            title=f"{title}: accuracy vs deadline, batch {batch_size} on {profile.device.get('label')}")  # fmt: skip
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     return save_figure(fig, stem)
 
 

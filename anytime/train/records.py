@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,13 @@ def run_title(run_dir: str | Path) -> str:
         return Path(run_dir).name
     converted = precision_record(run_dir)
     return f"{model}{' ' + converted['precision'] if converted else ''} on {data}"
+
+
+def step_labels(run_dir: str | Path, names: Sequence[str]) -> tuple[str, ...]:
+    """The names figures and tables give a run's steps, the ones its profile uses: ``exit0``, ``exit1``... for early
+    exits (whose own names are points in the backbone, ``stages.0.1``), the family's names otherwise."""
+    try:
+        exits = bool(json.loads((Path(run_dir) / "config.json").read_text())["train"].get("exits"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        exits = False
+    return tuple(f"exit{k}" for k in range(len(names))) if exits else tuple(names)
