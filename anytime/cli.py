@@ -691,7 +691,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
           f"({o['flops_speedup']:.2f}x fewer)")  # fmt: skip
     for name, result in report.results.items():
         front = result.pareto()
-        print(f"{name}: {len(front)} Pareto points; e.g.")
+        print(f"{name}: {len(front)} Pareto points, area under the curve {100 * result.area():.2f}% (mean best "
+              "accuracy over FLOPs budgets); e.g.")  # fmt: skip
         last = report.steps[-1][f"{args.split}_acc"]
         for drop in (0.0, 0.01, 0.02, 0.05):
             ok = [i for i in front if result.accuracy[i] >= last - drop]

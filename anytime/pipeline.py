@@ -98,12 +98,20 @@ def _cache(run_dir: str | Path, split: str) -> OutputCache:
 
 def _steps_table(caches: dict[str, OutputCache | None]) -> list[dict[str, Any]]:
     """Every step alone: its FLOPs and its accuracy on each split given (None where not collected)."""
+    from anytime.utils.stats import wilson
+
     first = next(c for c in caches.values() if c is not None)
     accuracy = {split: None if c is None else c.step_accuracy() for split, c in caches.items()}
+    sizes = {split: 0 if c is None else c.num_samples for split, c in caches.items()}
+
+    def interval(split: str, acc: Any, k: int) -> list[float] | None:
+        return None if acc is None else list(wilson(round(float(acc[k]) * sizes[split]), sizes[split]))
+
     return [
         {"step": k, "name": name, "flops": int(first.step_flops[k]),
          "flops_ratio": float(first.step_flops[k] / first.base_flops),
-         **{f"{split}_acc": None if acc is None else float(acc[k]) for split, acc in accuracy.items()}}
+         **{f"{split}_acc": None if acc is None else float(acc[k]) for split, acc in accuracy.items()},
+         **{f"{split}_acc_ci95": interval(split, acc, k) for split, acc in accuracy.items()}}
         for k, name in enumerate(first.step_names)
     ]  # fmt: skip
 
@@ -148,7 +156,8 @@ def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], setting
         fronts[name] = result.rows(result.pareto())
     steps = _steps_table({split: cache})
     report = {"split": split, "settings": settings, "base_flops": cache.base_flops, "steps": steps,
-              "oracle": _oracle_dict(cache), "pareto": fronts}  # fmt: skip
+              "oracle": _oracle_dict(cache), "pareto": fronts,
+              "area_under_curve": {name: result.area() for name, result in results.items()}}  # fmt: skip
     csv_path = write_csv(Path(run_dir) / f"sweep-{split}.csv", rows)
     json_path = write_json(Path(run_dir) / f"sweep-{split}.json", report)
     return SweepReport(split, results, report["oracle"], steps, csv_path, json_path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import math
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 from anytime.errors import AnytimeError
 from anytime.train.records import ensemble_record, precision_record, require_run, run_title
 from anytime.utils.io import write_text
+from anytime.utils.stats import wilson
 
 REPORT = "report.html"
 SECTIONS = ("recipe", "training", "steps", "pareto", "calibration", "exits", "latency", "deadlines", "precision",
@@ -41,16 +41,6 @@ class ReportResult:
 
     path: Path
     missing: tuple[str, ...]
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion (95% by default)."""
-    if n <= 0:
-        return (0.0, 1.0)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def expected_calibration_error(probabilities: Any, labels: Any, bins: int = 15) -> float:

@@ -119,6 +119,13 @@ class SweepResult:
                 best = self.accuracy[i]
         return np.asarray(front, dtype=np.int64)
 
+    def area(self) -> float:
+        """The area under this criterion's accuracy-vs-FLOPs curve (:func:`anytime.utils.stats.area_under_front`:
+        the mean best accuracy over FLOPs budgets from the cheapest setting's to the backbone's)."""
+        from anytime.utils.stats import area_under_front
+
+        return area_under_front(self.flops_ratio, self.accuracy)
+
     def rows(self, indices: np.ndarray | None = None) -> list[dict[str, float | None]]:
         """One dict per setting (for CSV and JSON): thresholds (None: nobody leaves there), accuracy, FLOPs,
         ratio and exit shares."""

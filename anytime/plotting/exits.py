@@ -31,10 +31,15 @@ def plot_exit_pareto(
     for i, (name, result) in enumerate(results.items()):
         front = result.pareto()
         ax.plot(result.flops_ratio[front], 100 * result.accuracy[front], ls=styles[i % len(styles)],
-                lw=max(3.0 - 0.7 * i, 0.8), label=f"{name} (Pareto front)")  # fmt: skip
+                lw=max(3.0 - 0.7 * i, 0.8), label=f"{name} (Pareto front, area {100 * result.area():.1f}%)")  # fmt: skip
+    from anytime.utils.stats import wilson
+
     ratio = cache.step_flops / cache.base_flops
     acc = 100 * cache.step_accuracy()
-    ax.scatter(ratio, acc, marker="s", color="black", zorder=3, label="each exit alone")
+    n = cache.num_samples
+    bounds = np.array([wilson(round(a / 100 * n), n) for a in acc]) * 100
+    ax.errorbar(ratio, acc, yerr=[acc - bounds[:, 0], bounds[:, 1] - acc], fmt="s", color="black", capsize=3,
+                zorder=3, label="each exit alone (95% Wilson interval)")  # fmt: skip
     for k, name in enumerate(names or cache.step_names):
         ax.annotate(name, (ratio[k], acc[k]), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax.scatter([best.flops_ratio], [100 * best.accuracy], marker="*", s=150, color="#C44E52", zorder=4,

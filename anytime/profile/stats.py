@@ -22,7 +22,11 @@ def quantile_of(samples: np.ndarray, q: float, weights: np.ndarray | None = None
 
 
 def latency_summary(seconds: np.ndarray) -> dict[str, float]:
-    """Mean, std, p50, p90, p99 (milliseconds, quantiles as :func:`quantile_of`) and count of a latency sample."""
+    """Mean, std, p50, p90, p99 (milliseconds, quantiles as :func:`quantile_of`), count, and 95% bootstrap
+    intervals of the p50 and p99 of a latency sample."""
+    from anytime.utils.stats import bootstrap_quantile
+
     ms = 1000 * np.asarray(seconds, dtype=np.float64)
     return {"mean_ms": float(ms.mean()), "std_ms": float(ms.std()), "p50_ms": quantile_of(ms, 0.5),
-            "p90_ms": quantile_of(ms, 0.9), "p99_ms": quantile_of(ms, 0.99), "count": int(ms.size)}  # fmt: skip
+            "p90_ms": quantile_of(ms, 0.9), "p99_ms": quantile_of(ms, 0.99), "count": int(ms.size),
+            "p50_ci95_ms": list(bootstrap_quantile(ms, 0.5)), "p99_ci95_ms": list(bootstrap_quantile(ms, 0.99))}  # fmt: skip

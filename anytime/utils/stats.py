@@ -1,0 +1,48 @@
+"""Uncertainty and summary numbers on numpy alone: a proportion's Wilson interval, a quantile's bootstrap interval,
+and the area under an accuracy-vs-cost curve."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% by default); ``(0, 1)`` when there is no sample."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def bootstrap_quantile(
+    samples: np.ndarray, q: float, *, resamples: int = 1000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile-bootstrap interval of the ``q`` quantile of ``samples`` (seeded, so a profile reads the same
+    twice). Quantiles as :func:`anytime.profile.stats.quantile_of`: the inverted empirical CDF."""
+    values = np.asarray(samples, dtype=np.float64)
+    if values.size == 0:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    index = min(values.size - 1, max(0, math.ceil(q * values.size - 1e-9) - 1))
+    draws = values[rng.integers(0, values.size, size=(resamples, values.size))]
+    estimates = np.partition(draws, index, axis=1)[:, index]
+    tail = (1 - level) / 2
+    return (float(np.quantile(estimates, tail)), float(np.quantile(estimates, 1 - tail)))
+
+
+def area_under_front(cost: np.ndarray, accuracy: np.ndarray, *, high: float = 1.0) -> float:
+    """The mean best accuracy over cost budgets from the cheapest point's cost to ``high``: for each budget, the most
+    accurate point that costs no more (a step curve), integrated and divided by the budgets' range. One number per
+    curve (1 would be perfect accuracy at every budget); 0 when the range is empty."""
+    order = np.argsort(cost, kind="stable")
+    c = np.asarray(cost, dtype=np.float64)[order]
+    best = np.maximum.accumulate(np.asarray(accuracy, dtype=np.float64)[order])
+    low = float(c[0])
+    if high <= low:
+        return 0.0
+    edges = np.append(np.clip(c, low, high), high)
+    return float(np.sum(best * np.diff(edges)) / (high - low))

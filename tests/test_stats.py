@@ -1,0 +1,38 @@
+"""Uncertainty and summary numbers (anytime.utils.stats) on cases whose answers are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anytime.profile.stats import latency_summary, quantile_of
+from anytime.utils.stats import area_under_front, bootstrap_quantile, wilson
+
+
+def test_wilson_matches_the_textbook_interval():
+    lo, hi = wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+    assert wilson(9000, 10000)[1] - wilson(9000, 10000)[0] < wilson(90, 100)[1] - wilson(90, 100)[0]
+
+
+def test_bootstrap_intervals_are_seeded_and_hold_the_estimate():
+    samples = np.random.default_rng(1).lognormal(0.0, 0.3, 500)
+    for q in (0.5, 0.99):
+        lo, hi = bootstrap_quantile(samples, q)
+        assert lo <= quantile_of(samples, q) <= hi and lo < hi
+        assert bootstrap_quantile(samples, q) == (lo, hi)  # the same profile reads the same twice
+    constant = np.full(50, 2.0)
+    assert bootstrap_quantile(constant, 0.99) == (2.0, 2.0)
+    summary = latency_summary(samples / 1000)
+    assert summary["p99_ci95_ms"][0] <= summary["p99_ms"] <= summary["p99_ci95_ms"][1]
+
+
+def test_area_under_a_front_is_the_mean_best_accuracy_over_budgets():
+    # One point at cost 0.5 (accuracy 0.6) and one at 1.0 (0.9): 0.6 across the whole range [0.5, 1].
+    assert area_under_front(np.array([0.5, 1.0]), np.array([0.6, 0.9])) == pytest.approx(0.6)
+    # Points at 0.2 (0.5) and 0.6 (0.8): 0.5 over [0.2, 0.6), 0.8 over [0.6, 1] -> (0.4*0.5 + 0.4*0.8) / 0.8.
+    assert area_under_front(np.array([0.6, 0.2]), np.array([0.8, 0.5])) == pytest.approx(0.65)
+    # A dominated point changes nothing; a point at the top of the range adds nothing.
+    assert area_under_front(np.array([0.2, 0.4, 0.6]), np.array([0.5, 0.4, 0.8])) == pytest.approx(0.65)
+    assert area_under_front(np.array([1.0]), np.array([0.9])) == 0.0
