@@ -36,7 +36,7 @@ from anytime.scheduler.query import (
     CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, run_fingerprint, run_options, scheduler_for_run,
 )  # fmt: skip
 from anytime.train import load_splits
-from anytime.train.records import run_title, step_labels
+from anytime.train.records import class_names, run_title, step_labels
 from anytime.train.runs import LoadedRun, load_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -307,8 +307,9 @@ def plot_run(
     run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None
 ) -> PlotReport:
     """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
-    every exit alone), accuracy vs threshold, the calibrated exit histogram, per-exit accuracy by epoch, and,
-    once the run is profiled, accuracy vs deadline and the latency distributions.
+    every exit alone), accuracy vs threshold, each exit's reliability diagram and its accuracy per class, the
+    calibrated exit histogram, per-exit accuracy by epoch, and, once the run is profiled, accuracy vs deadline and
+    the latency distributions.
 
     Everything that can refuse (the caches, the calibration, the profile) is read before any figure is drawn,
     and the figures replace the old ones all together or not at all. A section that cannot be drawn is named
@@ -343,7 +344,8 @@ def plot_run(
     results = {name: sweep(val, name, settings=settings) for name in list(criteria or CRITERIA)}
     with output_lock(folder), staged_files(folder) as work:
         labels = list(step_labels(run_dir, val.step_names))
-        names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler, labels)
+        classes = class_names(run_dir)
+        names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler, labels, classes)
     for stem, drawn in (("exit_histogram", report is not None), ("exit_accuracy", bool(rows)),
                         ("deadline_accuracy", scheduler is not None), ("latency", scheduler is not None)):  # fmt: skip
         if not drawn:  # an earlier figure of a section not drawn now would be mistaken for a current one
@@ -354,19 +356,23 @@ def plot_run(
 
 def _draw_run(
     title: str, work: Path, val: OutputCache, results: dict[str, SweepResult], report: dict[str, Any] | None,
-    rows: list[dict[str, str]], scheduler: DeadlineScheduler | None, labels: list[str],
+    rows: list[dict[str, str]], scheduler: DeadlineScheduler | None, labels: list[str], classes: list[str] | None,
 ) -> list[str]:  # fmt: skip
     from anytime.plotting import (
+        plot_class_accuracy,
         plot_deadline_accuracy,
         plot_exit_accuracy_epochs,
         plot_exit_histogram,
         plot_exit_pareto,
         plot_latency_distributions,
+        plot_reliability,
         plot_threshold_curves,
     )
 
     paths = plot_exit_pareto(results, val, oracle(val), work / "pareto", title, labels)
     paths += plot_threshold_curves(results, work / "threshold", title)
+    paths += plot_reliability(val, labels, work / "reliability", title)
+    paths += plot_class_accuracy(val, labels, classes, work / "class_accuracy", title)
     if report is not None:
         paths += plot_exit_histogram(report, labels, work / "exit_histogram", title)
     if rows:

@@ -20,11 +20,11 @@ from typing import Any
 from anytime.errors import AnytimeError
 from anytime.train.records import ensemble_record, precision_record, require_run, run_title
 from anytime.utils.io import write_text
-from anytime.utils.stats import wilson
+from anytime.utils.stats import expected_calibration_error, softmax, wilson
 
 REPORT = "report.html"
-SECTIONS = ("recipe", "training", "steps", "pareto", "calibration", "exits", "latency", "deadlines", "precision",
-            "ensemble")  # fmt: skip
+SECTIONS = ("recipe", "training", "steps", "pareto", "reliability", "classes", "calibration", "exits", "latency",
+            "deadlines", "precision", "ensemble")  # fmt: skip
 _STYLE = """
 body { font: 15px/1.45 system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; margin-bottom: .2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
@@ -41,22 +41,6 @@ class ReportResult:
 
     path: Path
     missing: tuple[str, ...]
-
-
-def expected_calibration_error(probabilities: Any, labels: Any, bins: int = 15) -> float:
-    """ECE of one exit: the mean |accuracy - confidence| over equal-width confidence bins, weighted by count."""
-    import numpy as np
-
-    confidence = probabilities.max(axis=1)
-    correct = probabilities.argmax(axis=1) == labels
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    which = np.clip(np.digitize(confidence, edges[1:-1]), 0, bins - 1)
-    total = 0.0
-    for b in range(bins):
-        chosen = which == b
-        if chosen.any():
-            total += chosen.sum() * abs(float(correct[chosen].mean()) - float(confidence[chosen].mean()))
-    return total / len(labels)
 
 
 class _Page:
@@ -165,9 +149,8 @@ def _steps(page: _Page, summary: dict[str, Any] | None) -> None:
                 value = e.get(f"{split}_acc")
                 cells.append(_pct(value) if value is not None else "-")
         if "test" in figures and k < figures["test"][0].shape[0]:
-            z = figures["test"][0][k].astype(np.float64)
-            p = np.exp(z - z.max(axis=1, keepdims=True))
-            cells.append(f"{100 * expected_calibration_error(p / p.sum(axis=1, keepdims=True), figures['test'][1]):.2f}%")
+            ece = expected_calibration_error(softmax(figures["test"][0][k]), figures["test"][1])
+            cells.append(f"{100 * ece:.2f}%")
         else:
             cells.append("-")
         rows.append(cells)
@@ -271,11 +254,16 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> ReportRe
     if steps > 1:
         page.section("pareto", "Accuracy vs cost (Pareto front)", page.figure("pareto", "Pareto front"),
                      f"{collect}`anytime plot {run}`")  # fmt: skip
+        page.section("reliability", "Calibration error of each exit (reliability)",
+                     page.figure("reliability", "reliability diagrams"), f"{collect}`anytime plot {run}`")
+        page.section("classes", "Accuracy per class and exit", page.figure("class_accuracy", "accuracy per class"),
+                     f"{collect}`anytime plot {run}`")  # fmt: skip
         _calibration(page)
         page.section("exits", "Where samples leave (exit histogram)", page.figure("exit_histogram", "exit histogram"),
                      f"{collect}{calibrate}`anytime plot {run}`")  # fmt: skip
     else:
-        for key, name in (("pareto", "Accuracy vs cost (Pareto front)"), ("calibration", "Calibration: validation vs test"),
+        for key, name in (("pareto", "Accuracy vs cost (Pareto front)"), ("reliability", "Calibration error of each exit"),
+                          ("classes", "Accuracy per class and exit"), ("calibration", "Calibration: validation vs test"),
                           ("exits", "Where samples leave (exit histogram)")):  # fmt: skip
             page.section(key, name, single)
     _latency(page)

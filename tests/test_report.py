@@ -8,11 +8,10 @@ import re
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 
 from anytime.cli import main
-from anytime.report import SECTIONS, expected_calibration_error
+from anytime.report import SECTIONS
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # No background traffic: the machine's network is closed, and every refused connection would be logged.
@@ -20,12 +19,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--enable-logging=stderr", "--v=0"]  # fmt: skip
 
-
-def test_calibration_error_on_known_cases():
-    labels = np.array([0, 1, 0, 1])
-    sure = np.eye(2)[labels]
-    assert expected_calibration_error(sure, labels) == 0.0
-    assert expected_calibration_error(np.full((4, 2), 0.5) + np.array([0.3, -0.3]), labels) == pytest.approx(0.3)
 
 
 def test_a_run_with_nothing_yet_gets_a_page_that_names_the_command_for_each_section(exit_run, tmp_path, capsys):
@@ -64,7 +57,7 @@ def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_ru
     plot_run(run)
     assert main(["report", str(run)]) == 0
     page = (run / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 5  # training, Pareto, histogram, latency, deadlines and "Not in this run yet" not in page
+    assert page.count("data:image/png;base64,") == 7  # training, Pareto, reliability, classes, histogram, latency, deadlines and "Not in this run yet" not in page
     assert re.search(r"\d+\.\d\d% \[\d+\.\d, \d+\.\d\]", page)  # accuracies with their intervals
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run installs it)")

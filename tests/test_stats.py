@@ -36,3 +36,19 @@ def test_area_under_a_front_is_the_mean_best_accuracy_over_budgets():
     # A dominated point changes nothing; a point at the top of the range adds nothing.
     assert area_under_front(np.array([0.2, 0.4, 0.6]), np.array([0.5, 0.4, 0.8])) == pytest.approx(0.65)
     assert area_under_front(np.array([1.0]), np.array([0.9])) == 0.0
+
+
+def test_reliability_calibration_error_and_class_accuracy_on_known_cases():
+    from anytime.utils.stats import class_accuracy, expected_calibration_error, reliability, softmax
+
+    labels = np.array([0, 1, 0, 1])
+    assert expected_calibration_error(np.eye(2)[labels], labels) == 0.0  # sure and right
+    unsure = np.array([[0.8, 0.2], [0.2, 0.8], [0.2, 0.8], [0.8, 0.2]])  # 80% sure, half right
+    assert expected_calibration_error(unsure, labels) == pytest.approx(0.3)
+    conf, acc, counts = reliability(unsure, labels)
+    assert counts.sum() == 4 and np.nanmax(conf) == pytest.approx(0.8) and np.nanmax(acc) == pytest.approx(0.5)
+    np.testing.assert_allclose(softmax(np.array([[0.0, np.log(3.0)]])), [[0.25, 0.75]])
+    logits = np.stack([np.eye(3)[[0, 1, 1, 2]], np.eye(3)[[0, 1, 2, 0]]])  # two steps, four samples
+    table = class_accuracy(logits, np.array([0, 1, 2, 2]), 4)
+    np.testing.assert_allclose(table[:, :3], [[1, 1, 0.5], [1, 1, 0.5]])
+    assert np.isnan(table[:, 3]).all()  # a class with no sample

@@ -1,9 +1,11 @@
 """Plots of training runs and studies. The only package that imports matplotlib."""
 
 from anytime.plotting.exits import (
+    plot_class_accuracy,
     plot_exit_accuracy_epochs,
     plot_exit_histogram,
     plot_exit_pareto,
+    plot_reliability,
     plot_threshold_curves,
 )
 from anytime.plotting.figures import (
@@ -16,7 +18,7 @@ from anytime.plotting.figures import (
 from anytime.plotting.schedule import plot_deadline_accuracy, plot_deadline_runs, plot_latency_distributions
 
 __all__ = [
-    "plot_batch_time", "plot_deadline_accuracy", "plot_deadline_runs", "plot_exit_accuracy_epochs",
+    "plot_batch_time", "plot_class_accuracy", "plot_reliability", "plot_deadline_accuracy", "plot_deadline_runs", "plot_exit_accuracy_epochs",
     "plot_exit_histogram", "plot_exit_pareto", "plot_latency_distributions", "plot_memory", "plot_threshold_curves",
     "plot_time_accuracy", "plot_training_curves", "save_figure",
 ]  # fmt: skip

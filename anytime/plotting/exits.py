@@ -101,3 +101,54 @@ def plot_exit_accuracy_epochs(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, stem)
+
+
+def plot_reliability(cache: OutputCache, names: Sequence[str], stem: str | os.PathLike[str], title: str) -> list[Path]:
+    """A reliability diagram per exit (accuracy against confidence in 15 bins, with the bins' counts) and its ECE."""
+    from anytime.utils.stats import expected_calibration_error, reliability, softmax
+
+    k_steps = cache.num_steps
+    cols = min(k_steps, 5)
+    rows = -(-k_steps // cols)
+    fig = Figure(figsize=(2.6 * cols, 2.8 * rows))
+    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)).ravel()
+    for k, ax in enumerate(axes):
+        if k >= k_steps:
+            ax.set_visible(False)
+            continue
+        p = softmax(cache.logits[k])
+        conf, acc, counts = reliability(p, cache.labels)
+        filled = counts > 0
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
+        ax.bar(conf[filled], acc[filled], width=1 / 15, alpha=0.75, color="#4C72B0", edgecolor="white")
+        ax.set(title=f"{names[k]}: ECE {100 * expected_calibration_error(p, cache.labels):.1f}%", xlim=(0, 1), ylim=(0, 1))
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    for ax in axes[(rows - 1) * cols :]:
+        ax.set_xlabel("confidence (max softmax)")
+    for ax in axes[::cols]:
+        ax.set_ylabel("accuracy")
+    fig.suptitle(f"{title}: reliability of each exit ({cache.num_samples} {cache.split} samples, 15 bins)")
+    fig.tight_layout()
+    return save_figure(fig, stem)
+
+
+def plot_class_accuracy(
+    cache: OutputCache, names: Sequence[str], classes: Sequence[str] | None, stem: str | os.PathLike[str], title: str
+) -> list[Path]:
+    """Accuracy of every exit on every class: a heat map with the values written in."""
+    from anytime.utils.stats import class_accuracy
+
+    table = 100 * class_accuracy(cache.logits, cache.labels, cache.num_classes)
+    labels = list(classes) if classes and len(classes) == cache.num_classes else [str(c) for c in range(cache.num_classes)]
+    fig = Figure(figsize=(max(6.0, 0.62 * cache.num_classes + 1.8), 0.45 * cache.num_steps + 1.6))
+    ax = fig.subplots()
+    image = ax.imshow(table, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+    if cache.num_classes <= 20:
+        for (k, c), value in np.ndenumerate(table):
+            ax.text(c, k, f"{value:.0f}", ha="center", va="center", fontsize=7, color="white" if value < 60 else "black")
+    ax.set_xticks(range(cache.num_classes), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(cache.num_steps), list(names), fontsize=8)
+    ax.set(title=f"{title}: accuracy (%) per class and exit ({cache.split})")
+    fig.colorbar(image, ax=ax, label="accuracy (%)")
+    return save_figure(fig, stem)

@@ -106,3 +106,12 @@ def step_labels(run_dir: str | Path, names: Sequence[str]) -> tuple[str, ...]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         exits = False
     return tuple(f"exit{k}" for k in range(len(names))) if exits else tuple(names)
+
+
+def class_names(run_dir: str | Path) -> list[str] | None:
+    """The class names a run's dataset recorded, or None."""
+    try:
+        classes = json.loads((Path(run_dir) / "config.json").read_text())["dataset"].get("classes")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return [str(c) for c in classes] if isinstance(classes, list) else None

@@ -46,3 +46,38 @@ def area_under_front(cost: np.ndarray, accuracy: np.ndarray, *, high: float = 1.
         return 0.0
     edges = np.append(np.clip(c, low, high), high)
     return float(np.sum(best * np.diff(edges)) / (high - low))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64."""
+    z = np.asarray(logits, dtype=np.float64)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def reliability(probabilities: np.ndarray, labels: np.ndarray, bins: int = 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width confidence bin: the mean confidence, the accuracy and the count (NaN for an empty bin)."""
+    confidence = probabilities.max(axis=1)
+    correct = probabilities.argmax(axis=1) == labels
+    which = np.clip(np.digitize(confidence, np.linspace(0.0, 1.0, bins + 1)[1:-1]), 0, bins - 1)
+    counts = np.bincount(which, minlength=bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_conf = np.bincount(which, weights=confidence, minlength=bins) / counts
+        accuracy = np.bincount(which, weights=correct.astype(np.float64), minlength=bins) / counts
+    return mean_conf, accuracy, counts
+
+
+def expected_calibration_error(probabilities: np.ndarray, labels: np.ndarray, bins: int = 15) -> float:
+    """ECE: the mean |accuracy - confidence| over equal-width confidence bins, weighted by their counts."""
+    mean_conf, accuracy, counts = reliability(probabilities, labels, bins)
+    filled = counts > 0
+    return float(np.sum(counts[filled] * np.abs(accuracy[filled] - mean_conf[filled])) / max(int(counts.sum()), 1))
+
+
+def class_accuracy(logits: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """``[K, C]``: the accuracy of every step on the samples of every class (NaN for a class with no sample)."""
+    correct = np.asarray(logits).argmax(axis=-1) == labels[None, :]
+    counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.stack([np.bincount(labels, weights=c.astype(np.float64), minlength=num_classes) / counts
+                         for c in correct])  # fmt: skip
