@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
+    "seeds": "several seeds of one recipe: every step's validation and test accuracy as mean, spread and range",
     "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
     "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted)",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
@@ -358,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     baseline.add_argument("--json", action="store_true", help="print the baseline's report as JSON")
+
+    seeds = sub.add_parser("seeds", description=COMMANDS["seeds"])
+    seeds.add_argument("runs", nargs="+", metavar="RUN", help="runs of one recipe trained with different --seed")
+    seeds.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     report = sub.add_parser("report", description=COMMANDS["report"])
     report.add_argument("run", metavar="RUN")
@@ -907,6 +912,22 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_seeds(args: argparse.Namespace) -> int:
+    from anytime.seeds import summarise_seeds
+
+    summary = summarise_seeds(args.runs)
+    if args.json:
+        return _print_json(summary)
+    print(f"{summary.model} on {summary.data}: {len(summary.runs)} seeds ({', '.join(map(str, summary.seeds))})")
+    print(f"{'step':<8} {'validation: mean ± std [min, max]':<36} {'test: mean ± std [min, max]':<36}")
+    for s in summary.steps:
+        cells = [f"{100 * f.mean:.2f} ± {100 * f.std:.2f} [{100 * f.low:.2f}, {100 * f.high:.2f}]" for f in (s.val_acc, s.test_acc)]
+        print(f"{s.name:<8} {cells[0]:<36} {cells[1]:<36}")
+    t = summary.train_time_s
+    print(f"training time {t.mean:.1f} ± {t.std:.1f} s")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from anytime.report import write_report
 
@@ -1076,6 +1097,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
+    "seeds": _cmd_seeds,
     "report": _cmd_report,
     "serve": _cmd_serve,
     "experiment": _cmd_experiment,
