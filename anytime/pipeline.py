@@ -380,7 +380,8 @@ def _draw_run(
     if scheduler is not None:
         quantile = scheduler.profile.highest_quantile()
         batch = min(scheduler.profile.batch_sizes)
-        paths += plot_deadline_accuracy(scheduler, work / "deadline_accuracy", title, quantile=quantile, batch_size=batch)
+        paths += plot_deadline_accuracy(scheduler, work / "deadline_accuracy", title, quantile=quantile, batch_size=batch,
+                                        samples=val.num_samples)  # fmt: skip
         paths += plot_latency_distributions(scheduler.profile, work / "latency", title, batch_size=batch)
     return [p.name for p in paths]
 

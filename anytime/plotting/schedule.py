@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 
 def plot_deadline_accuracy(
     scheduler: DeadlineScheduler, stem: str | os.PathLike[str], title: str, *, quantile: float = 0.99,
-    batch_size: int = 1,
+    batch_size: int = 1, samples: int | None = None,
 ) -> list[Path]:  # fmt: skip
     """Validation accuracy of the scheduler's choice against the deadline (a step curve), with every step's
-    latency at the quantile marked."""
+    latency at the quantile marked; with ``samples`` (the validation size) each frontier point carries its
+    accuracy's 95% Wilson interval, and a step's point its latency quantile's 95% bootstrap interval."""
+    from anytime.utils.stats import bootstrap_quantile, wilson
+
     frontier = scheduler.frontier(quantile, batch_size)
     top = 1.25 * frontier[-1][1]
     deadlines = np.linspace(top / 400, top, 400)
@@ -41,9 +44,17 @@ def plot_deadline_accuracy(
             ax.annotate(name, (latency, ax.get_ylim()[0]), rotation=90, fontsize=7, xytext=(2, 4),
                         textcoords="offset points")  # fmt: skip
     for option, latency in frontier:
-        ax.scatter([latency], [100 * option.accuracy], color="#C44E52" if option.kind == "policy" else "black", zorder=3)
+        colour = "#C44E52" if option.kind == "policy" else "black"
+        yerr = xerr = None
+        if samples:
+            lo, hi = wilson(round(option.accuracy * samples), samples)
+            yerr = [[100 * (option.accuracy - lo)], [100 * (hi - option.accuracy)]]
+        if option.step is not None:
+            low, high = bootstrap_quantile(profile.at(batch_size).steps[option.step], quantile)
+            xerr = [[max(latency - low, 0.0)], [max(high - latency, 0.0)]]
+        ax.errorbar([latency], [100 * option.accuracy], xerr=xerr, yerr=yerr, fmt="o", color=colour, capsize=3, zorder=3)
         ax.annotate(option.name, (latency, 100 * option.accuracy), fontsize=7, xytext=(4, -10), textcoords="offset points")
-    ax.set(xlabel="deadline (ms)", ylabel="validation accuracy (%)",
+    ax.set(xlabel=f"deadline (ms){'; bars: 95% intervals' if samples else ''}", ylabel="validation accuracy (%)",
            title=f"{title}: accuracy vs deadline, batch {batch_size} on {profile.device.get('label')}")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
