@@ -229,6 +229,7 @@ def test_a_deadline_already_gone_is_answered_as_missed_with_the_cheapest_answer_
     ("POST", "/predict?deadline_ms=5", b"", {}, 400, "empty request"),
     ("GET", "/predict", b"", {}, 405, "not allowed"),
     ("GET", "/../../etc/passwd", b"", {}, 404, "no route"),
+    ("GET", "/docs", b"", {}, 404, "no route"),
     ("GET", "/schedule?deadline_ms=abc", b"", {}, 400, "not a number"),
     ("GET", "/schedule?deadline_ms=5&quantile=3", b"", {}, 400, "quantile"),
 ])  # fmt: skip
@@ -254,6 +255,8 @@ def test_schedule_healthz_and_metrics(server):
     status, health = _call(server, "GET", "/healthz")
     assert status == 200 and health["status"] == "ok" and health["steps"][0] == "exit0"
     assert health["input"] == "32x32 grayscale images" and health["max_batch"] == 2 and health["policy"] is not None
+    status, spec = _call(server, "GET", "/openapi.json")
+    assert status == 200 and {"/predict", "/schedule", "/healthz", "/metrics"} <= set(spec["paths"])
     _call(server, "POST", "/predict?deadline_ms=1000", _png(np.zeros((32, 32), np.uint8)))
     _call(server, "GET", "/nowhere")
     status, text = _call(server, "GET", "/metrics")

@@ -68,7 +68,7 @@ def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, flo
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="anytime", description=f"Anytime inference under deadlines for {info.get('run')}",
-                  version=str(info.get("version")), docs_url="/docs", redoc_url=None)  # fmt: skip
+                  version=str(info.get("version")), docs_url=None, redoc_url=None)  # fmt: skip
 
     def refuse(status: int, message: str) -> JSONResponse:
         service.metrics.bad_request(status)
