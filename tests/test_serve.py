@@ -271,3 +271,25 @@ def test_schedule_healthz_and_metrics(server):
 def test_serve_refuses_bad_options_in_one_line(exit_run, cli_error, tmp_path):
     cli_error(["serve", str(tmp_path)], "not a run")
     cli_error(["serve", str(exit_run)], "no device profile")
+
+
+def test_a_batch_that_fails_fails_its_requests_and_the_worker_goes_on():
+    clock = FakeClock()
+    service, runner = _service(clock, max_batch=1)
+    real = runner.predict
+    calls = {"n": 0}
+
+    def flaky(x: torch.Tensor, deadline_ms: float) -> AnytimePrediction:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("the model broke")
+        return real(x, deadline_ms)
+
+    runner.predict = flaky  # type: ignore[method-assign]
+    first = service.submit(Request(torch.zeros(1, 8, 8), 1e6, arrived=0.0))
+    second = service.submit(Request(torch.zeros(1, 8, 8), 1e6, arrived=0.0))
+    service.start()
+    with pytest.raises(RuntimeError, match="the model broke"):
+        first.result(timeout=30)
+    assert second.result(timeout=30).met
+    service.stop()

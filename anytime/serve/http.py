@@ -96,6 +96,12 @@ def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, flo
     async def _refused(request: HttpRequest, exc: AnytimeError) -> JSONResponse:
         return refuse(400, str(exc))
 
+    @app.exception_handler(Exception)
+    async def _failed(request: HttpRequest, exc: Exception) -> JSONResponse:
+        service.metrics.bad_request(500)  # counted with the refusals, by its status code
+        return JSONResponse({"error": f"the server failed to answer ({type(exc).__name__}: {str(exc)[:200]})"},
+                            status_code=500)  # fmt: skip
+
     async def read_body(request: HttpRequest) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:

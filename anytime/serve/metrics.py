@@ -68,7 +68,7 @@ class Metrics:
                 "# HELP anytime_expired_total Requests whose deadline passed while they queued.",
                 "# TYPE anytime_expired_total counter",
                 f"anytime_expired_total {self.expired}",
-                "# HELP anytime_bad_requests_total Requests refused, by status code.",
+                "# HELP anytime_bad_requests_total Requests answered with an error, by status code (4xx refused, 5xx failed).",
                 "# TYPE anytime_bad_requests_total counter",
                 *(f'anytime_bad_requests_total{{code="{code}"}} {n}' for code, n in sorted(self.bad_requests.items())),
                 "# HELP anytime_request_seconds End-to-end latency (queue + compute) by the step that answered.",
