@@ -10,6 +10,16 @@ REPO = Path(__file__).resolve().parents[1]
 CIFAR10_ROOT = REPO.parent / "shared" / "data" / "cifar10"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_dataset_cache(tmp_path_factory):
+    """Every test session decodes datasets into a cache of its own (not ``~/.cache/anytime``), so two suites running
+    at once, or a user's own runs, never share its files with the tests."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("ANYTIME_CACHE", str(tmp_path_factory.mktemp("dataset-cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def cifar_root() -> Path:
     """The CIFAR-10 image folder beside the repository, or a skip."""
