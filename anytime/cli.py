@@ -411,16 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_json(value: Any) -> int:
     """A command's result as JSON on stdout (dataclasses as dicts, paths as strings)."""
-    import dataclasses
+    from anytime.utils.io import json_default
 
-    from anytime.utils.io import _json_default
-
-    def default(item: Any) -> Any:
-        if dataclasses.is_dataclass(item) and not isinstance(item, type):
-            return dataclasses.asdict(item)
-        return _json_default(item)
-
-    print(json.dumps(value, indent=2, default=default))
+    print(json.dumps(value, indent=2, default=json_default))
     return 0
 
 

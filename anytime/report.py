@@ -233,8 +233,7 @@ def _ensemble(page: _Page) -> None:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> ReportResult:
     """Write the run's page (default ``RUN/report.html``, replaced atomically) and return what it lacks."""
     run = Path(run_dir)
-    require_run(run)
-    config = _json(run / "config.json") or {}
+    config = require_run(run)
     summary = _json(run / "summary.json")
     target = Path(out) if out else run / REPORT
     if target.suffix != ".html":

@@ -62,8 +62,7 @@ class SeedSummary:
 
 
 def _record(run: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    require_run(run)
-    config = json.loads((run / "config.json").read_text())
+    config = require_run(run)
     try:
         summary = json.loads((run / "summary.json").read_text())
     except (OSError, ValueError):

@@ -15,9 +15,9 @@ WEIGHTS = "model.safetensors"
 QUANT_STATE = "quant.safetensors"  # a quantized run's int8 calibration statistics
 
 
-def require_run(run_dir: str | Path) -> None:
-    """Refuse, in one line, a folder that is not a finished run: no folder, no ``config.json``, a malformed one,
-    or no final weights yet."""
+def read_record(run_dir: str | Path) -> dict[str, Any]:
+    """A run's ``config.json`` (with its ``train`` and ``dataset`` tables), refused in one line when there is no
+    folder, no record, or a malformed one."""
     run = Path(run_dir)
     path = run / "config.json"
     if not run.is_dir():
@@ -28,10 +28,17 @@ def require_run(run_dir: str | Path) -> None:
         raise AnytimeError(f"{run_dir} is not a run (no config.json); point at a folder `anytime train` wrote") from None
     except (OSError, ValueError):
         raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?") from None
-    if not isinstance(record, dict) or not isinstance(record.get("train"), dict):
+    if not isinstance(record, dict) or not isinstance(record.get("train"), dict) or not isinstance(record.get("dataset"), dict):
         raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?")
-    if not (run / WEIGHTS).is_file():
+    return record
+
+
+def require_run(run_dir: str | Path) -> dict[str, Any]:
+    """A finished run's record (:func:`read_record`), refused as well when its final weights are not there yet."""
+    record = read_record(run_dir)
+    if not (Path(run_dir) / WEIGHTS).is_file():
         raise AnytimeError(f"{run_dir} has no {WEIGHTS}: its training has not finished")
+    return record
 
 
 def weights_fingerprint(path: str | Path) -> str:
@@ -43,28 +50,29 @@ def weights_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _record_entry(run_dir: str | Path, key: str) -> dict[str, Any] | None:
+def _table(run_dir: str | Path, key: str) -> dict[str, Any] | None:
+    """One table of the run's record, or None where there is no readable record or no such table (for labels and
+    kinds, where a missing record is not an error)."""
     try:
-        record = json.loads((Path(run_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        found = read_record(run_dir).get(key)
+    except AnytimeError:
         return None
-    found = record.get(key) if isinstance(record, dict) else None
     return found if isinstance(found, dict) else None
 
 
 def precision_record(run_dir: str | Path) -> dict[str, Any] | None:
     """A converted run's precision record (``config.json``'s ``precision``), or None for a float run."""
-    return _record_entry(run_dir, "precision")
+    return _table(run_dir, "precision")
 
 
 def baseline_record(run_dir: str | Path) -> dict[str, Any] | None:
     """A torchensemble baseline run's record (``config.json``'s ``baseline``: method, estimators), or None."""
-    return _record_entry(run_dir, "baseline")
+    return _table(run_dir, "baseline")
 
 
 def ensemble_record(run_dir: str | Path) -> dict[str, Any] | None:
     """An ensemble run's record (``config.json``'s ``ensemble``: members, order, fuser), or None."""
-    return _record_entry(run_dir, "ensemble")
+    return _table(run_dir, "ensemble")
 
 
 def run_weights_fingerprint(run_dir: str | Path) -> str:
@@ -89,11 +97,10 @@ def run_weights_fingerprint(run_dir: str | Path) -> str:
 
 def run_title(run_dir: str | Path) -> str:
     """What a run is, for figure titles and pages: ``resnet32 on cifar10`` (the folder's name if unreadable)."""
-    try:
-        record = json.loads((Path(run_dir) / "config.json").read_text())
-        model, data = record["train"]["model"], record["dataset"]["name"]
-    except (OSError, ValueError, KeyError, TypeError):
+    train, dataset = _table(run_dir, "train"), _table(run_dir, "dataset")
+    if train is None or dataset is None or "model" not in train or "name" not in dataset:
         return Path(run_dir).name
+    model, data = train["model"], dataset["name"]
     converted = precision_record(run_dir)
     return f"{model}{' ' + converted['precision'] if converted else ''} on {data}"
 
@@ -101,17 +108,11 @@ def run_title(run_dir: str | Path) -> str:
 def step_labels(run_dir: str | Path, names: Sequence[str]) -> tuple[str, ...]:
     """The names figures and tables give a run's steps, the ones its profile uses: ``exit0``, ``exit1``... for early
     exits (whose own names are points in the backbone, ``stages.0.1``), the family's names otherwise."""
-    try:
-        exits = bool(json.loads((Path(run_dir) / "config.json").read_text())["train"].get("exits"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        exits = False
+    exits = bool((_table(run_dir, "train") or {}).get("exits"))
     return tuple(f"exit{k}" for k in range(len(names))) if exits else tuple(names)
 
 
 def class_names(run_dir: str | Path) -> list[str] | None:
     """The class names a run's dataset recorded, or None."""
-    try:
-        classes = json.loads((Path(run_dir) / "config.json").read_text())["dataset"].get("classes")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    classes = (_table(run_dir, "dataset") or {}).get("classes")
     return [str(c) for c in classes] if isinstance(classes, list) else None

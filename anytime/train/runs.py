@@ -17,7 +17,7 @@ from anytime.train.checkpoint import load_weights
 from anytime.train.config import TrainConfig
 from anytime.train.multi_exit import build_model
 from anytime.train.records import (
-    QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint,
+    QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record, read_record, run_weights_fingerprint,
 )  # fmt: skip
 from anytime.utils.machine import resolve_device
 
@@ -48,16 +48,8 @@ class LoadedRun:
 
 def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     """The recipe and dataset description recorded in a run's ``config.json``."""
-    path = Path(run_dir) / "config.json"
-    if not Path(run_dir).is_dir():
-        raise AnytimeError(f"no run directory at {run_dir}; train one with `anytime train --out {run_dir}`")
-    try:
-        record = json.loads(path.read_text())
-        return TrainConfig.from_dict(record["train"], where=str(path)), dict(record["dataset"])
-    except FileNotFoundError:
-        raise AnytimeError(f"{run_dir} is not a run (no config.json); point at a folder `anytime train` wrote") from None
-    except (ValueError, KeyError, TypeError):
-        raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?") from None
+    record = read_record(run_dir)
+    return TrainConfig.from_dict(record["train"], where=str(Path(run_dir) / "config.json")), dict(record["dataset"])
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, converted: bool = True) -> LoadedRun:

@@ -99,7 +99,7 @@ def write_text(path: str | os.PathLike[str], text: str) -> Path:
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     """Write ``obj`` as indented JSON, atomically."""
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=json_default) + "\n")
 
 
 def write_csv(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:
@@ -139,7 +139,13 @@ def _csv_cell(value: Any) -> str:
     return str(value)
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
+    """What ``json`` cannot write on its own: paths as strings, numpy and torch scalars and arrays as numbers and
+    lists, dataclasses (the results the library returns) as dicts."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "item"):
