@@ -51,7 +51,8 @@ def _free_port() -> int:
 
 
 def _images(count: int) -> list[bytes]:
-    files = sorted(CIFAR_TEST.glob("*/*.jpg"))[:: max(1, len(list(CIFAR_TEST.glob("*/*.jpg"))) // count or 1)][:count]
+    found = sorted(CIFAR_TEST.glob("*/*.jpg"))
+    files = found[:: max(1, len(found) // count)][:count]  # spread over the classes' folders
     if files:
         return [f.read_bytes() for f in files]
     from PIL import Image
