@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from anytime.backbones import create_model
 from anytime.data import make_loader
-from anytime.data.augment import normalize, random_crop_flip
+from anytime.data.augment import apply_augment, default_augment, normalize
 from anytime.data.base import DatasetInfo, Split
 from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
 from anytime.errors import AnytimeError
@@ -42,7 +42,6 @@ METHODS: dict[str, str] = {
     "fusion": "FusionClassifier", "voting": "VotingClassifier", "bagging": "BaggingClassifier",
     "gradient-boosting": "GradientBoostingClassifier", "snapshot": "SnapshotEnsembleClassifier",
 }  # fmt: skip
-_PADDING = 4  # random-crop padding, as the framework's own training loader uses
 
 
 def fuser_of(method: str, shrinkage: float) -> tuple[str, float]:
@@ -80,7 +79,7 @@ class _Images(Dataset):
 
 
 class _Collate:
-    """Stack a batch, augment it (training: random crops and flips, batched) and normalise it."""
+    """Stack a batch, augment it (training: the dataset's default, as the framework's loader) and normalise it."""
 
     def __init__(self, info: DatasetInfo, train: bool, seed: int) -> None:
         self.info, self.train = info, train
@@ -89,7 +88,7 @@ class _Collate:
     def __call__(self, items: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         images = torch.stack([image for image, _ in items])
         if self.train:
-            images = random_crop_flip(images, padding=_PADDING, hflip=self.info.hflip, generator=self.generator)
+            images = apply_augment(images, default_augment(self.info.hflip), self.generator)
         return normalize(images, self.info.mean, self.info.std), torch.stack([label for _, label in items])
 
 

@@ -15,13 +15,16 @@ from PIL import Image
 import anytime.data.imagefolder as imagefolder
 from anytime.data import (
     DATASETS,
+    Augment,
     DatasetInfo,
     cache_path_for,
+    default_augment,
     load_dataset,
     make_loader,
     normalize,
     random_crop_flip,
 )
+from anytime.data.augment import apply_augment
 from anytime.errors import AnytimeError
 
 REAL_CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
@@ -182,10 +185,32 @@ def test_eval_loader_fixed_order(digits) -> None:
     assert torch.equal(images, normalize(digits.val.images, digits.info.mean, digits.info.std))
 
 
+def test_augment_policies_do_what_they_name(digits) -> None:
+    x = torch.arange(2 * 1 * 4 * 4, dtype=torch.uint8).reshape(2, 1, 4, 4)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(apply_augment(x, Augment("none"), g), x)
+    flips = [apply_augment(x, Augment("flip"), torch.Generator().manual_seed(s)) for s in range(8)]
+    assert all(torch.equal(f[i], x[i]) or torch.equal(f[i], x[i].flip(2)) for f in flips for i in range(2))
+    assert any(torch.equal(f[0], x[0].flip(2)) for f in flips)  # some draw flips
+    crops = [apply_augment(x, Augment("crop", 1), torch.Generator().manual_seed(s)) for s in range(8)]
+    assert all(not torch.equal(c[0], x[0].flip(2)) for c in crops)  # a crop never mirrors
+    assert any(not torch.equal(c, x) for c in crops)
+    assert Augment("crop+flip", 0).crop is False and Augment("crop", 2).describe() == "crop (padding 2)"
+    assert default_augment(False).policy == "crop" and default_augment(True).policy == "crop+flip"
+    with pytest.raises(AnytimeError, match="unknown augmentation 'rotate'"):
+        Augment("rotate")
+    with pytest.raises(AnytimeError, match="padding"):
+        Augment("crop", -1)
+    loader = make_loader(digits.train, digits.info, batch_size=8, train=True, augment=Augment("none"))
+    first, _ = next(iter(loader))
+    assert loader.augment == Augment("none") and first.shape[0] == 8
+
+
 def test_digits_are_never_flipped(digits) -> None:
     assert digits.info.hflip is False
+    assert make_loader(digits.train, digits.info, batch_size=8, train=True).augment == Augment("crop", 4)
     info = DatasetInfo(**{**digits.info.__dict__, "mean": (0.0,), "std": (1 / 255,)})
-    loader = make_loader(digits.train, info, batch_size=len(digits.train), train=True, padding=0)
+    loader = make_loader(digits.train, info, batch_size=len(digits.train), train=True, augment=Augment("crop", 0))
     x, y = next(iter(loader))
     # With no padding and no flip, a training batch is the originals in shuffled order, never mirrored.
     originals = {

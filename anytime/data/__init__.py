@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from anytime.data.augment import normalize, random_crop_flip
+from anytime.data.augment import AUGMENT_POLICIES, Augment, default_augment, normalize, random_crop_flip
 from anytime.data.base import (
     DatasetInfo,
     DatasetSplits,
@@ -40,12 +40,15 @@ CIFAR10_COUNT = 60_000
 _RESIZE_CHUNK = 4096  # images resized at once (float32)
 
 __all__ = [
+    "AUGMENT_POLICIES",
     "DATASETS",
+    "Augment",
     "BatchLoader",
     "DatasetInfo",
     "DatasetSplits",
     "Split",
     "cache_path_for",
+    "default_augment",
     "default_cache_dir",
     "load_dataset",
     "make_loader",

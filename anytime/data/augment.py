@@ -3,8 +3,60 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from anytime.errors import AnytimeError
+
+AUGMENT_POLICIES: tuple[str, ...] = ("none", "crop", "flip", "crop+flip")
+DEFAULT_PADDING = 4  # pixels of zero padding around a random crop, as the CIFAR ResNet recipes use
+
+
+@dataclass(frozen=True)
+class Augment:
+    """The training augmentation of a recipe: random crops of a zero-padded image and/or horizontal flips.
+
+    ``policy`` is one of :data:`AUGMENT_POLICIES`; ``padding`` (pixels) applies to the crop policies only.
+    Evaluation images are never augmented.
+    """
+
+    policy: str
+    padding: int = DEFAULT_PADDING
+
+    def __post_init__(self) -> None:
+        if self.policy not in AUGMENT_POLICIES:
+            raise AnytimeError(f"unknown augmentation '{self.policy}'; choose one of {', '.join(AUGMENT_POLICIES)}")
+        if self.padding < 0:
+            raise AnytimeError(f"augmentation padding is a number of pixels >= 0 (got {self.padding})")
+
+    @property
+    def crop(self) -> bool:
+        """Whether images are randomly cropped (shifted by up to ``padding`` pixels)."""
+        return "crop" in self.policy and self.padding > 0
+
+    @property
+    def hflip(self) -> bool:
+        """Whether images are flipped left-right at random."""
+        return "flip" in self.policy
+
+    def describe(self) -> str:
+        """E.g. ``crop+flip (padding 4)`` or ``none``."""
+        return f"{self.policy} (padding {self.padding})" if "crop" in self.policy else self.policy
+
+
+def default_augment(hflip: bool) -> Augment:
+    """A dataset's default: crops with 4 pixels of padding, plus flips where a mirrored image keeps its class
+    (natural photos such as CIFAR-10; not digits or text)."""
+    return Augment("crop+flip" if hflip else "crop")
+
+
+def apply_augment(images_uint8: torch.Tensor, augment: Augment, generator: torch.Generator) -> torch.Tensor:
+    """``images_uint8`` augmented by ``augment`` (uint8 [N,C,H,W] in and out); no draws for ``none``."""
+    if augment.policy == "none":
+        return images_uint8
+    return random_crop_flip(images_uint8, padding=augment.padding if augment.crop else 0, hflip=augment.hflip,
+                            generator=generator)  # fmt: skip
 
 
 def random_crop_flip(

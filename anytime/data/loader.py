@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from anytime.data.augment import normalize, random_crop_flip
+from anytime.data.augment import Augment, apply_augment, default_augment, normalize
 from anytime.data.base import DatasetInfo, Split
 from anytime.utils.seed import derive_seed
 
@@ -16,18 +16,17 @@ class _BatchMaker:
     """Computes batch ``b`` of epoch ``e`` from (seed, epoch, b) alone, in any process."""
 
     def __init__(
-        self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int, padding: int,
+        self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int, augment: Augment,
         drop_last: bool,
     ) -> None:  # fmt: skip
         self.images = split.images
         self.labels = split.labels
         self.mean = info.mean
         self.std = info.std
-        self.hflip = info.hflip
+        self.augment = augment
         self.batch_size = batch_size
         self.train = train
         self.seed = seed
-        self.padding = padding
         self.drop_last = drop_last
 
     def num_batches(self) -> int:
@@ -48,7 +47,7 @@ class _BatchMaker:
             picked = order[start:stop]
             images, labels = self.images.index_select(0, picked), self.labels.index_select(0, picked)
             generator = torch.Generator().manual_seed(derive_seed("augment", self.seed, epoch, index))
-            images = random_crop_flip(images, padding=self.padding, hflip=self.hflip, generator=generator)
+            images = apply_augment(images, self.augment, generator)
         return normalize(images, self.mean, self.std), labels.clone()
 
 
@@ -70,8 +69,8 @@ class _EpochBatches(Dataset):
 class BatchLoader:
     """Iterates ``(images float32 [B,C,H,W] normalised, labels int64 [B])``.
 
-    ``train=True``: shuffled each epoch and augmented (random crop with zero padding
-    ``padding``, plus horizontal flip when ``info.hflip``) with batched tensor ops.
+    ``train=True``: shuffled each epoch and augmented by ``augment`` (default: the dataset's, random
+    crops with 4 pixels of zero padding plus horizontal flips where ``info.hflip``) with batched tensor ops.
     ``train=False``: fixed order, normalised only. Shuffling and augmentation depend only on
     ``(seed, epoch)`` (set with :meth:`set_epoch`), never on the number of workers or on
     earlier iteration, so a resumed run sees the same batches.
@@ -79,14 +78,15 @@ class BatchLoader:
 
     def __init__(
         self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
-        prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, padding: int = 4,
+        prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, augment: Augment | None = None,
         device: torch.device | str | None = None,
     ) -> None:  # fmt: skip
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
-        self._maker = _BatchMaker(split, info, batch_size=batch_size, train=train, seed=seed, padding=padding,
+        self.augment = augment if augment is not None else default_augment(info.hflip)
+        self._maker = _BatchMaker(split, info, batch_size=batch_size, train=train, seed=seed, augment=self.augment,
                                   drop_last=drop_last)  # fmt: skip
         self.num_samples: int = len(split)
         self.batch_size: int = batch_size
@@ -132,11 +132,11 @@ class BatchLoader:
 
 def make_loader(
     split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
-    prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, padding: int = 4,
+    prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, augment: Augment | None = None,
     device: torch.device | str | None = None,
 ) -> BatchLoader:  # fmt: skip
     """A :class:`BatchLoader` over ``split``; see its docstring for what the batches are."""
     return BatchLoader(
         split, info, batch_size=batch_size, train=train, seed=seed, workers=workers,
-        prefetch_factor=prefetch_factor, pin_memory=pin_memory, drop_last=drop_last, padding=padding, device=device,
+        prefetch_factor=prefetch_factor, pin_memory=pin_memory, drop_last=drop_last, augment=augment, device=device,
     )  # fmt: skip
