@@ -136,7 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=_finite_float, metavar="LR", help="SGD learning rate (default 0.01)")
     train.add_argument("--momentum", type=_finite_float, metavar="M", help="default 0.9")
     train.add_argument("--weight-decay", type=_finite_float, metavar="WD", help="default 5e-4")
-    train.add_argument("--schedule", choices=["constant", "cosine", "step"], help="lr schedule (default cosine)")
+    train.add_argument("--schedule", choices=["constant", "cosine", "step", "onecycle"],
+                       help="lr schedule (default cosine; onecycle: linear rise over --warmup, then linear fall to 0)")
+    train.add_argument("--warmup", type=_finite_float, metavar="F",
+                       help="share of the run over which the lr rises linearly from 0 (default 0)")
+    train.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None,
+                       help="Nesterov momentum (default off)")
+    train.add_argument("--label-smoothing", type=_finite_float, metavar="E", help="cross-entropy label smoothing (default 0)")
+    train.add_argument("--ema", type=_finite_float, metavar="DECAY",
+                       help="validate and keep an exponential moving average of the weights, this decay per step "
+                            "(e.g. 0.99; default 0: off)")
+    train.add_argument("--amp", choices=["off", "bf16"],
+                       help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs; "
+                            "weights stay float32; default off)")
+    train.add_argument("--augment", choices=["none", "crop", "flip", "crop+flip"],
+                       help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
+                            "crop for digits)")
+    train.add_argument("--padding", type=_non_negative_int, metavar="PX", help="zero padding of random crops (default 4)")
+    train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                       help="channels-last memory layout (faster convolutions on CPUs with oneDNN; same results)")
+    train.add_argument("--tta", action=argparse.BooleanOptionalAction, default=None,
+                       help="also report test accuracy averaged over each image and its mirror, apart")
     train.add_argument("--seed", type=_non_negative_int, metavar="S")
     train.add_argument("--device", help=DEVICE_HELP)
     train.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader worker processes")
@@ -454,7 +474,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "init", "slices", "slice_kind", "stochastic_depth",
+    "exit_head", "distill", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
+    "label_smoothing", "ema", "amp", "augment", "padding", "channels_last", "tta",
 )  # fmt: skip
 
 
@@ -519,7 +540,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
     print(f"run        {run_dir}")
     print(f"accuracy   val {100 * final['val_acc']:.2f}%  test {100 * final['test_acc']:.2f}%  "
-          f"(best val {100 * summary['best_val_acc']:.2f}%)")  # fmt: skip
+          f"(best val {100 * summary['best_val_acc']:.2f}%)"
+          + (f"  test with mirror {100 * final['test_acc_tta']:.2f}%" if "test_acc_tta" in final else ""))  # fmt: skip
+    print(f"augment    {summary['augment']}")
     print(f"time       {summary['train_time_s']:.1f} s training, {summary['wall_time_s']:.1f} s with validation, "
           f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads)")  # fmt: skip
     it = steady["iteration_mean_s"]
@@ -541,7 +564,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             "val_acc": round(final["val_acc"], 4), "test_acc": round(final["test_acc"], 4),
             "best_val_acc": round(summary["best_val_acc"], 4), "train_time_s": round(summary["train_time_s"], 1),
             "epochs": summary["epochs"], "device": summary["device"], "cpu": cpu_model(),
-            "threads": summary["torch_threads"], "date": date.today().isoformat(),
+            "threads": summary["torch_threads"], "date": date.today().isoformat(), "augment": summary["augment"],
+            **({"test_acc_tta": round(final["test_acc_tta"], 4)} if "test_acc_tta" in final else {}),
             **({"extended_from": summary["extended"][0]["from_epochs"]} if summary.get("extended") else {}),
         })  # fmt: skip
         print(f"card       results recorded in {card.path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from anytime.data import load_dataset, make_loader
 from anytime.errors import AnytimeError
 from anytime.train import EpochEnd, TrainConfig, Trainer, load_checkpoint, load_weights, lr_factor, save_checkpoint
 from anytime.train.timing import PhaseLog
+from anytime.train.trainer import weight_average
 
 
 def _metrics(run_dir):
@@ -60,7 +62,13 @@ def test_run_directory_holds_every_record(tmp_path, tiny_config):
     assert summary["timing"]["steady"]["iterations"] == 2 * steps
 
 
-def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_config):
+FAST_RECIPE = {"schedule": "onecycle", "warmup": 0.3, "ema": 0.9, "label_smoothing": 0.1, "augment": "none",
+               "nesterov": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", [{}, FAST_RECIPE], ids=["plain", "fast"])
+def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_config, recipe):
+    tiny_config = tiny_config.replace(**recipe)
     whole = tmp_path / "whole"
     Trainer(tiny_config, whole).fit()
 
@@ -176,6 +184,12 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         ({"exit_weights": (1.0, 1.0)}, "exit weights need --exits"),
         ({"distill": -1.0, "exits": "auto"}, "distillation weight"),
         ({"distill_temperature": 0.0, "exits": "auto"}, "temperature"),
+        ({"augment": "rotate"}, "unknown augmentation 'rotate'"),
+        ({"padding": -2}, "padding"),
+        ({"label_smoothing": 1.0}, "label smoothing"),
+        ({"warmup": 1.0}, "warm-up"),
+        ({"ema": 1.0}, "--ema is a decay per step"),
+        ({"amp": "fp8"}, "unknown --amp"),
     ],
 )
 def test_config_refuses_bad_values(changes, message):
@@ -197,6 +211,54 @@ def test_lr_schedules():
     step = TrainConfig(epochs=4, schedule="step")
     assert [lr_factor(step, e) for e in range(4)] == pytest.approx([1.0, 1.0, 0.1, 0.01])
     assert lr_factor(TrainConfig(schedule="constant"), 7) == 1.0
+    onecycle = TrainConfig(epochs=10, schedule="onecycle", warmup=0.2)
+    assert [lr_factor(onecycle, e, f) for e, f in [(0, 0.0), (1, 0.0), (2, 0.0), (6, 0.0), (9, 1.0)]] == pytest.approx(
+        [0.0, 0.5, 1.0, 0.5, 0.0])
+    warm_cosine = TrainConfig(epochs=10, schedule="cosine", warmup=0.1)
+    assert lr_factor(warm_cosine, 0, 0.5) == pytest.approx(0.5)  # half-way up the ramp, cosine still at 1
+    assert lr_factor(warm_cosine, 1, 0.5) == lr_factor(cosine.replace(epochs=10), 1)
+
+
+def test_the_fast_recipe_records_what_it_did(tmp_path, tiny_config):
+    config = tiny_config.replace(epochs=2, augment="crop", padding=1, ema=0.5, amp="bf16", channels_last=True,
+                                 tta=True, label_smoothing=0.1)  # fmt: skip
+    summary = Trainer(config, tmp_path).fit()
+    assert summary["augment"] == "crop (padding 1)"
+    assert 0.0 <= summary["final"]["test_acc_tta"] <= 1.0 and summary["final"]["val_acc"] > 0.3
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["augment"] == {"policy": "crop", "padding": 1}
+    # what is validated and saved is the weight average, not the last weights
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(saved[k], state["ema"][f"module.{k}"].contiguous()) for k in saved)
+    assert any(not torch.equal(saved[k], state["model"][k]) for k in saved if saved[k].is_floating_point())
+
+
+def test_a_weight_average_is_not_its_random_start_after_a_few_steps():
+    model = torch.nn.Linear(2, 1, bias=False)
+    average = weight_average(model, 0.999)
+    with torch.no_grad():
+        for step in range(1, 6):
+            model.weight.fill_(float(step))
+            average.update_parameters(model)
+    # a plain 0.999 average would still be 1.0 (the first copy); the warmed-up decay follows the weights
+    assert torch.all((average.module.weight > 3.0) & (average.module.weight < 5.0))
+    assert weight_average(model, 0.0) is None
+
+
+def test_whitening_stem_whitens_the_patches_it_was_fit_on():
+    from anytime.backbones.fastcnn import WhiteningStem
+
+    generator = torch.Generator().manual_seed(0)
+    mixing = torch.randn(3, 3, generator=generator)
+    images = torch.einsum("dc,nchw->ndhw", mixing, torch.randn(200, 3, 16, 16, generator=generator))
+    stem = WhiteningStem(3)
+    stem.init_from_data(images)
+    out = stem.conv(images) - stem.conv.bias[None, :, None, None]
+    half = out[:, :12].permute(0, 2, 3, 1).reshape(-1, 12)
+    assert torch.allclose(torch.cov(half.T), torch.eye(12), atol=0.05)
+    assert torch.allclose(out[:, 12:], -out[:, :12], atol=1e-5)
+    assert not stem.conv.weight.requires_grad
 
 
 def test_diverging_run_stops_with_advice(tmp_path, tiny_config):

@@ -125,13 +125,15 @@ def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
 
 
 def multi_exit_loss(
-    logits: Tensor, labels: Tensor, weights: Tensor, *, distill: float = 0.0, temperature: float = 3.0
+    logits: Tensor, labels: Tensor, weights: Tensor, *, distill: float = 0.0, temperature: float = 3.0,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
-    """``sum_k w_k CE(logits_k, y)`` over exits (``logits`` is ``[K, B, C]``), plus ``distill`` times the
-    self-distillation loss: each earlier exit matches the last exit's softened output
-    (KL divergence at ``temperature``, scaled by its square as in Hinton et al.)."""
+    """``sum_k w_k CE(logits_k, y)`` over exits (``logits`` is ``[K, B, C]``; cross-entropy with
+    ``label_smoothing``), plus ``distill`` times the self-distillation loss: each earlier exit matches the
+    last exit's softened output (KL divergence at ``temperature``, scaled by its square as in Hinton et al.)."""
     num_steps, batch, classes = logits.shape
-    per_exit = F.cross_entropy(logits.reshape(-1, classes), labels.repeat(num_steps), reduction="none")
+    per_exit = F.cross_entropy(logits.reshape(-1, classes), labels.repeat(num_steps), reduction="none",
+                               label_smoothing=label_smoothing)  # fmt: skip
     loss = (per_exit.view(num_steps, batch).mean(dim=1) * weights.to(logits.device)).sum()
     if distill > 0 and num_steps > 1:
         teacher = F.softmax(logits[-1].detach() / temperature, dim=1)

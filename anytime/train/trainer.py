@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from anytime.data import BatchLoader, DatasetSplits, load_dataset, make_loader
+from anytime.data import Augment, BatchLoader, DatasetSplits, load_dataset, make_loader
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
@@ -53,14 +54,67 @@ class EpochEnd:
     run_dir: Path
 
 
-def lr_factor(config: TrainConfig, epoch: int) -> float:
-    """The multiplier of the base learning rate used during ``epoch`` (0-based)."""
+def lr_factor(config: TrainConfig, epoch: int, fraction: float = 0.0) -> float:
+    """The multiplier of the base learning rate ``fraction`` of the way through ``epoch`` (0-based).
+
+    ``cosine``, ``step`` and ``constant`` change once per epoch; ``onecycle`` falls linearly to 0 at the end
+    of the run, every iteration; a ``warmup`` multiplies any of them by a linear rise from 0 over that
+    share of the run.
+    """
+    progress = (epoch + fraction) / config.epochs
     if config.schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
-    if config.schedule == "step":
+        factor = 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
+    elif config.schedule == "step":
         passed = sum(epoch >= math.floor(m * config.epochs) for m in config.step_milestones)
-        return config.step_gamma**passed
-    return 1.0
+        factor = config.step_gamma**passed
+    elif config.schedule == "onecycle":
+        factor = max(0.0, min(1.0, (1.0 - progress) / (1.0 - config.warmup)))
+    else:
+        factor = 1.0
+    if config.warmup > 0 and progress < config.warmup:
+        factor *= progress / config.warmup
+    return factor
+
+
+def per_iteration_lr(config: TrainConfig) -> bool:
+    """Whether the recipe's learning rate changes every iteration (else once per epoch)."""
+    return config.schedule == "onecycle" or config.warmup > 0
+
+
+def weight_average(model: nn.Module, decay: float) -> nn.Module | None:
+    """An exponential moving average of ``model``'s weights and batch-norm statistics (None when ``decay`` is 0).
+
+    The decay warms up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates, so that a short run is not an
+    average dominated by its random initial weights.
+    """
+    if decay <= 0:
+        return None
+    from torch.optim.swa_utils import AveragedModel
+
+    @torch.no_grad()
+    def update(averages: list[Tensor], currents: list[Tensor], updates: Tensor) -> None:
+        n = float(updates)
+        weight = 1.0 - min(decay, (1.0 + n) / (10.0 + n))
+        if averages[0].is_floating_point():
+            torch._foreach_lerp_(averages, currents, weight)
+        else:  # counters such as batch norm's num_batches_tracked follow the model
+            for average, current in zip(averages, currents):
+                average.copy_(current)
+
+    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
+
+
+def init_from_data(model: nn.Module, splits: DatasetSplits, device: torch.device, count: int = 5000) -> None:
+    """Give the layers that initialise themselves from data (e.g. a whitening stem) up to ``count`` training
+    images, un-augmented and normalised, taken in a fixed order so that a run repeats exactly."""
+    takers = [m for m in model.modules() if callable(getattr(m, "init_from_data", None))]
+    if not takers:
+        return
+    from anytime.data.augment import normalize
+
+    images = normalize(splits.train.images[:count], splits.info.mean, splits.info.std).to(device)
+    for module in takers:
+        module.init_from_data(images)
 
 
 def require_checkpoint(run_dir: str | Path, verb: str) -> Path:
@@ -80,8 +134,13 @@ def load_splits(config: TrainConfig) -> DatasetSplits:
 
 
 @torch.no_grad()
-def evaluate_exits(model: nn.Module, loader: BatchLoader, device: torch.device) -> tuple[float, list[float]]:
-    """Mean cross-entropy of the model's (last) output and the accuracy of every exit (one for a plain model)."""
+def evaluate_exits(
+    model: nn.Module, loader: BatchLoader, device: torch.device, *, mirror: bool = False
+) -> tuple[float, list[float]]:
+    """Mean cross-entropy of the model's (last) output and the accuracy of every exit (one for a plain model).
+
+    ``mirror`` averages the logits of each image and its left-right mirror (test-time augmentation).
+    """
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -91,6 +150,8 @@ def evaluate_exits(model: nn.Module, loader: BatchLoader, device: torch.device) 
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
+        if mirror:
+            logits = (logits + model(images.flip(3))) / 2
         if logits.dim() == 2:
             logits = logits.unsqueeze(0)
         loss_sum += F.cross_entropy(logits[-1], labels, reduction="sum").double()
@@ -234,6 +295,10 @@ class Trainer:
             cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
             load_init=state is None,  # a resumed run takes every weight from its checkpoint
         ).to(device)
+        if state is None and cfg.init is None:
+            init_from_data(model, splits, device)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
         self._check_resources(model, info.in_channels, info.image_size)
         optimizer = torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
@@ -241,6 +306,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: lr_factor(cfg, epoch))
         history: list[dict[str, Any]] = []
         start_epoch = 0
+        ema = weight_average(model, cfg.ema)
         if state is not None:
             saved = state.get("dataset", {}).get("fingerprint")
             if saved != info.fingerprint:
@@ -253,16 +319,23 @@ class Trainer:
             scheduler.load_state_dict(state["scheduler"])
             history = list(state["history"])
             start_epoch = int(state["epoch"]) + 1
+            if ema is not None:
+                if "ema" not in state:
+                    raise AnytimeError(f"{checkpoint_path} holds no weight average, but the recipe asks for --ema "
+                                       f"{cfg.ema}; start a new --out")  # fmt: skip
+                ema.load_state_dict(state["ema"])
             if extend:  # the schedule of the new length, from the epoch the run goes on at
                 for group in optimizer.param_groups:
                     group["lr"] = cfg.lr * lr_factor(cfg, start_epoch)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        augment = cfg.augmentation(info.hflip)
         self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
-                           extensions=extensions)  # fmt: skip
+                           extensions=extensions, augment=augment)  # fmt: skip
 
         loader_kw = {"seed": cfg.seed, "workers": cfg.workers, "prefetch_factor": cfg.prefetch_factor,
                      "pin_memory": cfg.pin_memory and device.type == "cuda"}  # fmt: skip
-        train_loader = make_loader(splits.train, info, batch_size=cfg.batch_size, train=True, **loader_kw)
+        train_loader = make_loader(splits.train, info, batch_size=cfg.batch_size, train=True, augment=augment,
+                                   **loader_kw)  # fmt: skip
         val_loader = make_loader(splits.val, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
         clock = Clock(device)
         if self.on_start is not None:
@@ -272,7 +345,8 @@ class Trainer:
                 f"from epoch {start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
             )
         for epoch in range(start_epoch, cfg.epochs):
-            record, phases = self._run_epoch(model, optimizer, train_loader, val_loader, device, clock, epoch, history)
+            record, phases = self._run_epoch(model, ema, optimizer, train_loader, val_loader, device, clock, epoch,
+                                             history)  # fmt: skip
             scheduler.step()
             history.append({"metrics": record, "phases": phases})
             save_checkpoint(
@@ -281,16 +355,24 @@ class Trainer:
                     "epoch": epoch, "config": cfg.to_dict(), "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
                     "dataset": info.to_dict(), "extensions": extensions,
+                    **({"ema": ema.state_dict()} if ema is not None else {}),
                 },
             )  # fmt: skip
             self._write_tables(history)
             if self.on_epoch_end is not None:
                 self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
 
+        final = model if ema is None else ema.module
         test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
-        test_loss, test_accs = evaluate_exits(model, test_loader, device)
-        save_weights(model, self.run_dir / "model.safetensors")
-        summary = self._summary(history, model, device, test_loss, test_accs, info.to_dict())
+        test_loss, test_accs = evaluate_exits(final, test_loader, device)
+        save_weights(final, self.run_dir / "model.safetensors")
+        summary = self._summary(history, final, device, test_loss, test_accs, info.to_dict())
+        summary["augment"] = augment.describe()
+        if cfg.tta:
+            _, mirrored = evaluate_exits(final, test_loader, device, mirror=True)
+            summary["final"]["test_acc_tta"] = mirrored[-1]
+            for entry, acc in zip(summary.get("exits", []), mirrored):
+                entry["test_acc_tta"] = acc
         if extensions:
             summary["extended"] = extensions
         write_json(self.run_dir / "summary.json", summary)
@@ -299,6 +381,7 @@ class Trainer:
     def _run_epoch(
         self,
         model: nn.Module,
+        ema: nn.Module | None,
         optimizer: torch.optim.Optimizer,
         train_loader: BatchLoader,
         val_loader: BatchLoader,
@@ -319,26 +402,32 @@ class Trainer:
         objective_sum = torch.zeros((), device=device, dtype=torch.float64)  # what is minimised
         correct = torch.zeros((), device=device, dtype=torch.int64)
         seen = 0
-        bar = progress_bar(len(train_loader), f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.progress, unit="batch")
+        batches = len(train_loader)
+        bar = progress_bar(batches, f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.progress, unit="batch")
+        stepwise = per_iteration_lr(cfg)
+        memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         epoch_start = tick = clock.now()
         for iteration, (images, labels) in enumerate(train_loader):
-            images = images.to(device, non_blocking=True)
+            images = images.to(device, non_blocking=True, memory_format=memory_format)
             labels = labels.to(device, non_blocking=True)
             t_data = clock.now()
             chosen = model.training_steps() if hasattr(model, "training_steps") else None
-            if chosen is not None and len(chosen) < len(weights):  # the sandwich rule: some slices only
-                logits = torch.stack([model.forward_until(images, k) for k in chosen])  # type: ignore[operator]
-                step_weights = weights[chosen]
-            else:
-                logits, step_weights = model(images), weights
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
+                if chosen is not None and len(chosen) < len(weights):  # the sandwich rule: some slices only
+                    logits = torch.stack([model.forward_until(images, k) for k in chosen])  # type: ignore[operator]
+                    step_weights = weights[chosen]
+                else:
+                    logits, step_weights = model(images), weights
+            logits = logits.float()
             multi_exit = logits.dim() == 3
             if multi_exit:
                 loss = multi_exit_loss(
-                    logits, labels, step_weights, distill=cfg.distill, temperature=cfg.distill_temperature
+                    logits, labels, step_weights, distill=cfg.distill, temperature=cfg.distill_temperature,
+                    label_smoothing=cfg.label_smoothing,
                 )
                 logits = logits[-1]
             else:
-                loss = F.cross_entropy(logits, labels)
+                loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
             with torch.no_grad():
                 objective_sum += loss.detach().double() * labels.numel()
                 last_loss = F.cross_entropy(logits, labels) if multi_exit else loss
@@ -348,7 +437,12 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             t_backward = clock.now()
+            if stepwise:
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr * lr_factor(cfg, epoch, (iteration + 1) / batches)
             optimizer.step()
+            if ema is not None:
+                ema.update_parameters(model)  # type: ignore[operator]
             t_step = clock.now()
             log.add(t_data - tick, t_forward - t_data, t_backward - t_forward, t_step - t_backward, labels.numel())
             seen += labels.numel()
@@ -362,7 +456,7 @@ class Trainer:
                 )
         bar.close()
         train_s = clock.now() - epoch_start
-        val_loss, val_accs = evaluate_exits(model, val_loader, device)
+        val_loss, val_accs = evaluate_exits(model if ema is None else ema.module, val_loader, device)
         val_acc = val_accs[-1]
         epoch_s = clock.now() - epoch_start
         train_loss = float(loss_sum) / max(seen, 1)
@@ -418,7 +512,7 @@ class Trainer:
 
     def _write_config(
         self, dataset: dict[str, Any], device: torch.device, resumed_from: int | None,
-        extensions: list[dict[str, Any]] | None = None,
+        extensions: list[dict[str, Any]] | None = None, augment: Augment | None = None,
     ) -> None:  # fmt: skip
         path = self.run_dir / "config.json"
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -429,6 +523,7 @@ class Trainer:
             "machine": describe_machine(self.config.data_root),
             "git_sha": git_sha(),
             "created": now,
+            **({"augment": dataclasses.asdict(augment)} if augment is not None else {}),
             **self.extra_config,
         }
         if resumed_from is not None and path.exists():
