@@ -61,13 +61,23 @@ def run(main: Callable[[], int]) -> None:
     raise SystemExit(code)
 
 
-def exit_run_dir(run_dir: Path, quick: bool) -> Path:
-    """The multi-exit CIFAR-10 run a benchmark uses: ``--run``, or its ``-quick`` sibling in quick mode."""
+def add_exit_run_options(p: argparse.ArgumentParser) -> None:
+    """``--card`` (the multi-exit recipe, default the ResNet-32 card) and ``--run`` (default runs/CARD)."""
+    p.add_argument("--card", type=Path, default=EXITS_CARD, help="the multi-exit card to train if --run is not there")
+    p.add_argument("--run", type=Path, help="run directory (default runs/CARD_NAME)")
+
+
+def exit_run_dir(run_dir: Path | None, quick: bool, card: Path = EXITS_CARD) -> Path:
+    """The multi-exit CIFAR-10 run a benchmark uses: ``--run`` (default runs/CARD_NAME), or its ``-quick``
+    sibling in quick mode."""
+    run_dir = run_dir if run_dir is not None else REPO / "runs" / card.stem
     return run_dir.with_name(run_dir.name + "-quick") if quick else run_dir
 
 
-def prepare_exit_run(run_dir: Path, quick: bool, *, max_drop: float) -> tuple[dict[str, Any], str, dict[str, Any]]:
-    """Train the card models/cifar10-resnet32-exits.toml into ``run_dir`` if it is not there (resuming an
+def prepare_exit_run(
+    run_dir: Path, quick: bool, *, max_drop: float, card_path: Path = EXITS_CARD
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """Train the card ``card_path`` (default models/cifar10-resnet32-exits.toml) into ``run_dir`` if it is not there (resuming an
     interrupted run), cache both splits' exit outputs, and calibrate every criterion on validation for at
     most ``max_drop`` points below the last exit; the criterion with the fewest validation FLOPs becomes
     ``RUN/calibration.json``. Quick mode trains 1 epoch on 2000 images: a smoke run, not figures."""
@@ -77,12 +87,12 @@ def prepare_exit_run(run_dir: Path, quick: bool, *, max_drop: float) -> tuple[di
     from anytime.train import Trainer, load_card
     from anytime.train.trainer import CHECKPOINT
 
-    card = load_card(EXITS_CARD)
+    card = load_card(card_path)
     config = card.config.replace(epochs=1, limit_train=2000) if quick else card.config
     if not (run_dir / "model.safetensors").is_file():
         resume = (run_dir / CHECKPOINT).is_file()
         print(f"{'resuming' if resume else 'training'} {card.name} in {run_dir} ({config.epochs} epochs)...")
-        Trainer(config, run_dir, extra_config={"card": str(EXITS_CARD)}).fit(resume=resume)
+        Trainer(config, run_dir, extra_config={"card": str(card_path)}).fit(resume=resume)
     fingerprint = run_fingerprint(run_dir)
     for split in ("val", "test"):
         try:

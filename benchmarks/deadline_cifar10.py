@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import REPO, exit_run_dir, parser, prepare_exit_run, report, run
+from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
@@ -110,15 +110,15 @@ def _serve(runners: dict[str, AnytimeRunner], images: torch.Tensor, labels: torc
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
+    add_exit_run_options(p)
     p.add_argument("--images", type=int, default=1000, help="test images answered per deadline and runtime")
     p.add_argument("--hindsight-images", type=int, default=500, help="test images timed per exit for the oracle")
     p.add_argument("--no-policy", action="store_true", help="no confident early exits: go as deep as the deadline allows")
     args = p.parse_args()
-    run_dir = exit_run_dir(args.run, args.quick)
+    run_dir = exit_run_dir(args.run, args.quick, args.card)
     count, hindsight_count = (60, 50) if args.quick else (args.images, args.hindsight_images)
     deadlines_per_load = 4 if args.quick else DEADLINES
-    _, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP)
+    _, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
     print(f"profiling {run_dir} on the quiet machine ({PROFILE_REPEATS} repeats at batch 1)...")
     profile, profile_path = profile_run(run_dir, batch_sizes=[1], repeats=200 if args.quick else PROFILE_REPEATS,
                                         memory=False)  # fmt: skip

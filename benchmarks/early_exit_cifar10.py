@@ -12,9 +12,8 @@ interleaved. Ratio: the backbone's mean latency / early exit's. Target: at least
 
 from __future__ import annotations
 
-from pathlib import Path
 
-from common import REPO, exit_run_dir, parser, prepare_exit_run, report, run
+from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.pipeline import evaluate_run, plot_run
 
@@ -24,12 +23,12 @@ MAX_DROP = 1.0  # accuracy points below the last exit
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits", help="run directory")
+    add_exit_run_options(p)
     p.add_argument("--latency-samples", type=int, default=10_000, help="test images timed at batch 1")
     args = p.parse_args()
-    run_dir = exit_run_dir(args.run, args.quick)
+    run_dir = exit_run_dir(args.run, args.quick, args.card)
     latency_samples = 100 if args.quick else args.latency_samples
-    candidates, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP)
+    candidates, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
     evaluation = evaluate_run(run_dir, latency_samples=latency_samples)
     plot_run(run_dir)
     val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]

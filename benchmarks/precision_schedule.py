@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from common import REPO, exit_run_dir, parser, prepare_exit_run, report, run
+from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.pipeline import calibrate_run, collect_run, profile_run
 from anytime.scheduler.query import precision_scheduler, scheduler_for_run
@@ -36,10 +36,10 @@ def _profiled(run_dir: Path, repeats: int) -> None:
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--run", type=Path, default=REPO / "runs" / "cifar10-resnet32-exits")
+    add_exit_run_options(p)
     args = p.parse_args()
-    run_dir = exit_run_dir(args.run, args.quick)
-    prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP)
+    run_dir = exit_run_dir(args.run, args.quick, args.card)
+    prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
     from anytime.quantize import quantize_run
     from anytime.train.records import precision_record, run_weights_fingerprint
 
