@@ -169,7 +169,11 @@ def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run,
     assert runner.predict(torch.randn(1, 1, 8, 8), 1e4).reason == "chosen"
     capsys.readouterr()
     assert main(["schedule", str(ladder), "--deadline-ms", "1e-6", "--quantile", "0.9"]) == 0
-    assert json.loads(capsys.readouterr().out)["option"] == "0/9 blocks"
+    answer = json.loads(capsys.readouterr().out)
+    # Below every option the answer is the cheapest one as profiled: with 10 timed repeats the fewest blocks is
+    # not always the fastest at p90 on a busy machine, so the expectation is read from the profile, not assumed.
+    cheapest = min(answer["frontier"], key=lambda o: o["latency_ms"])["option"]
+    assert answer["option"] == cheapest and answer["fits"] is False and cheapest.endswith("/9 blocks")
 
 
 def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_path):
