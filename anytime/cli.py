@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "crop for digits)")
     train.add_argument("--padding", type=_non_negative_int, metavar="PX", help="zero padding of random crops (default 4)")
     train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                       help="channels-last memory layout (faster convolutions on CPUs with oneDNN; same results)")
+                       help="channels-last memory layout (faster convolutions on CPUs with oneDNN; the same results up to "
+                            "float rounding)")
     train.add_argument("--tta", action=argparse.BooleanOptionalAction, default=None,
                        help="also report test accuracy averaged over each image and its mirror, apart")
     train.add_argument("--seed", type=_non_negative_int, metavar="S")

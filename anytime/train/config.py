@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from anytime.data.augment import AUGMENT_POLICIES, DEFAULT_PADDING, Augment, default_augment
+from anytime.data.augment import DEFAULT_PADDING, Augment, default_augment
 from anytime.errors import AnytimeError
 from anytime.wrappers.slicing import SLICE_KINDS
 
@@ -136,9 +136,6 @@ class TrainConfig:
              "distillation (from the last exit or the widest slice to the others) needs --exits or --slices"),
             (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
              f"distillation temperature must be > 0 (got {self.distill_temperature})"),
-            (self.augment is None or self.augment in AUGMENT_POLICIES,
-             f"unknown augmentation '{self.augment}'; choose one of {', '.join(AUGMENT_POLICIES)}"),
-            (self.padding >= 0, f"--padding is a number of pixels >= 0 (got {self.padding})"),
             (math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 1,
              f"label smoothing is in [0, 1) (got {self.label_smoothing})"),
             (math.isfinite(self.warmup) and 0 <= self.warmup < 1,
@@ -150,6 +147,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise AnytimeError(message)
+        self.augmentation(dataset_hflip=True)  # Augment refuses an unknown policy or a negative padding
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of every field."""
