@@ -66,7 +66,10 @@ FAST_RECIPE = {"schedule": "onecycle", "warmup": 0.3, "ema": 0.9, "label_smoothi
                "nesterov": True}  # fmt: skip
 
 
-@pytest.mark.parametrize("recipe", [{}, FAST_RECIPE], ids=["plain", "fast"])
+NORM_BIAS_RECIPE = {"model": "resnet20", "batch_size": 128, "norm_bias_lr_scale": 8.0, "schedule": "onecycle"}
+
+
+@pytest.mark.parametrize("recipe", [{}, FAST_RECIPE, NORM_BIAS_RECIPE], ids=["plain", "fast", "norm-bias-lr"])
 def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_config, recipe):
     tiny_config = tiny_config.replace(**recipe)
     whole = tmp_path / "whole"
@@ -259,6 +262,31 @@ def test_whitening_stem_whitens_the_patches_it_was_fit_on():
     assert torch.allclose(torch.cov(half.T), torch.eye(12), atol=0.05)
     assert torch.allclose(out[:, 12:], -out[:, :12], atol=1e-5)
     assert not stem.conv.weight.requires_grad
+
+
+def test_normalisation_biases_get_their_own_learning_rate_and_the_same_decay_per_step(tmp_path, tiny_config):
+    from anytime.backbones import create_model
+    from anytime.train.trainer import parameter_groups
+
+    model = create_model("fastcnn")
+    config = tiny_config.replace(lr=0.5, weight_decay=1e-3, norm_bias_lr_scale=64.0)
+    biases, rest = parameter_groups(model, config)
+    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert {id(p) for p in biases["params"]} == norm_biases
+    assert biases["lr"] == 32.0 and biases["lr"] * biases["weight_decay"] == pytest.approx(0.5 * 1e-3)
+    assert all(id(p) not in norm_biases and p.requires_grad for p in rest["params"])
+    assert (rest["lr"], rest["weight_decay"]) == (0.5, 1e-3)
+    assert len(parameter_groups(model, config.replace(norm_bias_lr_scale=1.0))) == 1  # old checkpoints resume
+    assert len(parameter_groups(create_model("lenet"), config)) == 1  # no norms: one group
+
+
+def test_fastcnn_convolutions_start_as_identities_where_they_can():
+    from anytime.backbones.fastcnn import _conv
+
+    x = torch.randn(1, 24, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(_conv(24, 64)(x)[:, :24], x, atol=1e-6)
+        assert not torch.allclose(_conv(24, 64)(x)[:, 24:48], x, atol=1e-2)  # the rest stay random
 
 
 def test_diverging_run_stops_with_advice(tmp_path, tiny_config):

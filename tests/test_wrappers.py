@@ -156,6 +156,17 @@ def test_conv_heads_cost_more_than_linear_ones():
     assert costs["linear"] < costs["pool"] < costs["conv"]
 
 
+def test_the_scaled_head_is_the_pool_head_with_its_logits_scaled_by_its_width():
+    pool = attach_exits(create_model("resnet20"), "auto", head="pool").eval()
+    scaled = attach_exits(create_model("resnet20"), "auto", head="scaled").eval()
+    scaled.load_state_dict(pool.state_dict())  # same parameters: the scale has none
+    x = torch.randn(2, 3, 32, 32)
+    features = pool.heads[0][2].in_features
+    with torch.no_grad():
+        assert torch.allclose(scaled.heads[0](pool.segments[0](x)), pool.heads[0](pool.segments[0](x)) * 2 / features**0.5,
+                              atol=1e-6)  # fmt: skip
+
+
 def test_unknown_head_is_refused():
     with pytest.raises(AnytimeError, match="unknown exit head"):
         attach_exits(create_model("resnet20"), head="mlp")

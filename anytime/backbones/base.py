@@ -74,6 +74,21 @@ def classifier_head(channels: int, num_classes: int, *, pre: nn.Module | None = 
     return nn.Sequential(*layers)
 
 
+class Scale(nn.Module):
+    """Multiply by a fixed number (the classifier's temperature)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` times the factor."""
+        return x * self.factor
+
+    def extra_repr(self) -> str:
+        return f"factor={self.factor}"
+
+
 def conv_bn(
     cin: int, cout: int, kernel: int = 3, stride: int = 1, *, groups: int = 1, act: type[nn.Module] | None = nn.ReLU
 ) -> nn.Sequential:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from anytime.backbones.base import StagedBackbone
+from anytime.backbones.base import Scale, StagedBackbone
 from anytime.backbones.registry import register_model
 
 _PATCHES = 100_000  # image patches whose covariance sets the whitening filters: plenty for 12 dimensions
@@ -54,33 +54,27 @@ class WhiteningStem(nn.Module):
         return self.act(self.conv(x))
 
 
-class Scale(nn.Module):
-    """Multiply by a fixed number (the classifier's temperature)."""
-
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``x`` times the factor."""
-        return x * self.factor
-
-    def extra_repr(self) -> str:
-        return f"factor={self.factor}"
-
-
 def _bn(channels: int) -> nn.BatchNorm2d:
     bn = nn.BatchNorm2d(channels, momentum=0.4)  # short runs: running statistics that follow the weights
     bn.weight.requires_grad_(False)
     return bn
 
 
+def _conv(cin: int, cout: int) -> nn.Conv2d:
+    """A 3x3 convolution whose first ``min(cin, cout)`` filters start as the identity (dirac), the rest random:
+    a deep-ish stack of them starts close to passing its input through, which trains faster."""
+    conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+    with torch.no_grad():
+        nn.init.dirac_(conv.weight[: min(cin, cout)])
+    return conv
+
+
 def conv_group(cin: int, cout: int, convs: int = 2) -> nn.Sequential:
     """Blocks ``conv -> max-pool -> BN -> GELU``, then ``convs - 1`` times ``conv -> BN -> GELU`` (exits may
     attach after any block)."""
-    blocks = [nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.MaxPool2d(2), _bn(cout), nn.GELU())]
+    blocks = [nn.Sequential(_conv(cin, cout), nn.MaxPool2d(2), _bn(cout), nn.GELU())]
     for _ in range(convs - 1):
-        blocks.append(nn.Sequential(nn.Conv2d(cout, cout, 3, padding=1, bias=False), _bn(cout), nn.GELU()))
+        blocks.append(nn.Sequential(_conv(cout, cout), _bn(cout), nn.GELU()))
     return nn.Sequential(*blocks)
 
 

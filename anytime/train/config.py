@@ -14,7 +14,7 @@ from anytime.wrappers.slicing import SLICE_KINDS
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step", "onecycle")
 AMP: tuple[str, ...] = ("off", "bf16")
 EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
-EXIT_HEADS: tuple[str, ...] = ("pool", "linear", "conv")  # the designs of anytime.wrappers.exit_head
+EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the designs of anytime.wrappers.exit_head
 LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
                                     "slices": str, "ladder": str, "augment": str}  # fmt: skip
@@ -47,7 +47,8 @@ class TrainConfig:
     also ramps the other schedules); ``ema``, the decay per step of an exponential moving average of the
     weights and batch-norm statistics, which is what is validated and saved; ``amp`` ``bf16`` (autocast of
     the forward pass to bfloat16: AMX/AVX-512 CPUs and recent GPUs run it several times faster, and the
-    weights stay float32). ``channels_last`` and ``tta`` (also report test accuracy averaged over each image
+    weights stay float32); ``norm_bias_lr_scale`` multiplies the learning rate of normalisation layers' biases
+    (airbench's 64), their weight decay divided by as much so that it shrinks them no faster. ``channels_last`` and ``tta`` (also report test accuracy averaged over each image
     and its mirror, apart from the plain figure) change no weight.
     """
 
@@ -84,6 +85,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     warmup: float = 0.0
     ema: float = 0.0
+    norm_bias_lr_scale: float = 1.0
     amp: str = "off"
     # Speed-only knobs: they change how fast, never what is computed.
     device: str = "auto"
@@ -142,6 +144,8 @@ class TrainConfig:
              f"warm-up is a fraction of the run in [0, 1) (got {self.warmup})"),
             (math.isfinite(self.ema) and 0 <= self.ema < 1,
              f"--ema is a decay per step in [0, 1), e.g. 0.999; 0 turns it off (got {self.ema})"),
+            (math.isfinite(self.norm_bias_lr_scale) and self.norm_bias_lr_scale > 0,
+             f"--norm-bias-lr-scale multiplies a learning rate: it must be > 0 (got {self.norm_bias_lr_scale})"),
             (self.amp in AMP, f"unknown --amp '{self.amp}'; choose one of {', '.join(AMP)}"),
         ]
         for ok, message in checks:

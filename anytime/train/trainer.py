@@ -76,6 +76,21 @@ def lr_factor(config: TrainConfig, epoch: int, fraction: float = 0.0) -> float:
     return factor
 
 
+def parameter_groups(model: nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
+    """The optimiser's groups of trainable parameters: normalisation layers' biases (learning rate times
+    ``norm_bias_lr_scale``, weight decay divided by it, so their decay per step is unchanged), then the rest."""
+    norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, norms) and m.bias is not None}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    scale = config.norm_bias_lr_scale
+    biases = [p for p in trainable if id(p) in norm_biases]
+    rest = [p for p in trainable if id(p) not in norm_biases]
+    if scale == 1.0 or not biases:
+        return [{"params": trainable, "lr": config.lr, "weight_decay": config.weight_decay}]
+    return [{"params": biases, "lr": config.lr * scale, "weight_decay": config.weight_decay / scale},
+            {"params": rest, "lr": config.lr, "weight_decay": config.weight_decay}]  # fmt: skip
+
+
 def per_iteration_lr(config: TrainConfig) -> bool:
     """Whether the recipe's learning rate changes every iteration (else once per epoch)."""
     return config.schedule == "onecycle" or config.warmup > 0
@@ -300,9 +315,7 @@ class Trainer:
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self._check_resources(model, info.in_channels, info.image_size)
-        optimizer = torch.optim.SGD(
-            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
-        )
+        optimizer = torch.optim.SGD(parameter_groups(model, cfg), momentum=cfg.momentum, nesterov=cfg.nesterov)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: lr_factor(cfg, epoch))
         history: list[dict[str, Any]] = []
         start_epoch = 0
@@ -326,7 +339,7 @@ class Trainer:
                 ema.load_state_dict(state["ema"])
             if extend:  # the schedule of the new length, from the epoch the run goes on at
                 for group in optimizer.param_groups:
-                    group["lr"] = cfg.lr * lr_factor(cfg, start_epoch)
+                    group["lr"] = group["initial_lr"] * lr_factor(cfg, start_epoch)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         augment = cfg.augmentation(info.hflip)
         self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
@@ -438,8 +451,9 @@ class Trainer:
             loss.backward()
             t_backward = clock.now()
             if stepwise:
+                factor = lr_factor(cfg, epoch, (iteration + 1) / batches)
                 for group in optimizer.param_groups:
-                    group["lr"] = cfg.lr * lr_factor(cfg, epoch, (iteration + 1) / batches)
+                    group["lr"] = group["initial_lr"] * factor
             optimizer.step()
             if ema is not None:
                 ema.update_parameters(model)  # type: ignore[operator]

@@ -7,17 +7,18 @@ sized to it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 
-from anytime.backbones.base import StagedBackbone
+from anytime.backbones.base import Scale, StagedBackbone
 from anytime.errors import AnytimeError
 from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
 
-HEADS: tuple[str, ...] = ("pool", "linear", "conv")
+HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")
 SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
 
 
@@ -28,7 +29,10 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     ``pool``: after SDN's head, average pooling to at most 4x4, then a linear layer (cheap in FLOPs, keeps
     some spatial layout). SDN mixes max and average pooling; the max branch made training diverge at
     learning rates the backbones train well with (0.05 on the digits), so it is left out. ``conv``: BranchyNet-like, a strided 3x3 conv-BN-ReLU, global pooling and
-    a linear layer (the most expressive and the most expensive).
+    a linear layer (the most expressive and the most expensive). ``scaled``: ``pool`` with its logits
+    multiplied by ``2 / sqrt(features)``, as airbench-style nets scale their own classifier (1/9 for 256
+    features): a step of the learning rate then moves the logits about as much whatever the exit's width, so the
+    high rates of the fast recipes do not blow up a head that reads thousands of features.
     """
     if kind not in HEADS:
         raise AnytimeError(f"unknown exit head '{kind}'; choose one of {', '.join(HEADS)}")
@@ -37,9 +41,11 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     channels, height, width = shape
     if kind == "linear":
         return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
-    if kind == "pool":
+    if kind in ("pool", "scaled"):
         size = min(4, height, width)
-        return nn.Sequential(nn.AdaptiveAvgPool2d(size), nn.Flatten(), nn.Linear(channels * size * size, num_classes))
+        features = channels * size * size
+        layers = [nn.AdaptiveAvgPool2d(size), nn.Flatten(), nn.Linear(features, num_classes)]
+        return nn.Sequential(*layers, *([Scale(2 / math.sqrt(features))] if kind == "scaled" else []))
     stride = 2 if min(height, width) >= 8 else 1
     return nn.Sequential(
         nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels),
