@@ -360,6 +360,44 @@ def test_cifar10_python_batches(tmp_path: Path) -> None:
     assert np.array_equal(splits.test.images.reshape(6, -1).numpy(), raw[b"data"])
 
 
+def _write_cifar100(folder: Path, rows: int = 300) -> None:
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for name, count in (("train", rows), ("test", rows // 3)):
+        labels = [i % 100 for i in range(count)]  # every class present, so a stratified split works
+        batch = {b"fine_labels": labels, b"coarse_labels": [v // 5 for v in labels],
+                 b"data": rng.integers(0, 256, (count, 3072), dtype=np.uint8)}  # fmt: skip
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    (folder / "meta").write_bytes(pickle.dumps({b"fine_label_names": [f"c{i}".encode() for i in range(100)]}))
+
+
+def test_cifar100_python_folder(tmp_path: Path) -> None:
+    _write_cifar100(tmp_path / "cifar-100-python")
+    for root in (tmp_path, tmp_path / "cifar-100-python"):
+        splits = load_dataset("cifar100", root, cache_dir=tmp_path / "cache", val_fraction=0.2)
+        assert len(splits.train) + len(splits.val) == 300 and len(splits.test) == 100
+        assert splits.info.num_classes == 100 and splits.info.classes[7] == "c7" and splits.info.hflip
+    raw = pickle.loads((tmp_path / "cifar-100-python" / "test").read_bytes())
+    assert np.array_equal(splits.test.labels.numpy(), np.asarray(raw[b"fine_labels"]))
+
+
+def test_cifar100_absent_or_wrong_says_where_to_put_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ANYTIME_CIFAR100", raising=False)
+    with pytest.raises(AnytimeError, match=r"no CIFAR-100 found .*shared/data/cifar100.*--data-root"):
+        load_dataset("cifar100", cache_dir=tmp_path / "cache")
+    _write_batches(tmp_path / "c10" / "cifar-10-batches-py")  # CIFAR-10 where CIFAR-100 was asked for
+    with pytest.raises(AnytimeError, match="no CIFAR-100 found"):
+        load_dataset("cifar100", tmp_path / "c10", cache_dir=tmp_path / "cache")
+    bad = tmp_path / "bad" / "cifar-100-python"
+    _write_cifar100(bad)
+    batch = pickle.loads((bad / "train").read_bytes())
+    batch[b"fine_labels"][0] = 100
+    (bad / "train").write_bytes(pickle.dumps(batch))
+    with pytest.raises(AnytimeError, match="labels outside 0..99"):
+        load_dataset("cifar100", bad, cache_dir=tmp_path / "cache")
+
+
 class _Exploit:
     def __init__(self, marker: Path) -> None:
         self.marker = marker

@@ -24,7 +24,7 @@ from anytime.data.base import (
     make_split,
     stratified_pick,
 )
-from anytime.data.cifar10 import load_cifar10
+from anytime.data.cifar10 import load_cifar10, load_cifar100
 from anytime.data.digits import load_digits_raw
 from anytime.data.imagefolder import cache_path_for, load_folder, scan_folder
 from anytime.data.loader import BatchLoader, make_loader
@@ -33,7 +33,7 @@ from anytime.errors import AnytimeError
 from anytime.utils.resources import check_memory
 from anytime.utils.seed import derive_seed
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "folder", "synthetic")
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "folder", "synthetic")
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_COUNT = 1797  # scikit-learn's bundled handwritten digits
 CIFAR10_COUNT = 60_000
@@ -77,8 +77,8 @@ def _check_image_memory(name: str, root: str | os.PathLike[str] | None, image_si
         count = DIGITS_COUNT
     elif name == "synthetic":
         count = SYNTHETIC_TRAIN + SYNTHETIC_TEST
-    elif name == "cifar10":
-        count = CIFAR10_COUNT
+    elif name in ("cifar10", "cifar100"):
+        count = CIFAR10_COUNT  # both: 50,000 + 10,000 images
     elif root is not None and Path(root).is_dir():
         scan = scan_folder(root)
         count = len(scan.train) + len(scan.test)
@@ -101,6 +101,8 @@ def _load_raw(
         return load_synthetic_raw(seed, image_size)
     if name == "cifar10":
         return load_cifar10(root, image_size=image_size, cache_dir=cache_dir)
+    if name == "cifar100":
+        return load_cifar100(root, image_size=image_size, cache_dir=cache_dir)
     if root is None:
         raise AnytimeError(
             "the folder dataset needs a root: pass --data-root PATH holding train/<class>/* and test/<class>/*"

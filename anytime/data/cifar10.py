@@ -1,4 +1,4 @@
-"""CIFAR-10 from disk (never downloaded): torchvision's python batches or an image-folder tree."""
+"""CIFAR-10 and CIFAR-100 from disk (never downloaded): torchvision's python batches or an image-folder tree."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def safe_unpickle(path: Path) -> Any:
         data = path.read_bytes()
         return _RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
     except pickle.UnpicklingError as error:
-        raise AnytimeError(f"refusing to load {path}: {error}; it is not a genuine CIFAR-10 batch file") from None
+        raise AnytimeError(f"refusing to load {path}: {error}; it is not a genuine CIFAR batch file") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as error:
-        raise AnytimeError(f"cannot read CIFAR-10 batch {path} ({type(error).__name__}: {error})") from None
+        raise AnytimeError(f"cannot read CIFAR batch {path} ({type(error).__name__}: {error})") from None
 
 
 def _get(batch: Any, key: str, path: Path) -> Any:
@@ -74,17 +74,18 @@ def _get(batch: Any, key: str, path: Path) -> Any:
         for k in (key.encode(), key):
             if k in batch:
                 return batch[k]
-    raise AnytimeError(f"{path} has no {key!r} entry; it is not a CIFAR-10 python batch")
+    raise AnytimeError(f"{path} has no {key!r} entry; it is not a CIFAR python batch")
 
 
-def _read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _read_batch(path: Path, label_key: str = "labels", classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
     batch = safe_unpickle(path)
     data = np.asarray(_get(batch, "data", path))
-    labels = np.asarray(_get(batch, "labels", path), dtype=np.int64)
+    labels = np.asarray(_get(batch, label_key, path), dtype=np.int64)
+    what = f"CIFAR-{classes}"
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
-        raise AnytimeError(f"{path} does not hold uint8 [N, 3072] data with N labels; it is not a CIFAR-10 batch")
-    if len(labels) and (labels.min() < 0 or labels.max() >= 10):
-        raise AnytimeError(f"{path} has labels outside 0..9; it is not a CIFAR-10 batch")
+        raise AnytimeError(f"{path} does not hold uint8 [N, 3072] data with N labels; it is not a {what} batch")
+    if len(labels) and (labels.min() < 0 or labels.max() >= classes):
+        raise AnytimeError(f"{path} has labels outside 0..{classes - 1}; it is not a {what} batch")
     return data.reshape(-1, 3, 32, 32), labels
 
 
@@ -175,4 +176,76 @@ def load_cifar10(
     raise AnytimeError(
         f"no CIFAR-10 found (tried {'; '.join(tried)}); expected {FORMATS}; "
         "pass the path with --data-root or set ANYTIME_CIFAR10 (nothing is downloaded)"
+    )
+
+
+CIFAR100_MEAN: tuple[float, ...] = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD: tuple[float, ...] = (0.2673, 0.2564, 0.2762)
+CIFAR100_DIR = "cifar-100-python"
+CIFAR100_FORMATS = (
+    f"torchvision's {CIFAR100_DIR}/ folder (files train, test and meta) or its parent, or an image folder with "
+    "train/<class>/* and test/<class>/* of 100 classes"
+)
+
+
+def _cifar100_dir(path: Path) -> Path | None:
+    for candidate in (path, path / CIFAR100_DIR):
+        if (candidate / "train").is_file() and (candidate / "test").is_file():
+            return candidate
+    return None
+
+
+def _load_cifar100(folder: Path) -> dict[str, np.ndarray]:
+    train_images, train_labels = _read_batch(folder / "train", "fine_labels", 100)
+    test_images, test_labels = _read_batch(folder / "test", "fine_labels", 100)
+    return {"train_images": train_images, "train_labels": train_labels, "test_images": test_images,
+            "test_labels": test_labels}  # fmt: skip
+
+
+def _cifar100_names(folder: Path) -> tuple[str, ...]:
+    meta_path = folder / "meta"
+    if meta_path.is_file():
+        names = _get(safe_unpickle(meta_path), "fine_label_names", meta_path)
+        decoded = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+        if len(decoded) == 100:
+            return decoded
+    return tuple(f"class{i}" for i in range(100))
+
+
+def load_cifar100(
+    root: str | os.PathLike[str] | None,
+    *,
+    image_size: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> RawDataset:
+    """Find CIFAR-100 (its 100 fine labels) on disk: ``root`` if given, else ``$ANYTIME_CIFAR100``,
+    ``./data/cifar100`` and ``../shared/data/cifar100``; decoded through the uint8 cache."""
+    candidates = [Path(root).expanduser()] if root is not None else [
+        *([Path(os.environ["ANYTIME_CIFAR100"]).expanduser()] if os.environ.get("ANYTIME_CIFAR100") else []),
+        Path("data") / "cifar100", Path("..") / "shared" / "data" / "cifar100",
+    ]  # fmt: skip
+    tried = []
+    for candidate in candidates:
+        resolved = candidate.resolve()
+        tried.append(str(resolved))
+        folder = _cifar100_dir(resolved)
+        if folder is not None:
+            fingerprint = _batch_fingerprint(folder)
+            arrays = cached_arrays("cifar100-py", folder, fingerprint, functools.partial(_load_cifar100, folder),
+                                   image_size=None, cache_dir=cache_dir)  # fmt: skip
+            return RawDataset(
+                name="cifar100", classes=_cifar100_names(folder),
+                train_images=arrays["train_images"], train_labels=arrays["train_labels"],
+                test_images=arrays["test_images"], test_labels=arrays["test_labels"],
+                hflip=True, source=str(folder), fingerprint=fingerprint, mean=CIFAR100_MEAN, std=CIFAR100_STD,
+            )  # fmt: skip
+        if is_image_folder(resolved):
+            raw = load_folder(resolved, name="cifar100", image_size=image_size, cache_dir=cache_dir, hflip=True)
+            if len(raw.classes) != 100:
+                raise AnytimeError(f"{resolved} holds {len(raw.classes)} classes, CIFAR-100 has 100; load it with "
+                                   "the 'folder' dataset")  # fmt: skip
+            return RawDataset(**{**raw.__dict__, "mean": CIFAR100_MEAN, "std": CIFAR100_STD})
+    raise AnytimeError(
+        f"no CIFAR-100 found (tried {'; '.join(tried)}); put {CIFAR100_FORMATS} at ../shared/data/cifar100 or "
+        "./data/cifar100, or pass --data-root PATH or set ANYTIME_CIFAR100 (nothing is downloaded)"
     )
