@@ -111,3 +111,26 @@ def test_tree_memory_counts_child_processes():
     assert sampler.peak_processes_ >= 2
     assert sampler.peak_rss_bytes_ > 150 * 2**20
     assert peak_rss_bytes() > 0
+
+
+def test_threads_leave_the_busy_cores_to_their_owners():
+    from anytime.utils.threads import busy_cores, choose_threads
+
+    assert choose_threads(cores=2, busy=(0.1, "test")).threads == 2
+    assert choose_threads(cores=2, busy=(1.0, "test")).threads == 1
+    assert choose_threads(cores=2, busy=(2.7, "test")).threads == 1  # never fewer than one
+    assert choose_threads(cores=8, busy=(2.4, "test")).threads == 6
+    readings = iter([(100, 400), (250, 600)])  # 150 of 200 jiffies busy
+    load, source = busy_cores(read=lambda: next(readings), sleep=lambda s: None)
+    assert source == "/proc/stat" and abs(load - 0.75 * (os.cpu_count() or 1)) < 1e-9
+    choice = choose_threads(cores=4, busy=(1.2, "test"))
+    assert choice.to_dict() == {"threads": 3, "cores": 4, "busy_cores": 1.2, "source": "test"}
+
+
+def test_proc_stat_is_read_as_busy_and_total_jiffies(tmp_path):
+    from anytime.utils.threads import _cpu_times
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 20 800 30 1 2 3 0 0\ncpu0 50 2 10 400 15 0 1 1 0 0\n")
+    assert _cpu_times(str(stat)) == (100 + 5 + 20 + 1 + 2 + 3, 961)
+    assert _cpu_times(str(tmp_path / "missing")) is None
