@@ -84,6 +84,34 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _threads(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads or 'auto', got '{text}'")
+    return value
+
+
+THREADS_HELP = "auto: the cores other processes leave free (measured over 0.25 s), at least 1"
+
+
+def _form(text: str) -> str:
+    from anytime.inference import InferenceForm
+
+    try:
+        return InferenceForm.parse(text).name
+    except AnytimeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+FORM_HELP = ("inference form: eager (default), or any of fold (batch norm into the convolutions), channels-last, "
+             "compile, joined by '+'")
+
+
 class _Parser(argparse.ArgumentParser):
     """Argument errors in one line, like every other error, pointing at the command's help."""
 
@@ -125,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
                             "other options override it")
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
-    train.add_argument("--data", choices=["digits", "cifar10", "folder", "synthetic"], help="default digits")
+    train.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic"], help="default digits")
     train.add_argument("--data-root", metavar="PATH",
-                       help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10)")
+                       help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
+                            "cifar100 likewise)")
     train.add_argument("--image-size", type=_positive_int, metavar="PX", help="resize images (folder data)")
     train.add_argument("--val-fraction", type=_finite_float, metavar="F", help="share of training data held out")
     train.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only (quick runs)")
@@ -146,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ema", type=_finite_float, metavar="DECAY",
                        help="validate and keep an exponential moving average of the weights, this decay per step "
                             "(e.g. 0.99; default 0: off)")
+    train.add_argument("--norm-bias-lr-scale", type=_finite_float, metavar="X",
+                       help="multiply the lr of normalisation layers' biases by X and divide their weight decay by X "
+                            "(airbench uses 64; default 1)")
     train.add_argument("--amp", choices=["off", "bf16"],
                        help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs; "
                             "weights stay float32; default off)")
@@ -181,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "fractions of FLOPs (0.25,0.5) or point names (stages.0,stages.1.2; see 'anytime exits')")
     exits.add_argument("--exit-mode", choices=["joint", "heads-only"],
                        help="joint: train everything (default); heads-only: only the exits, backbone frozen (needs --init)")
-    exits.add_argument("--exit-head", choices=["pool", "linear", "conv"], help="exit head design (default pool)")
+    exits.add_argument("--exit-head", choices=["pool", "scaled", "linear", "conv"], help="exit head design (default pool)")
     exits.add_argument("--exit-weights", metavar="W,W,...",
                        help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)")
     exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
@@ -204,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
     exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
     exits_cmd.add_argument("--exits", default="auto", metavar="POINTS", help="exit points (default auto)")
-    exits_cmd.add_argument("--exit-head", default="pool", choices=["pool", "linear", "conv"])
+    exits_cmd.add_argument("--exit-head", default="pool", choices=["pool", "scaled", "linear", "conv"])
     exits_cmd.add_argument("--in-channels", type=_positive_int, default=3, metavar="C")
     exits_cmd.add_argument("--num-classes", type=_int_at_least(2), default=10, metavar="N")
     exits_cmd.add_argument("--image-size", type=_positive_int, default=32, metavar="PX")
@@ -238,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--rule", choices=["search", "msdnet"],
                            help="with --budget-flops: direct search (default) or MSDNet's shares proportional to q^k")
     calibrate.add_argument("--temperature", action="store_true", help="fit a temperature per exit first")
+    calibrate.add_argument("--select-exits", action="store_true",
+                           help="with --max-drop: also choose which exits to keep, every subset costed in the time the "
+                                "run's profile measured at batch 1 (dropped exits' heads never run)")
+    calibrate.add_argument("--profile", metavar="FILE", help="with --select-exits: default the run's only profile")
     calibrate.add_argument("--out", metavar="FILE", help="default RUN/calibration.json")
     calibrate.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
@@ -248,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
     evaluate.add_argument("--latency-samples", type=_non_negative_int, default=1000, metavar="N",
                           help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
+    evaluate.add_argument("--form", type=_form, default="eager", help=FORM_HELP)
     evaluate.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
@@ -263,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="timed repetitions per batch size (default 200; a p99 needs at least 100)")
     profile.add_argument("--warmup", type=_non_negative_int, default=10, metavar="N", help="untimed repetitions first")
     profile.add_argument("--device", default="auto", help=DEVICE_HELP)
-    profile.add_argument("--threads", type=_positive_int, metavar="N", help="torch CPU threads (default: torch's)")
+    profile.add_argument("--threads", type=_threads, metavar="N|auto", help="torch CPU threads (default: torch's; "
+                         + THREADS_HELP + "); recorded, and run by the runtime")
+    profile.add_argument("--form", type=_form, default="eager", help=FORM_HELP + "; recorded, and run by the runtime")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
@@ -368,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--estimators", required=True, type=_positive_int, metavar="N", help="members")
     baseline.add_argument("--epochs", required=True, type=_positive_int, metavar="E",
                           help="training epochs (snapshot: a multiple of --estimators)")
-    baseline.add_argument("--data", choices=["digits", "cifar10", "folder", "synthetic"], default="digits")
+    baseline.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic"], default="digits")
     baseline.add_argument("--data-root", metavar="PATH", help="dataset folder (as for train)")
     baseline.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only")
     baseline.add_argument("--batch-size", type=_positive_int, default=128, metavar="B")
@@ -402,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "size, up to 8)")
     serve.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                        help="server processes, each with its own model and queue (default 1)")
-    serve.add_argument("--threads", type=_positive_int, metavar="N",
-                       help="torch CPU threads per process (default: torch's; with --workers, cores / workers)")
+    serve.add_argument("--threads", type=_threads, metavar="N|auto",
+                       help="torch CPU threads per process (default: the profile's; with --workers, cores / workers; "
+                            + THREADS_HELP + ")")
     serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
                        help="the latency quantile a step must fit at before it starts (default 0.99)")
@@ -476,7 +516,7 @@ _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
     "exit_head", "distill", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
-    "label_smoothing", "ema", "amp", "augment", "padding", "channels_last", "tta",
+    "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
 )  # fmt: skip
 
 
@@ -743,11 +783,21 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise AnytimeError("--rule chooses how to meet --budget-flops; it does not apply to --max-drop")
     report = calibrate_run(
         args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion,
-        rule=args.rule or "search", temperature=args.temperature, out=args.out,
+        rule=args.rule or "search", temperature=args.temperature, out=args.out, select=args.select_exits,
+        profile=args.profile,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    if "selection" in report:
+        chosen = report["selection"]
+        print(f"exit subsets, costed in the time measured by {chosen['profile']} (backbone "
+              f"{chosen['backbone_ms']:.3f} ms at batch 1):")
+        for subset in sorted(chosen["subsets"], key=lambda t: t["val_mean_ms"]):
+            print(f"  exits {subset['exits'] or 'none'}: validation {100 * subset['val_accuracy']:.2f}% at "
+                  f"{subset['val_mean_ms']:.3f} ms ({subset['val_speedup']:.2f}x)")  # fmt: skip
+        test = f"; on test {chosen['test_speedup']:.2f}x" if "test_speedup" in chosen else ""
+        print(f"kept exits {chosen['exits']} (the last always answers){test}")
     policy = report["policy"]
     print(f"{report['rule']} {report['target']} with {policy['criterion']}: thresholds "
           f"{[None if t is None else round(t, 4) for t in policy['thresholds']]}"
@@ -769,7 +819,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from anytime.pipeline import evaluate_run
 
     report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
-                          latency_samples=args.latency_samples)  # fmt: skip
+                          latency_samples=args.latency_samples, form=args.form)  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -844,15 +894,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         raise AnytimeError("give a run directory to profile (anytime profile RUN) or --compare A.json B.json")
     if args.trtexec_times:
         return _trtexec_profile(args)
-    import torch
-
     from anytime.pipeline import profile_run
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     profile, path = profile_run(
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
         device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
+        form=args.form, threads=args.threads,
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()

@@ -8,7 +8,7 @@ Each function reads what the previous one wrote into the run and writes its own 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from anytime.calibrate import (
     calibrate_budget,
     calibrate_max_drop,
     oracle,
+    select_exits,
     sweep,
 )
 from anytime.calibrate.sweeps import exit_costs
@@ -36,12 +37,13 @@ from anytime.scheduler.query import (
     CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, run_fingerprint, run_options, scheduler_for_run,
 )  # fmt: skip
 from anytime.train import load_splits
-from anytime.train.records import class_names, run_title, step_labels
+from anytime.train.records import class_names, read_record, run_title, step_labels
 from anytime.train.runs import LoadedRun, load_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
 from anytime.utils.resources import check_forward_memory
+from anytime.utils.threads import ThreadChoice, choose_threads
 
 def _splits_of(run: LoadedRun) -> DatasetSplits:
     splits = load_splits(run.config)
@@ -165,31 +167,63 @@ def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], setting
 
 def calibrate_run(
     run_dir: str | Path, *, max_drop: float | None = None, budget: float | None = None, criterion: str = "entropy",
-    rule: str = "search", temperature: bool = False, out: str | Path | None = None,
+    rule: str = "search", temperature: bool = False, out: str | Path | None = None, select: bool = False,
+    profile: str | Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Fit thresholds on the validation cache; report validation and (if collected) test side by side.
 
-    The test cache is opened only after the thresholds are fixed, to report them.
+    The test cache is opened only after the thresholds are fixed, to report them. With ``select`` (and
+    ``max_drop``), exits are also selected: every subset of the early exits is costed in the time the run's
+    device ``profile`` measured at batch 1 (:func:`~anytime.calibrate.select_exits`).
     """
     if (max_drop is None) == (budget is None):
         raise AnytimeError("give exactly one target: --max-drop POINTS or --budget-flops FRACTION")
+    if select and max_drop is None:
+        raise AnytimeError("--select-exits chooses exits for an accuracy target: give --max-drop POINTS")
     fingerprint = run_fingerprint(run_dir)
     target = check_output_file(Path(out) if out else Path(run_dir) / CALIBRATION, what="calibration",
                                format_tag=CALIBRATION_FORMAT, create_parents=out is None, example=CALIBRATION)  # fmt: skip
+    timed = _measured_costs(run_dir, profile, fingerprint) if select else None
     with output_lock(target):
-        report = _calibrate(run_dir, fingerprint, max_drop, budget, criterion, rule, temperature)
+        report = _calibrate(run_dir, fingerprint, max_drop, budget, criterion, rule, temperature, timed)
         write_json(target, report)
     return report
 
 
+def _measured_costs(
+    run_dir: str | Path, profile: str | Path | None, fingerprint: str
+) -> tuple[Path, tuple[torch.Tensor, torch.Tensor]]:
+    from anytime.calibrate import measured_costs
+
+    path = find_profile(run_dir, profile)
+    loaded = DeviceProfile.load(path, fingerprint=fingerprint)
+    batch = loaded.at(1)
+    if batch.stages is None:
+        raise AnytimeError(f"{path} has no stage latencies (the model is not incremental): exits cannot be selected")
+    costs = measured_costs([float(s.mean()) for s in batch.steps], [float(s.mean()) for s in batch.stages])
+    return path, costs
+
+
 def _calibrate(
     run_dir: str | Path, fingerprint: str, max_drop: float | None, budget: float | None, criterion: str, rule: str,
-    temperature: bool,
+    temperature: bool, timed: tuple[Path, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     val = load_cache(run_dir, "val", fingerprint=fingerprint)
     calibration: Calibration
     extra: dict[str, Any] = {}
-    if max_drop is not None:
+    if timed is not None:
+        assert max_drop is not None
+        path, costs = timed
+        calibration, tried = select_exits(val, max_drop=max_drop, costs=costs, criterion=criterion,
+                                          temperature=temperature)  # fmt: skip
+        backbone_ms = float(costs[0][-1])
+        kept = [k for k, t in enumerate(calibration.policy.thresholds) if t is not None]
+        extra["selection"] = {
+            "profile": str(path), "cost": "mean ms at batch 1, measured", "backbone_ms": backbone_ms, "exits": kept,
+            "subsets": [{"exits": list(t.exits), "val_accuracy": t.accuracy, "val_mean_ms": t.mean_ms,
+                         "val_speedup": backbone_ms / t.mean_ms, "reaches_target": t.reaches_target} for t in tried],
+        }  # fmt: skip
+    elif max_drop is not None:
         calibration = calibrate_max_drop(val, max_drop=max_drop, criterion=criterion, temperature=temperature)
     else:
         assert budget is not None
@@ -199,6 +233,12 @@ def _calibrate(
         extra["alternative"] = {"rule": alt.rule, "policy": alt.policy.to_dict(), "validation": alt.fit.to_dict()}
     test_path = cache_path(run_dir, "test")
     test = load_cache(run_dir, "test", fingerprint=fingerprint) if test_path.is_file() else None
+    if test is not None and timed is not None:
+        step_ms, cost_ms = timed[1]
+        enabled = torch.tensor([[t is not None for t in calibration.policy.thresholds]])
+        share = torch.tensor([calibration.policy.evaluate(test).exit_share], dtype=torch.float64)
+        test_ms = float((share * exit_costs(step_ms, cost_ms, enabled)).sum())
+        extra["selection"].update(test_mean_ms=test_ms, test_speedup=float(step_ms[-1]) / test_ms)
     if test is not None and "alternative" in extra:
         alt_policy = ExitPolicy.from_dict(extra["alternative"]["policy"])
         extra["alternative"]["test"] = alt_policy.evaluate(test).to_dict()
@@ -217,13 +257,13 @@ def _calibrate(
 
 def evaluate_run(
     run_dir: str | Path, *, calibration: str | Path | None = None, split: str = "test", device: str = "cpu",
-    latency_samples: int = 1000, batch_size: int = 256,
+    latency_samples: int = 1000, batch_size: int = 256, form: str = "eager",
 ) -> dict[str, Any]:  # fmt: skip
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
-    backbone (interleaved, same samples). Written to ``RUN/evaluation-SPLIT.json``."""
+    backbone (interleaved, same samples), both in the inference ``form``. Written to ``RUN/evaluation-SPLIT.json``."""
     _check_split(split)
-    run = load_run(run_dir, device)
+    run = load_run(run_dir, device, form=form)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; there is no early exit to evaluate")
     policy, _ = load_calibration(
@@ -234,6 +274,7 @@ def evaluate_run(
     target = check_output_file(Path(run_dir) / f"evaluation-{split}.json", what="evaluation", flag="")
     with output_lock(target):
         report = _evaluate(run, policy, split, latency_samples, batch_size)
+        report["form"] = run.form
         write_json(target, report)
     return report
 
@@ -395,10 +436,12 @@ def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
 def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
-    progress: bool = False,
+    progress: bool = False, form: str = "eager", threads: int | str | None = None,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
-    inputs: no dataset needed) and save it.
+    inputs: no dataset needed) and save it. ``form`` is the inference form measured and ``threads`` the torch
+    threads (a number, ``auto``: chosen from the cores the machine leaves free, or None: as they are); both are
+    recorded in the profile, and the runtime runs with them.
 
     On a CPU the peak memory of each batch size is measured in a fresh process; on a GPU, by the allocator.
     """
@@ -406,10 +449,15 @@ def profile_run(
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
+    choice = set_threads(threads)
     if (Path(run_dir) / MANIFEST).is_file():
+        if form != "eager":
+            raise AnytimeError(f"{run_dir} is an export: its artifacts run as exported; --form applies to a run")
         model, shape, name, fingerprint, classes, target_device = _export_target(run_dir, device, train)
     else:
-        run = load_run(run_dir, device)
+        if train and form != "eager":
+            raise AnytimeError("--train times the training graph: profile it with --form eager")
+        run = load_run(run_dir, device, form=form)
         model, shape, name, fingerprint = run.model, _input_shape(run), run.name, run.fingerprint
         classes, target_device = int(run.dataset["num_classes"]), run.device
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
@@ -432,8 +480,25 @@ def profile_run(
             model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
             memory=probe if memory else None, progress=progress,
         )  # fmt: skip
+        if choice is not None:
+            profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
         path = profile.save(target)
     return profile, path
+
+
+def set_threads(threads: int | str | None) -> ThreadChoice | None:
+    """Set torch's CPU threads: a number, ``auto`` (:func:`~anytime.utils.threads.choose_threads`; the choice is
+    returned) or None (left as they are)."""
+    if threads is None:
+        return None
+    if threads == "auto":
+        choice = choose_threads()
+        torch.set_num_threads(choice.threads)
+        return choice
+    if not isinstance(threads, int) or threads < 1:
+        raise AnytimeError(f"threads must be a positive number or 'auto' (got {threads!r})")
+    torch.set_num_threads(threads)
+    return None
 
 
 def _export_target(
@@ -455,11 +520,21 @@ def _export_target(
 
 def runner_for_run(
     run_dir: str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
-    device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True,
+    device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True, threads: int | str | None = None,
 ) -> tuple[AnytimeRunner, LoadedRun]:  # fmt: skip
-    """The anytime runtime for a run: its model, its device profile and (if calibrated) its early-exit policy."""
-    run = load_run(run_dir, device)
-    loaded = DeviceProfile.load(find_profile(run_dir, profile), fingerprint=run.fingerprint, num_steps=run.num_steps)
+    """The anytime runtime for a run: its model, its device profile and (if calibrated) its early-exit policy.
+
+    It runs what the profile measured: the profile's inference form, and on a CPU its torch thread count unless
+    ``threads`` says otherwise (a number, or ``auto``: chosen from the cores the machine leaves free now)."""
+    read_record(run_dir)  # "not a run" before "no profile"
+    path = find_profile(run_dir, profile)
+    loaded = DeviceProfile.load(path)
+    profiled_threads = loaded.settings.get("threads")
+    if threads is None and loaded.device.get("type") == "cpu" and isinstance(profiled_threads, int):
+        threads = profiled_threads
+    set_threads(threads)
+    run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
+    loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
     exit_policy = None
     calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
     if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):

@@ -217,3 +217,41 @@ def test_calibration_with_temperatures_is_saved_in_the_policy():
 def test_a_sweep_of_1000_settings_over_10000_samples_runs():
     result = sweep(random_cache(n=10_000, k=5), "entropy", settings=1000)
     assert result.accuracy.shape == (1000,) and result.exit_share.shape == (1000, 5)
+
+
+def test_exit_selection_drops_an_exit_whose_head_costs_more_than_it_saves():
+    from anytime.calibrate import measured_costs, select_exits
+
+    cache = random_cache(seed=3, k=4, n=600)
+    cheap_heads = measured_costs([1.0, 2.0, 3.0, 4.0], [1.0, 1.05, 1.05, 1.05])  # heads of 0.05 ms
+    steep_head = measured_costs([1.0, 2.0, 3.0, 4.0], [1.0, 1.05, 3.05, 1.05])  # exit 1's head: 2 ms
+    calibration, tried = select_exits(cache, max_drop=1.0, costs=cheap_heads)
+    assert len(tried) == 8 and {t.exits for t in tried} == {(), (0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)}
+    best = min(tried, key=lambda t: t.mean_ms)
+    assert best.reaches_target and best.mean_ms < 4.0
+    kept = tuple(k for k, t in enumerate(calibration.policy.thresholds) if t is not None)
+    assert kept == best.exits
+    target = float(cache.step_accuracy()[-1]) - 0.01
+    assert calibration.fit.accuracy >= target - 1e-12
+    _, tried_steep = select_exits(cache, max_drop=1.0, costs=steep_head)
+    with_one = min((t for t in tried_steep if 1 in t.exits), key=lambda t: t.mean_ms)
+    without_one = min((t for t in tried_steep if 1 not in t.exits), key=lambda t: t.mean_ms)
+    assert without_one.mean_ms < with_one.mean_ms  # a 2 ms head is never worth it here
+    nothing = next(t for t in tried if t.exits == ())
+    assert nothing.mean_ms == pytest.approx(4.0) and nothing.accuracy == pytest.approx(cache.step_accuracy()[-1])
+
+
+def test_measured_costs_pay_every_earlier_head_and_clip_noise():
+    from anytime.calibrate import measured_costs
+
+    step, through = measured_costs([1.0, 2.0, 3.0], [1.0, 1.5, 1.5])
+    assert step.tolist() == [1.0, 2.0, 3.0] and through.tolist() == [1.0, 2.5, 4.0]
+    step, through = measured_costs([1.0, 2.2, 3.0], [1.0, 1.0, 1.5])  # noise: exit 1 through = 2.0 < alone 2.2
+    assert (through >= step).all() and torch.all(torch.diff(through - step) >= 0)
+
+
+def test_selecting_exits_needs_an_accuracy_target_and_matching_latencies():
+    from anytime.calibrate import measured_costs, select_exits
+
+    with pytest.raises(AnytimeError, match="profile this run again"):
+        select_exits(random_cache(k=4), max_drop=1.0, costs=measured_costs([1.0, 2.0], [1.0, 1.0]))

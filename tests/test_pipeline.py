@@ -279,3 +279,24 @@ def test_cli_choices_match_the_library():
     assert tuple(actions["exit_mode"].choices) == EXIT_MODES
     assert tuple(actions["exit_head"].choices) == HEADS
     assert tuple(actions["rule"].choices) == RULES
+
+
+def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, capsys):
+    from anytime.pipeline import profile_run
+
+    profile_path = tmp_path / "profile.json"
+    profile_run(collected, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=profile_path)
+    out = tmp_path / "calibration-selected.json"
+    report = calibrate_run(collected, max_drop=1.0, select=True, profile=profile_path, out=out)
+    selection = report["selection"]
+    assert len(selection["subsets"]) == 4 and {tuple(s["exits"]) for s in selection["subsets"]} == {(), (0,), (1,), (0, 1)}
+    best = min(selection["subsets"], key=lambda s: s["val_mean_ms"])
+    assert selection["exits"] == best["exits"] and best["reaches_target"]
+    assert [k for k, t in enumerate(report["policy"]["thresholds"]) if t is not None] == selection["exits"]
+    assert selection["test_speedup"] > 0 and report["rule"] == "max-drop-select"
+    code, stdout, _ = _run(capsys, "calibrate", collected, "--max-drop", "1", "--select-exits", "--profile", profile_path,
+                           "--out", tmp_path / "c2.json")  # fmt: skip
+    assert code == 0 and "kept exits" in stdout and "exit subsets" in stdout
+    code, _, err = _run(capsys, "calibrate", collected, "--budget-flops", "0.5", "--select-exits", "--out",
+                        tmp_path / "c3.json")  # fmt: skip
+    _one_line_error(code, err, "--select-exits", "--max-drop")

@@ -8,9 +8,10 @@ search (the best setting of a shared-threshold sweep, refined exit by exit).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -61,11 +62,14 @@ def _to_policy(scores: Scores, signed: Tensor, temperatures: list[float] | None,
 
 
 def _search(
-    scores: Scores, pick: Callable[[Tensor, Tensor], int | None], *, per_exit: int = 64, rounds: int = 4
+    scores: Scores, pick: Callable[[Tensor, Tensor], int | None], *, per_exit: int = 64, rounds: int = 4,
+    off: frozenset[int] = frozenset(),
 ) -> Tensor | None:
     """The shared-threshold sweep's best setting under ``pick``, then coordinate descent over each exit's
-    candidate thresholds. ``pick(acc, cost)`` returns the index of the best feasible setting, or None."""
+    candidate thresholds. ``pick(acc, cost)`` returns the index of the best feasible setting, or None.
+    Exits in ``off`` stay disabled (threshold -inf: nobody leaves, the head never runs)."""
     grid = shared_grid(scores, 1000)
+    grid[:, sorted(off)] = -math.inf
     acc, cost, _ = evaluate_settings(scores, grid)
     best_index = pick(acc, cost)
     if best_index is None:
@@ -75,6 +79,8 @@ def _search(
     for _ in range(rounds):
         before = current.clone()
         for k, values in enumerate(candidates):
+            if k in off:
+                continue
             trial = current.repeat(len(values) + 1, 1)
             trial[1:, k] = values  # row 0 keeps the current setting, so a feasible choice always exists
             acc, cost, _ = evaluate_settings(scores, trial)
@@ -131,6 +137,60 @@ def calibrate_max_drop(
     policy = _to_policy(scores, best, temps, val.num_classes)
     return Calibration(policy, "max-drop", {"max_drop_points": max_drop, "target_accuracy": target},
                        policy.evaluate(val))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SubsetChoice:
+    """One subset of early exits tried by :func:`select_exits`: its cheapest thresholds for the target, and
+    what they do on the data they were fit on (``mean_ms`` from the measured costs)."""
+
+    exits: tuple[int, ...]
+    accuracy: float
+    mean_ms: float
+    reaches_target: bool
+
+
+def measured_costs(steps_ms: Sequence[float], stages_ms: Sequence[float]) -> tuple[Tensor, Tensor]:
+    """Per exit, in ms: answering there alone (backbone so far and its head) and reaching it through every
+    earlier exit (cumulative stages: every head on the way paid), as :class:`Scores` holds FLOPs. Timing noise
+    that would make a head cost less than nothing is clipped."""
+    step = torch.tensor(list(steps_ms), dtype=torch.float64)
+    through = torch.cumsum(torch.tensor(list(stages_ms), dtype=torch.float64), dim=0)
+    paid = torch.cummax((through - step).clamp(min=0), dim=0).values
+    return step, step + paid
+
+
+def select_exits(
+    val: OutputCache, *, max_drop: float, costs: tuple[Tensor, Tensor], criterion: str = "entropy",
+    temperature: bool = False,
+) -> tuple[Calibration, list[SubsetChoice]]:  # fmt: skip
+    """Exit selection: every subset of the early exits (the last always answers), each with its cheapest
+    thresholds within ``max_drop`` points of the last exit on validation, costed in measured time
+    (``costs`` from :func:`measured_costs`), since an exit nobody leaves at only adds its head; the subset with
+    the lowest mean time wins. Dropped exits get no threshold (their heads never run)."""
+    if not math.isfinite(max_drop) or not 0 <= max_drop <= 100:
+        raise AnytimeError(f"--max-drop is in accuracy points, between 0 and 100 (got {max_drop})")
+    scores, temps = _prepare(val, criterion, temperature)
+    step_ms, cost_ms = costs
+    if len(step_ms) != scores.num_steps or len(cost_ms) != scores.num_steps:
+        raise AnytimeError(f"the latencies are for {len(step_ms)} steps but the outputs have {scores.num_steps}; "
+                           "profile this run again")  # fmt: skip
+    timed = replace(scores, step_flops=step_ms, cost_flops=cost_ms)
+    target = float(scores.correct[-1].double().mean()) - max_drop / 100
+    early = range(scores.num_steps - 1)
+    tried: list[tuple[SubsetChoice, Tensor]] = []
+    for size in range(len(early) + 1):
+        for kept in itertools.combinations(early, size):
+            best = _search(timed, _min_cost_reaching(target), off=frozenset(early) - frozenset(kept))
+            if best is None:
+                continue
+            acc, ms, _ = evaluate_settings(timed, best.view(1, -1))
+            tried.append((SubsetChoice(kept, float(acc[0]), float(ms[0]), bool(acc[0] >= target - 1e-12)), best))
+    choice, best = min(tried, key=lambda t: (t[0].mean_ms, -t[0].accuracy))
+    policy = _to_policy(scores, best, temps, val.num_classes)
+    calibration = Calibration(policy, "max-drop-select", {"max_drop_points": max_drop, "target_accuracy": target},
+                              policy.evaluate(val))  # fmt: skip
+    return calibration, [t[0] for t in tried]
 
 
 def _check_budget(scores: Scores, fraction: float) -> float:

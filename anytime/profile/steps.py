@@ -196,7 +196,7 @@ def profile_model(
         step_params=_step_params(model, num_steps), model_bytes=getattr(model, "artifact_bytes", None) or weights_bytes(model), latency=latency,
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
-                  "precision": _precision(model),
+                  "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
                   "inputs": "random normal", "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )  # fmt: skip

@@ -38,7 +38,7 @@ class ServeOptions:
     max_batch: int | None = None
     max_body_kb: int = 1024
     quantile: float = 0.99
-    threads: int | None = None
+    threads: int | str | None = None  # a number, 'auto', or None: the profile's
     device: str = "auto"
 
 
@@ -158,18 +158,14 @@ def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, flo
 
 def build_app(options: ServeOptions) -> tuple[Any, Service]:
     """Load the run (its model, profile and calibration) and make the application and its started service."""
-    import torch
-
     from anytime import __version__
     from anytime.pipeline import runner_for_run
     from anytime.scheduler.query import schedule_answer, scheduler_for_run
 
-    if options.threads:
-        torch.set_num_threads(options.threads)
     if options.max_body_kb < 1:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
     runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile,
-                                 device=options.device)  # fmt: skip
+                                 device=options.device, threads=options.threads)  # fmt: skip
     spec = InputSpec.from_dataset(run.dataset)
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip
@@ -205,7 +201,10 @@ def serve(options: ServeOptions, *, host: str, port: int, workers: int = 1, on_r
     except ImportError:
         raise AnytimeError("anytime serve needs FastAPI and uvicorn: pip install 'anytime[serve]'") from None
     if workers > 1:
-        threads = options.threads or max(1, (os.cpu_count() or 1) // workers)
+        from anytime.utils.threads import choose_threads, usable_cores
+
+        cores = choose_threads().threads if options.threads == "auto" else usable_cores()
+        threads = options.threads if isinstance(options.threads, int) else max(1, cores // workers)
         os.environ[ENVIRONMENT] = json.dumps(asdict(ServeOptions(**{**asdict(options), "threads": threads})))
         _, service = build_app(options)  # every error (a missing profile, a bad calibration) here, once
         service.stop()

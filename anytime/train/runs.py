@@ -34,6 +34,7 @@ class LoadedRun:
     fingerprint: str
     device: torch.device
     label: str | None = None
+    form: str = "eager"
 
     @property
     def num_steps(self) -> int:
@@ -52,9 +53,27 @@ def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     return TrainConfig.from_dict(record["train"], where=str(Path(run_dir) / "config.json")), dict(record["dataset"])
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu", *, converted: bool = True) -> LoadedRun:
+def load_run(
+    run_dir: str | Path, device: str | torch.device = "cpu", *, converted: bool = True, form: str = "eager"
+) -> LoadedRun:
     """Rebuild a finished run's model from its recipe and load its final weights (``model.safetensors``); a
-    converted run's model is converted to its precision unless ``converted=False`` (its float weights)."""
+    converted run's model is converted to its precision unless ``converted=False`` (its float weights).
+    ``form`` is the inference form it runs in (:class:`~anytime.inference.InferenceForm`: ``eager``, or e.g.
+    ``fold+channels-last``), checked against the eager model on a probe batch."""
+    loaded = _load_run(run_dir, device, converted)
+    if form == "eager":
+        return loaded
+    from anytime.inference import InferenceForm, inference_form
+
+    shape = (int(loaded.dataset["in_channels"]), *(int(v) for v in loaded.dataset.get("image_size") or (32, 32)))
+    probe = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(loaded.device)
+    parsed = InferenceForm.parse(form)
+    loaded.model = inference_form(loaded.model, parsed, probe=probe)
+    loaded.form = parsed.name
+    return loaded
+
+
+def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) -> LoadedRun:
     run = Path(run_dir)
     config, dataset = run_config(run)
     weights = run / WEIGHTS

@@ -1,0 +1,152 @@
+"""The inference form of a model: what a deployment runs instead of the training graph.
+
+Three independent changes, none of which alters a result beyond float rounding:
+
+- ``fold``: every batch norm that directly follows a convolution is folded into it (the convolution gets the
+  norm's scale and shift, the norm becomes the identity). A max-pool between the two is folded across when
+  every channel's scale is positive, since a max commutes with a positive affine map (airbench-style
+  ``conv -> max-pool -> BN`` groups). Pairs are found structurally, so the model keeps its own forward code
+  (exits, cutting and block-skipping flags go on working): adjacent modules in an ``nn.Sequential`` and
+  torchvision's ResNets and their blocks (``conv1 -> bn1``...), whose forward applies each norm to its convolution.
+- ``channels-last``: the weights in NHWC layout, which oneDNN and cuDNN run faster for most convolutions.
+- ``compile``: ``torch.compile`` of every part (stage and exit head) on its own, so early exit still stops
+  after the part it needs.
+
+:func:`inference_form` returns a converted copy, checked against the original on a probe batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+
+FORM_PARTS: tuple[str, ...] = ("fold", "channels-last", "compile")
+_TOLERANCE = 1e-3  # of the logits, relative to their scale: float32 rounding of a folded net stays far below it
+
+
+@dataclass(frozen=True)
+class InferenceForm:
+    """Which inference changes a model runs with (see the module's docstring); ``eager`` is none of them."""
+
+    fold: bool = False
+    channels_last: bool = False
+    compile: bool = False
+
+    @property
+    def name(self) -> str:
+        """``eager`` or the parts joined by ``+``, e.g. ``fold+channels-last``."""
+        parts = [p for p, on in zip(FORM_PARTS, (self.fold, self.channels_last, self.compile)) if on]
+        return "+".join(parts) or "eager"
+
+    @classmethod
+    def parse(cls, text: str) -> InferenceForm:
+        """From :attr:`name` (``eager``, ``fold``, ``fold+channels-last+compile``...); a wrong one is a one-line error."""
+        parts = [p.strip() for p in str(text).split("+") if p.strip()]
+        if parts == ["eager"]:
+            return cls()
+        unknown = [p for p in parts if p not in FORM_PARTS]
+        if unknown or not parts:
+            raise AnytimeError(f"unknown inference form '{text}': use 'eager' or any of {', '.join(FORM_PARTS)} "
+                               "joined by '+', e.g. fold+channels-last")  # fmt: skip
+        return cls("fold" in parts, "channels-last" in parts, "compile" in parts)
+
+
+def _torchvision_blocks() -> tuple[type[nn.Module], ...]:
+    try:
+        from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+    except ImportError:  # torchvision is optional for folding: without it there are no such blocks
+        return ()
+    return BasicBlock, Bottleneck, ResNet
+
+
+def _pairs(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Conv2d, nn.BatchNorm2d, bool]]:
+    """``(parent, norm's name in parent, conv, norm, across_pool)`` for every foldable pair."""
+    blocks = _torchvision_blocks()
+    for parent in model.modules():
+        if type(parent) is nn.Sequential:
+            children = list(parent.named_children())
+            for i, (name, child) in enumerate(children):
+                if type(child) is not nn.BatchNorm2d:
+                    continue
+                j, across_pool = i - 1, False
+                while j >= 0 and type(children[j][1]) is nn.MaxPool2d:
+                    j, across_pool = j - 1, True
+                if j >= 0 and type(children[j][1]) is nn.Conv2d:
+                    yield parent, name, children[j][1], child, across_pool  # type: ignore[misc]
+        elif blocks and isinstance(parent, blocks):
+            for k in (1, 2, 3):
+                conv, norm = getattr(parent, f"conv{k}", None), getattr(parent, f"bn{k}", None)
+                if type(conv) is nn.Conv2d and type(norm) is nn.BatchNorm2d:
+                    yield parent, f"bn{k}", conv, norm, False  # type: ignore[misc]
+
+
+@torch.no_grad()
+def fold_batchnorm(model: nn.Module) -> int:
+    """Fold, in place, every batch norm that follows a convolution (module docstring); the number folded.
+
+    The model must be in eval mode (the running statistics are what is folded)."""
+    if model.training:
+        raise AnytimeError("batch norm folds only in eval mode: call model.eval() first")
+    folded = 0
+    for parent, name, conv, norm, across_pool in list(_pairs(model)):
+        if not norm.track_running_stats or norm.running_mean is None or norm.running_var is None:
+            continue
+        scale = torch.rsqrt(norm.running_var + norm.eps)
+        if norm.weight is not None:
+            scale = scale * norm.weight
+        if across_pool and not bool((scale > 0).all()):
+            continue
+        shift = -norm.running_mean * scale
+        if norm.bias is not None:
+            shift = shift + norm.bias
+        conv.weight.copy_(conv.weight * scale.reshape(-1, 1, 1, 1).to(conv.weight.dtype))
+        bias = shift if conv.bias is None else conv.bias * scale + shift
+        conv.bias = nn.Parameter(bias.to(conv.weight.dtype), requires_grad=False)
+        setattr(parent, name, nn.Identity())
+        folded += 1
+    return folded
+
+
+def _parts(model: nn.Module) -> list[nn.Module]:
+    """The modules compiled one by one: each segment and exit head of an incremental model, else the model."""
+    segments, heads = getattr(model, "segments", None), getattr(model, "heads", ())
+    if not isinstance(segments, (list, tuple)):
+        return [model]
+    return [p for p in (*segments, *(heads if isinstance(heads, (list, tuple)) else ())) if isinstance(p, nn.Module)]
+
+
+def inference_form(model: nn.Module, form: InferenceForm, probe: Tensor | None = None) -> nn.Module:
+    """A copy of ``model`` (in eval mode) in ``form``. With a ``probe`` batch, the copy's outputs are checked
+    against the original's, and a difference beyond float rounding is refused (a one-line error)."""
+    if form == InferenceForm():
+        model.inference_form = form.name  # type: ignore[assignment]
+        return model
+    original = model.eval()
+    converted = copy.deepcopy(original).eval()
+    if form.fold:
+        fold_batchnorm(converted)
+    if form.channels_last:
+        converted = converted.to(memory_format=torch.channels_last)
+    if form.compile:
+        for part in _parts(converted):
+            part.compile(dynamic=False)
+    if probe is not None:
+        _check(original, converted, probe, form)
+    converted.inference_form = form.name  # type: ignore[assignment]
+    return converted
+
+
+@torch.inference_mode()
+def _check(original: nn.Module, converted: nn.Module, probe: Tensor, form: InferenceForm) -> None:
+    expected, got = original(probe), converted(probe)
+    scale = float(expected.abs().max().clamp(min=1.0))
+    error = float((expected - got).abs().max()) / scale
+    if not error <= _TOLERANCE:
+        raise AnytimeError(f"the {form.name} form of this model differs from it by {error:.2g} (relative) on a probe "
+                           "batch; run it with --form eager and report the model")  # fmt: skip

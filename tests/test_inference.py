@@ -1,0 +1,170 @@
+"""The inference form: batch norm folded into convolutions, channels-last, and the form recorded and replayed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from anytime.errors import AnytimeError
+from anytime.inference import InferenceForm, fold_batchnorm, inference_form
+
+
+def _randomise_norms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Running statistics and affine parameters far from their initial 0/1, so a wrong fold shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                c = m.num_features
+                m.running_mean.copy_(torch.randn(c, generator=generator) * 0.5)
+                m.running_var.copy_(torch.rand(c, generator=generator) + 0.5)
+                if m.bias is not None:
+                    m.bias.copy_(torch.randn(c, generator=generator) * 0.2)
+                if m.weight is not None and m.weight.requires_grad:
+                    m.weight.copy_(torch.rand(c, generator=generator) + 0.5)
+    return model.eval()
+
+
+def _norms(model: nn.Module) -> int:
+    return sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["resnet20", "fastcnn", "vgg11", "mobilenetv2", "tv:resnet18"])
+def test_folding_removes_the_norms_and_keeps_every_output(name):
+    from anytime.backbones import create_model
+
+    model = _randomise_norms(create_model(name, num_classes=10))
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    folded = copy.deepcopy(model)
+    count = fold_batchnorm(folded)
+    assert count > 0 and _norms(folded) == _norms(model) - count
+    assert _norms(folded) == 0 or name == "mobilenetv2"  # every conv-then-norm pair of these nets
+    with torch.inference_mode():
+        expected, got = model(x), folded(x)
+    assert torch.allclose(expected, got, rtol=1e-4, atol=1e-4), (expected - got).abs().max()
+
+
+def test_a_norm_with_a_negative_scale_is_not_folded_across_a_max_pool():
+    conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+    norm = nn.BatchNorm2d(4)
+    model = nn.Sequential(conv, nn.MaxPool2d(2), norm).eval()
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.0, -1.0, 0.5, 2.0]))  # max(-x) != -max(x): must stay a norm
+    x = torch.randn(2, 3, 8, 8)
+    folded = copy.deepcopy(model)
+    assert fold_batchnorm(folded) == 0 and isinstance(folded[2], nn.BatchNorm2d)
+    with torch.no_grad():
+        norm.weight.abs_()
+        model_positive = copy.deepcopy(model)
+    assert fold_batchnorm(model_positive) == 1
+    with torch.inference_mode():
+        assert torch.allclose(model(x), model_positive(x), atol=1e-5)
+
+
+def test_folding_needs_eval_mode():
+    with pytest.raises(AnytimeError, match="eval mode"):
+        fold_batchnorm(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).train())
+
+
+def test_multi_exit_and_ladder_steps_keep_their_outputs_and_flags_after_folding():
+    from anytime.backbones import create_model
+    from anytime.wrappers import attach_exits
+    from anytime.wrappers.residual import BlockDropLadder
+
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    exits = _randomise_norms(attach_exits(create_model("resnet20", num_classes=10), "auto"))
+    ladder = _randomise_norms(BlockDropLadder(create_model("resnet20", num_classes=10)))
+    for model in (exits, ladder):
+        form = inference_form(model, InferenceForm(fold=True), probe=x)
+        assert form is not model and form.inference_form == "fold"
+        with torch.inference_mode():
+            for k in range(model.num_steps):
+                assert torch.allclose(model.forward_until(x, k), form.forward_until(x, k), atol=1e-4), k
+
+
+def test_channels_last_form_equals_eager_and_the_eager_form_is_the_model_itself():
+    from anytime.backbones import create_model
+
+    model = _randomise_norms(create_model("resnet20", num_classes=10))
+    x = torch.randn(2, 3, 32, 32)
+    assert inference_form(model, InferenceForm()) is model
+    converted = inference_form(model, InferenceForm.parse("fold+channels-last"), probe=x)
+    assert converted.inference_form == "fold+channels-last"
+    conv = next(m for m in converted.modules() if isinstance(m, nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_wrong_fold_is_refused_by_the_probe(monkeypatch):
+    from anytime import inference
+
+    def break_it(model):
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                with torch.no_grad():
+                    m.weight.mul_(3)
+        return 1
+
+    monkeypatch.setattr(inference, "fold_batchnorm", break_it)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten()).eval()
+    with pytest.raises(AnytimeError, match="differs"):
+        inference_form(model, InferenceForm(fold=True), probe=torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("text,name", [("eager", "eager"), ("fold", "fold"), ("channels-last+fold", "fold+channels-last"),
+                                       ("fold+channels-last+compile", "fold+channels-last+compile")])  # fmt: skip
+def test_form_names_parse_in_any_order(text, name):
+    assert InferenceForm.parse(text).name == name
+
+
+@pytest.mark.parametrize("text", ["", "folded", "fold+fast", "eager+fold"])
+def test_an_unknown_form_is_a_clear_error(text):
+    with pytest.raises(AnytimeError, match="inference form"):
+        InferenceForm.parse(text)
+
+
+def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path):
+    from anytime.pipeline import profile_run, runner_for_run
+    from anytime.train.runs import load_run
+
+    loaded = load_run(exit_run, form="fold")
+    assert loaded.form == "fold" and _norms(loaded.model) == 0
+    assert _norms(load_run(exit_run).model) > 0
+    path = tmp_path / "profile.json"
+    profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=path, form="fold")
+    assert profile.settings["form"] == "fold"
+    _, run = runner_for_run(exit_run, path, quantile=0.5)
+    assert run.form == "fold" and _norms(run.model) == 0
+
+
+def test_cli_form_option_refuses_an_unknown_form(capsys):
+    from anytime.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["profile", "some-run", "--form", "folded"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "unknown inference form 'folded'" in err and "fold+channels-last" in err
+
+
+def test_the_runtime_runs_with_the_profiled_thread_count(exit_run, tmp_path):
+    from anytime.pipeline import profile_run, runner_for_run
+
+    before = torch.get_num_threads()
+    try:
+        path = tmp_path / "profile-auto.json"
+        profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=path, threads="auto")
+        chosen = profile.settings["threads_chosen"]
+        assert profile.settings["threads"] == chosen["threads"] >= 1 and chosen["source"]
+        one, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=tmp_path / "p1.json",
+                             threads=1)  # fmt: skip
+        assert one.settings["threads"] == 1 and "threads_chosen" not in one.settings
+        torch.set_num_threads(2)
+        runner_for_run(exit_run, tmp_path / "p1.json", quantile=0.5)
+        assert torch.get_num_threads() == 1
+        runner_for_run(exit_run, tmp_path / "p1.json", quantile=0.5, threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
