@@ -62,9 +62,12 @@ def run(main: Callable[[], int]) -> None:
 
 
 def add_exit_run_options(p: argparse.ArgumentParser) -> None:
-    """``--card`` (the multi-exit recipe, default the ResNet-32 card) and ``--run`` (default runs/CARD)."""
+    """``--card`` (the multi-exit recipe, default the ResNet-32 card), ``--run`` (default runs/CARD), ``--form``
+    (the inference form timed) and ``--threads``."""
     p.add_argument("--card", type=Path, default=EXITS_CARD, help="the multi-exit card to train if --run is not there")
     p.add_argument("--run", type=Path, help="run directory (default runs/CARD_NAME)")
+    p.add_argument("--form", default="eager", help="inference form timed (eager, fold, fold+channels-last...)")
+    p.add_argument("--threads", type=int, help="torch threads for the timing (default torch's: one per core)")
 
 
 def exit_run_dir(run_dir: Path | None, quick: bool, card: Path = EXITS_CARD) -> Path:

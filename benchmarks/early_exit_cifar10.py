@@ -12,10 +12,17 @@ interleaved. Ratio: the backbone's mean latency / early exit's. Target: at least
 
 from __future__ import annotations
 
+import torch
+from common import (
+    add_exit_run_options,
+    exit_run_dir,
+    parser,
+    prepare_exit_run,
+    report,
+    run,
+)
 
-from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
-
-from anytime.pipeline import evaluate_run, plot_run
+from anytime.pipeline import calibrate_run, evaluate_run, plot_run, profile_run
 
 TARGET = 2.0
 MAX_DROP = 1.0  # accuracy points below the last exit
@@ -25,11 +32,23 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     add_exit_run_options(p)
     p.add_argument("--latency-samples", type=int, default=10_000, help="test images timed at batch 1")
+    p.add_argument("--select-exits", action="store_true",
+                   help="also choose the exits to keep, costed in time measured at batch 1 (calibrate --select-exits)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     run_dir = exit_run_dir(args.run, args.quick, args.card)
     latency_samples = 100 if args.quick else args.latency_samples
     candidates, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
-    evaluation = evaluate_run(run_dir, latency_samples=latency_samples)
+    if args.select_exits:
+        profile_path = run_dir / "profile-for-selection.json"
+        profile_run(run_dir, batch_sizes=[1], repeats=50 if args.quick else 500, memory=False, form=args.form,
+                    out=profile_path)  # fmt: skip
+        chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best, select=True, profile=profile_path)
+        selection = chosen["selection"]
+        print(f"exit selection ({best}, costed by {profile_path.name}): kept exits {selection['exits']}, "
+              f"predicted {selection['test_speedup']:.2f}x on test from the profile's times")  # fmt: skip
+    evaluation = evaluate_run(run_dir, latency_samples=latency_samples, form=args.form)
     plot_run(run_dir)
     val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]
     lat = evaluation["latency"]
@@ -49,7 +68,7 @@ def main() -> int:
           f"{lat['early_exit']['mean_ms']:.3f} ms (p99 {lat['early_exit']['p99_ms']:.3f}), backbone "
           f"{lat['backbone']['mean_ms']:.3f} ms (p99 {lat['backbone']['p99_ms']:.3f}) -> {lat['speedup']:.2f}x")  # fmt: skip
     figures = {
-        "run": str(run_dir), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
+        "run": str(run_dir), "form": args.form, "threads": torch.get_num_threads(), "selection": chosen.get("selection"), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
         "last_exit_test_acc": test["last_exit_accuracy"], "test_acc": evaluation["accuracy"],
         "val_acc": val["accuracy"], "last_exit_val_acc": val["last_exit_accuracy"],
         "flops_ratio": evaluation["flops_ratio"], "oracle_flops_ratio": oracle["flops_ratio"],

@@ -85,9 +85,14 @@ def test_benchmark_quick_writes_its_report(tmp_path, name):
 
 @pytest.mark.needs_data
 def test_early_exit_benchmark_quick(tmp_path, cifar_root):
-    figures = _benchmark(tmp_path, "early_exit_cifar10", "--run", str(tmp_path / "run"))["figures"]
-    assert figures["agreement"] == {"exits": 1.0, "predictions": 1.0}
+    figures = _benchmark(tmp_path, "early_exit_cifar10", "--run", str(tmp_path / "run"), "--form", "fold",
+                         "--select-exits")["figures"]  # fmt: skip
+    assert figures["agreement"] == {"exits": 1.0, "predictions": 1.0} and figures["form"] == "fold"
+    assert figures["selection"]["exits"] == [k for k, t in enumerate(figures["thresholds"]) if t is not None]
     assert (tmp_path / "run-quick" / "calibration.json").is_file()
+    forms = _benchmark(tmp_path, "inference_form", "--run", str(tmp_path / "run"))["figures"]["forms"]
+    assert set(forms) == {"eager", "fold", "channels-last", "fold+channels-last"}
+    assert all(f["backbone_b1_ms"] > 0 and f["exit0_b1_ms"] > 0 for f in forms.values())
 
 
 def test_slicing_latency_benchmark_quick(tmp_path):
@@ -109,8 +114,10 @@ def test_residual_cutting_study_and_ladder_quality_quick(tmp_path, cifar_root):
 def test_deadline_benchmark_quick(tmp_path, cifar_root):
     figures = _benchmark(tmp_path, "deadline_cifar10", "--run", str(tmp_path / "run"))["figures"]
     assert set(figures["verdicts"]) == {"quiet, static", "quiet, adaptive", "one core busy, static",
-                                        "one core busy, adaptive"}  # fmt: skip
-    assert len(figures["rows"]) == 16 and all(0 <= r["miss_rate"] <= 1 for r in figures["rows"])
+                                        "one core busy, adaptive", "one core busy, auto threads, static",
+                                        "one core busy, auto threads, adaptive"}  # fmt: skip
+    assert len(figures["rows"]) == 24 and all(0 <= r["miss_rate"] <= 1 for r in figures["rows"])
+    assert figures["loads"]["one core busy, auto threads"]["threads"] >= 1
     assert (tmp_path / "run-quick" / "deadline" / "deadline_cifar10.png").is_file()
 
 
