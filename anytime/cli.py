@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
                        help="distil the last exit (or the widest slice) into the others: their cross-entropy plus this "
                             "weight times the KL divergence to its softened output (1 if given alone; default 0)")
+    exits.add_argument("--gradient-equilibrium", action=argparse.BooleanOptionalAction, default=None,
+                       help="rescale gradients where exits branch off, so shared layers get the mean of the exits' "
+                            "gradients, not their sum (Li et al. 2019; default off)")
     exits.add_argument("--init", metavar="CHECKPOINT",
                        help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict")
 
@@ -515,7 +518,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
+    "exit_head", "distill", "gradient_equilibrium", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
 )  # fmt: skip
 

@@ -90,7 +90,15 @@ def test_train_takes_the_fast_recipe_knobs_and_refuses_bad_ones(capsys, tmp_path
     _assert_one_line_error(code, err, "--ema", "0.999")
     code, _, err = _run(capsys, "train", "--model", "lenet", "--warmup", "1", "--out", str(tmp_path / "bad"))
     _assert_one_line_error(code, err, "warm-up")
+    code, _, err = _run(capsys, "train", "--model", "lenet", "--gradient-equilibrium", "--out", str(tmp_path / "bad"))
+    _assert_one_line_error(code, err, "--gradient-equilibrium", "--exits")
     assert not (tmp_path / "bad").exists()
+    exits = tmp_path / "exits"
+    code, _, _ = _run(capsys, "train", "--model", "resnet20", "--exits", "auto", "--exit-head", "scaled",
+                      "--gradient-equilibrium", "--norm-bias-lr-scale", "4", "--epochs", "1", "--limit-train", "300",
+                      "--out", str(exits), "--no-progress")  # fmt: skip
+    train = json.loads((exits / "config.json").read_text())["train"]
+    assert code == 0 and (train["exit_head"], train["gradient_equilibrium"], train["norm_bias_lr_scale"]) == ("scaled", True, 4.0)
 
 
 def test_train_from_a_card_with_overrides(capsys, tmp_path):

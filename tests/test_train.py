@@ -193,6 +193,8 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         ({"warmup": 1.0}, "warm-up"),
         ({"ema": 1.0}, "--ema is a decay per step"),
         ({"amp": "fp8"}, "unknown --amp"),
+        ({"norm_bias_lr_scale": 0.0}, "--norm-bias-lr-scale"),
+        ({"gradient_equilibrium": True}, "--gradient-equilibrium .* needs --exits"),
     ],
 )
 def test_config_refuses_bad_values(changes, message):

@@ -221,3 +221,29 @@ def test_traced_segments_follow_the_backbone_when_it_moves():
 def test_a_forward_that_branches_on_training_is_refused():
     with pytest.raises(AnytimeError, match="branches on self.training"):
         attach_exits(_Branchy("training"))
+
+
+def test_gradient_equilibrium_gives_shared_layers_the_mean_of_the_exits_gradients():
+    torch.manual_seed(0)
+    plain = attach_exits(create_model("resnet20"), "auto").train()
+    balanced = attach_exits(create_model("resnet20"), "auto").train()
+    balanced.load_state_dict(plain.state_dict())
+    balanced.gradient_equilibrium = True
+    x = torch.randn(4, 3, 32, 32)
+    outputs = {}
+    for name, model in (("plain", plain), ("balanced", balanced)):
+        torch.manual_seed(1)
+        logits = model(x)
+        logits.square().sum().backward()
+        outputs[name] = logits.detach()
+    assert torch.allclose(outputs["plain"], outputs["balanced"])  # values unchanged
+    first = next(p for n, p in plain.named_parameters() if n.startswith("backbone.stem"))
+    first_balanced = next(p for n, p in balanced.named_parameters() if n.startswith("backbone.stem"))
+    k = plain.num_steps
+    scale = float(first.grad.abs().max())
+    assert torch.allclose(first_balanced.grad, first.grad / k, rtol=1e-3, atol=1e-5 * scale)  # each exit: 1/K there
+    for head, head_balanced in zip(plain.heads, balanced.heads):  # the heads' own gradients are untouched
+        for p, q in zip(head.parameters(), head_balanced.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-5 * float(p.grad.abs().max()))
+    with torch.no_grad():  # and nothing changes outside training
+        assert torch.equal(balanced.eval()(x), plain.eval()(x))

@@ -33,7 +33,8 @@ class TrainConfig:
     ``exits`` turns the model into a multi-exit one (points as :func:`anytime.attach_exits` takes them);
     its loss is the weighted sum of the exits' cross-entropies (by default SDN's weights: each exit's
     share of the backbone's FLOPs, the last exit 1), plus ``distill`` times the distillation loss from the last exit to the
-    others. ``heads-only`` trains the exit heads on a frozen backbone loaded from ``init``.
+    others; ``gradient_equilibrium`` rescales the gradients where exits branch off, so shared layers get the mean
+    of the exits' gradients rather than their sum. ``heads-only`` trains the exit heads on a frozen backbone loaded from ``init``.
 
     ``slices`` makes it a sliced network instead (``slice_kind`` width or cardinality); every slice weighs 1
     and, with ``sandwich``, a mini-batch trains the narrowest, the widest and one other slice; ``distill``
@@ -75,6 +76,7 @@ class TrainConfig:
     exit_weights: tuple[float, ...] | None = None
     distill: float = 0.0
     distill_temperature: float = 3.0
+    gradient_equilibrium: bool = False
     slices: str | None = None
     slice_kind: str = "width"
     sandwich: bool = False
@@ -134,6 +136,8 @@ class TrainConfig:
             (self.exit_weights is None or all(math.isfinite(w) and w >= 0 for w in self.exit_weights)
              and sum(self.exit_weights) > 0, "exit weights must be finite, >= 0 and not all 0"),
             (math.isfinite(self.distill) and self.distill >= 0, f"distillation weight must be >= 0 (got {self.distill})"),
+            (not self.gradient_equilibrium or self.exits is not None,
+             "--gradient-equilibrium balances the gradients of exits: it needs --exits"),
             (self.distill == 0 or self.exits is not None or self.slices is not None,
              "distillation (from the last exit or the widest slice to the others) needs --exits or --slices"),
             (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,

@@ -105,6 +105,7 @@ def build_model(
         )
     if config.exit_mode == "heads-only":
         model.freeze_backbone()
+    model.gradient_equilibrium = config.gradient_equilibrium
     return model
 
 

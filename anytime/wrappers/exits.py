@@ -73,6 +73,24 @@ class ExitInfo:
         return out
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward (bit for bit); the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def _scale_gradient(x: Tensor, scale: float) -> Tensor:
+    """``x`` in value; ``scale`` times its gradient on the way back."""
+    return _ScaleGradient.apply(x, scale)
+
+
 class MultiExitModel(nn.Module):
     """A backbone with exits, obeying the step contract.
 
@@ -100,6 +118,7 @@ class MultiExitModel(nn.Module):
         self.head_kind = head
         self.backbone_flops = backbone_flops
         self.backbone_frozen = False
+        self.gradient_equilibrium = False
 
     def freeze_backbone(self) -> MultiExitModel:
         """Train only the exit heads: the backbone's parameters stop taking gradients and its batch-norm
@@ -128,11 +147,24 @@ class MultiExitModel(nn.Module):
         return len(self._segments)
 
     def steps(self, x: Tensor) -> Iterator[Tensor]:
-        """Yield the logits of exit 0, 1, ... computing each only when asked for."""
+        """Yield the logits of exit 0, 1, ... computing each only when asked for.
+
+        With ``gradient_equilibrium`` set, in training, the gradients are rescaled where the exits branch off
+        (Li et al. 2019, "Improved techniques for training adaptive deep networks"): the head of exit k gets
+        1/(K-k) of its features' gradient and the rest of the backbone (K-k-1)/(K-k), so every layer receives the
+        mean, not the sum, of the gradients of the exits after it. Values are unchanged."""
         last = len(self._segments) - 1
+        balance = self.gradient_equilibrium and self.training and torch.is_grad_enabled()
         for k, segment in enumerate(self._segments):
             x = segment(x)
-            yield x if k == last else self.heads[k](x)
+            if k == last:
+                yield x
+            elif balance:
+                share = 1.0 / (last + 1 - k)
+                yield self.heads[k](_scale_gradient(x, share))
+                x = _scale_gradient(x, 1.0 - share)
+            else:
+                yield self.heads[k](x)
 
     def forward_until(self, x: Tensor, k: int) -> Tensor:
         """Logits ``[B, C]`` of exit ``k``: the backbone up to its point and its head, nothing else."""
