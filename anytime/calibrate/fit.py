@@ -186,7 +186,7 @@ def select_exits(
                 continue
             acc, ms, _ = evaluate_settings(timed, best.view(1, -1))
             tried.append((SubsetChoice(kept, float(acc[0]), float(ms[0]), bool(acc[0] >= target - 1e-12)), best))
-    choice, best = min(tried, key=lambda t: (t[0].mean_ms, -t[0].accuracy))
+    _, best = min(tried, key=lambda t: (t[0].mean_ms, -t[0].accuracy))
     policy = _to_policy(scores, best, temps, val.num_classes)
     calibration = Calibration(policy, "max-drop-select", {"max_drop_points": max_drop, "target_accuracy": target},
                               policy.evaluate(val))  # fmt: skip
