@@ -25,14 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import (
-    add_exit_run_options,
-    exit_run_dir,
-    parser,
-    prepare_exit_run,
-    report,
-    run,
-)
+from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader

@@ -13,14 +13,7 @@ interleaved. Ratio: the backbone's mean latency / early exit's. Target: at least
 from __future__ import annotations
 
 import torch
-from common import (
-    add_exit_run_options,
-    exit_run_dir,
-    parser,
-    prepare_exit_run,
-    report,
-    run,
-)
+from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.pipeline import calibrate_run, evaluate_run, plot_run, profile_run
 

@@ -10,14 +10,7 @@ fastest form's. No target: the issue asks that the form be recorded and its resu
 from __future__ import annotations
 
 import torch
-from common import (
-    add_exit_run_options,
-    exit_run_dir,
-    parser,
-    prepare_exit_run,
-    report,
-    run,
-)
+from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.inference import InferenceForm, inference_form
 from anytime.profile import latency_summary, per_sample_latency
