@@ -57,17 +57,11 @@ class InferenceForm:
         return cls("fold" in parts, "channels-last" in parts, "compile" in parts)
 
 
-def _torchvision_blocks() -> tuple[type[nn.Module], ...]:
-    try:
-        from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
-    except ImportError:  # torchvision is optional for folding: without it there are no such blocks
-        return ()
-    return BasicBlock, Bottleneck, ResNet
-
-
 def _pairs(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Conv2d, nn.BatchNorm2d, bool]]:
     """``(parent, norm's name in parent, conv, norm, across_pool)`` for every foldable pair."""
-    blocks = _torchvision_blocks()
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+    blocks = (BasicBlock, Bottleneck, ResNet)
     for parent in model.modules():
         if type(parent) is nn.Sequential:
             children = list(parent.named_children())
@@ -79,7 +73,7 @@ def _pairs(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Conv2d, nn.Bat
                     j, across_pool = j - 1, True
                 if j >= 0 and type(children[j][1]) is nn.Conv2d:
                     yield parent, name, children[j][1], child, across_pool  # type: ignore[misc]
-        elif blocks and isinstance(parent, blocks):
+        elif isinstance(parent, blocks):
             for k in (1, 2, 3):
                 conv, norm = getattr(parent, f"conv{k}", None), getattr(parent, f"bn{k}", None)
                 if type(conv) is nn.Conv2d and type(norm) is nn.BatchNorm2d:
@@ -113,14 +107,6 @@ def fold_batchnorm(model: nn.Module) -> int:
     return folded
 
 
-def _parts(model: nn.Module) -> list[nn.Module]:
-    """The modules compiled one by one: each segment and exit head of an incremental model, else the model."""
-    segments, heads = getattr(model, "segments", None), getattr(model, "heads", ())
-    if not isinstance(segments, (list, tuple)):
-        return [model]
-    return [p for p in (*segments, *(heads if isinstance(heads, (list, tuple)) else ())) if isinstance(p, nn.Module)]
-
-
 def inference_form(model: nn.Module, form: InferenceForm, probe: Tensor | None = None) -> nn.Module:
     """A copy of ``model`` (in eval mode) in ``form``. With a ``probe`` batch, the copy's outputs are checked
     against the original's, and a difference beyond float rounding is refused (a one-line error)."""
@@ -133,8 +119,10 @@ def inference_form(model: nn.Module, form: InferenceForm, probe: Tensor | None =
         fold_batchnorm(converted)
     if form.channels_last:
         converted = converted.to(memory_format=torch.channels_last)
-    if form.compile:
-        for part in _parts(converted):
+    if form.compile:  # each segment and head apart, so early exit still stops after the part it needs
+        from anytime.precision.model import float_parts, layout_of
+
+        for part in float_parts(converted) if layout_of(converted) == "exits" else [converted]:
             part.compile(dynamic=False)
     if probe is not None:
         _check(original, converted, probe, form)

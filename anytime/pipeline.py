@@ -43,7 +43,7 @@ from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
 from anytime.utils.resources import check_forward_memory
-from anytime.utils.threads import ThreadChoice, choose_threads
+from anytime.utils.threads import set_threads
 
 def _splits_of(run: LoadedRun) -> DatasetSplits:
     splits = load_splits(run.config)
@@ -484,21 +484,6 @@ def profile_run(
             profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
         path = profile.save(target)
     return profile, path
-
-
-def set_threads(threads: int | str | None) -> ThreadChoice | None:
-    """Set torch's CPU threads: a number, ``auto`` (:func:`~anytime.utils.threads.choose_threads`; the choice is
-    returned) or None (left as they are)."""
-    if threads is None:
-        return None
-    if threads == "auto":
-        choice = choose_threads()
-        torch.set_num_threads(choice.threads)
-        return choice
-    if not isinstance(threads, int) or threads < 1:
-        raise AnytimeError(f"threads must be a positive number or 'auto' (got {threads!r})")
-    torch.set_num_threads(threads)
-    return None
 
 
 def _export_target(

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from anytime.errors import AnytimeError
+
 _STAT = "/proc/stat"
 WINDOW_S = 0.25  # long enough for a few scheduler ticks per core, short enough to start a server quickly
 
@@ -81,3 +83,20 @@ def choose_threads(
     load, source = busy if busy is not None else busy_cores(window_s)
     free = n - math.floor(min(load, n) + 0.5)
     return ThreadChoice(threads=max(1, free), cores=n, busy_cores=load, source=source)
+
+
+def set_threads(threads: int | str | None) -> ThreadChoice | None:
+    """Set torch's CPU threads: a number, ``auto`` (:func:`choose_threads`; the choice is returned) or None (left
+    as they are)."""
+    import torch
+
+    if threads is None:
+        return None
+    if threads == "auto":
+        choice = choose_threads()
+        torch.set_num_threads(choice.threads)
+        return choice
+    if not isinstance(threads, int) or threads < 1:
+        raise AnytimeError(f"threads must be a positive number or 'auto' (got {threads!r})")
+    torch.set_num_threads(threads)
+    return None
