@@ -40,6 +40,8 @@ COMMANDS: dict[str, str] = {
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
                   "ensemble-baselines, ensembles)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
+    "prepare-data": "pack an image folder into shards of resized uint8 images (resumable, parallel) that training "
+                    "reads batch by batch (--data shards)",
 }
 
 
@@ -153,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
                             "other options override it")
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
-    train.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic"], help="default digits")
+    train.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream"],
+                       help="default digits; shards: a folder made by 'anytime prepare-data'; folder-stream: an image "
+                            "folder decoded batch by batch (needs --image-size)")
     train.add_argument("--data-root", metavar="PATH",
                        help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
                             "cifar100 likewise)")
@@ -465,6 +469,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", description=COMMANDS["demo"])
     demo.add_argument("--out", metavar="DIR", help="results folder (default runs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's results in --out")
+
+    prepare = sub.add_parser("prepare-data", description=COMMANDS["prepare-data"])
+    prepare.add_argument("src", metavar="SRC", help="an image folder holding train/<class>/* and test/<class>/*")
+    prepare.add_argument("--image-size", type=_positive_int, required=True, metavar="S",
+                         help="every image is resized to SxS (PIL bilinear)")
+    prepare.add_argument("--out", required=True, metavar="SHARDS",
+                         help="the shard folder (new, empty, or an unfinished one of the same arguments to resume)")
+    prepare.add_argument("--workers", type=_positive_int, metavar="N",
+                         help="processes decoding shards in parallel (default: the cores, at most 8)")
+    prepare.add_argument("--shard-size", type=_positive_int, metavar="N",
+                         help="images per shard (default: as many as fill 64 MiB)")
+    prepare.add_argument("--verify", action="store_true",
+                         help="also check the finished shards' checksums and rewrite those that differ")
+    prepare.add_argument("--json", action="store_true", help="print the manifest as JSON")
     for command in sub.choices.values():
         command.formatter_class = _Formatter
         for action in command._actions:  # argparse offers no public list; an option without help shows no default
@@ -1160,6 +1178,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from anytime.data.shards import prepare_shards
+    from anytime.utils.resources import format_bytes
+
+    result = prepare_shards(args.src, args.out, image_size=args.image_size, workers=args.workers,
+                            shard_size=args.shard_size, verify=args.verify, on_progress=_progress_printer(args))  # fmt: skip
+    m = result.manifest
+    if args.json:
+        return _print_json({**m.to_dict(), "root": str(m.root), "written": result.written, "reused": result.reused})
+    shards = len(m.train.shards) + len(m.test.shards)
+    size = sum(s.bytes for s in m.train.shards + m.test.shards)
+    print(f"shards {m.root}: {m.train.count:,} train + {m.test.count:,} test images at {m.image_size}x{m.image_size}, "
+          f"{len(m.classes)} classes, {shards} shards ({format_bytes(size)}); {result.written} written, "
+          f"{result.reused} already done, {result.seconds:.1f} s")  # fmt: skip
+    print(f"next: anytime train --data shards --data-root {m.root}")
+    return 0
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
@@ -1170,6 +1206,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": _cmd_serve,
     "experiment": _cmd_experiment,
     "demo": _cmd_demo,
+    "prepare-data": _cmd_prepare_data,
 }  # fmt: skip
 
 

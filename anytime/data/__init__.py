@@ -1,7 +1,9 @@
-"""Datasets held in memory as uint8 tensors, seeded stratified splits, and a fast batched loader.
+"""Datasets held in memory as uint8 tensors (or read per batch), seeded stratified splits, and a fast batched loader.
 
 ``load_dataset(name, root)`` returns train/val/test :class:`Split` objects; ``make_loader``
-turns a split into batches of normalised float images (augmented for training).
+turns a split into batches of normalised float images (augmented for training). Data larger than memory:
+``shards`` (a folder packed by ``prepare_shards``, ``anytime prepare-data``) and ``folder-stream`` (an image
+folder decoded per batch) read only each batch's images.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from anytime.data.augment import AUGMENT_POLICIES, Augment, default_augment, nor
 from anytime.data.base import (
     DatasetInfo,
     DatasetSplits,
+    ImageStore,
     RawDataset,
     Split,
     channel_stats,
@@ -26,14 +29,16 @@ from anytime.data.base import (
 )
 from anytime.data.cifar10 import load_cifar10, load_cifar100
 from anytime.data.digits import load_digits_raw
-from anytime.data.imagefolder import cache_path_for, load_folder, scan_folder
+from anytime.data.imagefolder import cache_path_for, load_folder, scan_folder, stream_folder
 from anytime.data.loader import BatchLoader, make_loader
 from anytime.data.synthetic import SYNTHETIC_TEST, SYNTHETIC_TRAIN, load_synthetic_raw
 from anytime.errors import AnytimeError
 from anytime.utils.resources import check_memory
 from anytime.utils.seed import derive_seed
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "folder", "synthetic")
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream")
+# Read per batch, never decoded whole: no memory check, and --image-size must match (shards) or is required.
+_ON_DEMAND: tuple[str, ...] = ("shards", "folder-stream")
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_COUNT = 1797  # scikit-learn's bundled handwritten digits
 CIFAR10_COUNT = 60_000
@@ -46,6 +51,7 @@ __all__ = [
     "BatchLoader",
     "DatasetInfo",
     "DatasetSplits",
+    "ImageStore",
     "Split",
     "cache_path_for",
     "default_augment",
@@ -67,10 +73,17 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def _pick(images: np.ndarray | ImageStore, positions: np.ndarray) -> np.ndarray | ImageStore:
+    """Samples ``positions``: copied from an array, a view of a store (nothing read)."""
+    return images.subset(positions) if isinstance(images, ImageStore) else images[positions]
+
+
 def _check_image_memory(name: str, root: str | os.PathLike[str] | None, image_size: int) -> None:
     """Refuse an image size whose decoded dataset cannot fit in memory, before any image is decoded: the uint8
     arrays (source, resized, splits) and the float chunks of the resize, or the float arrays a generated
     dataset is drawn in."""
+    if name in _ON_DEMAND:
+        return
     float_bytes = {"digits": 4, "synthetic": 16}.get(name, 0)  # whole-dataset float arrays while generating
     channels = 1 if name == "digits" else 3
     if name == "digits":
@@ -103,6 +116,18 @@ def _load_raw(
         return load_cifar10(root, image_size=image_size, cache_dir=cache_dir)
     if name == "cifar100":
         return load_cifar100(root, image_size=image_size, cache_dir=cache_dir)
+    if name == "shards":
+        from anytime.data.shards import shard_dataset
+
+        if root is None:
+            raise AnytimeError("the shards dataset needs a root: pass --data-root SHARDS, a folder made by "
+                               "`anytime prepare-data SRC --image-size S --out SHARDS`")  # fmt: skip
+        return shard_dataset(root)
+    if name == "folder-stream":
+        if root is None:
+            raise AnytimeError("the folder-stream dataset needs a root: pass --data-root PATH holding "
+                               "train/<class>/* and test/<class>/*")  # fmt: skip
+        return stream_folder(root, image_size=image_size, seed=seed)
     if root is None:
         raise AnytimeError(
             "the folder dataset needs a root: pass --data-root PATH holding train/<class>/* and test/<class>/*"
@@ -128,6 +153,10 @@ def load_dataset(
     stratified 20% test split is carved first; it does not depend on ``seed``, so every run is
     tested on the same images. ``cache_dir`` (cifar10 and folder) defaults to ``$ANYTIME_CACHE``
     or ``~/.cache/anytime``.
+
+    ``shards`` and ``folder-stream`` splits hold an :class:`ImageStore` that reads each batch's images when
+    asked; their splits are carved by index, nothing is read, and their mean and std come from preparation
+    (shards: every training image) or a seeded sample of training images (folder-stream).
     """
     if name not in DATASETS:
         raise AnytimeError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -142,14 +171,18 @@ def load_dataset(
     raw = _load_raw(name, root, seed=seed, cache_dir=cache_dir, image_size=image_size)
     train_x, train_y = raw.train_images, raw.train_labels
     test_x, test_y = raw.test_images, raw.test_labels
-    if image_size is not None and train_x.shape[2:] != (image_size, image_size):
+    if image_size is not None and tuple(train_x.shape[2:]) != (image_size, image_size):
+        if isinstance(train_x, ImageStore):
+            size = "x".join(str(v) for v in train_x.shape[2:])
+            raise AnytimeError(f"the shards in {root} hold {size} images, not {image_size}x{image_size}; leave "
+                               f"--image-size out, or prepare shards at {image_size} into another folder")  # fmt: skip
         train_x = _resize(train_x, image_size)
         test_x = None if test_x is None else _resize(test_x, image_size)
 
     if test_x is None or test_y is None:
         count = round(DIGITS_TEST_FRACTION * len(train_y))
         test_idx, pool_idx = stratified_pick(train_y, count, derive_seed("test", name))
-        test = make_split("test", train_x[test_idx], train_y[test_idx], test_idx)
+        test = make_split("test", _pick(train_x, test_idx), train_y[test_idx], test_idx)
     else:
         pool_idx = np.arange(len(train_y), dtype=np.int64)
         test = make_split("test", test_x, test_y, np.arange(len(test_y), dtype=np.int64))
@@ -159,8 +192,8 @@ def load_dataset(
     if limit_train is not None and limit_train < len(train_idx):
         keep_rel, _ = stratified_pick(train_y[train_idx], limit_train, derive_seed("limit", seed))
         train_idx = train_idx[keep_rel]
-    train = make_split("train", train_x[train_idx], train_y[train_idx], train_idx)
-    val = make_split("val", train_x[val_idx], train_y[val_idx], val_idx)
+    train = make_split("train", _pick(train_x, train_idx), train_y[train_idx], train_idx)
+    val = make_split("val", _pick(train_x, val_idx), train_y[val_idx], val_idx)
 
     if raw.mean is not None and raw.std is not None:
         mean, std = raw.mean, raw.std

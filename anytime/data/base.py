@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,16 +40,89 @@ class DatasetInfo:
         return out
 
 
+class ImageStore(abc.ABC):
+    """Images read on demand instead of held in memory: a uint8 [N,C,H,W] array that reads only the samples asked
+    for (shards on disk, an image folder decoded per batch).
+
+    It answers what :class:`Split` and the batch loader ask of an images tensor: ``shape``, ``dtype``, ``dim()``,
+    ``len()``, ``index_select(0, idx)`` and indexing with an int, a slice or an index tensor, each of which reads
+    those samples into a new tensor. :meth:`subset` is a view that reads nothing. Stores are picklable (for
+    DataLoader workers) and open their files anew in each process.
+    """
+
+    dtype: torch.dtype = torch.uint8
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> torch.Size:
+        """``(N, C, H, W)``."""
+
+    @abc.abstractmethod
+    def read(self, positions: np.ndarray) -> torch.Tensor:
+        """Samples ``positions`` (int64 [K], each in ``[0, N)``) as a new uint8 [K,C,H,W] tensor."""
+
+    @abc.abstractmethod
+    def subset(self, positions: np.ndarray) -> ImageStore:
+        """A view of samples ``positions`` (int64 [K]) in that order; nothing is read."""
+
+    def dim(self) -> int:
+        """Always 4."""
+        return 4
+
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
+    def _index_positions(self, index: Any) -> np.ndarray:
+        count = len(self)
+        if isinstance(index, slice):
+            return np.arange(*index.indices(count), dtype=np.int64)
+        picked = np.asarray(index.cpu().numpy() if isinstance(index, torch.Tensor) else index)
+        if picked.dtype == np.bool_:
+            if picked.shape != (count,):
+                raise IndexError(f"a boolean index of {picked.shape} does not match {count} images")
+            return np.flatnonzero(picked).astype(np.int64)
+        picked = picked.astype(np.int64, copy=False).reshape(-1)
+        if picked.size and (picked.min() < -count or picked.max() >= count):
+            raise IndexError(f"image index out of range for {count} images")
+        return np.where(picked < 0, picked + count, picked)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Samples ``index`` (dim 0 only) as a new tensor, like ``torch.Tensor.index_select``."""
+        if dim != 0:
+            raise ValueError(f"an image store selects along dimension 0 only, not {dim}")
+        return self.read(self._index_positions(index))
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        if isinstance(key, tuple):
+            return self[key[0]][(slice(None), *key[1:]) if not isinstance(key[0], int) else key[1:]]
+        if isinstance(key, (int, np.integer)) or (isinstance(key, torch.Tensor) and key.dim() == 0):
+            position = int(key)
+            if not -len(self) <= position < len(self):
+                raise IndexError(f"image {position} out of range for {len(self)} images")
+            return self.read(np.array([position % len(self)], dtype=np.int64))[0]
+        return self.read(self._index_positions(key))
+
+
+def take_images(images: torch.Tensor | ImageStore, positions: np.ndarray | torch.Tensor) -> torch.Tensor | ImageStore:
+    """Samples ``positions`` of ``images``: a tensor's are copied, a store's are a view (nothing is read)."""
+    if isinstance(images, ImageStore):
+        return images.subset(np.asarray(positions.numpy() if isinstance(positions, torch.Tensor) else positions,
+                                        dtype=np.int64))  # fmt: skip
+    index = positions if isinstance(positions, torch.Tensor) else torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    return images[index]
+
+
 @dataclass(frozen=True)
 class Split:
-    """One split held in memory as uint8 images and int64 labels.
+    """One split: uint8 images [N,C,H,W] and int64 labels.
 
-    ``indices`` (optional) are the positions of the samples in the source's original
+    ``images`` is a tensor held in memory, or an :class:`ImageStore` that reads each batch's samples when asked
+    (data larger than memory). ``indices`` (optional) are the positions of the samples in the source's original
     training set (train/val) or test set (test); for digits, in the whole 1,797-image set.
     """
 
     name: str
-    images: torch.Tensor
+    images: torch.Tensor | ImageStore
     labels: torch.Tensor
     indices: torch.Tensor | None = None
 
@@ -70,7 +144,7 @@ class Split:
             return self
         chosen = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:count]
         indices = None if self.indices is None else self.indices[chosen]
-        return Split(self.name, self.images[chosen], self.labels[chosen], indices)
+        return Split(self.name, take_images(self.images, chosen), self.labels[chosen], indices)
 
 
 @dataclass(frozen=True)
@@ -94,14 +168,15 @@ class RawDataset:
     """A decoded source before splitting: numpy uint8 [N,C,H,W] images and int64 labels.
 
     ``test_images`` is None for sources without an official test split (a test split is carved).
-    ``mean``/``std`` None means: compute them from the final training split.
+    ``mean``/``std`` None means: compute them from the final training split. Sources read on demand give
+    :class:`ImageStore` images (and their ``mean``/``std``).
     """
 
     name: str
     classes: tuple[str, ...]
-    train_images: np.ndarray
+    train_images: np.ndarray | ImageStore
     train_labels: np.ndarray
-    test_images: np.ndarray | None
+    test_images: np.ndarray | ImageStore | None
     test_labels: np.ndarray | None
     hflip: bool
     source: str
@@ -164,11 +239,11 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "anytime"
 
 
-def make_split(name: str, images: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> Split:
-    """Wrap numpy arrays as a :class:`Split` of contiguous CPU tensors."""
+def make_split(name: str, images: np.ndarray | ImageStore, labels: np.ndarray, indices: np.ndarray) -> Split:
+    """Wrap numpy arrays as a :class:`Split` of contiguous CPU tensors (an :class:`ImageStore` is kept as it is)."""
     return Split(
         name=name,
-        images=torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)),
+        images=images if isinstance(images, ImageStore) else torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)),
         labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)),
         indices=torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)),
     )

@@ -4,6 +4,9 @@ The decoded arrays are stored in an ``.npz`` file in the cache folder, keyed by 
 source path and the requested image size. The file also records a fingerprint of the source
 made from ``stat`` alone (relative path, size, mtime of every file), so a cached copy is
 rebuilt when a file is added, removed or modified, without reading any image.
+
+:func:`stream_folder` decodes nothing up front: its :class:`FolderImages` decode each batch's files when the
+loader asks (in DataLoader workers when it has some), for data too large to hold and read only once.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from anytime.data.base import RawDataset, default_cache_dir
+from anytime.data.base import ImageStore, RawDataset, channel_stats, default_cache_dir
 from anytime.errors import AnytimeError
 from anytime.utils.io import atomic_path
 
@@ -27,6 +31,7 @@ IMAGE_EXTENSIONS: frozenset[str] = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
 )
 CACHE_VERSION = 1
+STREAM_STATS_IMAGES = 1000  # training images decoded for a streamed folder's mean and std
 # Below this many files a process pool costs more than it saves.
 _POOL_MIN_FILES = 2000
 
@@ -261,4 +266,71 @@ def load_folder(
         hflip=hflip,
         source=str(scan.root),
         fingerprint=scan.fingerprint,
+    )
+
+
+class FolderImages(ImageStore):
+    """Image files decoded when read: each is converted to RGB and resized to ``image_size`` x ``image_size``
+    (PIL's bilinear filter, as the decoded folder dataset does); see :class:`~anytime.data.base.ImageStore`."""
+
+    def __init__(self, paths: tuple[str, ...], image_size: int, positions: np.ndarray | None = None) -> None:
+        self._paths = paths
+        self._size = int(image_size)
+        self._positions = None if positions is None else np.asarray(positions, dtype=np.int64)
+
+    @property
+    def shape(self) -> torch.Size:
+        count = len(self._paths) if self._positions is None else len(self._positions)
+        return torch.Size((count, 3, self._size, self._size))
+
+    def _global(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"image index out of range for {len(self)} images")
+        return positions if self._positions is None else self._positions[positions]
+
+    def subset(self, positions: np.ndarray) -> FolderImages:
+        return FolderImages(self._paths, self._size, self._global(positions))
+
+    def read(self, positions: np.ndarray) -> torch.Tensor:
+        wanted = self._global(positions)
+        out = np.empty((len(wanted), 3, self._size, self._size), dtype=np.uint8)
+        for i, k in enumerate(wanted.tolist()):
+            path, decoded = _decode_one((self._paths[k], self._size))
+            if isinstance(decoded, str):
+                raise AnytimeError(f"cannot decode image {path} ({decoded}); remove or replace the file")
+            out[i] = decoded[None] if decoded.ndim == 2 else decoded.transpose(2, 0, 1)
+        return torch.from_numpy(out)
+
+    def __repr__(self) -> str:
+        return f"FolderImages({len(self)} images, decoded at {self._size}x{self._size})"
+
+
+def stream_folder(
+    root: str | os.PathLike[str], *, image_size: int | None, name: str = "folder-stream", hflip: bool = True,
+    seed: int = 0,
+) -> RawDataset:  # fmt: skip
+    """An image-folder tree as a source whose images are decoded per batch (RGB, resized to ``image_size``); its
+    mean and std are measured on a seeded sample of up to 1,000 training images."""
+    if image_size is None:
+        raise AnytimeError("the folder-stream dataset decodes images as batches need them, so it needs "
+                           "--image-size N (every image is resized to NxN)")  # fmt: skip
+    scan = scan_folder(root)
+    train = FolderImages(tuple(str(scan.root / rel) for rel, _ in scan.train), image_size)
+    test = FolderImages(tuple(str(scan.root / rel) for rel, _ in scan.test), image_size)
+    rng = np.random.default_rng(seed)
+    sample = np.sort(rng.permutation(len(train))[:STREAM_STATS_IMAGES])
+    mean, std = channel_stats(train.read(sample).numpy())
+    return RawDataset(
+        name=name,
+        classes=scan.classes,
+        train_images=train,
+        train_labels=np.array([lab for _, lab in scan.train], dtype=np.int64),
+        test_images=test,
+        test_labels=np.array([lab for _, lab in scan.test], dtype=np.int64),
+        hflip=hflip,
+        source=str(scan.root),
+        fingerprint=scan.fingerprint,
+        mean=mean,
+        std=std,
     )

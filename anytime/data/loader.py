@@ -8,7 +8,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from anytime.data.augment import Augment, apply_augment, default_augment, normalize
-from anytime.data.base import DatasetInfo, Split
+from anytime.data.base import DatasetInfo, Split, take_images
+from anytime.errors import AnytimeError
 from anytime.utils.seed import derive_seed
 
 
@@ -119,7 +120,11 @@ class BatchLoader:
             _EpochBatches(self._maker, order, epoch), batch_size=None, shuffle=False, num_workers=self.workers,
             prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory and torch.cuda.is_available(),
         )  # fmt: skip
-        yield from loader
+        try:
+            yield from loader
+        except AnytimeError as exc:
+            # A worker's error comes back wrapped with its traceback: the user gets its own line only.
+            raise AnytimeError(str(exc).strip().splitlines()[-1].split("AnytimeError: ", 1)[-1]) from None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels in self._batches():
