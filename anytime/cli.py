@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
                        help="pin host memory for faster copies to a CUDA GPU")
     train.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/MODEL-DATA or runs/CARD)")
+    train.add_argument("--nproc", type=_positive_int, metavar="N",
+                       help="train with N data-parallel processes on this machine (as `torchrun --nproc-per-node N -m "
+                            "anytime train ...` does): the global batch is --batch-size, the cores are shared out")
     again = train.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the interrupted run in --out, exactly")
     again.add_argument("--extend", action="store_true",
@@ -548,10 +551,42 @@ def _float_list(text: str, what: str) -> tuple[float, ...]:
         raise AnytimeError(f"{what} must be numbers separated by commas, e.g. 0.5,1,1 (got '{text}')") from None
 
 
+def _without_option(argv: Sequence[str], option: str) -> list[str]:
+    """``argv`` without ``option VALUE`` or ``option=VALUE``."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == option:
+            skip = True
+        elif not token.startswith(option + "="):
+            out.append(token)
+    return out
+
+
+def _launch_train(args: argparse.Namespace) -> int:
+    from anytime.train.distributed import launch_local
+
+    result = launch_local(_without_option(args.argv, "--nproc"), args.nproc)
+    if result.failed_rank is not None and (result.signalled or result.returncode not in (2, 130)):
+        how = "was killed by a signal" if result.signalled else f"failed (exit status {result.returncode})"
+        print(f"anytime train: error: process {result.failed_rank} of {args.nproc} {how}, so the others were stopped; "
+              "the run keeps its last complete epoch: add --resume to the same command to continue",
+              file=sys.stderr)  # fmt: skip
+    return result.returncode
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from anytime.train import TrainConfig, Trainer, load_card, record_results
     from anytime.train.cards import check_recordable
+    from anytime.train.distributed import from_environment
     from anytime.train.trainer import CHECKPOINT, require_checkpoint
+
+    ctx = from_environment()
+    if args.nproc is not None and args.nproc > 1 and ctx is None:
+        return _launch_train(args)
+    main = ctx is None or ctx.main
 
     card = load_card(args.card) if args.card else None
     overrides = {field: getattr(args, field) for field in _TRAIN_FIELDS if getattr(args, field) is not None}
@@ -583,13 +618,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         base = card.config if card else TrainConfig()
     config = base.replace(**overrides) if overrides else base
     trainer = Trainer(
-        config, run_dir, progress=not args.no_progress and sys.stderr.isatty(),
-        on_start=lambda line: print(line, file=sys.stderr), extra_config={"card": str(card.path)} if card else {},
-        create_parents=args.out is None,
+        config, run_dir, progress=main and not args.no_progress and sys.stderr.isatty(),
+        on_start=(lambda line: print(line, file=sys.stderr)) if main else None,
+        extra_config={"card": str(card.path)} if card else {}, create_parents=args.out is None, distributed=ctx,
     )  # fmt: skip
     try:
         summary = trainer.fit(resume=args.resume, extend=args.extend, overwrite=args.overwrite)
+        if not main:
+            return 0
     except KeyboardInterrupt:
+        if not main:
+            return 130
         again = f"--extend --epochs {config.epochs}" if args.extend else "--resume"
         if (run_dir / CHECKPOINT).is_file():
             print(f"\ninterrupted; continue with: anytime train --out {run_dir} {again}", file=sys.stderr)
@@ -1241,9 +1280,17 @@ def _quiet_broken_pipe() -> int:
     return 128 + signal.SIGPIPE
 
 
+def _other_process() -> bool:
+    """Whether this is one of several data-parallel processes but not process 0, which alone reports errors:
+    the others meet the same ones (the same recipe, data and folder)."""
+    return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``anytime`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     previous = _catch_termination()
     try:
         status = HANDLERS[args.command](args)
@@ -1252,7 +1299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except AnytimeError as exc:
-        print(f"anytime {args.command}: error: {exc}", file=sys.stderr)
+        if not _other_process():
+            print(f"anytime {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave that cannot be read or written
         from anytime.utils.outputs import user_path
@@ -1265,7 +1313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except _Terminated as exc:
-        print(f"\nstopped by signal {exc.signum}; nothing partial was kept", file=sys.stderr)
+        if not _other_process():
+            print(f"\nstopped by signal {exc.signum}; nothing partial was kept", file=sys.stderr)
         return 128 + exc.signum
     finally:
         for sig, handler in previous.items():

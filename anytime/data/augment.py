@@ -51,22 +51,29 @@ def default_augment(hflip: bool) -> Augment:
     return Augment("crop+flip" if hflip else "crop")
 
 
-def apply_augment(images_uint8: torch.Tensor, augment: Augment, generator: torch.Generator) -> torch.Tensor:
-    """``images_uint8`` augmented by ``augment`` (uint8 [N,C,H,W] in and out); no draws for ``none``."""
+def apply_augment(
+    images_uint8: torch.Tensor, augment: Augment, generator: torch.Generator, within: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """``images_uint8`` augmented by ``augment`` (uint8 [N,C,H,W] in and out); no draws for ``none``. ``within``:
+    as :func:`random_crop_flip` takes it."""
     if augment.policy == "none":
         return images_uint8
     return random_crop_flip(images_uint8, padding=augment.padding if augment.crop else 0, hflip=augment.hflip,
-                            generator=generator)  # fmt: skip
+                            generator=generator, within=within)  # fmt: skip
 
 
 def random_crop_flip(
-    images_uint8: torch.Tensor, *, padding: int, hflip: bool, generator: torch.Generator
+    images_uint8: torch.Tensor, *, padding: int, hflip: bool, generator: torch.Generator,
+    within: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Random crops of a zero-padded batch, plus random horizontal flips when ``hflip``; uint8 [N,C,H,W] in and out.
 
     The batch is padded once, then rows and columns are gathered with per-sample offsets;
     a flip just reverses that sample's column index. Draws, in order: row
     offsets, column offsets, then (if ``hflip``) flip coins, all from ``generator``.
+
+    ``within=(start, total)`` says the images are rows ``start..start+N`` of a batch of ``total``: the draws are made
+    for the whole batch and these rows take theirs, so processes that share a batch augment it as one process would.
     """
     if images_uint8.dim() != 4:
         raise ValueError(f"expected [N,C,H,W] images, got shape {tuple(images_uint8.shape)}")
@@ -74,9 +81,13 @@ def random_crop_flip(
     p = int(padding)
     if p < 0:
         raise ValueError(f"padding must be >= 0, got {padding}")
-    dy = torch.randint(0, 2 * p + 1, (n,), generator=generator)
-    dx = torch.randint(0, 2 * p + 1, (n,), generator=generator)
-    flip = torch.rand(n, generator=generator) < 0.5 if hflip else None
+    start, total = within if within is not None else (0, n)
+    if start < 0 or start + n > total:
+        raise ValueError(f"rows {start}..{start + n} are not within a batch of {total}")
+    rows_of_mine = slice(start, start + n)
+    dy = torch.randint(0, 2 * p + 1, (total,), generator=generator)[rows_of_mine]
+    dx = torch.randint(0, 2 * p + 1, (total,), generator=generator)[rows_of_mine]
+    flip = (torch.rand(total, generator=generator) < 0.5)[rows_of_mine] if hflip else None
     if p:
         padded = images_uint8.new_zeros((n, c, h + 2 * p, w + 2 * p))
         padded[:, :, p : p + h, p : p + w] = images_uint8

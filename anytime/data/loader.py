@@ -13,15 +13,32 @@ from anytime.errors import AnytimeError
 from anytime.utils.seed import derive_seed
 
 
+def share(count: int, part: tuple[int, int]) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of ``count`` that process ``rank`` of ``world`` takes: contiguous, in rank order,
+    sizes differing by at most one."""
+    rank, world = part
+    return rank * count // world, (rank + 1) * count // world
+
+
 class _BatchMaker:
-    """Computes batch ``b`` of epoch ``e`` from (seed, epoch, b) alone, in any process."""
+    """Computes batch ``b`` of epoch ``e`` from (seed, epoch, b) alone, in any process.
+
+    With ``part=(rank, world)`` a training batch is the same global batch in every process, each taking its
+    own rows of it (augmented as the whole batch would be); an evaluation split is cut into ``world``
+    contiguous pieces instead.
+    """
 
     def __init__(
         self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int, augment: Augment,
-        drop_last: bool,
+        drop_last: bool, part: tuple[int, int] = (0, 1),
     ) -> None:  # fmt: skip
-        self.images = split.images
-        self.labels = split.labels
+        self.part = part
+        images, labels = split.images, split.labels
+        if not train and part[1] > 1:
+            start, stop = share(int(labels.shape[0]), part)
+            images, labels = take_images(images, torch.arange(start, stop)), labels[start:stop]
+        self.images = images
+        self.labels = labels
         self.mean = info.mean
         self.std = info.std
         self.augment = augment
@@ -32,7 +49,16 @@ class _BatchMaker:
 
     def num_batches(self) -> int:
         n = int(self.labels.shape[0])
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        if self.drop_last:
+            return n // self.batch_size
+        count = -(-n // self.batch_size)
+        if self.train and 0 < n % self.batch_size < self.part[1]:
+            count -= 1  # a last batch with fewer images than processes would leave one with none
+        return count
+
+    def total(self, index: int) -> int:
+        """The images in global batch ``index``, all processes together."""
+        return min(self.batch_size, int(self.labels.shape[0]) - index * self.batch_size)
 
     def order(self, epoch: int) -> torch.Tensor | None:
         if not self.train:
@@ -46,9 +72,11 @@ class _BatchMaker:
             images, labels = self.images[start:stop], self.labels[start:stop]
         else:
             picked = order[start:stop]
+            mine = share(len(picked), self.part)
+            picked = picked[mine[0] : mine[1]]
             images, labels = self.images.index_select(0, picked), self.labels.index_select(0, picked)
             generator = torch.Generator().manual_seed(derive_seed("augment", self.seed, epoch, index))
-            images = apply_augment(images, self.augment, generator)
+            images = apply_augment(images, self.augment, generator, within=(mine[0], self.total(index)))
         return normalize(images, self.mean, self.std), labels.clone()
 
 
@@ -75,20 +103,26 @@ class BatchLoader:
     ``train=False``: fixed order, normalised only. Shuffling and augmentation depend only on
     ``(seed, epoch)`` (set with :meth:`set_epoch`), never on the number of workers or on
     earlier iteration, so a resumed run sees the same batches.
+
+    ``part=(rank, world)``: this process's share when ``world`` processes train together (data-parallel). Each
+    training batch is a global batch of ``batch_size`` whose rows are shared out (the epoch's last batch is
+    dropped when it holds fewer images than processes); an evaluation split is shared out as whole pieces.
     """
 
     def __init__(
         self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
         prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, augment: Augment | None = None,
-        device: torch.device | str | None = None,
+        device: torch.device | str | None = None, part: tuple[int, int] = (0, 1),
     ) -> None:  # fmt: skip
+        if not 0 <= part[0] < part[1]:
+            raise ValueError(f"part must be (rank, world) with 0 <= rank < world, got {part}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
         self.augment = augment if augment is not None else default_augment(info.hflip)
         self._maker = _BatchMaker(split, info, batch_size=batch_size, train=train, seed=seed, augment=self.augment,
-                                  drop_last=drop_last)  # fmt: skip
+                                  drop_last=drop_last, part=part)  # fmt: skip
         self.num_samples: int = len(split)
         self.batch_size: int = batch_size
         self.train = train
@@ -105,6 +139,10 @@ class BatchLoader:
 
     def __len__(self) -> int:
         return self._maker.num_batches()
+
+    def batch_total(self, index: int) -> int:
+        """The images in training batch ``index``, all processes' shares together."""
+        return self._maker.total(index)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch = self.epoch
@@ -138,10 +176,11 @@ class BatchLoader:
 def make_loader(
     split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
     prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, augment: Augment | None = None,
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, part: tuple[int, int] = (0, 1),
 ) -> BatchLoader:  # fmt: skip
     """A :class:`BatchLoader` over ``split``; see its docstring for what the batches are."""
     return BatchLoader(
         split, info, batch_size=batch_size, train=train, seed=seed, workers=workers,
         prefetch_factor=prefetch_factor, pin_memory=pin_memory, drop_last=drop_last, augment=augment, device=device,
+        part=part,
     )  # fmt: skip

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,6 +21,7 @@ from anytime.data import Augment, BatchLoader, DatasetSplits, load_dataset, make
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
+from anytime.train.distributed import Distributed
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.timing import PHASES, Clock, PhaseLog
@@ -39,6 +42,8 @@ from anytime.utils.resources import check_disk, check_forward_memory, model_byte
 from anytime.utils.seed import derive_seed, seed_everything
 
 CHECKPOINT = "checkpoint.pt"
+# what gloo and NCCL say (as plain RuntimeErrors) when a peer process has gone
+_LOST_PEER = re.compile(r"gloo|nccl|connection (reset|closed|refused)|broken pipe|timed out", re.IGNORECASE)
 METRICS_COLUMNS: tuple[str, ...] = (
     "epoch", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_s", "train_s", "eval_s", "elapsed_s",
     "data_s", "forward_s", "backward_s", "step_s", "images_per_s", "peak_rss_mb", "cuda_peak_mb",
@@ -52,6 +57,20 @@ class EpochEnd:
     epoch: int
     metrics: dict[str, float | None]
     run_dir: Path
+
+
+class _TrainingForward(nn.Module):
+    """The training pass as one module call, so that DistributedDataParallel sees every forward: all steps of the
+    model, or only the ``chosen`` ones (the sandwich rule of sliced networks), stacked."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor, chosen: list[int] | None = None) -> Tensor:
+        if chosen is None:
+            return self.model(images)
+        return torch.stack([self.model.forward_until(images, k) for k in chosen])  # type: ignore[operator]
 
 
 def lr_factor(config: TrainConfig, epoch: int, fraction: float = 0.0) -> float:
@@ -150,11 +169,13 @@ def load_splits(config: TrainConfig) -> DatasetSplits:
 
 @torch.no_grad()
 def evaluate_exits(
-    model: nn.Module, loader: BatchLoader, device: torch.device, *, mirror: bool = False
+    model: nn.Module, loader: BatchLoader, device: torch.device, *, mirror: bool = False,
+    reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[float, list[float]]:
     """Mean cross-entropy of the model's (last) output and the accuracy of every exit (one for a plain model).
 
-    ``mirror`` averages the logits of each image and its left-right mirror (test-time augmentation).
+    ``mirror`` averages the logits of each image and its left-right mirror (test-time augmentation). ``reduce``
+    sums the loss, the hits and the count over data-parallel processes, each of which scored its own share.
     """
     was_training = model.training
     model.eval()
@@ -174,6 +195,11 @@ def evaluate_exits(
         correct = hits if correct is None else correct + hits
         count += labels.numel()
     model.train(was_training)
+    if reduce is not None:
+        if correct is None:  # this process's share was empty
+            correct = torch.zeros(len(getattr(model, "exit_info", None) or [None]), device=device, dtype=torch.int64)
+        totals = reduce(torch.cat([torch.stack([loss_sum, loss_sum.new_tensor(count)]), correct.double()]))
+        loss_sum, count, correct = totals[0], int(totals[1]), totals[2:].long()
     if count == 0 or correct is None:
         return float("nan"), [float("nan")]
     return float(loss_sum) / count, [int(c) / count for c in correct]
@@ -197,6 +223,12 @@ class Trainer:
     on a CPU (on CUDA only up to the non-determinism of its kernels, unless the user enables
     ``torch.use_deterministic_algorithms``). ``peak_rss_mb`` is the process's peak resident memory so
     far (model, optimizer and the dataset held in memory; DataLoader workers not included).
+
+    With ``distributed`` (one of the processes torchrun starts), the processes train one model on shares of
+    each global batch of ``batch_size`` (DistributedDataParallel), and process 0 alone writes the run folder.
+    The gradient is the one a single process computes on the whole batch; batch-norm statistics are each
+    process's own rows' (there is no synchronised batch norm on CPUs), so with batch norm the runs differ
+    slightly. A run resumes with any number of processes.
     """
 
     def __init__(
@@ -209,8 +241,10 @@ class Trainer:
         on_start: Callable[[str], None] | None = None,
         extra_config: dict[str, Any] | None = None,
         create_parents: bool = True,
+        distributed: Distributed | None = None,
     ) -> None:
         self.config = config
+        self.distributed = distributed
         self.run_dir = Path(run_dir)
         self.create_parents = create_parents
         self.progress = progress
@@ -228,18 +262,48 @@ class Trainer:
         ``epochs`` of this recipe, with the learning-rate schedule recomputed for the new length (recorded in
         the run's ``config.json`` and summary). A run folder is written by one process at a time.
         """
-        if (resume or extend) and overwrite:
-            raise AnytimeError("--overwrite starts the run again; it does not go with --resume or --extend")
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise AnytimeError(f"--out {self.run_dir} is a file, not a folder; give a new folder name for the run")
-        if not (resume or extend):
-            check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
-        else:
-            require_checkpoint(self.run_dir, "extend" if extend else "resume")
-        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
-        with output_lock(self.run_dir):
-            fresh = not (resume or extend)
-            created = fresh and self._claim(overwrite)
+        ctx = self.distributed
+        if ctx is None:
+            return self._fit_main(resume, extend, overwrite, splits)
+        import torch.distributed as dist
+
+        ctx.start(ctx.device(resolve_device(self.config.device)))
+        try:
+            if not ctx.main:
+                ctx.agree(None)  # waits for process 0 to claim the run folder
+                return self._fit(resume or extend, extend, splits)
+            return self._fit_main(resume, extend, overwrite, splits)
+        except RuntimeError as exc:
+            if not isinstance(exc, dist.DistError) and not _LOST_PEER.search(str(exc)):
+                raise
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise AnytimeError(f"process {ctx.rank} lost contact with the others ({first}); the run keeps its last "
+                               "complete epoch: continue with --resume") from None  # fmt: skip
+        finally:
+            ctx.stop()
+
+    def _fit_main(self, resume: bool, extend: bool, overwrite: bool, splits: DatasetSplits | None) -> dict[str, Any]:
+        """Claim the run folder (telling the other processes, if any, whether it could be), then train."""
+        with ExitStack() as stack:
+            try:
+                if (resume or extend) and overwrite:
+                    raise AnytimeError("--overwrite starts the run again; it does not go with --resume or --extend")
+                if self.run_dir.exists() and not self.run_dir.is_dir():
+                    raise AnytimeError(f"--out {self.run_dir} is a file, not a folder; give a new folder name for the run")
+                if not (resume or extend):
+                    check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
+                else:
+                    require_checkpoint(self.run_dir, "extend" if extend else "resume")
+                self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(output_lock(self.run_dir))
+                fresh = not (resume or extend)
+                created = fresh and self._claim(overwrite)
+            except AnytimeError as exc:
+                if self.distributed is not None:
+                    self.distributed.agree(str(exc))
+                raise
+            if self.distributed is not None:
+                self.distributed.agree(None)
             try:
                 return self._fit(resume or extend, extend, splits)
             except DiskFullError as exc:
@@ -301,7 +365,11 @@ class Trainer:
             if extend:
                 extensions.append({"from_epochs": before, "to_epochs": cfg.epochs, "at_epoch": int(state["epoch"]) + 1,
                                    "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})  # fmt: skip
+        ctx = self.distributed
+        main = ctx is None or ctx.main
         device = resolve_device(cfg.device)
+        if ctx is not None:
+            device = ctx.device(device)
         if splits is None:
             splits = load_splits(cfg)
         info = splits.info
@@ -340,13 +408,18 @@ class Trainer:
             if extend:  # the schedule of the new length, from the epoch the run goes on at
                 for group in optimizer.param_groups:
                     group["lr"] = group["initial_lr"] * lr_factor(cfg, start_epoch)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         augment = cfg.augmentation(info.hflip)
-        self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
-                           extensions=extensions, augment=augment)  # fmt: skip
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
+                               extensions=extensions, augment=augment)  # fmt: skip
+        forward: nn.Module = _TrainingForward(model)
+        if ctx is not None:
+            # skipped residual branches leave parameters without a gradient in some iterations
+            forward = ctx.wrap(forward, device, find_unused=cfg.stochastic_depth > 0 or cfg.ladder is not None)
 
         loader_kw = {"seed": cfg.seed, "workers": cfg.workers, "prefetch_factor": cfg.prefetch_factor,
-                     "pin_memory": cfg.pin_memory and device.type == "cuda"}  # fmt: skip
+                     "pin_memory": cfg.pin_memory and device.type == "cuda", "part": (0, 1) if ctx is None else ctx.part}  # fmt: skip
         train_loader = make_loader(splits.train, info, batch_size=cfg.batch_size, train=True, augment=augment,
                                    **loader_kw)  # fmt: skip
         val_loader = make_loader(splits.val, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
@@ -358,10 +431,12 @@ class Trainer:
                 f"from epoch {start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
             )
         for epoch in range(start_epoch, cfg.epochs):
-            record, phases = self._run_epoch(model, ema, optimizer, train_loader, val_loader, device, clock, epoch,
-                                             history)  # fmt: skip
+            record, phases = self._run_epoch(model, forward, ema, optimizer, train_loader, val_loader, device, clock,
+                                             epoch, history)  # fmt: skip
             scheduler.step()
             history.append({"metrics": record, "phases": phases})
+            if not main:
+                continue
             save_checkpoint(
                 checkpoint_path,
                 {
@@ -376,24 +451,29 @@ class Trainer:
                 self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
 
         final = model if ema is None else ema.module
+        reduce = None if ctx is None else ctx.sum
         test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
-        test_loss, test_accs = evaluate_exits(final, test_loader, device)
-        save_weights(final, self.run_dir / "model.safetensors")
+        test_loss, test_accs = evaluate_exits(final, test_loader, device, reduce=reduce)
+        if main:
+            save_weights(final, self.run_dir / "model.safetensors")
         summary = self._summary(history, final, device, test_loss, test_accs, info.to_dict())
         summary["augment"] = augment.describe()
+        summary["processes"] = 1 if ctx is None else ctx.world_size
         if cfg.tta:
-            _, mirrored = evaluate_exits(final, test_loader, device, mirror=True)
+            _, mirrored = evaluate_exits(final, test_loader, device, mirror=True, reduce=reduce)
             summary["final"]["test_acc_tta"] = mirrored[-1]
             for entry, acc in zip(summary.get("exits", []), mirrored):
                 entry["test_acc_tta"] = acc
         if extensions:
             summary["extended"] = extensions
-        write_json(self.run_dir / "summary.json", summary)
+        if main:
+            write_json(self.run_dir / "summary.json", summary)
         return summary
 
     def _run_epoch(
         self,
         model: nn.Module,
+        forward: nn.Module,
         ema: nn.Module | None,
         optimizer: torch.optim.Optimizer,
         train_loader: BatchLoader,
@@ -416,7 +496,9 @@ class Trainer:
         correct = torch.zeros((), device=device, dtype=torch.int64)
         seen = 0
         batches = len(train_loader)
-        bar = progress_bar(batches, f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.progress, unit="batch")
+        ctx = self.distributed
+        bar = progress_bar(batches, f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.progress and (ctx is None or ctx.main),
+                           unit="batch")  # fmt: skip
         stepwise = per_iteration_lr(cfg)
         memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         epoch_start = tick = clock.now()
@@ -425,12 +507,11 @@ class Trainer:
             labels = labels.to(device, non_blocking=True)
             t_data = clock.now()
             chosen = model.training_steps() if hasattr(model, "training_steps") else None
+            if chosen is not None and len(chosen) >= len(weights):
+                chosen = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
-                if chosen is not None and len(chosen) < len(weights):  # the sandwich rule: some slices only
-                    logits = torch.stack([model.forward_until(images, k) for k in chosen])  # type: ignore[operator]
-                    step_weights = weights[chosen]
-                else:
-                    logits, step_weights = model(images), weights
+                logits = forward(images, chosen)
+            step_weights = weights if chosen is None else weights[chosen]
             logits = logits.float()
             multi_exit = logits.dim() == 3
             if multi_exit:
@@ -446,6 +527,8 @@ class Trainer:
                 last_loss = F.cross_entropy(logits, labels) if multi_exit else loss
                 loss_sum += last_loss.detach().double() * labels.numel()
                 correct += (logits.argmax(dim=1) == labels).sum()
+            if ctx is not None:  # processes' gradients are averaged: weigh each by its share of the global batch
+                loss = loss * (labels.numel() * ctx.world_size / train_loader.batch_total(iteration))
             t_forward = clock.now()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -469,8 +552,13 @@ class Trainer:
                     f"lower --lr (now {cfg.lr}) and start again"
                 )
         bar.close()
+        if ctx is not None:
+            totals = ctx.sum(torch.stack([loss_sum, objective_sum, correct.double(), loss_sum.new_tensor(seen)]))
+            loss_sum, objective_sum, correct, seen = totals[0], totals[1], totals[2].long(), int(totals[3])
+            ctx.share_buffers(model, ema)
         train_s = clock.now() - epoch_start
-        val_loss, val_accs = evaluate_exits(model if ema is None else ema.module, val_loader, device)
+        val_loss, val_accs = evaluate_exits(model if ema is None else ema.module, val_loader, device,
+                                            reduce=None if ctx is None else ctx.sum)  # fmt: skip
         val_acc = val_accs[-1]
         epoch_s = clock.now() - epoch_start
         train_loss = float(loss_sum) / max(seen, 1)
@@ -536,6 +624,7 @@ class Trainer:
             "device": str(device),
             "machine": describe_machine(self.config.data_root),
             "git_sha": git_sha(),
+            "processes": 1 if self.distributed is None else self.distributed.world_size,
             "created": now,
             **({"augment": dataclasses.asdict(augment)} if augment is not None else {}),
             **self.extra_config,
@@ -546,7 +635,8 @@ class Trainer:
             except ValueError:
                 old = {}  # the checkpoint, not this record, is what the run resumes from
             payload["created"] = old.get("created", now)
-            payload["resumed"] = [*old.get("resumed", []), {"at_epoch": resumed_from, "time": now}]
+            payload["resumed"] = [*old.get("resumed", []),
+                                  {"at_epoch": resumed_from, "time": now, "processes": payload["processes"]}]  # fmt: skip
         if extensions:
             payload["extended"] = extensions
         write_json(path, payload)

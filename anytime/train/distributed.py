@@ -1,0 +1,208 @@
+"""Data-parallel training: the processes `torchrun` (or `anytime train --nproc N`) starts, and what they share.
+
+Every process builds the same model from the same seed and reads the same seeded permutation of each epoch;
+each takes its own rows of every global batch, and DistributedDataParallel averages the gradients. Process 0
+alone writes the run folder. gloo on CPUs, NCCL on CUDA GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+
+TIMEOUT = timedelta(minutes=10)  # a collective that waits longer means a peer is gone
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class PeerStopped(AnytimeError):
+    """Raised in the other processes when process 0 refused the run; process 0 has said why."""
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place among the data-parallel processes."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def main(self) -> bool:
+        """Whether this is process 0, the one that writes the run folder and prints."""
+        return self.rank == 0
+
+    @property
+    def part(self) -> tuple[int, int]:
+        """``(rank, world_size)``, as the batch loader takes it."""
+        return self.rank, self.world_size
+
+    def device(self, device: torch.device) -> torch.device:
+        """The device of this process: its own GPU (by local rank) on CUDA."""
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    def start(self, device: torch.device) -> str:
+        """Join the process group (gloo, or NCCL for CUDA); returns the backend."""
+        import torch.distributed as dist
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            try:
+                dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=TIMEOUT)
+            except (RuntimeError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise AnytimeError(f"process {self.rank} could not join the others ({first}); check MASTER_ADDR "
+                                   "and MASTER_PORT, or start with `anytime train --nproc N`") from None  # fmt: skip
+        return backend
+
+    def stop(self) -> None:
+        """Leave the process group."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def wrap(self, module: nn.Module, device: torch.device, *, find_unused: bool) -> nn.Module:
+        """``module`` in DistributedDataParallel (its gradients averaged over the processes in backward)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused)
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the processes (in place, and returned)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def share_buffers(self, *modules: nn.Module | None) -> None:
+        """Give every process process 0's buffers (batch-norm statistics drift apart: each saw its own rows)."""
+        import torch.distributed as dist
+
+        for module in modules:
+            if module is None:
+                continue
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def agree(self, error: str | None) -> None:
+        """Process 0 passes its verdict on starting (None, or why not) to the others, which raise it as
+        :class:`PeerStopped`; process 0 raises its own error itself."""
+        import torch.distributed as dist
+
+        verdict: list[str | None] = [error]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None and not self.main:
+            raise PeerStopped(verdict[0])
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> Distributed | None:
+    """The process's place from the variables torchrun (or SLURM through torchrun) sets; None when it runs alone."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return None
+    try:
+        rank, world, local = (int(env.get(name, "0")) for name in _ENV)
+    except ValueError:
+        raise AnytimeError(f"RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers (got "
+                           f"{', '.join(f'{n}={env.get(n)!r}' for n in _ENV)})") from None  # fmt: skip
+    if world < 1 or not 0 <= rank < world:
+        raise AnytimeError(f"RANK {rank} is not within WORLD_SIZE {world}; start the processes with torchrun")
+    if world == 1:
+        return None
+    return Distributed(rank=rank, world_size=world, local_rank=local)
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How a local launch of ``nproc`` processes ended."""
+
+    returncode: int
+    failed_rank: int | None  # the first process that failed, None when all succeeded
+    signalled: bool  # the failed process was killed by a signal rather than exiting with an error
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_environment(
+    rank: int, nproc: int, port: int, *, threads: int, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The variables torchrun would give process ``rank`` of ``nproc`` on one machine."""
+    env = dict(os.environ if base is None else base)
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def launch_local(
+    argv: Sequence[str], nproc: int, *, threads: int | None = None, poll_s: float = 0.2, grace_s: float = 10.0,
+    program: Sequence[str] | None = None,
+) -> LaunchResult:
+    """Run ``python -m anytime ARGV`` (or ``program ARGV``) as ``nproc`` data-parallel processes on this machine,
+    as torchrun would.
+
+    Each process gets the cores divided among them as threads (unless ``OMP_NUM_THREADS`` is set). When one
+    fails, the others are stopped (SIGTERM, then SIGKILL after ``grace_s``): a run stopped that way keeps its
+    last complete epoch and continues with ``--resume``.
+    """
+    if nproc < 1:
+        raise AnytimeError(f"--nproc must be at least 1 (got {nproc})")
+    from anytime.utils.threads import usable_cores
+
+    threads = threads or max(1, usable_cores() // nproc)
+    port = free_port()
+    command = [sys.executable, "-m", "anytime"] if program is None else list(program)
+    procs = [
+        subprocess.Popen([*command, *argv],
+                         env=rank_environment(rank, nproc, port, threads=threads))
+        for rank in range(nproc)
+    ]  # fmt: skip
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None or None not in codes:
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        _stop(procs, signal.SIGINT, grace_s)
+        raise
+    _stop(procs, signal.SIGTERM, grace_s)
+    if failed is None:
+        return LaunchResult(0, None, False)
+    code = procs[failed].returncode
+    return LaunchResult(code if code > 0 else 128 - code, failed, code < 0)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> None:
+    """Send ``sig`` to the processes still running, then kill those still running after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
