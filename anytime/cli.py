@@ -35,6 +35,8 @@ COMMANDS: dict[str, str] = {
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
     "seeds": "several seeds of one recipe: every step's validation and test accuracy as mean, spread and range",
+    "jobs": "a sweep of training runs (a grid or a list in TOML) on local joblib workers or SLURM job arrays "
+            "(submitit): resumable, one run folder per job, results table and plot",
     "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
     "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted)",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
@@ -430,6 +432,18 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     baseline.add_argument("--json", action="store_true", help="print the baseline's report as JSON")
 
+    jobs = sub.add_parser("jobs", description=COMMANDS["jobs"])
+    jobs.add_argument("sweep", metavar="SWEEP.toml", help="[base] recipe (or card = NAME), then [grid] lists or [[job]] tables")
+    jobs.add_argument("--backend", choices=["local", "slurm", "submitit-local"], default="local",
+                      help="local: joblib processes on this machine (default); slurm: a job array through submitit "
+                           "([slurm] table: partition, time_min, gpus_per_job, cpus_per_job, mem_gb, max_parallel); "
+                           "submitit-local: the slurm path run on this machine")
+    jobs.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                      help="jobs at once (local: the cores are shared out as threads; slurm: array tasks at once)")
+    jobs.add_argument("--out", metavar="DIR", help="the sweep's folder, one run folder per job (default runs/sweeps/NAME)")
+    jobs.add_argument("--no-plot", action="store_true", help="write the results table only")
+    jobs.add_argument("--json", action="store_true", help="print the results table as JSON")
+
     seeds = sub.add_parser("seeds", description=COMMANDS["seeds"])
     seeds.add_argument("runs", nargs="+", metavar="RUN", help="runs of one recipe trained with different --seed")
     seeds.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -670,6 +684,38 @@ def _cmd_train(args: argparse.Namespace) -> int:
             **({"extended_from": summary["extended"][0]["from_epochs"]} if summary.get("extended") else {}),
         })  # fmt: skip
         print(f"card       results recorded in {card.path}")
+    return 0
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from anytime.jobs import JobOutcome, load_sweep, run_sweep
+
+    out = Path(args.out or Path("runs") / "sweeps" / Path(args.sweep).stem)
+    sweep = load_sweep(args.sweep, out)
+    say = _progress_printer(args)
+    say(f"{len(sweep.jobs)} job(s) from {args.sweep} on {args.backend} with {args.workers} worker(s) -> {out}")
+
+    def report(outcome: JobOutcome) -> None:
+        if outcome.status == "failed":
+            say(f"  {outcome.job}: failed: {outcome.error} (log: {outcome.log})")
+        else:
+            say(f"  {outcome.job}: {outcome.status}, test {100 * (outcome.test_acc or 0):.2f}%  "
+                f"({outcome.train_time_s or 0:.1f} s training)")  # fmt: skip
+
+    result = run_sweep(sweep, out, backend=args.backend, workers=args.workers, on_outcome=report)
+    written = [result.table_csv, result.table_json]
+    if not args.no_plot and any(o.test_acc is not None for o in result.outcomes):
+        from anytime.plotting.sweeps import plot_sweep
+
+        written += plot_sweep(result.outcomes, out / "results", f"{sweep.path.name}: {len(sweep.jobs)} jobs")
+    if args.json:
+        _print_json([o.row() for o in result.outcomes])
+    else:
+        print(f"results    {', '.join(str(p) for p in written)}")
+    if result.failed:
+        print(f"anytime jobs: error: {len(result.failed)} of {len(result.outcomes)} job(s) failed (their logs are "
+              f"named above); fix the cause and run the same command again: finished jobs are kept", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -1241,6 +1287,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
     "seeds": _cmd_seeds,
+    "jobs": _cmd_jobs,
     "report": _cmd_report,
     "serve": _cmd_serve,
     "experiment": _cmd_experiment,
