@@ -17,7 +17,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, published as tomli
-    import tomli as tomllib
+from anytime.utils.io import read_toml
 
 BACKENDS: tuple[str, ...] = ("local", "slurm", "submitit-local")
 _TOP_LEVEL = ("base", "grid", "job", "slurm")
@@ -118,10 +113,7 @@ def load_sweep(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Swe
     sweep_path = Path(path)
     if not sweep_path.is_file():
         raise AnytimeError(f"no sweep file at {sweep_path}; write one with [base] and [grid] tables (see the README)")
-    try:
-        raw = tomllib.loads(sweep_path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise AnytimeError(f"{sweep_path} is not valid TOML ({exc})") from None
+    raw = read_toml(sweep_path)
     unknown = sorted(set(raw) - set(_TOP_LEVEL))
     if unknown:
         raise AnytimeError(f"{sweep_path}: unknown table(s) {', '.join(unknown)}; a sweep has "

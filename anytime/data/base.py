@@ -65,6 +65,15 @@ class ImageStore(abc.ABC):
     def subset(self, positions: np.ndarray) -> ImageStore:
         """A view of samples ``positions`` (int64 [K]) in that order; nothing is read."""
 
+    _positions: np.ndarray | None = None  # a view's samples, as positions in the whole store
+
+    def _global(self, positions: np.ndarray) -> np.ndarray:
+        """The whole store's positions of this view's ``positions`` (checked to be in range)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"image index out of range for {len(self)} images")
+        return positions if self._positions is None else self._positions[positions]
+
     def dim(self) -> int:
         """Always 4."""
         return 4

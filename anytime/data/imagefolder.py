@@ -283,12 +283,6 @@ class FolderImages(ImageStore):
         count = len(self._paths) if self._positions is None else len(self._positions)
         return torch.Size((count, 3, self._size, self._size))
 
-    def _global(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
-            raise IndexError(f"image index out of range for {len(self)} images")
-        return positions if self._positions is None else self._positions[positions]
-
     def subset(self, positions: np.ndarray) -> FolderImages:
         return FolderImages(self._paths, self._size, self._global(positions))
 

@@ -548,12 +548,6 @@ class ShardImages(ImageStore):
         count = self._count if self._positions is None else len(self._positions)
         return torch.Size((count, *self._image_shape))
 
-    def _global(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
-            raise IndexError(f"image index out of range for {len(self)} images")
-        return positions if self._positions is None else self._positions[positions]
-
     def subset(self, positions: np.ndarray) -> ShardImages:
         return ShardImages(self._files, self._shard_size, self._count, self._image_shape, self._global(positions))
 

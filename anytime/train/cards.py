@@ -13,19 +13,13 @@ import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
 from anytime.train.config import TrainConfig
-from anytime.utils.io import write_text
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10 (JetPack 6): the same parser, published as tomli
-    import tomli as tomllib
+from anytime.utils.io import read_toml, write_text
 
 _TABLES = ("card", "model", "data", "train", "results")
 _RESULTS_HEADER = re.compile(r"^\s*\[results\]\s*(#.*)?$")
@@ -85,10 +79,7 @@ def load_card(path: str | os.PathLike[str]) -> ModelCard:
     """Read and validate a card (a file, or a shipped card's name); every problem is a one-line
     :class:`AnytimeError`."""
     card_path = find_card(path)
-    try:
-        raw = tomllib.loads(card_path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise AnytimeError(f"{card_path} is not valid TOML ({exc})") from None
+    raw = read_toml(card_path)
     unknown = sorted(set(raw) - set(_TABLES))
     if unknown:
         raise AnytimeError(f"{card_path}: unknown table(s) {', '.join(unknown)}; a card has {', '.join(_TABLES)}")

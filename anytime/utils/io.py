@@ -125,6 +125,20 @@ def read_json(path: str | os.PathLike[str], *, what: str, make: str, redo: str) 
         raise AnytimeError(f"{target} is not valid JSON; {redo}") from None
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The tables of a TOML file, or a one-line error saying it is not valid TOML."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10 (JetPack 6): the same parser, published as tomli
+        import tomli as tomllib
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise AnytimeError(f"{path} is not valid TOML ({exc})") from None
+
+
 def read_csv(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """The rows of a CSV file with a header, as dicts of strings."""
     with open(path, newline="", encoding="utf-8") as handle:
