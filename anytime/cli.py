@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=_positive_int, metavar="N",
                        help="train with N data-parallel processes on this machine (as `torchrun --nproc-per-node N -m "
                             "anytime train ...` does): the global batch is --batch-size, the cores are shared out")
+    train.add_argument("--sync-bn", action="store_true",
+                       help="with several processes, batch norm over the global batch, so they train the model one "
+                            "process would (two all-reduces per batch-norm layer and step); default: each process's "
+                            "own rows, as torch's DDP")
     again = train.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the interrupted run in --out, exactly")
     again.add_argument("--extend", action="store_true",
@@ -597,7 +601,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from anytime.train.distributed import from_environment
     from anytime.train.trainer import CHECKPOINT, require_checkpoint
 
-    ctx = from_environment()
+    ctx = from_environment(sync_bn=args.sync_bn)
     if args.nproc is not None and args.nproc > 1 and ctx is None:
         return _launch_train(args)
     main = ctx is None or ctx.main
@@ -659,7 +663,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
           + (f"  test with mirror {100 * final['test_acc_tta']:.2f}%" if "test_acc_tta" in final else ""))  # fmt: skip
     print(f"augment    {summary['augment']}")
     print(f"time       {summary['train_time_s']:.1f} s training, {summary['wall_time_s']:.1f} s with validation, "
-          f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads)")  # fmt: skip
+          f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads"
+          + (f" in each of {summary['processes']} processes)" if summary["processes"] > 1 else ")"))  # fmt: skip
     it = steady["iteration_mean_s"]
     print(f"iteration  {1000 * it:.1f} ms: data {100 * steady['data_mean_s'] / it:.0f}%  "
           f"forward {100 * steady['forward_mean_s'] / it:.0f}%  backward {100 * steady['backward_mean_s'] / it:.0f}%  "

@@ -261,12 +261,12 @@ class _SlurmJob:
         return DelayedSubmission(_SlurmJob(self.job, self.log_dir))
 
 
-def run_local(jobs: Sequence[Job], workers: int, *, log_dir: str) -> Iterator[JobOutcome]:
-    """Run ``jobs`` in ``workers`` joblib processes, each with its share of the cores as threads; yields outcomes
-    as jobs end."""
+def run_local(jobs: Sequence[Job], workers: int, *, log_dir: str, threads: int | None = None) -> Iterator[JobOutcome]:
+    """Run ``jobs`` in ``workers`` joblib processes, each with ``threads`` torch threads (default: its share of the
+    cores); yields outcomes as jobs end."""
     from anytime.utils.threads import usable_cores
 
-    threads = max(1, usable_cores() // workers)
+    threads = threads or max(1, usable_cores() // workers)
     if workers == 1:
         for job in jobs:
             yield run_job(job, threads, log_dir)
@@ -337,11 +337,12 @@ class SweepResult:
 
 
 def run_sweep(
-    sweep: Sweep, out: str | os.PathLike[str], *, backend: str = "local", workers: int = 1,
+    sweep: Sweep, out: str | os.PathLike[str], *, backend: str = "local", workers: int = 1, threads: int | None = None,
     on_outcome: Callable[[JobOutcome], None] | None = None,
 ) -> SweepResult:
     """Run every job of ``sweep`` not finished yet on ``backend``, then gather all jobs into ``out/results.csv``
-    and ``results.json`` (written atomically). The states of the jobs' folders are checked first, so a folder
+    and ``results.json`` (written atomically). ``threads``: torch threads per local job (default: the cores shared
+    out over the workers). The states of the jobs' folders are checked first, so a folder
     holding another recipe stops the sweep before anything runs."""
     from anytime.utils.io import write_csv, write_json
 
@@ -365,7 +366,7 @@ def run_sweep(
         if on_outcome is not None:
             on_outcome(outcome)
     if backend == "local":
-        stream = run_local(pending, min(workers, max(1, len(pending))), log_dir=log_dir)
+        stream = run_local(pending, min(workers, max(1, len(pending))), log_dir=log_dir, threads=threads)
     else:
         stream = run_submitit(pending, sweep.slurm, folder=str(out_dir / "submitit"), log_dir=log_dir,
                               workers=workers, cluster="local" if backend == "submitit-local" else None)  # fmt: skip

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,13 +31,81 @@ class PeerStopped(AnytimeError):
     """Raised in the other processes when process 0 refused the run; process 0 has said why."""
 
 
+class _SumOverProcesses(torch.autograd.Function):
+    """An all-reduce (sum) that autograd differentiates: each process's output is the sum of every process's
+    input, so the gradient of an input is the sum of every process's output gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+class SyncedBatchNorm2d(nn.BatchNorm2d):
+    """Batch norm whose training statistics are those of the global batch, all processes' rows together, on any
+    device (torch's SyncBatchNorm runs on GPUs only). Sums and sums of squares are added up over the processes
+    by an all-reduce that autograd differentiates, so the gradient is that of batch norm over the whole batch;
+    in evaluation it is plain batch norm. The state dict is batch norm's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(x)
+        channels = x.shape[1]
+        values = x if x.dtype in (torch.float32, torch.float64) else x.float()  # bf16/fp16 under autocast
+        dims = [0, 2, 3]
+        local = torch.cat([values.sum(dims), (values * values).sum(dims),
+                           values.new_full((1,), float(x.numel() // channels))])  # fmt: skip
+        totals = _SumOverProcesses.apply(local)
+        count = totals[-1]
+        mean = totals[:channels] / count
+        var = (totals[channels : 2 * channels] / count - mean * mean).clamp_min(0.0)
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)  # type: ignore[union-attr,operator]
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                unbiased = var * (count / (count - 1).clamp_min(1.0))
+                self.running_mean.lerp_(mean.detach(), factor)
+                self.running_var.lerp_(unbiased.detach(), factor)
+        # y = x * a + b per channel, in one pass over the activations (autograd goes through a and b to the statistics)
+        a = torch.rsqrt(var + self.eps)
+        if self.affine:
+            a = a * self.weight
+        b = -mean * a + (self.bias if self.affine else 0.0)
+        return torch.addcmul(b[None, :, None, None], values, a[None, :, None, None])
+
+
+def sync_batch_norms(model: nn.Module) -> int:
+    """Turn every plain ``nn.BatchNorm2d`` of ``model`` into a :class:`SyncedBatchNorm2d`, in place (weights and
+    statistics kept); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.BatchNorm2d:
+            module.__class__ = SyncedBatchNorm2d
+            count += 1
+    return count
+
+
 @dataclass(frozen=True)
 class Distributed:
-    """This process's place among the data-parallel processes."""
+    """This process's place among the data-parallel processes. ``sync_bn``: batch norm over the global batch
+    (:class:`SyncedBatchNorm2d`), so that the processes train the model one process would, at the cost of two
+    all-reduces per batch-norm layer and step; off (as torch's DDP), each process normalises by its own rows."""
 
     rank: int
     world_size: int
     local_rank: int
+    sync_bn: bool = False
 
     @property
     def main(self) -> bool:
@@ -110,7 +179,7 @@ class Distributed:
             raise PeerStopped(verdict[0])
 
 
-def from_environment(environ: Mapping[str, str] | None = None) -> Distributed | None:
+def from_environment(environ: Mapping[str, str] | None = None, *, sync_bn: bool = False) -> Distributed | None:
     """The process's place from the variables torchrun (or SLURM through torchrun) sets; None when it runs alone."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" not in env:
@@ -124,7 +193,7 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Distributed | 
         raise AnytimeError(f"RANK {rank} is not within WORLD_SIZE {world}; start the processes with torchrun")
     if world == 1:
         return None
-    return Distributed(rank=rank, world_size=world, local_rank=local)
+    return Distributed(rank=rank, world_size=world, local_rank=local, sync_bn=sync_bn)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from anytime.data import Augment, BatchLoader, DatasetSplits, load_dataset, make
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
-from anytime.train.distributed import Distributed
+from anytime.train.distributed import Distributed, sync_batch_norms
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.timing import PHASES, Clock, PhaseLog
@@ -226,9 +226,9 @@ class Trainer:
 
     With ``distributed`` (one of the processes torchrun starts), the processes train one model on shares of
     each global batch of ``batch_size`` (DistributedDataParallel), and process 0 alone writes the run folder.
-    The gradient is the one a single process computes on the whole batch; batch-norm statistics are each
-    process's own rows' (there is no synchronised batch norm on CPUs), so with batch norm the runs differ
-    slightly. A run resumes with any number of processes.
+    The gradient is the one a single process computes on the whole batch; batch norm normalises by each
+    process's own rows, or with ``distributed.sync_bn`` by the whole batch's statistics, and then the processes
+    train the model one process would, up to float rounding. A run resumes with any number of processes.
     """
 
     def __init__(
@@ -380,6 +380,8 @@ class Trainer:
         ).to(device)
         if state is None and cfg.init is None:
             init_from_data(model, splits, device)
+        if ctx is not None and ctx.sync_bn:
+            sync_batch_norms(model)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self._check_resources(model, info.in_channels, info.image_size)
@@ -541,7 +543,8 @@ class Trainer:
             if ema is not None:
                 ema.update_parameters(model)  # type: ignore[operator]
             t_step = clock.now()
-            log.add(t_data - tick, t_forward - t_data, t_backward - t_forward, t_step - t_backward, labels.numel())
+            batch = labels.numel() if ctx is None else train_loader.batch_total(iteration)  # all processes' images
+            log.add(t_data - tick, t_forward - t_data, t_backward - t_forward, t_step - t_backward, batch)
             seen += labels.numel()
             tick = t_step
             bar.update(1)
@@ -625,6 +628,7 @@ class Trainer:
             "machine": describe_machine(self.config.data_root),
             "git_sha": git_sha(),
             "processes": 1 if self.distributed is None else self.distributed.world_size,
+            **({"sync_bn": self.distributed.sync_bn} if self.distributed is not None else {}),
             "created": now,
             **({"augment": dataclasses.asdict(augment)} if augment is not None else {}),
             **self.extra_config,
