@@ -34,13 +34,15 @@ COMMANDS: dict[str, str] = {
     "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
+    "ticket": "lottery tickets by iterative magnitude pruning of a dense run, rewound to its epoch K (late "
+              "resetting): one ordinary run per round",
     "seeds": "several seeds of one recipe: every step's validation and test accuracy as mean, spread and range",
     "jobs": "a sweep of training runs (a grid or a list in TOML) on local joblib workers or SLURM job arrays "
             "(submitit): resumable, one run folder per job, results table and plot",
     "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
     "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted)",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
-                  "ensemble-baselines, ensembles)",
+                  "ensemble-baselines, ensembles, lottery)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
     "prepare-data": "pack an image folder into shards of resized uint8 images (resumable, parallel) that training "
                     "reads batch by batch (--data shards)",
@@ -249,6 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
     sliced.add_argument("--stochastic-depth", type=_finite_float, metavar="P",
                         help="residual branches skipped at random in training, up to P for the last block")
 
+    tickets = train.add_argument_group("lottery tickets (see also `anytime ticket`)")
+    tickets.add_argument("--keep-checkpoints", metavar="K,K,...",
+                         help="keep the full checkpoint after these epochs (0: before the first), for tickets to rewind to")
+    tickets.add_argument("--prune-from", metavar="RUN",
+                         help="train a lottery ticket: prune RUN's final weights (the dense run, or the ticket before)")
+    tickets.add_argument("--sparsity", type=_finite_float, metavar="S",
+                         help="share of convolution and linear weights pruned, in all (e.g. 0.8)")
+    tickets.add_argument("--reset-epoch", type=_non_negative_int, metavar="K",
+                         help="rewind the surviving weights to the dense run's after K epochs (late resetting; 0: init)")
+    tickets.add_argument("--prune-scope", choices=["global", "layer"],
+                         help="rank weights over all layers at once (default) or prune each layer alike")
+
     exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
     exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
     exits_cmd.add_argument("--exits", default="auto", metavar="POINTS", help="exit points (default auto)")
@@ -448,6 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--no-plot", action="store_true", help="write the results table only")
     jobs.add_argument("--json", action="store_true", help="print the results table as JSON")
 
+    ticket = sub.add_parser("ticket", description=COMMANDS["ticket"])
+    ticket.add_argument("dense", metavar="DENSE_RUN", help="a finished run trained with --keep-checkpoints K")
+    ticket.add_argument("--sparsity", type=_finite_float, required=True, metavar="S",
+                        help="share of convolution and linear weights pruned at the end, e.g. 0.9")
+    ticket.add_argument("--reset-epoch", type=_non_negative_int, default=0, metavar="K",
+                        help="rewind the surviving weights to the dense run's after K epochs (default 0: init)")
+    ticket.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
+                        help="prune in R rounds, each the same share of what is left (default 1: one shot)")
+    ticket.add_argument("--scope", choices=["global", "layer"], default="global",
+                        help="rank weights over all layers at once (default) or prune each layer alike")
+    ticket.add_argument("--out", metavar="DIR", help="one run folder per round, DIR/round-R (default DENSE_RUN-ticket)")
+    ticket.add_argument("--json", action="store_true", help="print the rounds' results as JSON")
+
     seeds = sub.add_parser("seeds", description=COMMANDS["seeds"])
     seeds.add_argument("runs", nargs="+", metavar="RUN", help="runs of one recipe trained with different --seed")
     seeds.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -559,6 +586,7 @@ _TRAIN_FIELDS = (
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
     "exit_head", "distill", "gradient_equilibrium", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
+    "prune_from", "sparsity", "reset_epoch", "prune_scope",
 )  # fmt: skip
 
 
@@ -612,6 +640,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides["sandwich"] = True
     if args.exit_weights is not None:
         overrides["exit_weights"] = _float_list(args.exit_weights, "--exit-weights")
+    if args.keep_checkpoints is not None:
+        epochs = _float_list(args.keep_checkpoints, "--keep-checkpoints")
+        if not all(e.is_integer() for e in epochs):
+            raise AnytimeError(f"--keep-checkpoints are whole epochs, e.g. 0,2 (got {args.keep_checkpoints})")
+        overrides["keep_checkpoints"] = tuple(sorted({int(e) for e in epochs}))
     if args.update_card and card is None:
         raise AnytimeError("--update-card needs --card FILE")
     if args.update_card and card is not None:
@@ -720,6 +753,30 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     if result.failed:
         print(f"anytime jobs: error: {len(result.failed)} of {len(result.outcomes)} job(s) failed (their logs are "
               f"named above); fix the cause and run the same command again: finished jobs are kept", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_ticket(args: argparse.Namespace) -> int:
+    from anytime.jobs import Sweep, run_sweep, ticket_jobs
+
+    dense = Path(args.dense)
+    out = Path(args.out or dense.with_name(f"{dense.name}-ticket-s{args.sparsity:g}-k{args.reset_epoch}"))
+    jobs = ticket_jobs(dense, out, sparsity=args.sparsity, reset_epoch=args.reset_epoch, rounds=args.rounds,
+                       scope=args.scope)  # fmt: skip
+    say = _progress_printer(args)
+    say(f"{len(jobs)} round(s) of pruning {dense} to sparsity {args.sparsity:g}, rewound to epoch {args.reset_epoch} "
+        f"-> {out}")  # fmt: skip
+    result = run_sweep(Sweep(path=dense, jobs=tuple(jobs)), out, on_outcome=lambda o: say(
+        f"  {o.job}: sparsity {o.params['sparsity']:.4f}: " + (f"failed: {o.error} (log: {o.log})" if o.status == "failed"
+                                                               else f"{o.status}, test {100 * (o.test_acc or 0):.2f}%")))  # fmt: skip
+    if args.json:
+        _print_json([o.row() for o in result.outcomes])
+    else:
+        print(f"results    {result.table_csv}")
+    if result.failed:
+        print(f"anytime ticket: error: round {result.failed[0].job} failed; fix the cause and run the same command "
+              "again: finished rounds are kept", file=sys.stderr)  # fmt: skip
         return 1
     return 0
 
@@ -1293,6 +1350,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
     "seeds": _cmd_seeds,
     "jobs": _cmd_jobs,
+    "ticket": _cmd_ticket,
     "report": _cmd_report,
     "serve": _cmd_serve,
     "experiment": _cmd_experiment,

@@ -169,6 +169,34 @@ def _slurm_settings(values: Any, where: Path) -> dict[str, Any]:
     return dict(values)
 
 
+def ticket_jobs(
+    dense_run: str | os.PathLike[str], out: str | os.PathLike[str], *, sparsity: float, reset_epoch: int,
+    rounds: int = 1, scope: str = "global",
+) -> list[Job]:
+    """The rounds of iterative magnitude pruning from ``dense_run`` to ``sparsity`` as jobs (``out/round-R``), each
+    a ticket of the dense run's recipe that prunes the round before's (the first, the dense run's) final weights."""
+    from anytime.train import TrainConfig
+    from anytime.train.pruning import round_sparsities
+
+    dense = Path(dense_run)
+    try:
+        base = json.loads((dense / "config.json").read_text())["train"]
+    except (OSError, ValueError, KeyError):
+        raise AnytimeError(f"{dense} is not a finished run (no readable config.json); train it first") from None
+    if base.get("prune_from") is not None:
+        raise AnytimeError(f"{dense} is itself a ticket; give the dense run it was pruned from")
+    jobs: list[Job] = []
+    previous = str(dense)
+    for r, target in enumerate(round_sparsities(sparsity, rounds), start=1):
+        values = {**base, "prune_from": previous, "sparsity": target, "reset_epoch": reset_epoch,
+                  "prune_scope": scope, "keep_checkpoints": []}  # fmt: skip
+        config = TrainConfig.from_dict(values, where=f"{dense}/config.json").to_dict()
+        run_dir = str(Path(out) / f"round-{r}")
+        jobs.append(Job(name=f"round-{r}", params={"sparsity": round(target, 6)}, config=config, run_dir=run_dir))
+        previous = run_dir
+    return jobs
+
+
 def job_state(job: Job) -> str:
     """``finished``, ``started`` (a checkpoint to resume) or ``new``; a folder holding another recipe, or
     something that is not a run, is refused."""

@@ -83,6 +83,25 @@ def test_benchmark_quick_writes_its_report(tmp_path, name):
     assert data["benchmark"] == name and data["verdict"] in ("pass", "fail") and data["ratio"] > 0
 
 
+def test_lottery_quick(tmp_path):
+    out = tmp_path / "lottery"
+    assert main(["experiment", "lottery", "--quick", "--out", str(out)]) == 0
+    rows = _rows(out / "tickets.csv")
+    assert len(rows) == 8 and {r["workers"] for r in rows} == {"1", "2"}
+    by_workers = {w: {r["job"]: r["test_acc"] for r in rows if r["workers"] == w} for w in ("1", "2")}
+    assert by_workers["1"] == by_workers["2"]  # a worker is one thread either way: the same tickets
+    assert (out / "lottery.png").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["hyper_parameters"]["quick"] is True and config["git_sha"]
+
+
+def test_scale_out_benchmarks_quick(tmp_path):
+    ddp = _benchmark(tmp_path, "ddp_scaling")["figures"]
+    assert ddp["two processes"]["processes"] == 2 and ddp["largest_relative_loss_gap"] < 1e-4
+    sweep = _benchmark(tmp_path, "sweep_parallel")["figures"]
+    assert sweep["same_accuracies"] and sweep["2 workers, 1 thread each"]["jobs"] == 4
+
+
 @pytest.mark.needs_data
 def test_early_exit_benchmark_quick(tmp_path, cifar_root):
     figures = _benchmark(tmp_path, "early_exit_cifar10", "--run", str(tmp_path / "run"), "--form", "fold",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.figure import Figure
 
@@ -40,4 +41,38 @@ def plot_sweep(outcomes: Sequence[JobOutcome], stem: str | os.PathLike[str], tit
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
     ax.set_title(title + (f" ({failed} failed job(s) left out)" if failed else ""))
+    return save_figure(fig, stem, formats=("png", "svg"))
+
+
+def plot_lottery(
+    rows: Sequence[Mapping[str, Any]], dense_acc: float, seconds: Mapping[int, float], stem: str | os.PathLike[str],
+    title: str,
+) -> list[Path]:
+    """Test accuracy against sparsity, one curve per reset epoch, the dense run as a line; beside it, the sweep's
+    wall-clock time by number of workers."""
+    fig = Figure(figsize=(11, 4.5))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    last = max(int(r["workers"]) for r in rows)
+    by_epoch: dict[int, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        if int(row["workers"]) == last:
+            by_epoch.setdefault(int(row["param.reset_epoch"]), []).append(row)
+    for k, members in sorted(by_epoch.items()):
+        members = sorted(members, key=lambda r: float(r["param.sparsity"]))
+        left.plot([100 * float(r["param.sparsity"]) for r in members], [100 * float(r["test_acc"]) for r in members],
+                  "o-", label=f"reset to epoch {k}" + (" (initialisation)" if k == 0 else ""))  # fmt: skip
+    left.axhline(100 * dense_acc, color="black", ls="--", lw=1, label="dense")
+    left.set_xlabel("weights pruned (%)")
+    left.set_ylabel("test accuracy (%)")
+    left.set_title(title)
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    workers = sorted(seconds)
+    right.bar([str(w) for w in workers], [seconds[w] for w in workers], color="#4C72B0")
+    ideal = seconds[workers[0]] * workers[0]
+    right.plot([str(w) for w in workers], [ideal / w for w in workers], "k--", lw=1, label="Amdahl, efficiency 1")
+    right.set_xlabel("workers")
+    right.set_ylabel("sweep wall-clock (s)")
+    right.set_title(f"speed-up {seconds[workers[0]] / seconds[workers[-1]]:.2f}")
+    right.legend(fontsize=8)
     return save_figure(fig, stem, formats=("png", "svg"))

@@ -17,7 +17,8 @@ EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
 EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the designs of anytime.wrappers.exit_head
 LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
-                                    "slices": str, "ladder": str, "augment": str}  # fmt: skip
+                                    "slices": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
+PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # those of anytime.train.pruning
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
                                 "exit_weights": "one loss weight per exit, e.g. [1, 1, 1]"}  # fmt: skip
 
@@ -51,6 +52,11 @@ class TrainConfig:
     weights stay float32); ``norm_bias_lr_scale`` multiplies the learning rate of normalisation layers' biases
     (airbench's 64), their weight decay divided by as much so that it shrinks them no faster. ``channels_last`` and ``tta`` (also report test accuracy averaged over each image
     and its mirror, apart from the plain figure) change no weight.
+
+    Lottery tickets (:mod:`anytime.train.pruning`): ``prune_from`` a finished run, to a total ``sparsity`` of the
+    convolution and linear weights (``prune_scope`` global or per layer), rewound to the dense run's state after
+    ``reset_epoch`` epochs; ``keep_checkpoints`` keeps a run's full checkpoint after those epochs (0: before the
+    first) for tickets to rewind to.
     """
 
     model: str = "lenet"
@@ -89,6 +95,10 @@ class TrainConfig:
     ema: float = 0.0
     norm_bias_lr_scale: float = 1.0
     amp: str = "off"
+    prune_from: str | None = None
+    sparsity: float = 0.0
+    reset_epoch: int = 0
+    prune_scope: str = "global"
     # Speed-only knobs: they change how fast, never what is computed.
     device: str = "auto"
     workers: int = 0
@@ -97,8 +107,10 @@ class TrainConfig:
     eval_batch_size: int = 512
     channels_last: bool = False
     tta: bool = False
+    keep_checkpoints: tuple[int, ...] = ()
 
-    RUNTIME_FIELDS = ("device", "workers", "prefetch_factor", "pin_memory", "eval_batch_size", "channels_last", "tta")
+    RUNTIME_FIELDS = ("device", "workers", "prefetch_factor", "pin_memory", "eval_batch_size", "channels_last", "tta",
+                      "keep_checkpoints")  # fmt: skip
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -151,6 +163,18 @@ class TrainConfig:
             (math.isfinite(self.norm_bias_lr_scale) and self.norm_bias_lr_scale > 0,
              f"--norm-bias-lr-scale multiplies a learning rate: it must be > 0 (got {self.norm_bias_lr_scale})"),
             (self.amp in AMP, f"unknown --amp '{self.amp}'; choose one of {', '.join(AMP)}"),
+            (math.isfinite(self.sparsity) and 0 <= self.sparsity < 1,
+             f"--sparsity is the share of weights pruned, in [0, 1) (got {self.sparsity})"),
+            (self.prune_from is not None or (self.sparsity == 0 and self.reset_epoch == 0),
+             "--sparsity and --reset-epoch make a lottery ticket: give the run to prune with --prune-from RUN"),
+            (0 <= self.reset_epoch < self.epochs,
+             f"--reset-epoch must be in 0..{self.epochs - 1}, an epoch of the run (got {self.reset_epoch})"),
+            (self.prune_scope in PRUNE_SCOPES, f"unknown --prune-scope '{self.prune_scope}'; choose one of "
+             f"{', '.join(PRUNE_SCOPES)}"),
+            (all(0 <= k < self.epochs for k in self.keep_checkpoints),
+             f"--keep-checkpoints are epochs in 0..{self.epochs - 1} (got {list(self.keep_checkpoints)})"),
+            (self.prune_from is None or self.exit_mode == "joint" and self.ladder is None,
+             "a lottery ticket trains every layer of a plain, multi-exit or sliced network (no heads-only, no ladder)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -162,6 +186,7 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         out["step_milestones"] = list(self.step_milestones)
         out["exit_weights"] = None if self.exit_weights is None else list(self.exit_weights)
+        out["keep_checkpoints"] = list(self.keep_checkpoints)
         return out
 
     @classmethod
@@ -190,6 +215,10 @@ class TrainConfig:
 
 
 def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
+    if key == "keep_checkpoints":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise AnytimeError(f"{where}: keep_checkpoints must be a list of epochs, e.g. [0, 2]")
+        return tuple(sorted(set(value)))
     if key in _FLOAT_LISTS:
         if value is None and key == "exit_weights":
             return None

@@ -24,6 +24,7 @@ from anytime.train.config import TrainConfig
 from anytime.train.distributed import Distributed, sync_batch_norms
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
+from anytime.train.pruning import MASK_FILE, Mask, dense_root, kept_checkpoint, make_ticket
 from anytime.train.timing import PHASES, Clock, PhaseLog
 from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -390,18 +391,33 @@ class Trainer:
         history: list[dict[str, Any]] = []
         start_epoch = 0
         ema = weight_average(model, cfg.ema)
-        if state is not None:
-            saved = state.get("dataset", {}).get("fingerprint")
+        mask: Mask | None = None
+        source = state
+        if state is None and cfg.prune_from is not None:  # a lottery ticket: prune, then rewind to the dense run
+            ticket = make_ticket(model, cfg.prune_from, sparsity=cfg.sparsity, reset_epoch=cfg.reset_epoch,
+                                 scope=cfg.prune_scope)  # fmt: skip
+            self._check_ticket_recipe(ticket.rewind["config"], ticket.dense_run)
+            mask, source = ticket.mask, ticket.rewind
+        elif state is not None and "mask" in state:
+            mask = Mask({name: keep.bool() for name, keep in state["mask"].items()})
+        if source is not None:
+            saved = source.get("dataset", {}).get("fingerprint")
             if saved != info.fingerprint:
                 raise AnytimeError(
-                    f"the {info.name} data at {info.source} changed since {self.run_dir} was checkpointed; "
-                    "a resumed run would not match the interrupted one, so start a new --out"
+                    f"the {info.name} data at {info.source} changed since "
+                    f"{self.run_dir if state is not None else dense_root(str(cfg.prune_from))} was checkpointed; "
+                    "a resumed run or a ticket would not match it, so start a new --out"
                 )
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
+            model.load_state_dict(source["model"])
+            optimizer.load_state_dict(source["optimizer"])
+            scheduler.load_state_dict(source["scheduler"])
+            start_epoch = int(source["epoch"]) + 1
+        if mask is not None:
+            mask.apply(model, optimizer)
+            if state is None:  # the ticket's own average, not the dense run's
+                ema = weight_average(model, cfg.ema)
+        if state is not None:
             history = list(state["history"])
-            start_epoch = int(state["epoch"]) + 1
             if ema is not None:
                 if "ema" not in state:
                     raise AnytimeError(f"{checkpoint_path} holds no weight average, but the recipe asks for --ema "
@@ -415,6 +431,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
                                extensions=extensions, augment=augment)  # fmt: skip
+            if mask is not None and state is None:
+                mask.save(self.run_dir / MASK_FILE)
         forward: nn.Module = _TrainingForward(model)
         if ctx is not None:
             # skipped residual branches leave parameters without a gradient in some iterations
@@ -432,22 +450,28 @@ class Trainer:
                 f"({len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test images) "
                 f"from epoch {start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
             )
+
+        def snapshot(epoch: int) -> dict[str, Any]:
+            return {
+                "epoch": epoch, "config": cfg.to_dict(), "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
+                "dataset": info.to_dict(), "extensions": extensions,
+                **({"ema": ema.state_dict()} if ema is not None else {}),
+                **({"mask": mask.state()} if mask is not None else {}),
+            }  # fmt: skip
+
+        if main and start_epoch == 0 and 0 in cfg.keep_checkpoints:
+            save_checkpoint(kept_checkpoint(self.run_dir, 0), snapshot(-1))
         for epoch in range(start_epoch, cfg.epochs):
             record, phases = self._run_epoch(model, forward, ema, optimizer, train_loader, val_loader, device, clock,
-                                             epoch, history)  # fmt: skip
+                                             epoch, history, mask)  # fmt: skip
             scheduler.step()
             history.append({"metrics": record, "phases": phases})
             if not main:
                 continue
-            save_checkpoint(
-                checkpoint_path,
-                {
-                    "epoch": epoch, "config": cfg.to_dict(), "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
-                    "dataset": info.to_dict(), "extensions": extensions,
-                    **({"ema": ema.state_dict()} if ema is not None else {}),
-                },
-            )  # fmt: skip
+            save_checkpoint(checkpoint_path, snapshot(epoch))
+            if epoch + 1 in cfg.keep_checkpoints:  # a rewind point for lottery tickets
+                save_checkpoint(kept_checkpoint(self.run_dir, epoch + 1), snapshot(epoch))
             self._write_tables(history)
             if self.on_epoch_end is not None:
                 self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
@@ -461,6 +485,10 @@ class Trainer:
         summary = self._summary(history, final, device, test_loss, test_accs, info.to_dict())
         summary["augment"] = augment.describe()
         summary["processes"] = 1 if ctx is None else ctx.world_size
+        if mask is not None:
+            summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": str(dense_root(str(cfg.prune_from))),
+                                 "sparsity": mask.sparsity, "reset_epoch": cfg.reset_epoch, "scope": cfg.prune_scope,
+                                 "nonzero_parameters": sum(int(p.count_nonzero()) for p in final.parameters())}  # fmt: skip
         if cfg.tta:
             _, mirrored = evaluate_exits(final, test_loader, device, mirror=True, reduce=reduce)
             summary["final"]["test_acc_tta"] = mirrored[-1]
@@ -484,6 +512,7 @@ class Trainer:
         clock: Clock,
         epoch: int,
         history: list[dict[str, Any]],
+        mask: Mask | None = None,
     ) -> tuple[dict[str, Any], dict[str, list[float]]]:
         cfg = self.config
         torch.manual_seed(derive_seed(cfg.seed, epoch))
@@ -534,12 +563,16 @@ class Trainer:
             t_forward = clock.now()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if mask is not None:
+                mask.mask_gradients(model)
             t_backward = clock.now()
             if stepwise:
                 factor = lr_factor(cfg, epoch, (iteration + 1) / batches)
                 for group in optimizer.param_groups:
                     group["lr"] = group["initial_lr"] * factor
             optimizer.step()
+            if mask is not None:  # float rounding in the step must not revive a pruned weight
+                mask.apply(model)
             if ema is not None:
                 ema.update_parameters(model)  # type: ignore[operator]
             t_step = clock.now()
@@ -603,6 +636,18 @@ class Trainer:
                 f"{'--extend' if extend else '--resume'} continues {self.run_dir} as it was configured, but these "
                 f"differ: {'; '.join(differing)}; drop those options or start a new --out{longer}"
             )
+
+    def _check_ticket_recipe(self, dense: dict[str, Any], dense_run: Path) -> None:
+        """A ticket trains on with its dense run's recipe: refuse one that differs in more than the ticket's own
+        settings and the speed-only ones."""
+        current = self.config.to_dict()
+        saved = TrainConfig.from_dict(dense).to_dict()
+        free = {*TrainConfig.RUNTIME_FIELDS, "prune_from", "sparsity", "reset_epoch", "prune_scope"}
+        differing = [f"{key}={current[key]!r} (dense run has {saved[key]!r})" for key in current
+                     if key not in free and saved.get(key) != current[key]]  # fmt: skip
+        if differing:
+            raise AnytimeError(f"a ticket trains on with the recipe of its dense run {dense_run}, but these differ: "
+                               f"{'; '.join(differing)}; use the dense run's recipe")  # fmt: skip
 
     def _check_resources(self, model: nn.Module, channels: int, size: tuple[int, int]) -> None:
         """Refuse, before the first batch, a batch that cannot fit in memory or checkpoints that cannot fit on disk."""

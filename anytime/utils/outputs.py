@@ -43,7 +43,7 @@ TEMP_KINDS = ("tmp", "partial", "old")
 # What a run folder may hold: everything `anytime train` and the commands that extend a run write there.
 RUN_ENTRIES: tuple[str, ...] = (
     MARKER, "config.json", "checkpoint.pt", "model.safetensors", "quant.safetensors", "summary.json", "metrics.csv",
-    "iterations.csv",
+    "iterations.csv", "mask.safetensors", "checkpoint-epoch*.pt",
     "outputs", "plots", "cut", "profile-*.json", "calibration*.json", "sweep-*.csv", "sweep-*.json",
     "evaluation-*.json", "report.html",
 )  # fmt: skip
