@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from anytime.errors import AnytimeError
+from anytime.errors import AnytimeError, PeerStopped
 
 COMMANDS: dict[str, str] = {
     "models": "list the model zoo and torchvision classifiers, with parameter counts",
@@ -456,8 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="local: joblib processes on this machine (default); slurm: a job array through submitit "
                            "([slurm] table: partition, time_min, gpus_per_job, cpus_per_job, mem_gb, max_parallel); "
                            "submitit-local: the slurm path run on this machine")
-    jobs.add_argument("--workers", type=_positive_int, default=1, metavar="N",
-                      help="jobs at once (local: the cores are shared out as threads; slurm: array tasks at once)")
+    jobs.add_argument("--workers", type=_positive_int, metavar="N",
+                      help="jobs at once (local: default 1, the cores shared out as threads; slurm: array tasks at "
+                           "once, default [slurm] max_parallel, else all)")
     jobs.add_argument("--out", metavar="DIR", help="the sweep's folder, one run folder per job (default runs/sweeps/NAME)")
     jobs.add_argument("--no-plot", action="store_true", help="write the results table only")
     jobs.add_argument("--json", action="store_true", help="print the results table as JSON")
@@ -615,7 +616,7 @@ def _launch_train(args: argparse.Namespace) -> int:
     from anytime.train.distributed import launch_local
 
     result = launch_local(_without_option(args.argv, "--nproc"), args.nproc)
-    if result.failed_rank is not None and (result.signalled or result.returncode not in (2, 130)):
+    if result.failed_rank is not None and (result.signalled or result.returncode not in (2, 130)):  # else it has said why
         how = "was killed by a signal" if result.signalled else f"failed (exit status {result.returncode})"
         print(f"anytime train: error: process {result.failed_rank} of {args.nproc} {how}, so the others were stopped; "
               "the run keeps its last complete epoch: add --resume to the same command to continue",
@@ -731,7 +732,8 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / "sweeps" / Path(args.sweep).stem)
     sweep = load_sweep(args.sweep, out)
     say = _progress_printer(args)
-    say(f"{len(sweep.jobs)} job(s) from {args.sweep} on {args.backend} with {args.workers} worker(s) -> {out}")
+    workers = args.workers or ("1" if args.backend == "local" else "all")
+    say(f"{len(sweep.jobs)} job(s) from {args.sweep} on {args.backend} with {workers} worker(s) -> {out}")
 
     def report(outcome: JobOutcome) -> None:
         if outcome.status == "failed":
@@ -761,7 +763,8 @@ def _cmd_ticket(args: argparse.Namespace) -> int:
     from anytime.jobs import Sweep, run_sweep, ticket_jobs
 
     dense = Path(args.dense)
-    out = Path(args.out or dense.with_name(f"{dense.name}-ticket-s{args.sparsity:g}-k{args.reset_epoch}"))
+    named = dense.resolve()
+    out = Path(args.out or named.with_name(f"{named.name}-ticket-s{args.sparsity:g}-k{args.reset_epoch}"))
     jobs = ticket_jobs(dense, out, sparsity=args.sparsity, reset_epoch=args.reset_epoch, rounds=args.rounds,
                        scope=args.scope)  # fmt: skip
     say = _progress_printer(args)
@@ -1391,8 +1394,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def _other_process() -> bool:
-    """Whether this is one of several data-parallel processes but not process 0, which alone reports errors:
-    the others meet the same ones (the same recipe, data and folder)."""
+    """Whether this is one of several data-parallel processes but not process 0."""
     return "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0"
 
 
@@ -1409,8 +1411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _quiet_broken_pipe()
     except AnytimeError as exc:
-        if not _other_process():
-            print(f"anytime {args.command}: error: {exc}", file=sys.stderr)
+        if not isinstance(exc, PeerStopped):  # process 0 has said why
+            where = f" (process {os.environ.get('RANK')})" if _other_process() else ""
+            print(f"anytime {args.command}: error{where}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave that cannot be read or written
         from anytime.utils.outputs import user_path

@@ -9,3 +9,8 @@ class AnytimeError(Exception):
     The CLI prints ``str(error)`` on one line and exits with status 2, with no traceback;
     the message must therefore say what was wrong and what to do about it.
     """
+
+
+class PeerStopped(AnytimeError):
+    """Raised in the other data-parallel processes when process 0 refused to start a run; process 0 has said why,
+    so the CLI prints nothing more."""

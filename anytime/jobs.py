@@ -141,7 +141,7 @@ def load_sweep(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Swe
         for entry in entries:
             entry = dict(entry)
             name = entry.pop("name", None)
-            if name is not None and (not isinstance(name, str) or not name or _SAFE.search(name)):
+            if name is not None and (not isinstance(name, str) or not name.strip(".") or _SAFE.search(name)):
                 raise AnytimeError(f"{sweep_path}: job name {name!r} must be letters, digits and . _ = + - only")
             variants.append((name, entry))
     jobs: list[Job] = []
@@ -334,7 +334,7 @@ def run_submitit(
     if "mem_gb" in settings:
         params["mem_gb"] = settings["mem_gb"]
     if cluster is None:
-        params["slurm_array_parallelism"] = int(settings.get("max_parallel", workers or len(jobs)))
+        params["slurm_array_parallelism"] = int(workers or settings.get("max_parallel", len(jobs)))
         for key in ("partition", "account", "constraint"):
             if key in settings:
                 params[f"slurm_{key}"] = settings[key]
@@ -365,18 +365,20 @@ class SweepResult:
 
 
 def run_sweep(
-    sweep: Sweep, out: str | os.PathLike[str], *, backend: str = "local", workers: int = 1, threads: int | None = None,
+    sweep: Sweep, out: str | os.PathLike[str], *, backend: str = "local", workers: int | None = None,
+    threads: int | None = None,
     on_outcome: Callable[[JobOutcome], None] | None = None,
 ) -> SweepResult:
     """Run every job of ``sweep`` not finished yet on ``backend``, then gather all jobs into ``out/results.csv``
-    and ``results.json`` (written atomically). ``threads``: torch threads per local job (default: the cores shared
+    and ``results.json`` (written atomically). ``workers``: jobs at once (local: default 1; SLURM: default
+    ``[slurm] max_parallel``, else all). ``threads``: torch threads per local job (default: the cores shared
     out over the workers). The states of the jobs' folders are checked first, so a folder
     holding another recipe stops the sweep before anything runs."""
     from anytime.utils.io import write_csv, write_json
 
     if backend not in BACKENDS:
         raise AnytimeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise AnytimeError(f"--workers must be at least 1 (got {workers})")
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -394,20 +396,30 @@ def run_sweep(
         if on_outcome is not None:
             on_outcome(outcome)
     if backend == "local":
-        stream = run_local(pending, min(workers, max(1, len(pending))), log_dir=log_dir, threads=threads)
+        stream = run_local(pending, min(workers or 1, max(1, len(pending))), log_dir=log_dir, threads=threads)
     else:
         stream = run_submitit(pending, sweep.slurm, folder=str(out_dir / "submitit"), log_dir=log_dir,
                               workers=workers, cluster="local" if backend == "submitit-local" else None)  # fmt: skip
-    for outcome in stream:
-        outcomes[outcome.job] = outcome
-        if on_outcome is not None:
-            on_outcome(outcome)
+    try:
+        for outcome in stream:
+            outcomes[outcome.job] = outcome
+            if on_outcome is not None:
+                on_outcome(outcome)
+    except Exception as exc:  # noqa: BLE001  the engine itself failed (a worker killed for memory): say so per job
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        message = f"the {backend} backend stopped: {type(exc).__name__}: {first}"
+        for job in pending:
+            if job.name not in outcomes:
+                outcomes[job.name] = JobOutcome(job=job.name, status="failed", run_dir=job.run_dir, params=job.params,
+                                                error=message)  # fmt: skip
+                if on_outcome is not None:
+                    on_outcome(outcomes[job.name])
     ordered = tuple(outcomes[job.name] for job in sweep.jobs if job.name in outcomes)
     rows = [o.row() for o in ordered]
     params = list(dict.fromkeys(k for row in rows for k in row if k.startswith("param.")))
     table_csv = write_csv(out_dir / "results.csv", rows, [*RESULT_COLUMNS, *params])
     table_json = write_json(out_dir / "results.json", {"sweep": str(sweep.path), "backend": backend,
-                                                       "workers": workers, "jobs": rows})  # fmt: skip
+                                                       "workers": workers or 1, "jobs": rows})  # fmt: skip
     return SweepResult(outcomes=ordered, table_csv=table_csv, table_json=table_json)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
-from anytime.jobs import Job, Sweep, run_job, run_sweep
+from anytime.jobs import Job, JobOutcome, Sweep, run_job, run_sweep
 from anytime.train import TrainConfig
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
@@ -42,7 +42,7 @@ SPARSITIES = [0.5, 0.8, 0.95]  # share of convolution and linear weights pruned 
 RESET_EPOCHS = [0, 2]  # k: rewind to the dense run's weights after k epochs (0: to initialisation)
 WORKERS = [1, 2]  # the sweep is run once per worker count, into its own folder
 THREADS_PER_WORKER = 1  # a worker is one core, as in the seed a worker was one GPU
-RUNS = "runs/lottery"  # the dense run is kept here and reused
+RUNS = "runs/lottery"  # the dense run and the tickets are kept here and reused
 QUICK = {"MODEL": "lenet", "DATA": "digits", "LIMIT_TRAIN": None, "EPOCHS": 3, "BATCH_SIZE": 64, "AMP": "off",
          "SPARSITIES": [0.5, 0.9], "RESET_EPOCHS": [0, 1], "RUNS": "runs/lottery-quick"}  # fmt: skip
 # ------------------------------------------------------------------------------------------------------
@@ -84,35 +84,45 @@ def main(argv: list[str] | None = None) -> int:
     dense_acc = outcome.test_acc
     print(f"dense {hyper['MODEL']}: test {100 * (dense_acc or 0):.2f}%", flush=True)
 
-    with staged_dir(out_dir, "lottery study", overwrite=args.overwrite, create_parents=create_parents) as out:
-        # 2. The tickets, once per worker count; every job is an ordinary run folder.
-        timings: dict[int, float] = {}
-        rows: list[dict[str, Any]] = []
-        for workers in WORKERS:
-            sweep = ticket_sweep(dense, dense_dir, out / f"workers-{workers}", hyper)
-            start = time.perf_counter()
-            result = run_sweep(sweep, out / f"workers-{workers}", workers=workers, threads=THREADS_PER_WORKER)
-            timings[workers] = time.perf_counter() - start
-            if result.failed:
-                raise AnytimeError(f"ticket {result.failed[0].job} failed: {result.failed[0].error} "
-                                   f"(log: {result.failed[0].log})")  # fmt: skip
-            print(f"{len(sweep.jobs)} tickets with {workers} worker(s): {timings[workers]:.1f} s", flush=True)
-            rows += [{**o.row(), "workers": workers} for o in result.outcomes]
-        speedup = timings[WORKERS[0]] / timings[WORKERS[-1]]
-        efficiency = speedup / (WORKERS[-1] / WORKERS[0])
+    # 2. The tickets, once per worker count, each an ordinary run folder kept in RUNS (a study stopped halfway
+    #    keeps its finished tickets; a pass that found some finished has no timing to compare).
+    timings: dict[int, float] = {}
+    trained: dict[int, int] = {}
+    outcomes: dict[int, tuple[JobOutcome, ...]] = {}
+    for workers in WORKERS:
+        folder = runs / f"tickets-{workers}-worker{'s' if workers > 1 else ''}"
+        sweep = ticket_sweep(dense, dense_dir, folder, hyper)
+        start = time.perf_counter()
+        result = run_sweep(sweep, folder, workers=workers, threads=THREADS_PER_WORKER)
+        timings[workers] = time.perf_counter() - start
+        if result.failed:
+            raise AnytimeError(f"ticket {result.failed[0].job} failed: {result.failed[0].error} "
+                               f"(log: {result.failed[0].log})")  # fmt: skip
+        outcomes[workers] = result.outcomes
+        trained[workers] = sum(o.status == "done" for o in result.outcomes)
+        print(f"{len(sweep.jobs)} tickets with {workers} worker(s): {timings[workers]:.1f} s "
+              f"({trained[workers]} trained now)", flush=True)  # fmt: skip
+    timed = all(trained[w] == len(outcomes[w]) for w in WORKERS)
+    speedup = timings[WORKERS[0]] / timings[WORKERS[-1]] if timed else None
+    efficiency = speedup / (WORKERS[-1] / WORKERS[0]) if speedup is not None else None
+    if speedup is not None and efficiency is not None:
         print(f"speed-up S = {speedup:.2f} with {WORKERS[-1]} workers, efficiency E = {efficiency:.2f}")
-        for row in rows:
-            if row["workers"] == WORKERS[-1]:
-                print(f"  sparsity {row['param.sparsity']:<5g} reset epoch {row['param.reset_epoch']}: "
-                      f"test {100 * row['test_acc']:.2f}%")  # fmt: skip
+    else:
+        print("no speed-up: some tickets were found finished; remove the tickets folders in RUNS to time the sweep")
+    for o in outcomes[WORKERS[-1]]:
+        print(f"  sparsity {o.params['sparsity']:<5g} reset epoch {o.params['reset_epoch']}: "
+              f"test {100 * (o.test_acc or 0):.2f}%")  # fmt: skip
 
+    with staged_dir(out_dir, "lottery study", overwrite=args.overwrite, create_parents=create_parents) as out:
         # 3. Tables and the figure.
+        rows = [{**o.row(), "workers": w} for w in WORKERS for o in outcomes[w]]
         write_csv(out / "tickets.csv", rows)
         write_json(out / "results.json", {"dense_test_acc": dense_acc, "seconds_by_workers": timings,
-                                          "speedup": speedup, "efficiency": efficiency, "tickets": rows})  # fmt: skip
+                                          "trained_by_workers": trained, "speedup": speedup,
+                                          "efficiency": efficiency, "tickets": rows})  # fmt: skip
         from anytime.plotting.sweeps import plot_lottery
 
-        plot_lottery(rows, dense_acc or 0.0, timings, out / "lottery",
+        plot_lottery(outcomes[WORKERS[-1]], dense_acc or 0.0, timings if timed else {}, out / "lottery",
                      title=f"{hyper['MODEL']} on {hyper['DATA']}, {hyper['EPOCHS']} epochs")  # fmt: skip
         write_study_config(out, study="lottery", hyper={**hyper, "lr": LR, "seed": SEED, "workers": WORKERS,
                                                         "quick": args.quick})  # fmt: skip

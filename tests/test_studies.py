@@ -83,7 +83,8 @@ def test_benchmark_quick_writes_its_report(tmp_path, name):
     assert data["benchmark"] == name and data["verdict"] in ("pass", "fail") and data["ratio"] > 0
 
 
-def test_lottery_quick(tmp_path):
+def test_lottery_quick(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the study keeps its runs in ./runs
     out = tmp_path / "lottery"
     assert main(["experiment", "lottery", "--quick", "--out", str(out)]) == 0
     rows = _rows(out / "tickets.csv")

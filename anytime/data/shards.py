@@ -52,7 +52,6 @@ RESAMPLE = "bilinear"  # PIL's Image.Resampling.BILINEAR, antialiased when shrin
 SHARD_BYTES = 64 * 2**20  # default shard size: as many images as fill this
 _ENTRIES = (MANIFEST, "train-*.bin", "test-*.bin", "train-labels.npy", "test-labels.npy")
 _MAX_OPEN = 256  # shard files a reader keeps open at once
-_STATS_KEYS = ("sums", "squares")
 
 
 def _prepare_hint(root: Path | str) -> str:

@@ -7,7 +7,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from matplotlib.figure import Figure
 
@@ -45,21 +44,20 @@ def plot_sweep(outcomes: Sequence[JobOutcome], stem: str | os.PathLike[str], tit
 
 
 def plot_lottery(
-    rows: Sequence[Mapping[str, Any]], dense_acc: float, seconds: Mapping[int, float], stem: str | os.PathLike[str],
+    tickets: Sequence[JobOutcome], dense_acc: float, seconds: Mapping[int, float], stem: str | os.PathLike[str],
     title: str,
 ) -> list[Path]:
-    """Test accuracy against sparsity, one curve per reset epoch, the dense run as a line; beside it, the sweep's
-    wall-clock time by number of workers."""
+    """Test accuracy against sparsity, one curve per reset epoch (tickets whose ``params`` hold ``sparsity`` and
+    ``reset_epoch``), the dense run as a line; beside it, the sweep's wall-clock time by number of workers (left
+    empty without timings)."""
     fig = Figure(figsize=(11, 4.5))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
-    last = max(int(r["workers"]) for r in rows)
-    by_epoch: dict[int, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        if int(row["workers"]) == last:
-            by_epoch.setdefault(int(row["param.reset_epoch"]), []).append(row)
+    by_epoch: dict[int, list[JobOutcome]] = {}
+    for ticket in tickets:
+        by_epoch.setdefault(int(ticket.params["reset_epoch"]), []).append(ticket)
     for k, members in sorted(by_epoch.items()):
-        members = sorted(members, key=lambda r: float(r["param.sparsity"]))
-        left.plot([100 * float(r["param.sparsity"]) for r in members], [100 * float(r["test_acc"]) for r in members],
+        members.sort(key=lambda t: float(t.params["sparsity"]))
+        left.plot([100 * float(t.params["sparsity"]) for t in members], [100 * (t.test_acc or 0.0) for t in members],
                   "o-", label=f"reset to epoch {k}" + (" (initialisation)" if k == 0 else ""))  # fmt: skip
     left.axhline(100 * dense_acc, color="black", ls="--", lw=1, label="dense")
     left.set_xlabel("weights pruned (%)")
@@ -68,11 +66,14 @@ def plot_lottery(
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
     workers = sorted(seconds)
-    right.bar([str(w) for w in workers], [seconds[w] for w in workers], color="#4C72B0")
-    ideal = seconds[workers[0]] * workers[0]
-    right.plot([str(w) for w in workers], [ideal / w for w in workers], "k--", lw=1, label="Amdahl, efficiency 1")
+    if workers:
+        right.bar([str(w) for w in workers], [seconds[w] for w in workers], color="#4C72B0")
+        ideal = seconds[workers[0]] * workers[0]
+        right.plot([str(w) for w in workers], [ideal / w for w in workers], "k--", lw=1, label="Amdahl, efficiency 1")
+        right.set_title(f"speed-up {seconds[workers[0]] / seconds[workers[-1]]:.2f}")
+        right.legend(fontsize=8)
+    else:
+        right.set_title("not timed (tickets found finished)")
     right.set_xlabel("workers")
     right.set_ylabel("sweep wall-clock (s)")
-    right.set_title(f"speed-up {seconds[workers[0]] / seconds[workers[-1]]:.2f}")
-    right.legend(fontsize=8)
     return save_figure(fig, stem, formats=("png", "svg"))

@@ -18,7 +18,7 @@ EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the design
 LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
                                     "slices": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
-PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # those of anytime.train.pruning
+PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # magnitudes ranked over all layers at once, or in each
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
                                 "exit_weights": "one loss weight per exit, e.g. [1, 1, 1]"}  # fmt: skip
 

@@ -21,14 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from anytime.errors import AnytimeError
+from anytime.errors import AnytimeError, PeerStopped
 
 TIMEOUT = timedelta(minutes=10)  # a collective that waits longer means a peer is gone
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-class PeerStopped(AnytimeError):
-    """Raised in the other processes when process 0 refused the run; process 0 has said why."""
 
 
 class _SumOverProcesses(torch.autograd.Function):
@@ -127,6 +123,9 @@ class Distributed:
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
+            if self.local_rank >= torch.cuda.device_count():
+                raise AnytimeError(f"process {self.rank} is local rank {self.local_rank} but this machine has "
+                                   f"{torch.cuda.device_count()} GPU(s); start at most one process per GPU")  # fmt: skip
             torch.cuda.set_device(self.local_rank)
         if not dist.is_initialized():
             try:
@@ -256,7 +255,8 @@ def launch_local(
     except KeyboardInterrupt:
         _stop(procs, signal.SIGINT, grace_s)
         raise
-    _stop(procs, signal.SIGTERM, grace_s)
+    finally:  # also when this process is itself terminated: no trainer is left writing the run
+        _stop(procs, signal.SIGTERM, grace_s)
     if failed is None:
         return LaunchResult(0, None, False)
     code = procs[failed].returncode

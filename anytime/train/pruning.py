@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from anytime.errors import AnytimeError
 
 MASK_FILE = "mask.safetensors"
-SCOPES: tuple[str, ...] = ("global", "layer")
 
 
 def kept_checkpoint(run_dir: str | Path, epoch: int) -> Path:
@@ -105,8 +104,10 @@ def magnitude_mask(
 ) -> Mask:
     """Keep the ``1 - sparsity`` largest-magnitude weights of ``names`` (over all of them at once, or in each layer),
     among those ``previous`` kept; the pruned share is of all those weights, previous rounds' included."""
-    if scope not in SCOPES:
-        raise AnytimeError(f"unknown pruning scope {scope!r}; choose one of {', '.join(SCOPES)}")
+    from anytime.train.config import PRUNE_SCOPES
+
+    if scope not in PRUNE_SCOPES:
+        raise AnytimeError(f"unknown pruning scope {scope!r}; choose one of {', '.join(PRUNE_SCOPES)}")
     if not 0.0 <= sparsity < 1.0:
         raise AnytimeError(f"sparsity is the share of weights pruned, in [0, 1) (got {sparsity})")
     missing = [n for n in names if n not in weights]
@@ -160,12 +161,11 @@ def dense_root(run_dir: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class Ticket:
-    """What a ticket run starts from: the mask, the dense checkpoint it rewinds to and where that came from."""
+    """What a ticket run starts from: the mask, and the dense run's checkpoint it rewinds to."""
 
     mask: Mask
     rewind: dict[str, Any]  # the dense run's checkpoint after reset_epoch epochs
     dense_run: Path
-    pruned_run: Path
 
 
 def make_ticket(model: nn.Module, prune_from: str | Path, *, sparsity: float, reset_epoch: int, scope: str) -> Ticket:
@@ -183,7 +183,7 @@ def make_ticket(model: nn.Module, prune_from: str | Path, *, sparsity: float, re
     if not rewind_path.is_file():
         raise AnytimeError(f"the dense run {dense} kept no checkpoint after epoch {reset_epoch}: train it with "
                            f"--keep-checkpoints {reset_epoch} (0 keeps the initial weights)")  # fmt: skip
-    return Ticket(mask=mask, rewind=load_checkpoint(rewind_path), dense_run=dense, pruned_run=source)
+    return Ticket(mask=mask, rewind=load_checkpoint(rewind_path), dense_run=dense)
 
 
 def round_sparsities(sparsity: float, rounds: int) -> list[float]:

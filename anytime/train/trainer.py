@@ -392,14 +392,19 @@ class Trainer:
         start_epoch = 0
         ema = weight_average(model, cfg.ema)
         mask: Mask | None = None
+        dense_run: str | None = None
         source = state
         if state is None and cfg.prune_from is not None:  # a lottery ticket: prune, then rewind to the dense run
             ticket = make_ticket(model, cfg.prune_from, sparsity=cfg.sparsity, reset_epoch=cfg.reset_epoch,
                                  scope=cfg.prune_scope)  # fmt: skip
             self._check_ticket_recipe(ticket.rewind["config"], ticket.dense_run)
-            mask, source = ticket.mask, ticket.rewind
+            mask, source, dense_run = ticket.mask, ticket.rewind, str(ticket.dense_run)
         elif state is not None and "mask" in state:
             mask = Mask({name: keep.bool() for name, keep in state["mask"].items()})
+            dense_run = str(state.get("dense_run", cfg.prune_from))
+        if state is not None and ctx is not None and bool(state.get("sync_bn", False)) != ctx.sync_bn:
+            raise AnytimeError(f"{self.run_dir} was trained {'with' if state.get('sync_bn') else 'without'} --sync-bn; "
+                               "resume it the same way (the batch norms would change mid-run)")  # fmt: skip
         if source is not None:
             saved = source.get("dataset", {}).get("fingerprint")
             if saved != info.fingerprint:
@@ -435,8 +440,8 @@ class Trainer:
                 mask.save(self.run_dir / MASK_FILE)
         forward: nn.Module = _TrainingForward(model)
         if ctx is not None:
-            # skipped residual branches leave parameters without a gradient in some iterations
-            forward = ctx.wrap(forward, device, find_unused=cfg.stochastic_depth > 0 or cfg.ladder is not None)
+            # the sandwich rule leaves the slices it did not pick (their norms and heads) without a gradient
+            forward = ctx.wrap(forward, device, find_unused=cfg.sandwich or cfg.ladder is not None)
 
         loader_kw = {"seed": cfg.seed, "workers": cfg.workers, "prefetch_factor": cfg.prefetch_factor,
                      "pin_memory": cfg.pin_memory and device.type == "cuda", "part": (0, 1) if ctx is None else ctx.part}  # fmt: skip
@@ -457,7 +462,8 @@ class Trainer:
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
                 "dataset": info.to_dict(), "extensions": extensions,
                 **({"ema": ema.state_dict()} if ema is not None else {}),
-                **({"mask": mask.state()} if mask is not None else {}),
+                **({"mask": mask.state(), "dense_run": dense_run} if mask is not None else {}),
+                "sync_bn": ctx is not None and ctx.sync_bn,
             }  # fmt: skip
 
         if main and start_epoch == 0 and 0 in cfg.keep_checkpoints:
@@ -469,9 +475,9 @@ class Trainer:
             history.append({"metrics": record, "phases": phases})
             if not main:
                 continue
-            save_checkpoint(checkpoint_path, snapshot(epoch))
-            if epoch + 1 in cfg.keep_checkpoints:  # a rewind point for lottery tickets
+            if epoch + 1 in cfg.keep_checkpoints:  # a rewind point for lottery tickets, before the epoch counts as done
                 save_checkpoint(kept_checkpoint(self.run_dir, epoch + 1), snapshot(epoch))
+            save_checkpoint(checkpoint_path, snapshot(epoch))
             self._write_tables(history)
             if self.on_epoch_end is not None:
                 self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
@@ -486,7 +492,7 @@ class Trainer:
         summary["augment"] = augment.describe()
         summary["processes"] = 1 if ctx is None else ctx.world_size
         if mask is not None:
-            summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": str(dense_root(str(cfg.prune_from))),
+            summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": dense_run,
                                  "sparsity": mask.sparsity, "reset_epoch": cfg.reset_epoch, "scope": cfg.prune_scope,
                                  "nonzero_parameters": sum(int(p.count_nonzero()) for p in final.parameters())}  # fmt: skip
         if cfg.tta:
@@ -515,7 +521,9 @@ class Trainer:
         mask: Mask | None = None,
     ) -> tuple[dict[str, Any], dict[str, list[float]]]:
         cfg = self.config
-        torch.manual_seed(derive_seed(cfg.seed, epoch))
+        ctx = self.distributed
+        # per-sample randomness (dropout, stochastic depth) is drawn on each process's own rows: own streams
+        torch.manual_seed(derive_seed(cfg.seed, epoch) if ctx is None else derive_seed(cfg.seed, epoch, "rank", ctx.rank))
         train_loader.set_epoch(epoch)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -527,7 +535,6 @@ class Trainer:
         correct = torch.zeros((), device=device, dtype=torch.int64)
         seen = 0
         batches = len(train_loader)
-        ctx = self.distributed
         bar = progress_bar(batches, f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.progress and (ctx is None or ctx.main),
                            unit="batch")  # fmt: skip
         stepwise = per_iteration_lr(cfg)
@@ -537,7 +544,11 @@ class Trainer:
             images = images.to(device, non_blocking=True, memory_format=memory_format)
             labels = labels.to(device, non_blocking=True)
             t_data = clock.now()
-            chosen = model.training_steps() if hasattr(model, "training_steps") else None
+            chosen = None
+            if hasattr(model, "training_steps"):  # every process must choose alike: a stream of its own per batch
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(derive_seed("steps", cfg.seed, epoch, iteration))
+                    chosen = model.training_steps()
             if chosen is not None and len(chosen) >= len(weights):
                 chosen = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
@@ -581,7 +592,7 @@ class Trainer:
             seen += labels.numel()
             tick = t_step
             bar.update(1)
-            if iteration % 50 == 0 and not math.isfinite(float(loss.detach())):
+            if iteration % 50 == 0 and not self._all_finite(loss):
                 bar.close()
                 raise AnytimeError(
                     f"training diverged in epoch {epoch + 1}, iteration {iteration + 1} (loss is {float(loss):.4g}); "
@@ -636,6 +647,13 @@ class Trainer:
                 f"{'--extend' if extend else '--resume'} continues {self.run_dir} as it was configured, but these "
                 f"differ: {'; '.join(differing)}; drop those options or start a new --out{longer}"
             )
+
+    def _all_finite(self, loss: Tensor) -> bool:
+        """Whether the loss is finite in every process (all of them stop together, or none does)."""
+        finite = torch.tensor(float(math.isfinite(float(loss.detach()))), device=loss.device)
+        if self.distributed is not None:
+            self.distributed.sum(finite)
+        return bool(finite >= (1 if self.distributed is None else self.distributed.world_size))
 
     def _check_ticket_recipe(self, dense: dict[str, Any], dense_run: Path) -> None:
         """A ticket trains on with its dense run's recipe: refuse one that differs in more than the ticket's own
