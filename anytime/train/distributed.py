@@ -136,12 +136,16 @@ class Distributed:
                                    "and MASTER_PORT, or start with `anytime train --nproc N`") from None  # fmt: skip
         return backend
 
-    def stop(self) -> None:
-        """Leave the process group."""
+    def stop(self, *, together: bool = True) -> None:
+        """Leave the process group; ``together``: first wait for the others (a process that tears its connections
+        down while a peer still uses them makes that peer abort)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if together:
+            dist.barrier()
+        dist.destroy_process_group()
 
     def wrap(self, module: nn.Module, device: torch.device, *, find_unused: bool) -> nn.Module:
         """``module`` in DistributedDataParallel (its gradients averaged over the processes in backward)."""

@@ -269,11 +269,15 @@ class Trainer:
         import torch.distributed as dist
 
         ctx.start(ctx.device(resolve_device(self.config.device)))
+        finished = False
         try:
             if not ctx.main:
                 ctx.agree(None)  # waits for process 0 to claim the run folder
-                return self._fit(resume or extend, extend, splits)
-            return self._fit_main(resume, extend, overwrite, splits)
+                summary = self._fit(resume or extend, extend, splits)
+            else:
+                summary = self._fit_main(resume, extend, overwrite, splits)
+            finished = True
+            return summary
         except RuntimeError as exc:
             if not isinstance(exc, dist.DistError) and not _LOST_PEER.search(str(exc)):
                 raise
@@ -281,7 +285,7 @@ class Trainer:
             raise AnytimeError(f"process {ctx.rank} lost contact with the others ({first}); the run keeps its last "
                                "complete epoch: continue with --resume") from None  # fmt: skip
         finally:
-            ctx.stop()
+            ctx.stop(together=finished)
 
     def _fit_main(self, resume: bool, extend: bool, overwrite: bool, splits: DatasetSplits | None) -> dict[str, Any]:
         """Claim the run folder (telling the other processes, if any, whether it could be), then train."""
