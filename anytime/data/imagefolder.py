@@ -280,13 +280,16 @@ class FolderImages(ImageStore):
 
     @property
     def shape(self) -> torch.Size:
+        """``(N, 3, S, S)`` of this view."""
         count = len(self._paths) if self._positions is None else len(self._positions)
         return torch.Size((count, 3, self._size, self._size))
 
     def subset(self, positions: np.ndarray) -> FolderImages:
+        """A view of ``positions`` of this view; nothing is decoded."""
         return FolderImages(self._paths, self._size, self._global(positions))
 
     def read(self, positions: np.ndarray) -> torch.Tensor:
+        """Images ``positions`` of this view, decoded and resized now into a new tensor."""
         wanted = self._global(positions)
         out = np.empty((len(wanted), 3, self._size, self._size), dtype=np.uint8)
         for i, k in enumerate(wanted.tolist()):

@@ -544,10 +544,12 @@ class ShardImages(ImageStore):
 
     @property
     def shape(self) -> torch.Size:
+        """``(N, C, S, S)`` of this view."""
         count = self._count if self._positions is None else len(self._positions)
         return torch.Size((count, *self._image_shape))
 
     def subset(self, positions: np.ndarray) -> ShardImages:
+        """A view of ``positions`` of this view; nothing is read."""
         return ShardImages(self._files, self._shard_size, self._count, self._image_shape, self._global(positions))
 
     def _handle(self, shard: int) -> int:
@@ -567,6 +569,7 @@ class ShardImages(ImageStore):
         return fd
 
     def read(self, positions: np.ndarray) -> torch.Tensor:
+        """Images ``positions`` of this view, read from their shards with positioned reads into a new tensor."""
         wanted = self._global(positions)
         out = np.empty((len(wanted), *self._image_shape), dtype=np.uint8)
         if not len(wanted):

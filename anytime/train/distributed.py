@@ -55,6 +55,8 @@ class SyncedBatchNorm2d(nn.BatchNorm2d):
     in evaluation it is plain batch norm. The state dict is batch norm's."""
 
     def forward(self, x: Tensor) -> Tensor:
+        """Normalise by the global batch's statistics in training (updating the running ones), by the running
+        statistics in evaluation."""
         if not self.training:
             return super().forward(x)
         channels = x.shape[1]
