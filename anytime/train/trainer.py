@@ -24,7 +24,7 @@ from anytime.train.config import TrainConfig
 from anytime.train.distributed import Distributed, sync_batch_norms
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
-from anytime.train.pruning import MASK_FILE, Mask, dense_root, kept_checkpoint, make_ticket
+from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_ticket
 from anytime.train.timing import PHASES, Clock, PhaseLog
 from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -414,7 +414,7 @@ class Trainer:
             if saved != info.fingerprint:
                 raise AnytimeError(
                     f"the {info.name} data at {info.source} changed since "
-                    f"{self.run_dir if state is not None else dense_root(str(cfg.prune_from))} was checkpointed; "
+                    f"{self.run_dir if state is not None else dense_run} was checkpointed; "
                     "a resumed run or a ticket would not match it, so start a new --out"
                 )
             model.load_state_dict(source["model"])
