@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from anytime.contract import is_incremental, run_step, step_count
 from anytime.errors import AnytimeError
+from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergyReader, EnergySettings, idle_power, measure_energy
 from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
@@ -93,6 +94,39 @@ def _time_batch(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, 
     return alone, stages
 
 
+def _energy(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, sync: Callable[[], None],
+            reader: EnergyReader, settings: EnergySettings, clock: Clock) -> BatchEnergy:  # fmt: skip
+    """Joules per inference of every step alone and, for incremental models, of every exit path (one pass
+    through exits 0..k, stopped there as an early exit stops)."""
+    batch = x.shape[0]
+
+    def alone(k: int) -> Callable[[], None]:
+        def call() -> None:
+            run_step(model, x, k)
+            sync()
+
+        return call
+
+    def path(k: int) -> Callable[[], None]:
+        def call() -> None:
+            steps = model.steps(x)  # type: ignore[operator]
+            for i, _ in enumerate(steps):
+                if i == k:
+                    break
+            steps.close()
+            sync()
+
+        return call
+
+    steps = tuple(measure_energy(alone(k), reader, batch, settings, clock=clock, what=f"step {k} at batch {batch}")
+                  for k in range(num_steps))  # fmt: skip
+    paths = None
+    if incremental:
+        paths = tuple(measure_energy(path(k), reader, batch, settings, clock=clock, what=f"exit path {k} at batch {batch}")
+                      for k in range(num_steps))  # fmt: skip
+    return BatchEnergy(steps, paths)
+
+
 def _cuda_memory(model: nn.Module, x: Tensor, num_steps: int) -> dict[str, Any]:
     device = x.device
     torch.cuda.synchronize(device)
@@ -123,7 +157,8 @@ def profile_model(
     repeats: int = 200, warmup: int = 10, device: str | torch.device = "cpu", model_name: str = "model",
     fingerprint: str | None = None, num_classes: int | None = None, train: bool = False, train_repeats: int = 10,
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
-    clock: Clock = monotonic, progress: bool = False,
+    clock: Clock = monotonic, progress: bool = False, energy: EnergyReader | None = None,
+    energy_settings: EnergySettings = EnergySettings(), sleep: Callable[[float], None] | None = None,
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
@@ -132,7 +167,9 @@ def profile_model(
     synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
     measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
     backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
-    the steps: tests inject a fake one. ``progress``: a bar on stderr.
+    the steps: tests inject a fake one. ``progress``: a bar on stderr. ``energy`` (a reader from
+    :func:`anytime.profile.energy.open_energy_reader`) adds joules per inference of every step (and exit path) at
+    every batch size, measured as ``energy_settings`` says after the machine's idle power (``sleep`` waits for it).
     """
     from anytime.utils.progress import progress_bar
 
@@ -154,6 +191,10 @@ def profile_model(
     sync = _sync(target)
     generator = torch.Generator().manual_seed(seed)
     latency: dict[int, BatchLatency] = {}
+    meter = None
+    if energy is not None:
+        idle = idle_power(energy, energy_settings.idle_s, clock=clock, sleep=sleep)
+        meter = EnergyMeter(energy.source, energy_settings, idle)
     bar = progress_bar(len(sizes) * (warmup + repeats), "profile", enabled=progress, unit="rep")
     try:
         with torch.inference_mode():
@@ -176,9 +217,11 @@ def profile_model(
                             stages.append(s)
                         bar.update(1)
                 mem = _cuda_memory(model, x, num_steps) if target.type == "cuda" else None
+                joules = None if energy is None else _energy(model, x, num_steps, incremental, sync, energy,
+                                                             energy_settings, clock)  # fmt: skip
                 latency[b] = BatchLatency(
                     b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
-                    memory=mem,
+                    memory=mem, energy=joules,
                 )  # fmt: skip
         if train:
             for b in sizes:
@@ -198,7 +241,7 @@ def profile_model(
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
                   "inputs": "random normal", "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from anytime.errors import AnytimeError
+from anytime.profile.energy import BatchEnergy, EnergyMeter
 from anytime.profile.stats import latency_summary, quantile_of
 from anytime.utils.io import read_json, write_json
 
@@ -37,7 +38,8 @@ class BatchLatency:
 
     ``steps[k]``: step k answered alone (``forward_until(x, k)``). ``stages[k]`` (incremental models only):
     going from step k-1's answer to step k's, measured in the same repetitions, so the cumulative sum of
-    stages 0..k of one repetition is the time to reach exit k under early exit.
+    stages 0..k of one repetition is the time to reach exit k under early exit. ``energy``: joules per inference,
+    where the profile measured energy (``anytime profile --energy``).
     """
 
     batch_size: int
@@ -45,6 +47,7 @@ class BatchLatency:
     stages: tuple[np.ndarray, ...] | None
     memory: dict[str, Any] | None = None
     training: dict[str, float] | None = None
+    energy: BatchEnergy | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: summaries beside the raw samples."""
@@ -54,12 +57,14 @@ class BatchLatency:
 
         return {"batch_size": self.batch_size, "steps": block(self.steps),
                 "stages": None if self.stages is None else block(self.stages),
-                "memory": self.memory, "training": self.training}  # fmt: skip
+                "memory": self.memory, "training": self.training,
+                "energy": None if self.energy is None else self.energy.to_dict()}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Every step's latency on one device, with the model's costs and the device's description."""
+    """Every step's latency on one device, with the model's costs and the device's description; ``energy``
+    names the energy source where joules per inference were measured too (None: not measured)."""
 
     model_fingerprint: str | None
     model: str
@@ -73,6 +78,7 @@ class DeviceProfile:
     device: dict[str, Any]
     settings: dict[str, Any]
     created: str
+    energy: EnergyMeter | None = None
 
     @property
     def num_steps(self) -> int:
@@ -136,6 +142,29 @@ class DeviceProfile:
             raise AnytimeError("this profile has no stage latencies: the model is not incremental")
         return np.sum(np.stack(stages[: k + 1]), axis=0)
 
+    def require_energy(self, where: str = "the profile") -> EnergyMeter:
+        """The energy meter, or a clear error for a profile measured without energy."""
+        if self.energy is None or any(b.energy is None for b in self.latency.values()):
+            raise AnytimeError(f"{where} has no energy figures; measure them with `anytime profile RUN --energy` "
+                               "on a machine with an energy counter (RAPL, NVML or a Jetson's power rails)")  # fmt: skip
+        return self.energy
+
+    def step_energy_j(self, k: int, batch_size: int = 1) -> float:
+        """Step k alone: mean joules per inference at a batch size."""
+        self.require_energy()
+        energy = self.at(batch_size).energy
+        assert energy is not None
+        return energy.steps[k].mean_j
+
+    def path_energy_j(self, k: int, batch_size: int = 1) -> float:
+        """Through exits 0..k in one pass (an early exit at k): mean joules per inference; incremental models only."""
+        self.require_energy()
+        energy = self.at(batch_size).energy
+        assert energy is not None
+        if energy.paths is None:
+            raise AnytimeError("this profile has no exit-path energies: the model is not incremental")
+        return energy.paths[k].mean_j
+
     def check_model(self, fingerprint: str | None, num_steps: int | None = None, *, where: str = "profile") -> None:
         """Refuse a profile measured on another model (other weights or another number of steps)."""
         if fingerprint is not None and self.model_fingerprint != fingerprint:
@@ -156,6 +185,7 @@ class DeviceProfile:
             "steps": [{"index": k, "name": n, "flops": f, "params": p}
                       for k, (n, f, p) in enumerate(zip(self.step_names, self.step_flops, self.step_params))],
             "batches": [self.latency[b].to_dict() for b in self.batch_sizes],
+            "energy": None if self.energy is None else self.energy.to_dict(),
         }  # fmt: skip
 
     def save(self, path: str | Path) -> Path:
@@ -183,16 +213,21 @@ class DeviceProfile:
                     raise ValueError("steps do not match")
                 if incremental and (stage_samples is None or len({s.size for s in stage_samples}) != 1):
                     raise ValueError("stages missing or ragged")
-                latency[b] = BatchLatency(b, step_samples, stage_samples, entry.get("memory"), entry.get("training"))
+                energy = entry.get("energy")
+                latency[b] = BatchLatency(b, step_samples, stage_samples, entry.get("memory"), entry.get("training"),
+                                          None if energy is None else BatchEnergy.from_dict(energy, num_steps, where))  # fmt: skip
             if not latency or num_steps < 1:
                 raise ValueError("empty")
+            meter = None if doc.get("energy") is None else EnergyMeter.from_dict(doc["energy"])
+            if (meter is None) != all(b.energy is None for b in latency.values()):
+                raise ValueError("energy figures without their meter, or a meter without figures")
             return cls(
                 model_fingerprint=doc.get("model_fingerprint"), model=str(doc["model"]),
                 input_shape=tuple(int(v) for v in doc["input_shape"]), incremental=incremental,
                 step_names=tuple(str(s["name"]) for s in steps), step_flops=tuple(int(s["flops"]) for s in steps),
                 step_params=tuple(int(s["params"]) for s in steps), model_bytes=int(doc["model_bytes"]),
                 latency=latency, device=dict(doc["device"]), settings=dict(doc.get("settings") or {}),
-                created=str(doc.get("created", "")),
+                created=str(doc.get("created", "")), energy=meter,
             )  # fmt: skip
         except AnytimeError:
             raise
