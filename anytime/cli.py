@@ -337,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
     profile.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two profiles side by side")
+    joules = profile.add_argument_group("energy per inference (RAPL on an x86 CPU, NVML on an NVIDIA GPU, a Jetson's power rails)")
+    joules.add_argument("--energy", action="store_true",
+                        help="also measure joules per inference of every step at every batch size (refused, naming what "
+                             "was tried, where no energy source is readable)")
+    joules.add_argument("--energy-windows", type=_int_at_least(2), default=20, metavar="N",
+                        help="measurement windows per step and batch size (default 20)")
+    joules.add_argument("--energy-window-s", type=float, default=0.25, metavar="S",
+                        help="a window's shortest length (default 0.25 s; longer where the counter is coarse)")
+    joules.add_argument("--energy-max-window-s", type=float, default=20.0, metavar="S",
+                        help="a window's longest length before the counter is called too coarse (default 20 s)")
+    joules.add_argument("--idle-s", type=float, default=1.0, metavar="S",
+                        help="seconds of idle power measured first, recorded as the baseline (default 1; 0 skips)")
     profile.add_argument("--json", action="store_true", help="print the summary as JSON")
     trt = profile.add_argument_group("timings from a board (an ONNX export timed by TensorRT's trtexec)")
     trt.add_argument("--trtexec-times", metavar="DIR",
@@ -355,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the latency quantile that must fit (default 0.99)")
     schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
     schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
+    schedule.add_argument("--energy-mj", type=float, metavar="E",
+                          help="an energy budget: the mean millijoules per inference must fit too (a profile measured "
+                               "with --energy)")
     schedule.add_argument("--with", dest="variants", metavar="QRUN[,QRUN2]",
                           help="runs of the same model at other precisions (anytime quantize), each with its own "
                                "profile on this device: one frontier over (step, precision)")
@@ -1050,6 +1065,20 @@ def _print_profile(profile: Any, path: Path) -> None:
             q = [profile.step_quantile(k, v, b) for v in (0.5, 0.9, 0.99)]
             stage = f" {profile.stage_quantile(k, 0.99, b):10.3f}" if at.stages else ""
             print(f"  {name:<8} {profile.step_flops[k] / 1e9:8.4f} {q[0]:9.3f} {q[1]:9.3f} {q[2]:9.3f}{stage}")
+        if at.energy is not None:
+            print(f"  {'step':<8} {'mJ mean':>9} {'mJ p50':>9} {'mJ p99':>9} {'power W':>8}" + (f" {'path mJ':>9}" if at.energy.paths else ""))
+            for k, name in enumerate(profile.step_names):
+                w = at.energy.steps[k]
+                path_mj = f" {1000 * at.energy.paths[k].mean_j:9.4g}" if at.energy.paths else ""
+                print(f"  {name:<8} {1000 * w.mean_j:9.4g} {1000 * w.quantile_j(0.5):9.4g} {1000 * w.quantile_j(0.99):9.4g} "
+                      f"{w.power_w:8.3g}{path_mj}")  # fmt: skip
+    if profile.energy is not None:
+        e = profile.energy
+        idle = f", idle {e.idle_w:.3g} W" if e.idle_w is not None else ""
+        mode = f", {e.source.power_mode}" if e.source.power_mode else ""
+        print(f"energy: {e.source.reader} ({e.source.detail}){mode}{idle}, {e.settings.windows} windows per figure")
+    else:
+        print("energy: not measured (anytime profile RUN --energy)")
     print(f"saved to {path}")
 
 
@@ -1066,11 +1095,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.trtexec_times:
         return _trtexec_profile(args)
     from anytime.pipeline import profile_run
+    from anytime.profile.energy import EnergySettings
 
+    energy = None
+    if args.energy:
+        energy = EnergySettings(args.energy_windows, args.energy_window_s, args.energy_max_window_s, idle_s=args.idle_s)
     profile, path = profile_run(
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
         device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
-        form=args.form, threads=args.threads,
+        form=args.form, threads=args.threads, energy=energy,
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()
@@ -1122,14 +1155,18 @@ def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
+    from anytime.scheduler.deadline import check_energy_budget
     from anytime.scheduler.query import schedule_answer, scheduler_for_run
 
     if not math.isfinite(args.deadline_ms):
         raise AnytimeError(f"deadline {args.deadline_ms} ms is not a finite positive number of milliseconds")
+    if args.energy_mj is not None:
+        check_energy_budget(args.energy_mj)
     if args.variants:
         return _schedule_variants(args)
     scheduler, path = scheduler_for_run(args.run, args.profile)
-    print(json.dumps(schedule_answer(scheduler, path, args.deadline_ms, args.quantile, args.batch_size), indent=2))
+    answer = schedule_answer(scheduler, path, args.deadline_ms, args.quantile, args.batch_size, energy_mj=args.energy_mj)
+    print(json.dumps(answer, indent=2))
     return 0
 
 
@@ -1138,10 +1175,11 @@ def _schedule_variants(args: argparse.Namespace) -> int:
 
     runs = [args.run, *(r for r in args.variants.split(",") if r)]
     scheduler, runs_of = precision_scheduler(runs, args.profile)
-    choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size)
+    choice = scheduler.select(args.deadline_ms, args.quantile, args.batch_size, energy_mj=args.energy_mj)
     frontier = [{"option": o.name, "run": str(runs_of[scheduler.variant_of(o.name)]), "kind": o.kind,
-                 "accuracy": o.accuracy, "latency_ms": latency}
-                for o, latency in scheduler.frontier(args.quantile, args.batch_size)]  # fmt: skip
+                 "accuracy": o.accuracy, "latency_ms": latency, **({} if energy is None else {"energy_mj": energy})}
+                for o, latency, energy in scheduler.frontier_points(args.quantile, args.batch_size,
+                                                                    energy=args.energy_mj is not None)]  # fmt: skip
     variant = scheduler.variant_of(choice.option)
     print(json.dumps({**choice.to_dict(), "precision": variant, "run": str(runs_of[variant]), "frontier": frontier},
                      indent=2))  # fmt: skip

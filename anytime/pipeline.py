@@ -31,6 +31,7 @@ from anytime.data import DatasetSplits, make_loader
 from anytime.ensembles import EnsembleModel
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
+from anytime.profile.energy import EnergySettings, open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
 from anytime.scheduler.query import (
@@ -388,7 +389,8 @@ def plot_run(
         classes = class_names(run_dir)
         names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler, labels, classes)
     for stem, drawn in (("exit_histogram", report is not None), ("exit_accuracy", bool(rows)),
-                        ("deadline_accuracy", scheduler is not None), ("latency", scheduler is not None)):  # fmt: skip
+                        ("deadline_accuracy", scheduler is not None), ("latency", scheduler is not None),
+                        ("energy", scheduler is not None and scheduler.profile.energy is not None)):  # fmt: skip
         if not drawn:  # an earlier figure of a section not drawn now would be mistaken for a current one
             for old in (folder / f"{stem}.png", folder / f"{stem}.svg", folder / f"{stem}.pdf"):
                 old.unlink(missing_ok=True)
@@ -402,6 +404,7 @@ def _draw_run(
     from anytime.plotting import (
         plot_class_accuracy,
         plot_deadline_accuracy,
+        plot_energy_accuracy,
         plot_exit_accuracy_epochs,
         plot_exit_histogram,
         plot_exit_pareto,
@@ -424,6 +427,8 @@ def _draw_run(
         paths += plot_deadline_accuracy(scheduler, work / "deadline_accuracy", title, quantile=quantile, batch_size=batch,
                                         samples=val.num_samples)  # fmt: skip
         paths += plot_latency_distributions(scheduler.profile, work / "latency", title, batch_size=batch)
+        if scheduler.profile.energy is not None:
+            paths += plot_energy_accuracy(scheduler, work / "energy", title, quantile=quantile, batch_size=batch)
     return [p.name for p in paths]
 
 
@@ -436,12 +441,13 @@ def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
 def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
-    progress: bool = False, form: str = "eager", threads: int | str | None = None,
+    progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs: no dataset needed) and save it. ``form`` is the inference form measured and ``threads`` the torch
     threads (a number, ``auto``: chosen from the cores the machine leaves free, or None: as they are); both are
-    recorded in the profile, and the runtime runs with them.
+    recorded in the profile, and the runtime runs with them. ``energy`` adds joules per inference, measured with the
+    device's energy source (refused before any measurement when none is readable).
 
     On a CPU the peak memory of each batch size is measured in a fresh process; on a GPU, by the allocator.
     """
@@ -474,15 +480,21 @@ def profile_run(
         except RuntimeError as exc:
             raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
 
-    with output_lock(target):
-        profile = profile_model(
-            model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
-            model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
-            memory=probe if memory else None, progress=progress,
-        )  # fmt: skip
-        if choice is not None:
-            profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
-        path = profile.save(target)
+    reader = None if energy is None else open_energy_reader(target_device.type, target_device.index)
+    try:
+        with output_lock(target):
+            profile = profile_model(
+                model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
+                model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
+                memory=probe if memory else None, progress=progress, energy=reader,
+                energy_settings=energy or EnergySettings(),
+            )  # fmt: skip
+            if choice is not None:
+                profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
+            path = profile.save(target)
+    finally:
+        if reader is not None:
+            reader.close()
     return profile, path
 
 

@@ -107,3 +107,29 @@ def plot_deadline_runs(
     fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, stem)
+
+
+def plot_energy_accuracy(
+    scheduler: DeadlineScheduler, stem: str | os.PathLike[str], title: str, *, quantile: float = 0.99, batch_size: int = 1,
+) -> list[Path]:  # fmt: skip
+    """Accuracy vs latency beside accuracy vs energy per inference, every option a point: the options on the
+    two-dimensional frontier (none other as accurate is both faster and more frugal) filled and named, the rest hollow."""
+    profile = scheduler.profile
+    front = {o.name for o, _, _ in scheduler.frontier_points(quantile, batch_size, energy=True)}
+    fig = Figure(figsize=(11, 4.4))
+    axes = fig.subplots(1, 2, sharey=True)
+    for o in scheduler.options.values():
+        latency, energy = scheduler.latency(o, quantile, batch_size), scheduler.energy_mj(o, batch_size)
+        colour = "#C44E52" if o.kind == "policy" else "black"
+        for ax, x in zip(axes, (latency, energy)):
+            ax.plot([x], [100 * o.accuracy], "o", color=colour, mfc=colour if o.name in front else "none", zorder=3)
+            if o.name in front:
+                ax.annotate(o.name, (x, 100 * o.accuracy), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    axes[0].set(xlabel=f"latency at p{100 * quantile:g} (ms)", ylabel="validation accuracy (%)")
+    axes[1].set(xlabel="mean energy per inference (mJ)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    meter = profile.require_energy()
+    fig.suptitle(f"{title}: batch {batch_size} on {profile.device.get('label')}, energy by {meter.source.reader} "
+                 "(filled: the latency-energy frontier; red: early-exit policies)", fontsize=9)  # fmt: skip
+    return save_figure(fig, stem)

@@ -5,6 +5,11 @@ Its latency at quantile q comes from the device profile: a step's own samples, o
 of the exit paths weighted by where its validation samples leave (for a batch, by where the deepest sample
 of the batch leaves, since the batch runs until its last sample does). Options are sorted by latency and
 only those more accurate than every cheaper one are kept: the frontier. ``select`` is then a bisection.
+
+Where the profile measured energy, an option also has its mean joules per inference (a policy's: the exit paths'
+energies weighted the same way), and ``select(..., energy_mj=E)`` answers the most accurate option that fits both
+the deadline and the energy budget; the frontier is then two-dimensional (no option both faster and more frugal
+is as accurate).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class Selection:
 
     ``fits`` is False when even the cheapest option's latency exceeds the deadline; ``option`` is then the
     cheapest one and ``note`` says it will likely miss. ``drift`` is the online estimate over the profiled
-    to the profiled latencies (1 for the profile as measured).
+    to the profiled latencies (1 for the profile as measured). With an energy budget, ``energy_mj`` is the option's
+    mean millijoules per inference and ``fits`` means both fit (``note`` names the budget missed).
     """
 
     option: str
@@ -61,12 +67,15 @@ class Selection:
     fits: bool
     drift: float
     note: str | None = None
+    energy_mj: float | None = None
+    energy_budget_mj: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able."""
+        """JSON-able (the energy fields only where an energy budget was asked)."""
+        energy = {} if self.energy_budget_mj is None else {"energy_mj": self.energy_mj, "energy_budget_mj": self.energy_budget_mj}
         return {"option": self.option, "kind": self.kind, "step": self.step, "accuracy": self.accuracy,
                 "latency_ms": self.latency_ms, "deadline_ms": self.deadline_ms, "quantile": self.quantile,
-                "batch_size": self.batch_size, "fits": self.fits, "drift": self.drift, "note": self.note}  # fmt: skip
+                "batch_size": self.batch_size, "fits": self.fits, "drift": self.drift, "note": self.note, **energy}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,13 @@ def check_deadline(deadline_ms: float) -> float:
     if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, numbers.Real) or not deadline_ms > 0:
         raise AnytimeError(f"deadline {deadline_ms!r} ms is not a positive number of milliseconds")
     return float(deadline_ms)
+
+
+def check_energy_budget(energy_mj: float) -> float:
+    """Refuse an energy budget that is not a positive finite number of millijoules."""
+    if isinstance(energy_mj, bool) or not isinstance(energy_mj, numbers.Real) or not 0 < energy_mj < math.inf:
+        raise AnytimeError(f"energy budget {energy_mj!r} mJ is not a positive number of millijoules")
+    return float(energy_mj)
 
 
 class DeadlineScheduler:
@@ -112,6 +128,7 @@ class DeadlineScheduler:
         self._frontiers: dict[tuple[float, int], _Frontier] = {}
         self._adapted: dict[tuple[float, int], _Frontier] = {}
         self._costs: dict[tuple[float, int], dict[str, float]] = {}  # every option's profiled latency
+        self._energy_cache: dict[int, dict[str, float]] = {}  # every option's mean mJ per batch size
         self._references: dict[tuple[str, int, int | None], tuple[float, float]] = {}
         # By default p99, or the highest quantile the profile's samples resolve if that is lower.
         self.tracked_quantile = profile.check_quantile(
@@ -139,19 +156,51 @@ class DeadlineScheduler:
         samples, weights = self._policy_mixture(o, batch_size)
         return quantile_of(samples, q, weights)
 
+    def energy_mj(self, option: str | Option, batch_size: int = 1) -> float:
+        """An option's mean millijoules per inference at a batch size (a profile measured with energy)."""
+        o = self._option(option)
+        if o.policy is None:
+            assert o.step is not None
+            return 1000.0 * self.profile.step_energy_j(o.step, batch_size)
+        paths = [self.profile.path_energy_j(k, batch_size) for k in range(self.profile.num_steps)]
+        return 1000.0 * float(np.dot(_deepest_share(o, batch_size), paths))
+
     def frontier(self, quantile: float = 0.99, batch_size: int = 1) -> list[tuple[Option, float]]:
         """The options worth choosing, cheapest first, each with its profiled latency (ms)."""
         f = self._frontier(quantile, batch_size)
         return list(zip(f.options, f.latency))
 
-    def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1) -> Selection:
-        """The most accurate option whose latency at ``quantile`` fits in ``deadline_ms``.
+    def frontier_points(self, quantile: float = 0.99, batch_size: int = 1, *, energy: bool = False
+                        ) -> list[tuple[Option, float, float | None]]:  # fmt: skip
+        """(option, latency ms, mean mJ or None) of the options worth choosing, fastest first: the latency frontier,
+        or with ``energy`` the two-dimensional one (no other option as accurate is both as fast and as frugal)."""
+        if not energy:
+            return [(o, latency, None) for o, latency in self.frontier(quantile, batch_size)]
+        self._frontier(quantile, batch_size)
+        costs = self._costs[(quantile, batch_size)]
+        energies = self._energies(batch_size)
+        return _pareto([(self.options[n], costs[n], energies[n]) for n in self.options])
+
+    def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1, *,
+               energy_mj: float | None = None) -> Selection:  # fmt: skip
+        """The most accurate option whose latency at ``quantile`` fits in ``deadline_ms`` (and, given
+        ``energy_mj``, whose mean energy per inference fits in it too).
 
         A deadline below every option gives the cheapest one with ``fits=False`` and a note, never a silent
-        miss. NaN, zero or negative deadlines and quantiles the profile cannot resolve are refused.
+        miss; an energy budget below every option that fits the deadline gives the most frugal of those, with a
+        note. NaN, zero or negative deadlines or budgets and quantiles the profile cannot resolve are refused.
         """
         check_deadline(deadline_ms)
         key = (quantile, batch_size)
+        if energy_mj is not None:
+            check_energy_budget(energy_mj)
+            self._frontier(quantile, batch_size)
+            profiled = self._costs[key]
+            now = profiled
+            if self.adapt and self.drift.ready:
+                now = {name: self.drift.estimate(cost, quantile) for name, cost in profiled.items()}
+            return _pick_within(self.options, now, profiled, self._energies(batch_size), deadline_ms, energy_mj,
+                                quantile, batch_size)  # fmt: skip
         f = self._frontiers.get(key) or self._frontier(quantile, batch_size)
         if self.adapt and self.drift.ready:
             adapted = self._adapted.get(key)
@@ -196,11 +245,16 @@ class DeadlineScheduler:
         except KeyError:
             raise AnytimeError(f"no option named '{name}'; the options are {', '.join(self.options)}") from None
 
+    def _energies(self, batch_size: int) -> dict[str, float]:
+        found = self._energy_cache.get(batch_size)
+        if found is None:
+            self.profile.require_energy()
+            self.profile.at(batch_size)
+            found = self._energy_cache[batch_size] = {name: self.energy_mj(o, batch_size) for name, o in self.options.items()}
+        return found
+
     def _policy_mixture(self, option: Option, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        assert option.exit_share is not None
-        reach = np.cumsum(np.asarray(option.exit_share, dtype=np.float64))
-        reach = np.clip(reach / reach[-1], 0.0, 1.0)
-        deepest = np.diff(np.concatenate([[0.0], reach**batch_size]))
+        deepest = _deepest_share(option, batch_size)
         paths = [self.profile.path_samples(k, batch_size) for k in range(self.profile.num_steps)]
         weights = [np.full(p.size, w / p.size) for p, w in zip(paths, deepest)]
         return np.concatenate(paths), np.concatenate(weights)
@@ -226,6 +280,49 @@ class DeadlineScheduler:
         now = {name: self.drift.estimate(cost, quantile) for name, cost in profiled.items()}
         frontier = self._adapted[key] = _build(now, profiled, self.options, self.drift.version)
         return frontier
+
+
+def _deepest_share(option: Option, batch_size: int) -> np.ndarray:
+    """Per exit, the share of batches whose deepest sample leaves there (a batch runs until its last one does)."""
+    assert option.exit_share is not None
+    reach = np.cumsum(np.asarray(option.exit_share, dtype=np.float64))
+    reach = np.clip(reach / reach[-1], 0.0, 1.0)
+    return np.diff(np.concatenate([[0.0], reach**batch_size]))
+
+
+def _pareto(points: Sequence[tuple[Option, float, float]]) -> list[tuple[Option, float, float]]:
+    """The points no other point dominates (as fast, as frugal, as accurate, one of them strictly), fastest first."""
+    kept: list[tuple[Option, float, float]] = []
+    for o, latency, energy in sorted(points, key=lambda p: (p[1], p[2], -p[0].accuracy)):
+        if not any(e <= energy and k.accuracy >= o.accuracy for k, _, e in kept):
+            kept.append((o, latency, energy))
+    return kept
+
+
+def _pick_within(
+    options: dict[str, Option], costs: dict[str, float], profiled: dict[str, float], energies: dict[str, float],
+    deadline_ms: float, energy_mj: float, quantile: float, batch_size: int,
+) -> Selection:  # fmt: skip
+    """The most accurate option within both budgets (ties: the faster, then the more frugal); else the most
+    frugal one that meets the deadline, else the fastest, each with ``fits=False`` and a note."""
+    names = list(options)
+    both = [n for n in names if costs[n] <= deadline_ms and energies[n] <= energy_mj]
+    note = None
+    if both:
+        name = max(both, key=lambda n: (options[n].accuracy, -costs[n], -energies[n]))
+    else:
+        in_time = [n for n in names if costs[n] <= deadline_ms]
+        if in_time:
+            name = min(in_time, key=lambda n: (energies[n], -options[n].accuracy))
+            note = (f"energy budget {energy_mj:g} mJ is below every option that meets {deadline_ms:g} ms: {name}, the "
+                    f"most frugal of them, takes {energies[name]:.4g} mJ per inference")  # fmt: skip
+        else:
+            name = min(names, key=lambda n: (costs[n], -options[n].accuracy))
+            note = (f"deadline {deadline_ms:g} ms is below the cheapest option: {name} takes {costs[name]:.4g} ms at "
+                    f"p{100 * quantile:g}, so it will likely miss")  # fmt: skip
+    o = options[name]
+    return Selection(o.name, o.kind, o.step, o.accuracy, costs[name], float(deadline_ms), quantile, batch_size,
+                     note is None, costs[name] / profiled[name], note, energies[name], float(energy_mj))  # fmt: skip
 
 
 def _pick(f: _Frontier, deadline_ms: float, quantile: float, batch_size: int) -> Selection:
@@ -304,20 +401,43 @@ class PrecisionScheduler:
         f = self._frontier(quantile, batch_size)
         return list(zip(f.options, f.latency))
 
-    def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1) -> Selection:
-        """The most accurate (variant, option) whose latency at ``quantile`` fits in ``deadline_ms``; below every
-        option, the cheapest with ``fits=False`` and a note, as :meth:`DeadlineScheduler.select`."""
+    def frontier_points(self, quantile: float = 0.99, batch_size: int = 1, *, energy: bool = False
+                        ) -> list[tuple[Option, float, float | None]]:  # fmt: skip
+        """As :meth:`DeadlineScheduler.frontier_points`, over every variant's options."""
+        if not energy:
+            return [(o, latency, None) for o, latency in self.frontier(quantile, batch_size)]
+        costs, options = self._costs(quantile, batch_size)
+        energies = self._energies(batch_size)
+        return _pareto([(options[n], costs[n], energies[n]) for n in options])
+
+    def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1, *,
+               energy_mj: float | None = None) -> Selection:  # fmt: skip
+        """The most accurate (variant, option) whose latency at ``quantile`` fits in ``deadline_ms`` (and mean
+        energy in ``energy_mj``, given one); below every option, the cheapest with ``fits=False`` and a note, as
+        :meth:`DeadlineScheduler.select`."""
         check_deadline(deadline_ms)
+        if energy_mj is not None:
+            check_energy_budget(energy_mj)
+            costs, options = self._costs(quantile, batch_size)
+            return _pick_within(options, costs, costs, self._energies(batch_size), deadline_ms, energy_mj, quantile,
+                                batch_size)  # fmt: skip
         return _pick(self._frontier(quantile, batch_size), deadline_ms, quantile, batch_size)
+
+    def _energies(self, batch_size: int) -> dict[str, float]:
+        return {name: self.schedulers[variant].energy_mj(o, batch_size) for name, (variant, o) in self._options.items()}
+
+    def _costs(self, quantile: float, batch_size: int) -> tuple[dict[str, float], dict[str, Option]]:
+        costs: dict[str, float] = {}
+        options: dict[str, Option] = {}
+        for name, (variant, o) in self._options.items():
+            costs[name] = self.schedulers[variant].latency(o, quantile, batch_size)
+            options[name] = Option(name, o.accuracy, o.step, o.policy, o.exit_share)
+        return costs, options
 
     def _frontier(self, quantile: float, batch_size: int) -> _Frontier:
         key = (quantile, batch_size)
         if key not in self._frontiers:
-            costs: dict[str, float] = {}
-            options: dict[str, Option] = {}
-            for name, (variant, o) in self._options.items():
-                costs[name] = self.schedulers[variant].latency(o, quantile, batch_size)
-                options[name] = Option(name, o.accuracy, o.step, o.policy, o.exit_share)
+            costs, options = self._costs(quantile, batch_size)
             self._frontiers[key] = _build(costs, costs, options, -1)
         return self._frontiers[key]
 

@@ -136,10 +136,13 @@ def precision_scheduler(
 
 
 def schedule_answer(
-    scheduler: DeadlineScheduler, profile: Path, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1
-) -> dict[str, Any]:
-    """What ``anytime schedule`` and ``GET /schedule`` answer: the choice, the profile and the whole frontier."""
-    choice = scheduler.select(deadline_ms, quantile, batch_size)
-    frontier = [{"option": o.name, "kind": o.kind, "accuracy": o.accuracy, "latency_ms": latency}
-                for o, latency in scheduler.frontier(quantile, batch_size)]  # fmt: skip
+    scheduler: DeadlineScheduler, profile: Path, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1, *,
+    energy_mj: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """What ``anytime schedule`` and ``GET /schedule`` answer: the choice, the profile and the whole frontier (with an
+    energy budget, the two-dimensional frontier, each point with its mean millijoules per inference)."""
+    choice = scheduler.select(deadline_ms, quantile, batch_size, energy_mj=energy_mj)
+    frontier = [{"option": o.name, "kind": o.kind, "accuracy": o.accuracy, "latency_ms": latency,
+                 **({} if energy is None else {"energy_mj": energy})}
+                for o, latency, energy in scheduler.frontier_points(quantile, batch_size, energy=energy_mj is not None)]  # fmt: skip
     return {**choice.to_dict(), "profile": str(profile), "frontier": frontier}

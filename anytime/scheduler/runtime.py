@@ -2,7 +2,8 @@
 
 For an incremental model the steps run in order. After each one the runner returns if the exit is
 confident (the calibrated policy) or if the next stage's latency at the quantile, scaled by the device's
-current drift, no longer fits in the time left; otherwise it goes on. The first step always runs, so a
+current drift, no longer fits in the time left (or, given an energy budget, if reaching the next exit would cost
+more energy per inference than the budget, by the profile's exit-path energies); otherwise it goes on. The first step always runs, so a
 prediction always comes back. A non-incremental model (each step a separate forward) gets one step chosen
 up front by the scheduler.
 """
@@ -22,7 +23,7 @@ from anytime.errors import AnytimeError
 from anytime.contract import is_incremental, run_step, step_count
 from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
-from anytime.scheduler.deadline import DeadlineScheduler, check_deadline
+from anytime.scheduler.deadline import DeadlineScheduler, check_deadline, check_energy_budget
 from anytime.scheduler.online import DriftEstimator
 from anytime.utils.timer import Clock, monotonic
 
@@ -33,7 +34,8 @@ class AnytimePrediction:
 
     ``exits[i]`` is the step that answered sample i; ``step`` the deepest step that ran. ``reason``:
     ``confident`` (every sample passed its exit's threshold), ``deadline`` (the next stage would not fit),
-    ``last`` (the last step ran) or ``chosen`` (a non-incremental step picked up front).
+    ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran) or ``chosen`` (a
+    non-incremental step picked up front).
     """
 
     predictions: Tensor
@@ -92,6 +94,7 @@ class AnytimeRunner:
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
         self._estimates: dict[int, tuple[list[float], list[float]]] = {}
+        self._energies: dict[int, list[float]] = {}
         if self.incremental:
             self.drift = DriftEstimator(window=window, min_observations=min_observations)
             self.scheduler = None
@@ -125,19 +128,32 @@ class AnytimeRunner:
         )  # fmt: skip
         return found
 
-    def predict(self, x: Tensor, deadline_ms: float) -> AnytimePrediction:
-        """Answer the batch ``x`` within ``deadline_ms`` (measured from this call), always with a prediction."""
+    def _path_energies(self, batch_size: int) -> list[float]:
+        """Per exit, the mean millijoules per inference of one pass through exits 0..k (profiled batch at or above)."""
+        found = self._energies.get(batch_size)
+        if found is None:
+            profiled = self._profiled_batch(batch_size)
+            found = self._energies[batch_size] = [1000.0 * self.profile.path_energy_j(k, profiled) for k in range(self._num_steps)]
+        return found
+
+    def predict(self, x: Tensor, deadline_ms: float, energy_mj: float | None = None) -> AnytimePrediction:
+        """Answer the batch ``x`` within ``deadline_ms`` (measured from this call), always with a prediction; with
+        ``energy_mj``, also within that mean energy per inference (a profile measured with ``--energy``)."""
         start = self.clock()
         check_deadline(deadline_ms)
+        if energy_mj is not None:
+            check_energy_budget(energy_mj)
+            self.profile.require_energy()
         if self.model.training:
             raise AnytimeError("the anytime runtime needs the model in eval mode (call model.eval())")
         with torch.inference_mode():
             if not self.incremental:
-                return self._predict_chosen(x, deadline_ms, start)
-            return self._predict_incremental(x, deadline_ms, start)
+                return self._predict_chosen(x, deadline_ms, start, energy_mj)
+            return self._predict_incremental(x, deadline_ms, start, energy_mj)
 
-    def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float) -> AnytimePrediction:
+    def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
         tail, median = self._stage_estimates(x.shape[0])
+        path_mj = None if energy_mj is None else self._path_energies(x.shape[0])
         last = self._num_steps - 1
         policy = self.policy
         budget = deadline_ms - self.margin_ms
@@ -179,6 +195,9 @@ class AnytimeRunner:
                         if bool(decided.all()):
                             reason = "confident"
                             break
+                if path_mj is not None and path_mj[k + 1] > energy_mj:  # type: ignore[operator]
+                    reason = "energy"
+                    break
                 following = tail[k + 1]
                 if self.adapt:
                     following = self.drift.estimate(following, self.quantile)
@@ -203,12 +222,12 @@ class AnytimeRunner:
         elapsed_ms = 1000.0 * (self.clock() - start)
         return AnytimePrediction(predictions, logits, exits, k, reason, elapsed_ms, float(deadline_ms))
 
-    def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float) -> AnytimePrediction:
+    def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
         assert self.scheduler is not None
         batch = x.shape[0]
         profiled = self._profiled_batch(batch)
         left = deadline_ms - self.margin_ms - 1000.0 * (self.clock() - start)
-        choice = self.scheduler.select(max(left, 1e-6), self.quantile, profiled)
+        choice = self.scheduler.select(max(left, 1e-6), self.quantile, profiled, energy_mj=energy_mj)
         k = choice.step if choice.step is not None else self._num_steps - 1
         begun = self.clock()
         logits = run_step(self.model, x, k)
