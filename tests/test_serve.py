@@ -57,9 +57,11 @@ class StubRunner:
         self.drift = DriftEstimator()
         self.model = StubModel()
         self.budgets: list[float] = []
+        self.energy_budgets: list[float | None] = []
 
-    def predict(self, x: torch.Tensor, deadline_ms: float) -> AnytimePrediction:
+    def predict(self, x: torch.Tensor, deadline_ms: float, energy_mj: float | None = None) -> AnytimePrediction:
         self.budgets.append(deadline_ms)
+        self.energy_budgets.append(energy_mj)
         self.clock.now += self.compute_s
         exits = torch.ones(x.shape[0], dtype=torch.long)
         exits[0] = 0
@@ -99,6 +101,16 @@ def test_a_request_whose_deadline_passed_in_the_queue_is_answered_at_once_as_mis
     text = service.metrics.render(service.queue_depth)
     assert "anytime_requests_total 3" in text and "anytime_deadline_misses_total 2" in text
     assert "anytime_expired_total 2" in text and 'anytime_request_seconds_count{step="exit0"}' in text
+
+
+def test_a_batch_runs_under_the_tightest_energy_budget_among_its_requests():
+    clock = FakeClock()
+    service, runner = _service(clock)
+    image = torch.zeros(1, 8, 8)
+    service.answer_now([Request(image, 10.0, arrived=0.0, energy_mj=30.0), Request(image, 10.0, arrived=0.0),
+                        Request(image, 10.0, arrived=0.0, energy_mj=12.0)])  # fmt: skip
+    service.answer_now([Request(image, 10.0, arrived=0.0)])
+    assert runner.energy_budgets == [12.0, None]
 
 
 def test_the_worker_answers_in_batches_and_never_loses_a_request():
@@ -232,6 +244,11 @@ def test_a_deadline_already_gone_is_answered_as_missed_with_the_cheapest_answer_
     ("GET", "/docs", b"", {}, 404, "no route"),
     ("GET", "/schedule?deadline_ms=abc", b"", {}, 400, "not a number"),
     ("GET", "/schedule?deadline_ms=5&quantile=3", b"", {}, 400, "quantile"),
+    ("POST", "/predict?deadline_ms=5&energy_mj=nan", "PNG", {}, 400, "finite positive number of millijoules"),
+    ("POST", "/predict?deadline_ms=5", "PNG", {"X-Energy-Mj": "lots"}, 400, "not a number of millijoules"),
+    ("POST", "/predict?deadline_ms=5&energy_mj=3", "PNG", {}, 400, "no energy figures"),
+    ("GET", "/schedule?deadline_ms=5&energy_mj=-1", b"", {}, 400, "finite positive number of millijoules"),
+    ("GET", "/schedule?deadline_ms=5&energy_mj=3&quantile=0.9", b"", {}, 400, "no energy figures"),
 ])  # fmt: skip
 def test_bad_requests_get_a_4xx_sentence_and_the_server_keeps_serving(server, method, path, body, headers, status, words):
     made = {
@@ -279,11 +296,11 @@ def test_a_batch_that_fails_fails_its_requests_and_the_worker_goes_on():
     real = runner.predict
     calls = {"n": 0}
 
-    def flaky(x: torch.Tensor, deadline_ms: float) -> AnytimePrediction:
+    def flaky(x: torch.Tensor, deadline_ms: float, energy_mj: float | None = None) -> AnytimePrediction:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("the model broke")
-        return real(x, deadline_ms)
+        return real(x, deadline_ms, energy_mj)
 
     runner.predict = flaky  # type: ignore[method-assign]
     first = service.submit(Request(torch.zeros(1, 8, 8), 1e6, arrived=0.0))

@@ -1,6 +1,7 @@
 """``anytime serve``'s HTTP endpoint: FastAPI on uvicorn (``anytime[serve]``), over :class:`Service`.
 
-Routes: ``POST /predict`` (an image or ``.npy`` array with a deadline), ``GET /schedule?deadline_ms=D``,
+Routes: ``POST /predict`` (an image or ``.npy`` array with a deadline and optionally an energy budget ``energy_mj``),
+``GET /schedule?deadline_ms=D[&energy_mj=E]``,
 ``GET /healthz`` and ``GET /metrics`` (Prometheus). Every refusal is a 4xx JSON ``{"error": "one sentence"}``;
 the server never reads a path or unpickles anything a client sends.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from anytime.errors import AnytimeError
 from anytime.serve.inputs import InputSpec
-from anytime.serve.service import BadRequest, Request, Service, parse_deadline
+from anytime.serve.service import BadRequest, Request, Service, parse_deadline, parse_energy_budget
 
 ROUTES = "POST /predict, GET /schedule?deadline_ms=D, GET /healthz, GET /metrics"
 _TRUE = ("1", "true", "yes", "on")
@@ -57,10 +58,10 @@ def _multipart_fields(body: bytes, content_type: str) -> dict[str, bytes]:
     return fields
 
 
-def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, float, int], dict[str, Any]], *,
-               info: dict[str, Any], max_body_bytes: int) -> Any:  # fmt: skip
-    """The FastAPI application over a started ``service``; ``schedule(deadline_ms, quantile, batch)`` answers
-    ``GET /schedule`` (as ``anytime schedule``)."""
+def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, float, int, float | None], dict[str, Any]],
+               *, info: dict[str, Any], max_body_bytes: int) -> Any:  # fmt: skip
+    """The FastAPI application over a started ``service``; ``schedule(deadline_ms, quantile, batch, energy_mj)``
+    answers ``GET /schedule`` (as ``anytime schedule``)."""
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
@@ -131,16 +132,22 @@ def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, flo
                                   or request.headers.get("x-deadline-ms"))  # fmt: skip
         cheapest = (text.get("cheapest") or request.query_params.get("cheapest") or "").lower() in _TRUE or (
             request.headers.get("x-on-miss", "").lower() == "cheapest")  # fmt: skip
+        energy = parse_energy_budget(text.get("energy_mj") or request.query_params.get("energy_mj")
+                                     or request.headers.get("x-energy-mj"))  # fmt: skip
+        if energy is not None and service.runner.profile.energy is None:
+            raise BadRequest("this server's profile has no energy figures: drop energy_mj, or serve a profile measured "
+                             "with `anytime profile RUN --energy`")  # fmt: skip
         image = spec.decode(body)
-        answer = await asyncio.wrap_future(service.submit(Request(image, deadline, arrived, cheapest)))
+        answer = await asyncio.wrap_future(service.submit(Request(image, deadline, arrived, cheapest, energy)))
         return JSONResponse(answer.to_dict())
 
     @app.get("/schedule")
-    async def schedule_route(deadline_ms: str | None = None, quantile: float = 0.99, batch_size: int = 1) -> JSONResponse:
+    async def schedule_route(deadline_ms: str | None = None, quantile: float = 0.99, batch_size: int = 1,
+                             energy_mj: str | None = None) -> JSONResponse:  # fmt: skip
         """The step or policy that meets the deadline on the profiled device, as ``anytime schedule``."""
         if not (math.isfinite(quantile) and 0 < quantile <= 1):
             raise BadRequest(f"quantile {quantile} must be in (0, 1]")
-        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size))
+        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size, parse_energy_budget(energy_mj)))
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -174,8 +181,8 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
             "steps": list(runner.profile.step_names), "policy": runner.policy.to_dict() if runner.policy else None,
             "input": spec.describe(), "max_batch": service.max_batch, "quantile": options.quantile}  # fmt: skip
 
-    def schedule(deadline_ms: float, quantile: float, batch_size: int) -> dict[str, Any]:
-        return schedule_answer(scheduler, profile_path, deadline_ms, quantile, batch_size)
+    def schedule(deadline_ms: float, quantile: float, batch_size: int, energy_mj: float | None) -> dict[str, Any]:
+        return schedule_answer(scheduler, profile_path, deadline_ms, quantile, batch_size, energy_mj=energy_mj)
 
     with contextlib.suppress(ImportError):  # Pillow's decoders, loaded now rather than by the first image
         from PIL import Image

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 #: Reasons an answer gives for where it stopped: the runtime's own, plus ``expired`` (the deadline had passed
 #: while the request queued, so no step was run for it unless the cheapest answer was asked for).
-REASONS = ("confident", "deadline", "last", "chosen", "expired")
+REASONS = ("confident", "deadline", "energy", "last", "chosen", "expired")
 
 
 class BadRequest(AnytimeError):
@@ -40,12 +40,14 @@ class BadRequest(AnytimeError):
 
 @dataclass(frozen=True)
 class Request:
-    """One input (``[C, H, W]`` float32, already normalised) with its deadline, stamped when it arrived."""
+    """One input (``[C, H, W]`` float32, already normalised) with its deadline (and optionally an energy budget
+    per inference), stamped when it arrived."""
 
     image: torch.Tensor
     deadline_ms: float
     arrived: float
     cheapest: bool = False
+    energy_mj: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,20 @@ def parse_deadline(text: str | None) -> float:
         raise BadRequest(f"deadline '{str(text)[:40]}' is not a number of milliseconds") from None
     if not math.isfinite(value) or value <= 0:
         raise BadRequest(f"deadline {text} ms must be a finite positive number of milliseconds")
+    return value
+
+
+def parse_energy_budget(text: str | None) -> float | None:
+    """A request's energy budget in millijoules per inference (None when not given); a :class:`BadRequest` for a
+    malformed, NaN or non-positive one."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadRequest(f"energy budget '{str(text)[:40]}' is not a number of millijoules") from None
+    if not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"energy budget {text} mJ must be a finite positive number of millijoules")
     return value
 
 
@@ -185,7 +201,8 @@ class Service:
     def _run(self, requests: Sequence[Request]) -> list[Answer]:
         started = self.clock()
         budget = min(self._left_ms(r) for r in requests)
-        prediction = self.runner.predict(self._batch(requests), max(budget, 1e-6))
+        energy = min((r.energy_mj for r in requests if r.energy_mj is not None), default=None)
+        prediction = self.runner.predict(self._batch(requests), max(budget, 1e-6), energy)
         done = self.clock()
         exits = prediction.exits.tolist()
         labels = prediction.predictions.tolist()
