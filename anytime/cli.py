@@ -1093,6 +1093,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if not args.run:
         raise AnytimeError("give a run directory to profile (anytime profile RUN) or --compare A.json B.json")
     if args.trtexec_times:
+        if args.energy:
+            raise AnytimeError("--energy measures on this machine; trtexec's timings come from the board, so measure "
+                               "energy there (anytime profile RUN --energy on the board)")  # fmt: skip
         return _trtexec_profile(args)
     from anytime.pipeline import profile_run
     from anytime.profile.energy import EnergySettings
@@ -1151,6 +1154,11 @@ def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
             a50, b50 = a.step_quantile(k, 0.5, size), b.step_quantile(k, 0.5, size)
             a99, b99 = a.step_quantile(k, 0.99, size), b.step_quantile(k, 0.99, size)
             print(f"  {name:<8} {a50:9.3f} {b50:9.3f} {a99:9.3f} {b99:9.3f} {b99 / a99 if a99 > 0 else float('nan'):8.2f}")
+        if a.at(size).energy is not None and b.at(size).energy is not None:
+            print(f"  {'step':<8} {'A mJ':>9} {'B mJ':>9} {'B/A mJ':>8}")
+            for k, name in enumerate(a.step_names):
+                ea, eb = 1000 * a.step_energy_j(k, size), 1000 * b.step_energy_j(k, size)
+                print(f"  {name:<8} {ea:9.4g} {eb:9.4g} {eb / ea if ea > 0 else float('nan'):8.2f}")
     return 0
 
 

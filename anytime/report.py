@@ -191,17 +191,26 @@ def _latency(page: _Page) -> None:
         return
     doc = _json(profiles[0]) or {}
     steps = [s.get("name") for s in doc.get("steps", [])]
+    meter = doc.get("energy")
     rows = []
     for batch in doc.get("batches", []):
-        for name, summary in zip(steps, batch.get("steps", [])):
-            rows.append((f"{name}", batch.get("batch_size"), *(f"{summary.get(k, float('nan')):.3f}" for k in
-                                                                 ("p50_ms", "p90_ms", "p99_ms"))))  # fmt: skip
+        energy = (batch.get("energy") or {}).get("steps") or [{}] * len(steps)
+        for name, summary, joules in zip(steps, batch.get("steps", []), energy):
+            row = [f"{name}", batch.get("batch_size"), *(f"{summary.get(k, float('nan')):.3f}" for k in ("p50_ms", "p90_ms", "p99_ms"))]
+            if meter:
+                row += [f"{1000 * joules.get('mean_j', float('nan')):.4g}", f"{joules.get('power_w', float('nan')):.3g}"]
+            rows.append(tuple(row))
     device = doc.get("device", {})
+    columns = ("step", "batch", "p50 ms", "p90 ms", "p99 ms") + (("mJ / inference", "power W") if meter else ())
+    energy_note = (f" Energy by {html.escape(str(meter.get('reader')))} ({html.escape(str(meter.get('detail')))}), mean of "
+                   f"{meter.get('windows')} windows." if meter else " Energy not measured (<code>--energy</code>).")  # fmt: skip
     body = (f"<p>{html.escape(str(device.get('label')))}: <code>{html.escape(profiles[0].name)}</code>, "
-            f"{html.escape(str(doc.get('settings', {}).get('repeats')))} repetitions per batch size.</p>"
-            + _table(("step", "batch", "p50 ms", "p90 ms", "p99 ms"), rows))  # fmt: skip
+            f"{html.escape(str(doc.get('settings', {}).get('repeats')))} repetitions per batch size.{energy_note}</p>"
+            + _table(columns, rows))  # fmt: skip
     body += page.figure("latency", "latency distributions") or (
         f'<p class="meta">Distributions: <code>anytime plot {page.run}</code>.</p>')
+    if meter:
+        body += page.figure("energy", "accuracy vs latency and vs energy") or ""
     page.section("latency", "Latency on the device", body)
 
 

@@ -516,6 +516,12 @@ def test_profile_with_energy_schedule_and_plot_commands(energy_run, capsys, monk
     assert main(["plot", str(energy_run), "--json"]) == 0
     drawn = json.loads(capsys.readouterr().out)
     assert any(path.endswith("energy.png") for path in drawn["paths"])
+    assert main(["report", str(energy_run)]) == 0
+    page = (energy_run / "report.html").read_text()
+    assert "mJ / inference" in page and "accuracy vs latency and vs energy" in page
+    profile = str(next(energy_run.glob("profile-*.json")))
+    assert main(["profile", "--compare", profile, profile]) == 0
+    assert "B/A mJ" in capsys.readouterr().out
 
 
 def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path, monkeypatch):
@@ -524,6 +530,7 @@ def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path,
     cli_error(["profile", str(exit_run), "--energy", "--out", str(tmp_path / "p.json")], "no readable energy source", "RAPL")
     assert not (tmp_path / "p.json").exists()
     cli_error(["profile", str(exit_run), "--energy", "--energy-window-s", "-1", "--out", str(tmp_path / "p.json")], "window")
+    cli_error(["profile", str(exit_run), "--energy", "--trtexec-times", str(tmp_path)], "--energy", "board")
     for bad in ("nan", "-5", "0", "inf"):
         cli_error(["schedule", str(energy_run), "--deadline-ms", "10", "--energy-mj", bad], "energy budget")
     plain = tmp_path / "plain"
