@@ -24,7 +24,7 @@ STEP_MS = (1.0, 2.0, 4.0)
 ACCURACY = (0.6, 0.8, 0.9)
 
 
-def make_run(folder: Path, *, calibration: bool = True) -> Path:
+def make_run(folder: Path, *, calibration: bool = True, energy_mj: tuple[float, ...] | None = None) -> Path:
     """A run folder as `anytime train --exits` and `anytime profile` leave it, written without torch: weights
     are opaque bytes (only their fingerprint is read), step k takes STEP_MS[k] * (1 + i/99) ms, i = 0..99."""
     folder.mkdir(parents=True)
@@ -38,10 +38,21 @@ def make_run(folder: Path, *, calibration: bool = True) -> Path:
     stage_ms = np.diff(np.concatenate([[0.0], STEP_MS]))
     latency = {b: BatchLatency(b, tuple(b * v * ramp for v in STEP_MS), tuple(b * v * ramp for v in stage_ms))
                for b in (1, 4)}  # fmt: skip
+    meter = None
+    if energy_mj is not None:
+        from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergySettings, EnergySource, EnergyWindows
+
+        def windows(mj: float) -> EnergyWindows:
+            return EnergyWindows(np.full(4, mj / 1000), np.full(4, 0.001), 50)
+
+        figures = BatchEnergy(tuple(windows(v) for v in energy_mj), tuple(windows(v) for v in energy_mj))
+        latency = {b: BatchLatency(b, at.steps, at.stages, energy=figures) for b, at in latency.items()}
+        meter = EnergyMeter(EnergySource("rapl", "package-0", 2**-14, 1e-3, False), EnergySettings(windows=4), 2.0)
     DeviceProfile(
         model_fingerprint=fingerprint, model="toy", input_shape=(1, 8, 8), incremental=True,
         step_names=("exit0", "exit1", "exit2"), step_flops=(1, 2, 3), step_params=(1, 1, 1), model_bytes=4,
         latency=latency, device={"type": "cpu", "label": "test cpu"}, settings={"repeats": 100}, created="now",
+        energy=meter,
     ).save(folder / "profile-cpu-test.json")  # fmt: skip
     if calibration:
         (folder / "calibration.json").write_text(json.dumps({
@@ -106,3 +117,14 @@ def test_anytime_schedule_never_imports_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stderr and json.loads(done.stdout)["option"] == "exit1"
+
+
+def test_an_energy_budget_from_a_run_folder(tmp_path, capsys):
+    run = make_run(tmp_path / "run", calibration=False, energy_mj=(3.0, 9.0, 20.0))
+    assert main(["schedule", str(run), "--deadline-ms", "8", "--energy-mj", "10"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["option"] == "exit1" and answer["energy_mj"] == pytest.approx(9.0) and answer["fits"]
+    assert [f["energy_mj"] for f in answer["frontier"]] == pytest.approx([3.0, 9.0, 20.0])
+    assert main(["schedule", str(run), "--deadline-ms", "8", "--energy-mj", "1"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["option"] == "exit0" and not answer["fits"] and "energy budget 1 mJ" in answer["note"]
