@@ -7,9 +7,11 @@ the test writes, and time is a fake clock, so the figures expected are known exa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -222,21 +224,27 @@ def test_power_integral_follows_a_recorded_trace_and_refuses_nonsense():
             integral.add(1.0, bad)
 
 
-def test_a_sampling_thread_really_samples():
+def _samplers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "anytime-power"]
+
+
+def test_the_sampling_thread_runs_only_inside_a_sampling_block():
     clock_values = iter(np.arange(0, 10_000, 0.001))
     reader = energy_module.SampledPower(
         EnergySource("test", "constant 5 W", 1e-3, 1e-3, True), lambda: 5.0, interval_s=0.001,
         clock=lambda: float(next(clock_values)),
     )  # fmt: skip
-    try:
-        deadline = 200
-        while reader._integral.samples < 5 and deadline:  # samples come from the thread, not from read_j
-            torch.cuda._sleep(0) if torch.cuda.is_available() else __import__("time").sleep(0.01)
-            deadline -= 1
+    assert not _samplers()  # never beside a latency timing
+    with reader.sampling():
+        assert len(_samplers()) == 1
+        for _ in range(500):  # samples come from the thread, not from read_j
+            if reader._integral.samples >= 5:
+                break
+            threading.Event().wait(0.01)
         assert reader._integral.samples >= 5
         assert reader.read_j() > 0
-    finally:
-        reader.close()
+    assert not _samplers()
+    reader.close()
 
 
 # ---------------------------------------------------------------- measurement windows
@@ -256,6 +264,9 @@ class QuantisedCounter:
 
     def read_j(self) -> float:
         return math.floor(self.true_j / self.quantum_j + 1e-9) * self.quantum_j
+
+    def sampling(self):
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -308,6 +319,9 @@ class LadderMeter:
 
     def read_j(self) -> float:
         return self.clock() * self.watts
+
+    def sampling(self):
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -492,6 +506,9 @@ class WallMeter:
 
     def read_j(self) -> float:
         return 25.0 * (self._clock() - self._start)
+
+    def sampling(self):
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass

@@ -18,11 +18,13 @@ measurement runs the step until the counter has moved by at least ``min_quanta``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,11 +74,15 @@ class EnergySource:
 
 
 class EnergyReader(Protocol):
-    """Energy consumed since the reader opened (J, non-decreasing); ``close`` stops any sampling thread."""
+    """Energy consumed since the reader opened (J, non-decreasing), exact within a ``sampling()`` block (a reader
+    of sampled power runs its sampling thread only there, so the thread never competes with latency timings);
+    ``close`` releases what the reader holds."""
 
     source: EnergySource
 
     def read_j(self) -> float: ...
+
+    def sampling(self) -> AbstractContextManager[None]: ...
 
     def close(self) -> None: ...
 
@@ -129,38 +135,47 @@ class PowerIntegral:
 
 
 class SampledPower:
-    """A reader from a power probe: ``power_w()`` is sampled every ``interval_s`` by a daemon thread (when
-    ``background``) and once more at every :meth:`read_j`, and the samples are integrated."""
+    """A reader from a power probe: ``power_w()`` is sampled at every :meth:`read_j` and, inside a :meth:`sampling`
+    block (when ``background``), every ``interval_s`` by a daemon thread; the samples are integrated."""
 
     def __init__(self, source: EnergySource, power_w: Callable[[], float], *, interval_s: float,
                  clock: Clock = monotonic, background: bool = True) -> None:  # fmt: skip
         self.source = source
         self._power_w = power_w
         self._clock = clock
+        self._interval_s = interval_s
+        self._background = background
         self._integral = PowerIntegral()
         self._integral.add(clock(), power_w())
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if background:
-            self._thread = threading.Thread(target=self._sample, args=(interval_s,), name="anytime-power", daemon=True)
-            self._thread.start()
 
-    def _sample(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+    def _sample(self, stop: threading.Event) -> None:
+        while not stop.wait(self._interval_s):
             try:
                 self._integral.add(self._clock(), self._power_w())
             except Exception:  # the next read_j (in the measuring thread) raises the reader's error
                 return
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Sample in the background for the block's duration (nothing runs outside it)."""
+        if not self._background:
+            yield
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self._sample, args=(stop,), name="anytime-power", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=1.0)
 
     def read_j(self) -> float:
         """Energy since opening (J), including a sample taken now."""
         return self._integral.add(self._clock(), self._power_w())
 
     def close(self) -> None:
-        """Stop the sampling thread."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
+        """Nothing outlives a sampling block."""
 
 
 class RaplReader:
@@ -206,8 +221,12 @@ class RaplReader:
             total += counter.update(value)
         return total * 1e-6
 
+    def sampling(self) -> AbstractContextManager[None]:
+        """A counter needs no sampling."""
+        return contextlib.nullcontext()
+
     def close(self) -> None:
-        """Nothing to stop."""
+        """Nothing to release."""
 
 
 class NvmlReader:
@@ -262,10 +281,12 @@ class NvmlReader:
             raise AnytimeError(f"NVML: the GPU's energy counter could not be read during the measurement ({exc})") from None
         return self._counter.update(value) * 1e-3
 
+    def sampling(self) -> AbstractContextManager[None]:
+        """The power sampler's block, where power is sampled; nothing for the energy counter."""
+        return self._sampled.sampling() if self._sampled is not None else contextlib.nullcontext()
+
     def close(self) -> None:
-        """Stop sampling and release NVML."""
-        if self._sampled is not None:
-            self._sampled.close()
+        """Release NVML."""
         try:
             self._nvml.nvmlShutdown()
         except self._nvml.NVMLError:
@@ -415,9 +436,10 @@ def idle_power(reader: EnergyReader, seconds: float, *, clock: Clock = monotonic
     energy sits on (RAPL's package counter and a board's input rail include everything the machine does)."""
     if seconds <= 0:
         return None
-    e0, t0 = reader.read_j(), clock()
-    (sleep or time.sleep)(seconds)
-    e1, t1 = reader.read_j(), clock()
+    with reader.sampling():
+        e0, t0 = reader.read_j(), clock()
+        (sleep or time.sleep)(seconds)
+        e1, t1 = reader.read_j(), clock()
     return (e1 - e0) / (t1 - t0) if t1 > t0 else None
 
 
@@ -430,6 +452,12 @@ def measure_energy(
     A pilot doubles the calls per window until one window lasts ``min_window_s`` and moves the counter by
     ``min_quanta`` quanta (so one quantum is at most 1/``min_quanta`` of the figure); then ``windows`` windows of
     that many calls are measured."""
+    with reader.sampling():
+        return _measure(call, reader, batch_size, settings, clock, what)
+
+
+def _measure(call: Callable[[], None], reader: EnergyReader, batch_size: int, settings: EnergySettings, clock: Clock,
+             what: str) -> EnergyWindows:  # fmt: skip
     source = reader.source
     need_j = settings.min_quanta * source.quantum_j
     need_s = max(settings.min_window_s, 10 * source.refresh_s)
