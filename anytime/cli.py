@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="share of convolution and linear weights pruned, in all (e.g. 0.8)")
     tickets.add_argument("--reset-epoch", type=_non_negative_int, metavar="K",
                          help="rewind the surviving weights to the dense run's after K epochs (late resetting; 0: init)")
+    tickets.add_argument("--prune-unit", choices=["weights", "channels"],
+                         help="prune single weights (masked; the default) or whole channels (a smaller network)")
     tickets.add_argument("--prune-scope", choices=["global", "layer"],
                          help="rank weights over all layers at once (default) or prune each layer alike")
 
@@ -370,9 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--energy-mj", type=float, metavar="E",
                           help="an energy budget: the mean millijoules per inference must fit too (a profile measured "
                                "with --energy)")
-    schedule.add_argument("--with", dest="variants", metavar="QRUN[,QRUN2]",
-                          help="runs of the same model at other precisions (anytime quantize), each with its own "
-                               "profile on this device: one frontier over (step, precision)")
+    schedule.add_argument("--with", dest="variants", metavar="RUN2[,RUN3]",
+                          help="runs of the same model at other precisions (anytime quantize) or its structured tickets "
+                               "(anytime ticket --unit channels), each with its own profile on this device: one "
+                               "frontier over (step, variant)")
 
     cut = sub.add_parser("cut", description=COMMANDS["cut"])
     cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
@@ -481,13 +484,17 @@ def build_parser() -> argparse.ArgumentParser:
     ticket = sub.add_parser("ticket", description=COMMANDS["ticket"])
     ticket.add_argument("dense", metavar="DENSE_RUN", help="a finished run trained with --keep-checkpoints K")
     ticket.add_argument("--sparsity", type=_finite_float, required=True, metavar="S",
-                        help="share of convolution and linear weights pruned at the end, e.g. 0.9")
+                        help="share of convolution and linear weights (with --unit channels: of the prunable channels) "
+                             "pruned at the end, e.g. 0.9")
     ticket.add_argument("--reset-epoch", type=_non_negative_int, default=0, metavar="K",
                         help="rewind the surviving weights to the dense run's after K epochs (default 0: init)")
     ticket.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
                         help="prune in R rounds, each the same share of what is left (default 1: one shot)")
     ticket.add_argument("--scope", choices=["global", "layer"], default="global",
                         help="rank weights over all layers at once (default) or prune each layer alike")
+    ticket.add_argument("--unit", choices=["weights", "channels"], default="weights",
+                        help="prune single weights (masked, default) or whole channels: a smaller, faster network "
+                             "(Torch-Pruning's dependency graph; residual streams and classifiers are kept whole)")
     ticket.add_argument("--out", metavar="DIR", help="one run folder per round, DIR/round-R (default DENSE_RUN-ticket)")
     ticket.add_argument("--json", action="store_true", help="print the rounds' results as JSON")
 
@@ -602,7 +609,7 @@ _TRAIN_FIELDS = (
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
     "exit_head", "distill", "gradient_equilibrium", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
-    "prune_from", "sparsity", "reset_epoch", "prune_scope",
+    "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit",
 )  # fmt: skip
 
 
@@ -779,9 +786,10 @@ def _cmd_ticket(args: argparse.Namespace) -> int:
 
     dense = Path(args.dense)
     named = dense.resolve()
-    out = Path(args.out or named.with_name(f"{named.name}-ticket-s{args.sparsity:g}-k{args.reset_epoch}"))
+    unit = "-channels" if args.unit == "channels" else ""
+    out = Path(args.out or named.with_name(f"{named.name}-ticket{unit}-s{args.sparsity:g}-k{args.reset_epoch}"))
     jobs = ticket_jobs(dense, out, sparsity=args.sparsity, reset_epoch=args.reset_epoch, rounds=args.rounds,
-                       scope=args.scope)  # fmt: skip
+                       scope=args.scope, unit=args.unit)  # fmt: skip
     say = _progress_printer(args)
     say(f"{len(jobs)} round(s) of pruning {dense} to sparsity {args.sparsity:g}, rewound to epoch {args.reset_epoch} "
         f"-> {out}")  # fmt: skip
@@ -1180,6 +1188,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 def _schedule_variants(args: argparse.Namespace) -> int:
     from anytime.scheduler.query import precision_scheduler
+    from anytime.train.records import precision_record
 
     runs = [args.run, *(r for r in args.variants.split(",") if r)]
     scheduler, runs_of = precision_scheduler(runs, args.profile)
@@ -1189,8 +1198,10 @@ def _schedule_variants(args: argparse.Namespace) -> int:
                 for o, latency, energy in scheduler.frontier_points(args.quantile, args.batch_size,
                                                                     energy=args.energy_mj is not None)]  # fmt: skip
     variant = scheduler.variant_of(choice.option)
-    print(json.dumps({**choice.to_dict(), "precision": variant, "run": str(runs_of[variant]), "frontier": frontier},
-                     indent=2))  # fmt: skip
+    record = precision_record(runs_of[variant])
+    precision = record["precision"] if record is not None else "fp32"
+    print(json.dumps({**choice.to_dict(), "precision": precision, "variant": variant, "run": str(runs_of[variant]),
+                      "frontier": frontier}, indent=2))  # fmt: skip
     return 0
 
 

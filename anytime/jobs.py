@@ -171,10 +171,11 @@ def _slurm_settings(values: Any, where: Path) -> dict[str, Any]:
 
 def ticket_jobs(
     dense_run: str | os.PathLike[str], out: str | os.PathLike[str], *, sparsity: float, reset_epoch: int,
-    rounds: int = 1, scope: str = "global",
+    rounds: int = 1, scope: str = "global", unit: str = "weights",
 ) -> list[Job]:
     """The rounds of iterative magnitude pruning from ``dense_run`` to ``sparsity`` as jobs (``out/round-R``), each
-    a ticket of the dense run's recipe that prunes the round before's (the first, the dense run's) final weights."""
+    a ticket of the dense run's recipe that prunes the round before's (the first, the dense run's) final weights,
+    or with ``unit`` ``channels`` its whole channels."""
     from anytime.train import TrainConfig
     from anytime.train.pruning import round_sparsities
 
@@ -189,7 +190,7 @@ def ticket_jobs(
     previous = str(dense)
     for r, target in enumerate(round_sparsities(sparsity, rounds), start=1):
         values = {**base, "prune_from": previous, "sparsity": target, "reset_epoch": reset_epoch,
-                  "prune_scope": scope, "keep_checkpoints": []}  # fmt: skip
+                  "prune_scope": scope, "prune_unit": unit, "keep_checkpoints": []}  # fmt: skip
         config = TrainConfig.from_dict(values, where=f"{dense}/config.json").to_dict()
         run_dir = str(Path(out) / f"round-{r}")
         jobs.append(Job(name=f"round-{r}", params={"sparsity": round(target, 6)}, config=config, run_dir=run_dir))

@@ -14,9 +14,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # What each distribution is imported as, where the names differ.
-MODULE_OF = {"scikit-learn": "sklearn", "pillow": "PIL", "python-multipart": "multipart"}
+MODULE_OF = {"scikit-learn": "sklearn", "pillow": "PIL", "python-multipart": "multipart", "nvidia-ml-py": "pynvml"}
 EXTRAS_ONLY = ("torchvision", "sklearn", "PIL", "tqdm", "torchensemble", "matplotlib", "fastapi", "uvicorn", "torchao",
-               "onnx", "onnxruntime", "onnxscript", "scipy")  # fmt: skip
+               "onnx", "onnxruntime", "onnxscript", "scipy", "torch_pruning", "pynvml")  # fmt: skip
 # Declared because a library we call imports them, not our code.
 INDIRECT = {"onnxscript": "torch.onnx.export (the dynamo exporter) imports it"}
 

@@ -112,24 +112,51 @@ def scheduler_for_run(
     return DeadlineScheduler(loaded, run_options(run_dir, loaded.step_names), adapt=adapt), path
 
 
+def _structured_ticket_of(run: Path, base: Path) -> str | None:
+    """``channels-S`` when ``run`` is a structured ticket (``anytime ticket --unit channels``) whose chain of
+    ``prune_from`` leads back to ``base``, else None (read from the runs' config.json alone)."""
+    def recipe(folder: Path) -> dict[str, Any]:
+        try:
+            return dict(read_json(folder / "config.json", what="run record", make="train it", redo="train it again")["train"])
+        except (KeyError, TypeError, ValueError):
+            return {}
+
+    own = recipe(run)
+    if own.get("prune_unit") != "channels":
+        return None
+    current, seen = own, {run.resolve()}
+    while current.get("prune_from") is not None:
+        parent = Path(current["prune_from"])
+        if parent.resolve() == base.resolve():
+            return f"channels-{float(own.get('sparsity', 0)):g}"
+        if parent.resolve() in seen:
+            return None
+        seen.add(parent.resolve())
+        current = recipe(parent)
+    return None
+
+
 def precision_scheduler(
     runs: Sequence[str | Path], profile: str | Path | None = None
 ) -> tuple[PrecisionScheduler, dict[str, Path]]:
-    """One frontier over the steps of a run and of its converted forms (``anytime quantize``), each scheduled
-    with its own profile (``profile`` names the first run's; the others use their only one). Returns the
-    scheduler and the run of each variant (named by its precision, ``fp32`` for a float run)."""
+    """One frontier over the steps of a run and of its converted forms (``anytime quantize``) or structured
+    tickets (``anytime ticket --unit channels``: smaller networks), each scheduled with its own profile
+    (``profile`` names the first run's; the others use their only one). Returns the scheduler and the run of each
+    variant (named by its precision, ``fp32`` for a float run, or ``channels-S`` for a ticket of channel sparsity S)."""
     schedulers: dict[str, DeadlineScheduler] = {}
     runs_of: dict[str, Path] = {}
     base = Path(runs[0])
     base_fingerprint = run_fingerprint(base)
     for i, run in enumerate(runs):
         record = precision_record(run)
-        name = record["precision"] if record is not None else "fp32"
+        ticket = _structured_ticket_of(Path(run), base) if i > 0 and record is None else None
+        name = ticket or (record["precision"] if record is not None else "fp32")
+        if i > 0 and ticket is None and (record is None or record.get("parent_fingerprint") != base_fingerprint):
+            raise AnytimeError(f"{run} is neither a converted form of {base} (anytime quantize {base} --precision P) "
+                               f"nor a structured ticket of it (anytime ticket {base} --unit channels); only one "
+                               "model's variants share a frontier")  # fmt: skip
         if name in runs_of:
-            raise AnytimeError(f"{runs_of[name]} and {run} are both {name}; give each precision once")
-        if i > 0 and (record is None or record.get("parent_fingerprint") != base_fingerprint):
-            raise AnytimeError(f"{run} is not a converted form of {base} (anytime quantize {base} --precision P); "
-                               "only one model's precisions share a frontier")  # fmt: skip
+            raise AnytimeError(f"{runs_of[name]} and {run} are both {name}; give each variant once")
         schedulers[name], _ = scheduler_for_run(run, profile if i == 0 else None)
         runs_of[name] = Path(run)
     return PrecisionScheduler(schedulers), runs_of

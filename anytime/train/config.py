@@ -19,6 +19,7 @@ LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
                                     "slices": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
 PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # magnitudes ranked over all layers at once, or in each
+PRUNE_UNITS: tuple[str, ...] = ("weights", "channels")  # single weights (masked), or whole channels (a smaller network)
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
                                 "exit_weights": "one loss weight per exit, e.g. [1, 1, 1]"}  # fmt: skip
 
@@ -56,7 +57,9 @@ class TrainConfig:
     Lottery tickets (:mod:`anytime.train.pruning`): ``prune_from`` a finished run, to a total ``sparsity`` of the
     convolution and linear weights (``prune_scope`` global or per layer), rewound to the dense run's state after
     ``reset_epoch`` epochs; ``keep_checkpoints`` keeps a run's full checkpoint after those epochs (0: before the
-    first) for tickets to rewind to.
+    first) for tickets to rewind to. ``prune_unit`` ``channels`` prunes whole channels instead
+    (:mod:`anytime.train.channels`): ``sparsity`` is then the share of the prunable channels removed, and the ticket
+    is a smaller network.
     """
 
     model: str = "lenet"
@@ -99,6 +102,7 @@ class TrainConfig:
     sparsity: float = 0.0
     reset_epoch: int = 0
     prune_scope: str = "global"
+    prune_unit: str = "weights"
     # Speed-only knobs: they change how fast, never what is computed.
     device: str = "auto"
     workers: int = 0
@@ -171,6 +175,11 @@ class TrainConfig:
              f"--reset-epoch must be in 0..{self.epochs - 1}, an epoch of the run (got {self.reset_epoch})"),
             (self.prune_scope in PRUNE_SCOPES, f"unknown --prune-scope '{self.prune_scope}'; choose one of "
              f"{', '.join(PRUNE_SCOPES)}"),
+            (self.prune_unit in PRUNE_UNITS, f"unknown --prune-unit '{self.prune_unit}'; choose one of {', '.join(PRUNE_UNITS)}"),
+            (self.prune_from is not None or self.prune_unit == "weights",
+             "--prune-unit channels makes a structured lottery ticket: give the run to prune with --prune-from RUN"),
+            (self.prune_unit == "weights" or self.slices is None,
+             "a sliced network's steps share their channels; prune its weights (--prune-unit weights), not its channels"),
             (all(0 <= k < self.epochs for k in self.keep_checkpoints),
              f"--keep-checkpoints are epochs in 0..{self.epochs - 1} (got {list(self.keep_checkpoints)})"),
             (self.prune_from is None or self.exit_mode == "joint" and self.ladder is None,

@@ -6,7 +6,8 @@ largest-magnitude weights of ``prune_from``'s final weights among those its own 
 once, or layer by layer); the surviving weights are then rewound to the dense run's values after k epochs (its
 ``checkpoint-epoch{k}.pt``, with the optimiser's momentum and the schedule at that point), and the run trains
 on from epoch k to the end with the pruned weights held at zero. k = 0 is the original lottery ticket (rewind to
-initialisation).
+initialisation). A structured ticket (``prune_unit = "channels"``, :mod:`anytime.train.channels`) removes whole
+channels instead: the rewound weights are cut to the kept channels and the smaller network trains on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
+from anytime.train.channels import ChannelPlan
 
 MASK_FILE = "mask.safetensors"
 
@@ -193,3 +195,45 @@ def round_sparsities(sparsity: float, rounds: int) -> list[float]:
         raise AnytimeError(f"--rounds must be at least 1 (got {rounds})")
     return [1.0 - (1.0 - sparsity) ** ((r + 1) / rounds) for r in range(rounds)]
 
+
+
+@dataclass(frozen=True)
+class ChannelTicket:
+    """What a structured ticket starts from: the channel plan, and the dense run's checkpoint it rewinds to."""
+
+    plan: ChannelPlan
+    rewind: dict[str, Any]
+    dense_run: Path
+    dense_parameters: int
+
+
+def make_channel_ticket(
+    model: nn.Module, prune_from: str | Path, *, sparsity: float, reset_epoch: int, scope: str,
+    input_shape: tuple[int, ...], num_classes: int,
+) -> ChannelTicket:  # fmt: skip
+    """Plan which channels of ``prune_from``'s final weights to keep (``model`` is the dense network, untouched)
+    and find the rewind point of its dense run."""
+    import copy
+
+    from anytime.train.channels import plan_channels, run_channel_plan, shrink
+    from anytime.train.checkpoint import load_checkpoint, read_weights
+
+    source = Path(prune_from)
+    weights_path = source / "model.safetensors"
+    if not weights_path.is_file():
+        raise AnytimeError(f"--prune-from {source} is not a finished run (no model.safetensors); train it first")
+    if (source / MASK_FILE).is_file():
+        raise AnytimeError(f"--prune-from {source} is a ticket of masked weights; prune the channels of its dense run "
+                           "or of a structured ticket")  # fmt: skip
+    previous = run_channel_plan(source)
+    trained = copy.deepcopy(model)
+    if previous is not None:
+        shrink(trained, previous)
+    trained.load_state_dict(read_weights(weights_path))
+    plan = plan_channels(trained, input_shape, sparsity, scope=scope, num_classes=num_classes, previous=previous)
+    dense = dense_root(source)
+    rewind_path = kept_checkpoint(dense, reset_epoch)
+    if not rewind_path.is_file():
+        raise AnytimeError(f"the dense run {dense} kept no checkpoint after epoch {reset_epoch}: train it with "
+                           f"--keep-checkpoints {reset_epoch} (0 keeps the initial weights)")  # fmt: skip
+    return ChannelTicket(plan, load_checkpoint(rewind_path), dense, sum(p.numel() for p in model.parameters()))

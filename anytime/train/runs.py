@@ -15,6 +15,7 @@ from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_weights
 from anytime.train.config import TrainConfig
+from anytime.train.channels import run_channel_plan, shrink
 from anytime.train.multi_exit import build_model
 from anytime.train.records import (
     QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record, read_record, run_weights_fingerprint,
@@ -106,6 +107,9 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
         label = f"{baseline.get('method')}({len(model.members)} x {config.model})"
         return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target, label)
     model = build_model(config, load_init=False, **shape)  # type: ignore[arg-type]
+    plan = run_channel_plan(run)
+    if plan is not None:  # a structured ticket: the dense network cut to its channels
+        shrink(model, plan)
     load_weights(model, weights)
     record = precision_record(run)
     if record is not None and converted:

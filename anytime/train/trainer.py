@@ -24,7 +24,8 @@ from anytime.train.config import TrainConfig
 from anytime.train.distributed import Distributed, sync_batch_norms
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
-from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_ticket
+from anytime.train.channels import CHANNELS_FILE, ChannelPlan, shrink
+from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_channel_ticket, make_ticket
 from anytime.train.timing import PHASES, Clock, PhaseLog
 from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -385,6 +386,34 @@ class Trainer:
         ).to(device)
         if state is None and cfg.init is None:
             init_from_data(model, splits, device)
+        mask: Mask | None = None
+        plan: ChannelPlan | None = None
+        dense_run: str | None = None
+        dense_parameters: int | None = None
+        source = state
+        if state is None and cfg.prune_from is not None and cfg.prune_unit == "channels":
+            # a structured ticket: the dense run's rewound weights cut to the kept channels, a smaller network
+            structured = make_channel_ticket(model, cfg.prune_from, sparsity=cfg.sparsity, reset_epoch=cfg.reset_epoch,
+                                             scope=cfg.prune_scope, input_shape=(info.in_channels, *info.image_size),
+                                             num_classes=info.num_classes)  # fmt: skip
+            self._check_ticket_recipe(structured.rewind["config"], structured.dense_run)
+            plan, dense_run, dense_parameters = structured.plan, str(structured.dense_run), structured.dense_parameters
+            model.load_state_dict(structured.rewind["model"])
+            shrink(model, plan)
+            # the momentum of removed channels has no place in the smaller network: the optimiser starts afresh
+            source = {**structured.rewind, "model": model.state_dict(), "optimizer": None}
+        elif state is None and cfg.prune_from is not None:  # a lottery ticket: prune, then rewind to the dense run
+            ticket = make_ticket(model, cfg.prune_from, sparsity=cfg.sparsity, reset_epoch=cfg.reset_epoch,
+                                 scope=cfg.prune_scope)  # fmt: skip
+            self._check_ticket_recipe(ticket.rewind["config"], ticket.dense_run)
+            mask, source, dense_run = ticket.mask, ticket.rewind, str(ticket.dense_run)
+        elif state is not None and "mask" in state:
+            mask = Mask({name: keep.bool() for name, keep in state["mask"].items()})
+            dense_run = str(state.get("dense_run", cfg.prune_from))
+        elif state is not None and "channels" in state:
+            plan = ChannelPlan.from_dict(state["channels"], str(checkpoint_path))
+            dense_run, dense_parameters = str(state.get("dense_run", cfg.prune_from)), state.get("dense_parameters")
+            shrink(model, plan)
         if ctx is not None and ctx.sync_bn:
             sync_batch_norms(model)
         if cfg.channels_last:
@@ -395,17 +424,6 @@ class Trainer:
         history: list[dict[str, Any]] = []
         start_epoch = 0
         ema = weight_average(model, cfg.ema)
-        mask: Mask | None = None
-        dense_run: str | None = None
-        source = state
-        if state is None and cfg.prune_from is not None:  # a lottery ticket: prune, then rewind to the dense run
-            ticket = make_ticket(model, cfg.prune_from, sparsity=cfg.sparsity, reset_epoch=cfg.reset_epoch,
-                                 scope=cfg.prune_scope)  # fmt: skip
-            self._check_ticket_recipe(ticket.rewind["config"], ticket.dense_run)
-            mask, source, dense_run = ticket.mask, ticket.rewind, str(ticket.dense_run)
-        elif state is not None and "mask" in state:
-            mask = Mask({name: keep.bool() for name, keep in state["mask"].items()})
-            dense_run = str(state.get("dense_run", cfg.prune_from))
         if state is not None and ctx is not None and bool(state.get("sync_bn", False)) != ctx.sync_bn:
             raise AnytimeError(f"{self.run_dir} was trained {'with' if state.get('sync_bn') else 'without'} --sync-bn; "
                                "resume it the same way (the batch norms would change mid-run)")  # fmt: skip
@@ -418,13 +436,17 @@ class Trainer:
                     "a resumed run or a ticket would not match it, so start a new --out"
                 )
             model.load_state_dict(source["model"])
-            optimizer.load_state_dict(source["optimizer"])
             scheduler.load_state_dict(source["scheduler"])
             start_epoch = int(source["epoch"]) + 1
+            if source["optimizer"] is not None:
+                optimizer.load_state_dict(source["optimizer"])
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = group["initial_lr"] * lr_factor(cfg, start_epoch)
         if mask is not None:
             mask.apply(model, optimizer)
-            if state is None:  # the ticket's own average, not the dense run's
-                ema = weight_average(model, cfg.ema)
+        if (mask is not None or plan is not None) and state is None:  # the ticket's own average, not the dense run's
+            ema = weight_average(model, cfg.ema)
         if state is not None:
             history = list(state["history"])
             if ema is not None:
@@ -442,6 +464,8 @@ class Trainer:
                                extensions=extensions, augment=augment)  # fmt: skip
             if mask is not None and state is None:
                 mask.save(self.run_dir / MASK_FILE)
+            if plan is not None and state is None:
+                plan.save(self.run_dir / CHANNELS_FILE)
         forward: nn.Module = _TrainingForward(model)
         if ctx is not None:
             # the sandwich rule leaves the slices it did not pick (their norms and heads) without a gradient
@@ -467,6 +491,8 @@ class Trainer:
                 "dataset": info.to_dict(), "extensions": extensions,
                 **({"ema": ema.state_dict()} if ema is not None else {}),
                 **({"mask": mask.state(), "dense_run": dense_run} if mask is not None else {}),
+                **({"channels": plan.to_dict(), "dense_run": dense_run, "dense_parameters": dense_parameters}
+                   if plan is not None else {}),
                 "sync_bn": ctx is not None and ctx.sync_bn,
             }  # fmt: skip
 
@@ -499,6 +525,11 @@ class Trainer:
             summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": dense_run,
                                  "sparsity": mask.sparsity, "reset_epoch": cfg.reset_epoch, "scope": cfg.prune_scope,
                                  "nonzero_parameters": sum(int(p.count_nonzero()) for p in final.parameters())}  # fmt: skip
+        if plan is not None:
+            summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": dense_run, "unit": "channels",
+                                 "sparsity": plan.sparsity, "reset_epoch": cfg.reset_epoch, "scope": cfg.prune_scope,
+                                 "parameters": sum(p.numel() for p in final.parameters()),
+                                 "dense_parameters": dense_parameters}  # fmt: skip
         if cfg.tta:
             _, mirrored = evaluate_exits(final, test_loader, device, mirror=True, reduce=reduce)
             summary["final"]["test_acc_tta"] = mirrored[-1]
@@ -664,7 +695,7 @@ class Trainer:
         settings and the speed-only ones."""
         current = self.config.to_dict()
         saved = TrainConfig.from_dict(dense).to_dict()
-        free = {*TrainConfig.RUNTIME_FIELDS, "prune_from", "sparsity", "reset_epoch", "prune_scope"}
+        free = {*TrainConfig.RUNTIME_FIELDS, "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit"}
         differing = [f"{key}={current[key]!r} (dense run has {saved[key]!r})" for key in current
                      if key not in free and saved.get(key) != current[key]]  # fmt: skip
         if differing:
