@@ -62,3 +62,27 @@ def cli_error(capsys):
             assert word in lines[0], lines[0]
 
     return check
+
+
+@pytest.fixture
+def resumes_exactly(tmp_path):
+    """``resumes_exactly(config)``: train ``config`` whole, and again stopped after its first epoch and resumed;
+    both runs must end with the very same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from anytime.train import Trainer
+
+    def check(config) -> None:
+        Trainer(config, tmp_path / "whole").fit()
+
+        def stop(_end):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(config, tmp_path / "broken", on_epoch_end=stop).fit()
+        Trainer(config, tmp_path / "broken").fit(resume=True)
+        a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("whole", "broken"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    return check

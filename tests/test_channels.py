@@ -102,7 +102,7 @@ def dense_and_ticket(tmp_path_factory):
     return dense, ticket, summary
 
 
-def test_a_structured_ticket_is_a_smaller_run_that_loads_and_resumes(dense_and_ticket, tmp_path):
+def test_a_structured_ticket_is_a_smaller_run_that_loads_and_resumes(dense_and_ticket, resumes_exactly):
     from anytime.train.runs import load_run
 
     dense, ticket, summary = dense_and_ticket
@@ -113,19 +113,8 @@ def test_a_structured_ticket_is_a_smaller_run_that_loads_and_resumes(dense_and_t
     assert _params(loaded.model) == info["parameters"] and (ticket / CHANNELS_FILE).is_file()
     assert loaded.model(torch.randn(2, 1, 8, 8)).shape[-1] == 10
 
-    config = DENSE.replace(keep_checkpoints=(), prune_from=str(dense), sparsity=0.5, reset_epoch=0, prune_unit="channels")
-    Trainer(config, tmp_path / "whole").fit()
-
-    def stop(_end):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(config, tmp_path / "broken", on_epoch_end=stop).fit()
-    Trainer(config, tmp_path / "broken").fit(resume=True)
-    from safetensors.torch import load_file
-
-    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("whole", "broken"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    resumes_exactly(DENSE.replace(keep_checkpoints=(), prune_from=str(dense), sparsity=0.5, reset_epoch=0,
+                                  prune_unit="channels"))  # fmt: skip
 
 
 def test_structured_ticket_refusals(dense_and_ticket, tmp_path):

@@ -71,19 +71,8 @@ def test_a_ticket_is_rewound_masked_and_trained_with_its_zeros_kept(dense_run, t
         assert [line.split(",")[0] for line in handle.read().splitlines()[1:]] == ["1", "2"]
 
 
-def test_an_interrupted_ticket_resumes_exactly(dense_run, tmp_path):
-    config = _ticket(dense_run, sparsity=0.6, reset_epoch=0)
-    Trainer(config, tmp_path / "whole").fit()
-
-    def stop(_end):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(config, tmp_path / "broken", on_epoch_end=stop).fit()
-    Trainer(config, tmp_path / "broken").fit(resume=True)
-    a = load_file(str(tmp_path / "whole" / "model.safetensors"))
-    b = load_file(str(tmp_path / "broken" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+def test_an_interrupted_ticket_resumes_exactly(dense_run, resumes_exactly):
+    resumes_exactly(_ticket(dense_run, sparsity=0.6, reset_epoch=0))
 
 
 def test_ticket_refusals_say_what_to_do(dense_run, tmp_path):

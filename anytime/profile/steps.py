@@ -109,11 +109,11 @@ def _energy(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, sync
 
     def path(k: int) -> Callable[[], None]:
         def call() -> None:
-            steps = model.steps(x)  # type: ignore[operator]
-            for i, _ in enumerate(steps):
+            running = model.steps(x)  # type: ignore[operator]
+            for i, _ in enumerate(running):
                 if i == k:
                     break
-            steps.close()
+            running.close()
             sync()
 
         return call

@@ -3,9 +3,9 @@
 For an incremental model the steps run in order. After each one the runner returns if the exit is
 confident (the calibrated policy) or if the next stage's latency at the quantile, scaled by the device's
 current drift, no longer fits in the time left (or, given an energy budget, if reaching the next exit would cost
-more energy per inference than the budget, by the profile's exit-path energies); otherwise it goes on. The first step always runs, so a
-prediction always comes back. A non-incremental model (each step a separate forward) gets one step chosen
-up front by the scheduler.
+more energy per inference than the budget, by the profile's exit-path energies); otherwise it goes on. The first
+step always runs, so a prediction always comes back. A non-incremental model (each step a separate forward) gets
+one step chosen up front by the scheduler.
 """
 
 from __future__ import annotations

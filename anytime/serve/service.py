@@ -76,17 +76,22 @@ class Answer:
                 "batch_size": self.batch_size}  # fmt: skip
 
 
+def _positive(text: str, what: str, unit: str, units: str) -> float:
+    """A finite positive number from a request, or a :class:`BadRequest` naming ``what`` it was meant to be."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadRequest(f"{what} '{str(text)[:40]}' is not a number of {units}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"{what} {text} {unit} must be a finite positive number of {units}")
+    return value
+
+
 def parse_deadline(text: str | None) -> float:
     """A request's deadline in milliseconds; a :class:`BadRequest` for a missing, malformed, NaN or non-positive one."""
     if text is None or not str(text).strip():
         raise BadRequest("no deadline: give deadline_ms (a form field or query parameter) or an X-Deadline-Ms header")
-    try:
-        value = float(text)
-    except ValueError:
-        raise BadRequest(f"deadline '{str(text)[:40]}' is not a number of milliseconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise BadRequest(f"deadline {text} ms must be a finite positive number of milliseconds")
-    return value
+    return _positive(text, "deadline", "ms", "milliseconds")
 
 
 def parse_energy_budget(text: str | None) -> float | None:
@@ -94,13 +99,7 @@ def parse_energy_budget(text: str | None) -> float | None:
     malformed, NaN or non-positive one."""
     if text is None or not str(text).strip():
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise BadRequest(f"energy budget '{str(text)[:40]}' is not a number of millijoules") from None
-    if not math.isfinite(value) or value <= 0:
-        raise BadRequest(f"energy budget {text} mJ must be a finite positive number of millijoules")
-    return value
+    return _positive(text, "energy budget", "mJ", "millijoules")
 
 
 class Service:
