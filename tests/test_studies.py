@@ -103,6 +103,14 @@ def test_scale_out_benchmarks_quick(tmp_path):
     assert sweep["same_accuracies"] and sweep["2 workers, 1 thread each"]["jobs"] == 4
 
 
+def test_energy_and_structured_ticket_benchmarks_quick(tmp_path):
+    sampler = _benchmark(tmp_path, "energy_sampler")["figures"]
+    assert sampler["one_figure"]["calls_per_window"] >= 1 and sampler["threads_1"]["p50_ratio"] > 0
+    tickets = _benchmark(tmp_path, "structured_tickets", "--runs", str(tmp_path / "runs"))["figures"]["networks"]
+    assert tickets["channels-0.5"]["parameters"] < tickets["dense"]["parameters"]
+    assert tickets["masked"]["parameters"] == tickets["dense"]["parameters"] > tickets["masked"]["nonzero_parameters"]
+
+
 @pytest.mark.needs_data
 def test_early_exit_benchmark_quick(tmp_path, cifar_root):
     figures = _benchmark(tmp_path, "early_exit_cifar10", "--run", str(tmp_path / "run"), "--form", "fold",

@@ -8,7 +8,8 @@ whole, since channels there are shared with a shortcut or an exit, and the zoo's
 with a fixed channel count. On a ResNet that is every residual block's inner channels (Li et al., "Pruning Filters
 for Efficient ConvNets", 2017, pruned the same way), on a plain chain (VGG, LeNet) every layer but the last.
 
-A channel's importance is its filter's L1 norm (mean absolute weight when ranked over all groups at once). The plan
+A channel's importance is its filter's mean absolute weight, divided by its group's mean when ranked over all
+groups at once (so that no layer is emptied for the scale its fan-in gave its weights). The plan
 names, per module, which of the dense network's output and input channels it keeps; :func:`shrink` cuts a dense
 model to it, with no Torch-Pruning needed, so a ticket run loads wherever anytime does.
 """
@@ -199,8 +200,10 @@ def plan_channels(
         if not closed or root is None or root[1] != "out":
             continue
         weight = dict(model.named_modules())[root[0]].weight.detach().float()
-        importance = weight.abs().reshape(weight.shape[0], -1).mean(dim=1)
-        groups.append((root[0], members, importance[root[2]]))
+        importance = weight.abs().reshape(weight.shape[0], -1).mean(dim=1)[root[2]]
+        # Divided by the group's mean: a layer's weights are scaled by its fan-in at initialisation, and unnormalised
+        # magnitudes ranked over all layers at once would empty the widest layers first.
+        groups.append((root[0], members, importance / importance.mean().clamp_min(1e-12)))
     if not groups:
         raise AnytimeError("this network has no channels that can be pruned on their own (every group reaches an "
                            "addition, a reshape or a classifier); prune its weights instead (--prune-unit weights)")  # fmt: skip
