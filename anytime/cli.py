@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "calibrate": "fit exit thresholds on validation for an accuracy drop or a FLOPs budget (RUN/calibration.json)",
     "evaluate": "real early exit on a split: accuracy, exit shares, latency per sample vs the plain backbone",
     "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy, deadlines",
+    "cam": "class activation maps of every step (CAM for global-pooled heads, Grad-CAM otherwise) for the same images: "
+           "a figure side by side and the arrays",
     "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
     "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
     "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
@@ -323,6 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run", metavar="RUN")
     plot.add_argument("--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)")
     plot.add_argument("--json", action="store_true", help="print the figures drawn and the sections skipped as JSON")
+
+    cam = sub.add_parser("cam", description=COMMANDS["cam"],
+                         usage="anytime cam RUN (--images FILE [FILE ...] | --split test [--count N]) [options]")
+    cam.add_argument("run", metavar="RUN")
+    cam.add_argument("--images", nargs="+", default=[], metavar="FILE",
+                     help="PNG or JPEG images (or .npy arrays) of the run's input size")
+    cam.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
+    cam.add_argument("--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)")
+    cam.add_argument("--steps", metavar="K,K,...", help="the steps to map (default every one)")
+    cam.add_argument("--explain", choices=["predicted", "label"], default="predicted",
+                     help="map the class each step answered (default) or the true class (--split only)")
+    cam.add_argument("--device", default="auto", help=DEVICE_HELP)
+    cam.add_argument("--out", metavar="DIR", help="default RUN/cam (cam.png/.svg, cam.npz, cam.json, replaced together)")
+    cam.add_argument("--json", action="store_true", help="print the files and the method of each step as JSON")
 
     profile = sub.add_parser("profile", description=COMMANDS["profile"],
                              usage="anytime profile RUN [options] | anytime profile --compare A.json B.json")
@@ -1205,6 +1221,26 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cam(args: argparse.Namespace) -> int:
+    from anytime.cam import cam_run
+
+    steps = None
+    if args.steps:
+        try:
+            steps = [int(v) for v in args.steps.split(",") if v.strip()]
+        except ValueError:
+            raise AnytimeError(f"--steps '{args.steps}' is not a comma-separated list of step numbers, e.g. 0,2") from None
+    report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=steps,
+                     explain=args.explain, out=args.out, device=args.device)  # fmt: skip
+    if args.json:
+        return _print_json(report)
+    for entry in report.steps:
+        print(f"{entry['name']}: {entry['method']} on {entry['layer']}")
+    for path in report.paths:
+        print(path)
+    return 0
+
+
 def _cmd_seeds(args: argparse.Namespace) -> int:
     from anytime.seeds import summarise_seeds
 
@@ -1405,7 +1441,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
-    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "profile": _cmd_profile,
+    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "cam": _cmd_cam, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
     "seeds": _cmd_seeds,

@@ -235,7 +235,7 @@ def profile_model(
             latency[b] = replace(latency[b], memory=figures)
     return DeviceProfile(
         model_fingerprint=fingerprint, model=model_name, input_shape=tuple(int(v) for v in input_shape),
-        incremental=incremental, step_names=_step_names(model, num_steps), step_flops=flops,
+        incremental=incremental, step_names=step_names(model, num_steps), step_flops=flops,
         step_params=_step_params(model, num_steps), model_bytes=getattr(model, "artifact_bytes", None) or weights_bytes(model), latency=latency,
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
@@ -257,7 +257,7 @@ def _precision(model: nn.Module) -> dict[str, Any]:
     return {"precision": "fp32", "backend": "eager", "compile": False}
 
 
-def _step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
+def step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
     """``exit0``, ``exit1``... for exits (their own names are points in the backbone); the names other
     families give their steps (``x0.5``, ``4/9 blocks``); ``step0``... for anything else."""
     from anytime.wrappers import MultiExitModel
