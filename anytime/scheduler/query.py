@@ -118,7 +118,7 @@ def _structured_ticket_of(run: Path, base: Path) -> str | None:
     def recipe(folder: Path) -> dict[str, Any]:
         try:
             return dict(read_json(folder / "config.json", what="run record", make="train it", redo="train it again")["train"])
-        except (KeyError, TypeError, ValueError):
+        except (AnytimeError, KeyError, TypeError, ValueError):
             return {}
 
     own = recipe(run)
@@ -151,7 +151,8 @@ def precision_scheduler(
         record = precision_record(run)
         ticket = _structured_ticket_of(Path(run), base) if i > 0 and record is None else None
         name = ticket or (record["precision"] if record is not None else "fp32")
-        if i > 0 and ticket is None and (record is None or record.get("parent_fingerprint") != base_fingerprint):
+        again = name in runs_of and runs_of[name].resolve() == Path(run).resolve()
+        if not again and i > 0 and ticket is None and (record is None or record.get("parent_fingerprint") != base_fingerprint):
             raise AnytimeError(f"{run} is neither a converted form of {base} (anytime quantize {base} --precision P) "
                                f"nor a structured ticket of it (anytime ticket {base} --unit channels); only one "
                                "model's variants share a frontier")  # fmt: skip
