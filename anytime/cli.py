@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "every ResNeXt block (default width)")
     sliced.add_argument("--sandwich", action="store_true", default=None,
                         help="train the narrowest, the widest and one random slice per mini-batch, not all")
+    sliced.add_argument("--resolutions", metavar="S,S,...",
+                        help="train a resolution ladder: one step per input size in pixels, cN a central N x N crop "
+                             "(e.g. 16,24,c24,32), batch-norm statistics per step")
     sliced.add_argument("--stochastic-depth", type=_finite_float, metavar="P",
                         help="residual branches skipped at random in training, up to P for the last block")
 
@@ -623,7 +626,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "gradient_equilibrium", "init", "slices", "slice_kind", "stochastic_depth", "warmup", "nesterov",
+    "exit_head", "distill", "gradient_equilibrium", "init", "slices", "resolutions", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
     "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit",
 )  # fmt: skip

@@ -17,7 +17,7 @@ EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
 EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the designs of anytime.wrappers.exit_head
 LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
-                                    "slices": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
+                                    "slices": str, "resolutions": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
 PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # magnitudes ranked over all layers at once, or in each
 PRUNE_UNITS: tuple[str, ...] = ("weights", "channels")  # single weights (masked), or whole channels (a smaller network)
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
@@ -42,7 +42,10 @@ class TrainConfig:
     and, with ``sandwich``, a mini-batch trains the narrowest, the widest and one other slice; ``distill``
     then distils the widest slice into the others. ``stochastic_depth`` is the chance that the last residual
     block skips its branch in training (linear in depth). ``ladder`` marks a block-drop ladder (written by
-    ``anytime cut --ladder``), whose steps are configurations of skipped blocks.
+    ``anytime cut --ladder``), whose steps are configurations of skipped blocks. ``resolutions`` (``"16,24,32"``,
+    ``cN`` a central crop) makes the steps input resolutions of one network, with batch-norm statistics per
+    resolution (:mod:`anytime.wrappers.resolution`); every step weighs 1 and ``distill`` distils the largest into the
+    others.
 
     The fast recipes add: ``augment`` (a policy of :data:`~anytime.data.augment.AUGMENT_POLICIES`, None for the
     dataset's default) with ``padding`` pixels for crops; ``label_smoothing``; the ``onecycle`` schedule (a
@@ -87,6 +90,7 @@ class TrainConfig:
     distill_temperature: float = 3.0
     gradient_equilibrium: bool = False
     slices: str | None = None
+    resolutions: str | None = None
     slice_kind: str = "width"
     sandwich: bool = False
     stochastic_depth: float = 0.0
@@ -139,8 +143,10 @@ class TrainConfig:
             (self.exits is not None or self.exit_mode == "joint", "--exit-mode heads-only needs --exits"),
             (self.exit_mode == "joint" or self.init is not None,
              "--exit-mode heads-only trains exits on a trained backbone: give it with --init CHECKPOINT"),
-            (self.exit_weights is None or self.exits is not None or self.slices is not None,
-             "exit weights need --exits (or --slices)"),
+            (self.exit_weights is None or self.exits is not None or self.slices is not None or self.resolutions is not None,
+             "exit weights need --exits (or --slices or --resolutions)"),
+            (self.resolutions is None or (self.exits is None and self.slices is None and self.ladder is None),
+             "a resolution ladder is a family of its own: it takes no --exits, --slices or ladder"),
             (self.exits is None or self.slices is None, "--exits and --slices together are not supported: choose one family"),
             (self.ladder is None or (self.exits is None and self.slices is None),
              "a block-drop ladder is a family of its own: it takes no --exits or --slices"),
@@ -154,8 +160,9 @@ class TrainConfig:
             (math.isfinite(self.distill) and self.distill >= 0, f"distillation weight must be >= 0 (got {self.distill})"),
             (not self.gradient_equilibrium or self.exits is not None,
              "--gradient-equilibrium balances the gradients of exits: it needs --exits"),
-            (self.distill == 0 or self.exits is not None or self.slices is not None,
-             "distillation (from the last exit or the widest slice to the others) needs --exits or --slices"),
+            (self.distill == 0 or self.exits is not None or self.slices is not None or self.resolutions is not None,
+             "distillation (from the last exit, the widest slice or the largest resolution to the others) needs "
+             "--exits, --slices or --resolutions"),
             (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
              f"distillation temperature must be > 0 (got {self.distill_temperature})"),
             (math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 1,

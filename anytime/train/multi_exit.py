@@ -75,8 +75,8 @@ def build_model(
     config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True
 ) -> nn.Module:
     """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
-    with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, or as a block-drop
-    ladder when ``config.ladder`` is."""
+    with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, as a block-drop
+    ladder when ``config.ladder`` is, or as a resolution ladder when ``config.resolutions`` is."""
     from anytime.wrappers import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
     backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
@@ -86,6 +86,14 @@ def build_model(
         set_stochastic_depth(backbone, config.stochastic_depth)
     if config.ladder is not None:
         return BlockDropLadder(backbone, input_shape=(in_channels, *image_size))
+    if config.resolutions is not None:
+        from anytime.wrappers.resolution import ResolutionLadder, parse_resolutions
+
+        ladder = ResolutionLadder(backbone, parse_resolutions(config.resolutions, image_size),
+                                  input_shape=(in_channels, *image_size))  # fmt: skip
+        if config.exit_weights is not None and len(config.exit_weights) != ladder.num_steps:
+            raise AnytimeError(f"{len(config.exit_weights)} loss weights given for {ladder.num_steps} resolutions; give one per resolution")
+        return ladder
     if config.slices is not None:
         sliced = slice_model(backbone, config.slices, kind=config.slice_kind, sandwich=config.sandwich,
                              input_shape=(in_channels, *image_size))  # fmt: skip
