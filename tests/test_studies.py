@@ -111,6 +111,12 @@ def test_energy_and_structured_ticket_benchmarks_quick(tmp_path):
     assert tickets["masked"]["parameters"] == tickets["dense"]["parameters"] > tickets["masked"]["nonzero_parameters"]
 
 
+def test_resolution_ladder_benchmark_quick(tmp_path):
+    figures = _benchmark(tmp_path, "resolution_ladder", "--runs", str(tmp_path / "runs"))["figures"]["families"]
+    assert [s["step"] for s in figures["resolutions"]] == ["16px", "24px", "crop24", "32px"]
+    assert {"exits", "slices"} <= set(figures) and (tmp_path / "resolution_ladder.png").is_file()
+
+
 @pytest.mark.needs_data
 def test_early_exit_benchmark_quick(tmp_path, cifar_root):
     figures = _benchmark(tmp_path, "early_exit_cifar10", "--run", str(tmp_path / "run"), "--form", "fold",
