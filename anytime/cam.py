@@ -66,8 +66,6 @@ def _one_step(model: nn.Module, x: Tensor, k: int, labels: Tensor | None) -> Ste
     done: list[tuple[str, nn.Module, object]] = []
 
     def record(module: nn.Module, _inputs: object, output: object) -> None:
-        if isinstance(output, Tensor) and output.dim() == 4 and output.requires_grad and not isinstance(module, _POOLS):
-            output.retain_grad()
         done.append((names.get(module, "?"), module, output))
 
     handles = [m.register_forward_hook(record) for m in model.modules() if m is not model]
