@@ -139,33 +139,23 @@ def cam_run(
     """The maps of a run's steps for image files (``images``) or ``count`` images of a split drawn at random
     (seeded), written to ``out`` (default ``RUN/cam``) together or not at all. ``explain``: ``predicted`` (each
     step's own answer) or ``label`` (the true class; images of a split only)."""
-    from anytime.serve.inputs import InputSpec
     from anytime.train.records import class_names, run_title
     from anytime.train.runs import load_run
     from anytime.utils.outputs import check_output_file, output_lock, staged_files
 
-    if bool(images) == (split is not None):
-        raise AnytimeError("give image files (--images A.png B.png) or a split to draw from (--split test), one of them")
+    check_image_source(images, split)
     if explain not in ("predicted", "label"):
         raise AnytimeError(f"--explain is 'predicted' or 'label' (got {explain!r})")
     if explain == "label" and split is None:
         raise AnytimeError("--explain label needs the images' true classes: draw them from a split (--split test)")
     run = load_run(run_dir, device)
-    spec = InputSpec.from_dataset(run.dataset)
     folder = Path(out) if out is not None else Path(run_dir) / "cam"
     check_output_file(folder / "cam.npz", what="class activation maps", flag="--out" if out is not None else "")
-    if split is not None:
-        x, labels, sources = _split_images(run, split, count)
-    else:
-        x, labels, sources = _file_images(spec, images), None, [str(p) for p in images]
-    x = x.to(run.device)
+    x, labels, sources, shown = chosen_images(run, images, split, count)
     maps = step_maps(run.model, x, steps=steps, labels=labels if explain == "label" else None)
     from anytime.profile.steps import step_names
 
     names = step_names(run.model, step_count(run.model))
-    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
-    std = torch.tensor(spec.std).view(1, -1, 1, 1)
-    shown = (x.detach().cpu() * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()
     summary = [{"step": m.step, "name": names[m.step], "method": m.method, "layer": m.layer} for m in maps]
     with output_lock(folder), staged_files(folder) as work:
         from anytime.plotting.cam import plot_step_maps
@@ -184,6 +174,31 @@ def cam_run(
                                  labels=None if labels is None else labels.cpu().numpy())  # fmt: skip
         written = [work / "cam.npz", work / "cam.json", *figures]
     return CamReport([folder / p.name for p in written], summary)
+
+
+def check_image_source(images: Sequence[str | Path], split: str | None) -> None:
+    """Refuse both image files and a split, or neither."""
+    if bool(images) == (split is not None):
+        raise AnytimeError("give image files (--images A.png B.png) or a split to draw from (--split test), one of them")
+
+
+def chosen_images(run: Any, images: Sequence[str | Path], split: str | None,
+                  count: int) -> tuple[Tensor, Tensor | None, list[str], np.ndarray]:  # fmt: skip
+    """The images a figure of ``run`` shows: files (``images``) or ``count`` of a ``split`` drawn at random (seeded),
+    on the run's device; their true classes (None for files), where each came from, and how they look
+    (``[N, H, W, C]`` in [0, 1])."""
+    from anytime.serve.inputs import InputSpec
+
+    check_image_source(images, split)
+    spec = InputSpec.from_dataset(run.dataset)
+    if split is not None:
+        x, labels, sources = _split_images(run, split, count)
+    else:
+        x, labels, sources = _file_images(spec, images), None, [str(p) for p in images]
+    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
+    std = torch.tensor(spec.std).view(1, -1, 1, 1)
+    shown = (x * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    return x.to(run.device), labels, sources, shown
 
 
 def _split_images(run: Any, split: str, count: int) -> tuple[Tensor, Tensor, list[str]]:

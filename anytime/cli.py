@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy, deadlines",
     "cam": "class activation maps of every step (CAM for global-pooled heads, Grad-CAM otherwise) for the same images: "
            "a figure side by side and the arrays",
+    "ponder": "maps of the residual units a SACT run spends at every position of an image, at each halting threshold",
     "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
     "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
     "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
@@ -253,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     sliced.add_argument("--resolutions", metavar="S,S,...",
                         help="train a resolution ladder: one step per input size in pixels, cN a central N x N crop "
                              "(e.g. 16,24,c24,32), batch-norm statistics per step")
+    sliced.add_argument("--sact", metavar="T,T,...",
+                        help="train a SACT ResNet (spatially adaptive computation time): residual stages halt per "
+                             "position once its halting scores reach the threshold; one step per threshold, rising, "
+                             "the last one trained (e.g. 0.5,0.75,0.9,0.99)")
+    sliced.add_argument("--sact-mode", choices=["spatial", "image"],
+                        help="halt per position (SACT, the default) or per image (ACT)")
+    sliced.add_argument("--ponder-cost", type=_finite_float, metavar="TAU",
+                        help="weight of the ponder cost in the loss: units run plus the remainder, averaged over "
+                             "positions and summed over stages (default 0.01)")
     sliced.add_argument("--stochastic-depth", type=_finite_float, metavar="P",
                         help="residual branches skipped at random in training, up to P for the last block")
 
@@ -343,6 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     cam.add_argument("--out", metavar="DIR", help="default RUN/cam (cam.png/.svg, cam.npz, cam.json, replaced together)")
     cam.add_argument("--json", action="store_true", help="print the files and the method of each step as JSON")
 
+    ponder = sub.add_parser("ponder", description=COMMANDS["ponder"],
+                            usage="anytime ponder RUN (--images FILE [FILE ...] | --split test [--count N]) [options]")
+    ponder.add_argument("run", metavar="RUN", help="a SACT run (trained with --sact)")
+    ponder.add_argument("--images", nargs="+", default=[], metavar="FILE",
+                        help="PNG or JPEG images (or .npy arrays) of the run's input size")
+    ponder.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
+    ponder.add_argument("--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)")
+    ponder.add_argument("--steps", metavar="K,K,...", help="the steps (halting thresholds) to map (default every one)")
+    ponder.add_argument("--device", default="auto", help=DEVICE_HELP)
+    ponder.add_argument("--out", metavar="DIR", help="default RUN/ponder (ponder.png/.svg, ponder.npz, ponder.json, replaced together)")
+    ponder.add_argument("--json", action="store_true", help="print the files and each step's mean units per stage as JSON")
+
     profile = sub.add_parser("profile", description=COMMANDS["profile"],
                              usage="anytime profile RUN [options] | anytime profile --compare A.json B.json")
     profile.add_argument("run", metavar="RUN", nargs="?", help="a finished run directory, or an export (anytime export)")
@@ -354,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--threads", type=_threads, metavar="N|auto", help="torch CPU threads (default: torch's; "
                          + THREADS_HELP + "); recorded, and run by the runtime")
     profile.add_argument("--form", type=_form, default="eager", help=FORM_HELP + "; recorded, and run by the runtime")
+    profile.add_argument("--execution", choices=["sparse", "dense"],
+                         help="SACT runs: compute only the positions still active (sparse) or every unit everywhere "
+                              "(dense, the default); timed on the run's validation images either way")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
@@ -626,7 +651,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "gradient_equilibrium", "init", "slices", "resolutions", "slice_kind", "stochastic_depth", "warmup", "nesterov",
+    "exit_head", "distill", "gradient_equilibrium", "init", "slices", "resolutions", "sact", "sact_mode", "ponder_cost", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
     "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit",
 )  # fmt: skip
@@ -1133,7 +1158,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     profile, path = profile_run(
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
         device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
-        form=args.form, threads=args.threads, energy=energy,
+        form=args.form, threads=args.threads, energy=energy, execution=args.execution,
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()
@@ -1224,21 +1249,39 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_list(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise AnytimeError(f"--steps '{text}' is not a comma-separated list of step numbers, e.g. 0,2") from None
+
+
 def _cmd_cam(args: argparse.Namespace) -> int:
     from anytime.cam import cam_run
 
-    steps = None
-    if args.steps:
-        try:
-            steps = [int(v) for v in args.steps.split(",") if v.strip()]
-        except ValueError:
-            raise AnytimeError(f"--steps '{args.steps}' is not a comma-separated list of step numbers, e.g. 0,2") from None
-    report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=steps,
+    report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=_step_list(args.steps),
                      explain=args.explain, out=args.out, device=args.device)  # fmt: skip
     if args.json:
         return _print_json(report)
     for entry in report.steps:
         print(f"{entry['name']}: {entry['method']} on {entry['layer']}")
+    for path in report.paths:
+        print(path)
+    return 0
+
+
+def _cmd_ponder(args: argparse.Namespace) -> int:
+    from anytime.ponder import ponder_run
+
+    report = ponder_run(args.run, images=args.images, split=args.split, count=args.count, steps=_step_list(args.steps),
+                        out=args.out, device=args.device)  # fmt: skip
+    if args.json:
+        return _print_json(report)
+    for step in report.steps:
+        units = ", ".join(f"{u:.2f}" for u in step.units)
+        print(f"{step.name}: mean units per stage {units} (of {sum(step.units):.2f} in all)")
     for path in report.paths:
         print(path)
     return 0
@@ -1444,7 +1487,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
-    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "cam": _cmd_cam, "profile": _cmd_profile,
+    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "cam": _cmd_cam, "ponder": _cmd_ponder, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
     "seeds": _cmd_seeds,

@@ -438,18 +438,40 @@ def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
     return Path(run_dir) / f"profile-{device_slug({'type': device.type, 'label': device_label(device)})}.json"
 
 
+PROFILE_IMAGES = 512  # validation images a data-dependent model is timed on
+
+
+def _real_inputs(run: LoadedRun, model: torch.nn.Module, execution: str | None) -> torch.Tensor | None:
+    """The validation images to time a model whose cost depends on them (None for any other), with its
+    ``execution`` set."""
+    if not getattr(model, "data_dependent_cost", False):
+        return None
+    from anytime.data.augment import normalize
+
+    if execution is not None:
+        model.execution = execution  # type: ignore[assignment]
+    splits = load_splits(run.config)
+    count = min(PROFILE_IMAGES, len(splits.val))
+    return normalize(splits.val.images[torch.arange(count)], splits.info.mean, splits.info.std)
+
+
 def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
+    execution: str | None = None,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs: no dataset needed) and save it. ``form`` is the inference form measured and ``threads`` the torch
     threads (a number, ``auto``: chosen from the cores the machine leaves free, or None: as they are); both are
     recorded in the profile, and the runtime runs with them. ``energy`` adds joules per inference, measured with the
-    device's energy source (refused before any measurement when none is readable).
+    device's energy source (refused before any measurement when none is readable). A model whose cost depends on
+    the image (SACT) is timed on the run's validation images instead (so its data must be on this machine), in its
+    ``execution`` (``sparse`` or ``dense``; default the model's own), which the profile records and the runtime
+    runs.
 
-    On a CPU the peak memory of each batch size is measured in a fresh process; on a GPU, by the allocator.
+    On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
+    execution); on a GPU, by the allocator.
     """
     from anytime.precision.export import MANIFEST
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
@@ -460,12 +482,16 @@ def profile_run(
         if form != "eager":
             raise AnytimeError(f"{run_dir} is an export: its artifacts run as exported; --form applies to a run")
         model, shape, name, fingerprint, classes, target_device = _export_target(run_dir, device, train)
+        inputs = None
     else:
         if train and form != "eager":
             raise AnytimeError("--train times the training graph: profile it with --form eager")
         run = load_run(run_dir, device, form=form)
         model, shape, name, fingerprint = run.model, _input_shape(run), run.name, run.fingerprint
         classes, target_device = int(run.dataset["num_classes"]), run.device
+        inputs = _real_inputs(run, model, execution)
+    if execution is not None and inputs is None:
+        raise AnytimeError("--execution chooses how a SACT run skips positions; this run has no such choice")
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
     target = check_output_file(Path(out) if out else default_profile_path(run_dir, target_device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
                                example="profile.json")  # fmt: skip
@@ -487,7 +513,8 @@ def profile_run(
                 model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
                 model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
                 memory=probe if memory else None, progress=progress, energy=reader,
-                energy_settings=energy or EnergySettings(),
+                energy_settings=energy or EnergySettings(), inputs=inputs,
+                inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
             )  # fmt: skip
             if choice is not None:
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
@@ -531,6 +558,8 @@ def runner_for_run(
         threads = profiled_threads
     set_threads(threads)
     run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
+    if "execution" in loaded.settings and hasattr(run.model, "execution"):
+        run.model.execution = str(loaded.settings["execution"])
     loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
     exit_policy = None
     calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION

@@ -137,6 +137,9 @@ def quantize_run(
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
+    if precision == "int8" and getattr(run.model, "data_dependent_cost", False):
+        raise AnytimeError(f"{parent} halts position by position (SACT), which torch.export cannot trace into an int8 "
+                           "graph; quantize it with --precision int8-dynamic, bf16 or fp16")  # fmt: skip
     shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
     parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
     splits = _splits_of(run)

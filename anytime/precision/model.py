@@ -409,8 +409,12 @@ def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor], *, ever
 
 
 def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tuple[int, ...]:
-    """FLOPs of each step of a float model on one sample of ``shape`` (``FlopCounterMode``)."""
+    """FLOPs of each step of a float model on one sample of ``shape`` (``FlopCounterMode``), or those it measured on
+    images when its cost depends on them (SACT)."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    if getattr(model, "data_dependent_cost", False):
+        return tuple(model.step_flops)  # type: ignore[union-attr]
 
     flops = []
     sample = torch.zeros(1, *shape)

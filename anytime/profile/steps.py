@@ -7,6 +7,7 @@ A plain ``nn.Module`` is profiled as a single step.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -138,18 +139,41 @@ def _cuda_memory(model: nn.Module, x: Tensor, num_steps: int) -> dict[str, Any]:
     return {"peak_mb": peak / 2**20, "activations_mb": (peak - before) / 2**20, "how": "CUDA allocator peak"}
 
 
+class _TrainedSteps(nn.Module):
+    """The steps one training mini-batch runs, stacked: every one, or those the model's ``training_steps`` picks
+    (SACT trains its last threshold only)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not hasattr(self.model, "training_steps"):
+            return self.model(x)
+        return torch.stack([self.model.forward_until(x, k) for k in self.model.training_steps()])  # type: ignore[operator]
+
+
 def _training(model: nn.Module, x: Tensor, num_classes: int, repeats: int) -> dict[str, float]:
     trainee = copy.deepcopy(model)
     labels = torch.randint(0, num_classes, (x.shape[0],), device=x.device)
     multi = step_count(model) > 1
 
     def loss_fn(out: Tensor, y: Tensor) -> Tensor:
-        # Every step's cross-entropy, as joint training of an anytime model computes it.
-        return sum(F.cross_entropy(o, y) for o in out) if multi else F.cross_entropy(out, y)  # type: ignore[return-value]
+        # Every trained step's cross-entropy, as joint training of an anytime model computes it, and the model's
+        # own term (SACT's ponder cost)
+        loss = sum(F.cross_entropy(o, y) for o in out) if multi else F.cross_entropy(out, y)
+        return loss + trainee.auxiliary_loss() if hasattr(trainee, "auxiliary_loss") else loss  # type: ignore[return-value,operator]
 
-    timing = measure_train_step(trainee, x, labels, warmup=2, repeats=repeats, loss_fn=loss_fn)
+    timing = measure_train_step(_TrainedSteps(trainee), x, labels, warmup=2, repeats=repeats, loss_fn=loss_fn)
     summary = timing.summary()
     return {key: summary[key] for key in ("forward_p50_s", "backward_p50_s", "step_p50_s", "total_p50_s", "images_per_s")}
+
+
+def _real_batches(images: Tensor, size: int, count: int, device: torch.device) -> list[Tensor]:
+    """``count`` batches of ``size`` taken in turn from ``images`` (wrapping round), at most as many as differ."""
+    n = images.shape[0]
+    count = min(count, max(1, n // math.gcd(n, size)))
+    return [images[(torch.arange(size) + i * size) % n].to(device) for i in range(count)]
 
 
 def profile_model(
@@ -159,11 +183,13 @@ def profile_model(
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
     clock: Clock = monotonic, progress: bool = False, energy: EnergyReader | None = None,
     energy_settings: EnergySettings = EnergySettings(), sleep: Callable[[float], None] | None = None,
+    inputs: Tensor | None = None, inputs_label: str = "images given",
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
     ``input_shape`` is one sample's shape (``(3, 32, 32)``); inputs are random, since latency does not depend
-    on the pixel values. ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is
+    on the pixel values, unless ``inputs`` (real images ``[N, *input_shape]``, named ``inputs_label`` in the
+    profile) are given for a model whose cost does (SACT): each repetition then takes the next images in turn. ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is
     synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
     measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
     backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
@@ -204,14 +230,16 @@ def profile_model(
             classes = num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
             for b in sizes:
                 x = torch.randn(b, *input_shape, generator=generator).to(target)
+                batches = [x] if inputs is None else _real_batches(inputs, b, warmup + repeats, target)
                 for i in range(warmup):
-                    _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync, clock)
+                    _time_batch(model, batches[i % len(batches)], num_steps, incremental, i % 2 == 1, sync, clock)
                     bar.update(1)
                 alone: list[list[float]] = []
                 stages: list[list[float]] = []
                 with paused_gc():
                     for i in range(repeats):
-                        a, s = _time_batch(model, x, num_steps, incremental, i % 2 == 1, sync, clock)
+                        a, s = _time_batch(model, batches[(warmup + i) % len(batches)], num_steps, incremental,
+                                           i % 2 == 1, sync, clock)  # fmt: skip
                         alone.append(a)
                         if s is not None:
                             stages.append(s)
@@ -240,7 +268,8 @@ def profile_model(
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
-                  "inputs": "random normal", "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
+                  "inputs": "random normal" if inputs is None else inputs_label,
+                  **({"execution": model.execution} if hasattr(model, "execution") else {}), "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,
     )  # fmt: skip
 

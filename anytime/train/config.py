@@ -9,6 +9,7 @@ from typing import Any
 
 from anytime.data.augment import DEFAULT_PADDING, Augment, default_augment
 from anytime.errors import AnytimeError
+from anytime.wrappers.sact import SACT_MODES, parse_thresholds
 from anytime.wrappers.slicing import SLICE_KINDS
 
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step", "onecycle")
@@ -17,7 +18,7 @@ EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
 EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the designs of anytime.wrappers.exit_head
 LADDERS: tuple[str, ...] = ("top-down",)
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
-                                    "slices": str, "resolutions": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
+                                    "slices": str, "resolutions": str, "sact": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
 PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # magnitudes ranked over all layers at once, or in each
 PRUNE_UNITS: tuple[str, ...] = ("weights", "channels")  # single weights (masked), or whole channels (a smaller network)
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
@@ -45,7 +46,10 @@ class TrainConfig:
     ``anytime cut --ladder``), whose steps are configurations of skipped blocks. ``resolutions`` (``"16,24,32"``,
     ``cN`` a central crop) makes the steps input resolutions of one network, with batch-norm statistics per
     resolution (:mod:`anytime.wrappers.resolution`); every step weighs 1 and ``distill`` distils the largest into the
-    others.
+    others. ``sact`` (halting thresholds, ``"0.5,0.75,0.9,0.99"``) makes a ResNet's residual stages halt per
+    position (``sact_mode`` ``spatial``) or per image (``image``), as spatially adaptive computation time
+    (:mod:`anytime.wrappers.sact`): training halts at the last threshold and adds ``ponder_cost`` times the
+    ponder cost to the loss; each threshold is a step.
 
     The fast recipes add: ``augment`` (a policy of :data:`~anytime.data.augment.AUGMENT_POLICIES`, None for the
     dataset's default) with ``padding`` pixels for crops; ``label_smoothing``; the ``onecycle`` schedule (a
@@ -91,6 +95,9 @@ class TrainConfig:
     gradient_equilibrium: bool = False
     slices: str | None = None
     resolutions: str | None = None
+    sact: str | None = None
+    sact_mode: str = "spatial"
+    ponder_cost: float = 0.01
     slice_kind: str = "width"
     sandwich: bool = False
     stochastic_depth: float = 0.0
@@ -147,6 +154,15 @@ class TrainConfig:
              "exit weights need --exits (or --slices or --resolutions)"),
             (self.resolutions is None or (self.exits is None and self.slices is None and self.ladder is None),
              "a resolution ladder is a family of its own: it takes no --exits, --slices or ladder"),
+            (self.sact is None or (self.exits is None and self.slices is None and self.ladder is None
+                                   and self.resolutions is None and self.exit_weights is None and self.distill == 0),
+             "SACT is a family of its own, trained at its last threshold: it takes no --exits, --slices, "
+             "--resolutions, ladder, --exit-weights or --distill"),
+            (self.sact_mode in SACT_MODES, f"unknown --sact-mode '{self.sact_mode}'; choose one of {', '.join(SACT_MODES)}"),
+            (self.sact is not None or (self.sact_mode == "spatial" and self.ponder_cost == 0.01),
+             "--sact-mode and --ponder-cost shape a SACT ResNet: give its halting thresholds with --sact"),
+            (math.isfinite(self.ponder_cost) and self.ponder_cost >= 0,
+             f"--ponder-cost is the weight of the ponder cost in the loss, >= 0 (got {self.ponder_cost})"),
             (self.exits is None or self.slices is None, "--exits and --slices together are not supported: choose one family"),
             (self.ladder is None or (self.exits is None and self.slices is None),
              "a block-drop ladder is a family of its own: it takes no --exits or --slices"),
@@ -196,6 +212,8 @@ class TrainConfig:
             if not ok:
                 raise AnytimeError(message)
         self.augmentation(dataset_hflip=True)  # Augment refuses an unknown policy or a negative padding
+        if self.sact is not None:
+            parse_thresholds(self.sact)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of every field."""

@@ -76,7 +76,8 @@ def build_model(
 ) -> nn.Module:
     """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
     with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, as a block-drop
-    ladder when ``config.ladder`` is, or as a resolution ladder when ``config.resolutions`` is."""
+    ladder when ``config.ladder`` is, as a resolution ladder when ``config.resolutions`` is, or as a SACT ResNet
+    when ``config.sact`` is."""
     from anytime.wrappers import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
     backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
@@ -94,6 +95,11 @@ def build_model(
         if config.exit_weights is not None and len(config.exit_weights) != ladder.num_steps:
             raise AnytimeError(f"{len(config.exit_weights)} loss weights given for {ladder.num_steps} resolutions; give one per resolution")
         return ladder
+    if config.sact is not None:
+        from anytime.wrappers.sact import SACTResNet, parse_thresholds
+
+        return SACTResNet(backbone, parse_thresholds(config.sact), input_shape=(in_channels, *image_size),
+                          ponder_cost=config.ponder_cost, mode=config.sact_mode)  # fmt: skip
     if config.slices is not None:
         sliced = slice_model(backbone, config.slices, kind=config.slice_kind, sandwich=config.sandwich,
                              input_shape=(in_channels, *image_size))  # fmt: skip

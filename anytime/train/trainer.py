@@ -515,6 +515,8 @@ class Trainer:
         final = model if ema is None else ema.module
         reduce = None if ctx is None else ctx.sum
         test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
+        if hasattr(final, "measure_cost"):  # a step's FLOPs depend on the images (SACT): count them on real ones
+            final.measure_cost(images.to(device) for images, _ in val_loader)
         test_loss, test_accs = evaluate_exits(final, test_loader, device, reduce=reduce)
         if main:
             save_weights(final, self.run_dir / "model.safetensors")
@@ -599,6 +601,8 @@ class Trainer:
                 logits = logits[-1]
             else:
                 loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
+            if hasattr(model, "auxiliary_loss"):  # e.g. SACT's ponder cost, kept by the model's forward
+                loss = loss + model.auxiliary_loss()
             with torch.no_grad():
                 objective_sum += loss.detach().double() * labels.numel()
                 last_loss = F.cross_entropy(logits, labels) if multi_exit else loss
