@@ -1281,7 +1281,7 @@ def _cmd_ponder(args: argparse.Namespace) -> int:
         return _print_json(report)
     for step in report.steps:
         units = ", ".join(f"{u:.2f}" for u in step.units)
-        print(f"{step.name}: mean units per stage {units} (of {sum(step.units):.2f} in all)")
+        print(f"{step.name}: mean units per stage {units} ({sum(step.units):.2f} in all)")
     for path in report.paths:
         print(path)
     return 0

@@ -462,7 +462,7 @@ def profile_run(
     execution: str | None = None,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
-    inputs: no dataset needed) and save it. ``form`` is the inference form measured and ``threads`` the torch
+    inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
     threads (a number, ``auto``: chosen from the cores the machine leaves free, or None: as they are); both are
     recorded in the profile, and the runtime runs with them. ``energy`` adds joules per inference, measured with the
     device's energy source (refused before any measurement when none is readable). A model whose cost depends on

@@ -189,8 +189,8 @@ def profile_model(
 
     ``input_shape`` is one sample's shape (``(3, 32, 32)``); inputs are random, since latency does not depend
     on the pixel values, unless ``inputs`` (real images ``[N, *input_shape]``, named ``inputs_label`` in the
-    profile) are given for a model whose cost does (SACT): each repetition then takes the next images in turn. ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is
-    synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
+    profile) are given for a model whose cost does (SACT): each repetition then takes the next images in turn.
+    ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
     measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
     backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
     the steps: tests inject a fake one. ``progress``: a bar on stderr. ``energy`` (a reader from
@@ -269,7 +269,8 @@ def profile_model(
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
                   "inputs": "random normal" if inputs is None else inputs_label,
-                  **({"execution": model.execution} if hasattr(model, "execution") else {}), "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
+                  **({"execution": model.execution} if hasattr(model, "execution") else {}),
+                  "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,
     )  # fmt: skip
 
