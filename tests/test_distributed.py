@@ -22,9 +22,12 @@ from anytime.data.loader import share
 from anytime.errors import AnytimeError
 from anytime.train.distributed import from_environment, launch_local, rank_environment
 
-# 2 gloo processes and 1 process at the same global batch, LeNet (no batch norm): the same sums in another order
+# 2 gloo processes and 1 process at the same global batch, LeNet (no batch norm): the same sums in another order.
+# One thread per process picks other kernels than two threads in one: after 2 epochs the weights part by 1e-7 on a
+# Xeon and 2e-5 on an AMD EPYC. A wrong reduction (gradients summed, or a share weighed twice) doubles steps of
+# lr 0.05 and parts them by orders of magnitude more.
 LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 1e-6
+WEIGHT_ATOL = 1e-4
 # With --sync-bn (batch norm over the global batch), the same up to float rounding, which a few steps amplify
 BN_LOSS_RTOL = 1e-3
 # By default each process normalises by its own rows' statistics: the curves part, but not by much
