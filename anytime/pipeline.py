@@ -441,15 +441,12 @@ def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
 PROFILE_IMAGES = 512  # validation images a data-dependent model is timed on
 
 
-def _real_inputs(run: LoadedRun, model: torch.nn.Module, execution: str | None) -> torch.Tensor | None:
-    """The validation images to time a model whose cost depends on them (None for any other), with its
-    ``execution`` set."""
+def _real_inputs(run: LoadedRun, model: torch.nn.Module) -> torch.Tensor | None:
+    """The validation images to time a model whose cost depends on them (None for any other)."""
     if not getattr(model, "data_dependent_cost", False):
         return None
     from anytime.data.augment import normalize
 
-    if execution is not None:
-        model.execution = execution  # type: ignore[assignment]
     splits = load_splits(run.config)
     count = min(PROFILE_IMAGES, len(splits.val))
     return normalize(splits.val.images[torch.arange(count)], splits.info.mean, splits.info.std)
@@ -489,9 +486,11 @@ def profile_run(
         run = load_run(run_dir, device, form=form)
         model, shape, name, fingerprint = run.model, _input_shape(run), run.name, run.fingerprint
         classes, target_device = int(run.dataset["num_classes"]), run.device
-        inputs = _real_inputs(run, model, execution)
-    if execution is not None and inputs is None:
-        raise AnytimeError("--execution chooses how a SACT run skips positions; this run has no such choice")
+        inputs = _real_inputs(run, model)
+    if execution is not None:
+        if not hasattr(model, "execution"):
+            raise AnytimeError("--execution chooses how a SACT run skips positions; this run has no such choice")
+        model.execution = execution  # type: ignore[assignment]
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
     target = check_output_file(Path(out) if out else default_profile_path(run_dir, target_device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
                                example="profile.json")  # fmt: skip
