@@ -43,7 +43,12 @@ COMMANDS: dict[str, str] = {
     "jobs": "a sweep of training runs (a grid or a list in TOML) on local joblib workers or SLURM job arrays "
             "(submitit): resumable, one run folder per job, results table and plot",
     "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
-    "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted)",
+    "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted); "
+             "--role server finishes split-computing requests over TCP",
+    "split": "split computing: the partition point, codec and exit thresholds that answer most accurately within a "
+             "deadline over a link, from the device's and the server's profiles (JSON)",
+    "split-run": "the device's half of split computing: answer images, sending activations to a --role server over "
+                 "a shaped link, and measure end-to-end time, misses and accuracy",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
                   "ensemble-baselines, ensembles, lottery)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
@@ -379,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--execution", choices=["sparse", "dense"],
                          help="SACT runs: compute only the positions still active (sparse) or every unit everywhere "
                               "(dense, the default); timed on the run's validation images either way")
+    profile.add_argument("--emulate-slowdown", type=_finite_float, default=1.0, metavar="F",
+                         help="runs with exits or ensembles: emulate a board F times slower than this machine (each "
+                              "segment waits F-1 times its own time); for anytime split-run --emulate-slowdown F")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
@@ -571,6 +579,38 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the latency quantile a step must fit at before it starts (default 0.99)")
     serve.add_argument("--max-body-kb", type=_positive_int, default=1024, metavar="KB",
                        help="larger request bodies are refused with 413 (default 1024)")
+    serve.add_argument("--role", choices=["http", "server"], default="http",
+                       help="http: POST /predict (default); server: split computing's server, finishing the "
+                            "activations an `anytime split-run` device sends over TCP")
+
+    split = sub.add_parser("split", description=COMMANDS["split"])
+    split.add_argument("run", metavar="RUN", help="a run with exits (or an ensemble), validation outputs collected")
+    _split_plan_arguments(split)
+    split.add_argument("--frontier", action="store_true", help="print every frontier option too")
+
+    split_run = sub.add_parser("split-run", description=COMMANDS["split-run"])
+    split_run.add_argument("run", metavar="RUN")
+    split_run.add_argument("--server", required=True, metavar="HOST:PORT", help="an `anytime serve RUN --role server`")
+    _split_plan_arguments(split_run)
+    split_run.add_argument("--split", dest="data_split", choices=["val", "test"], default="test",
+                           help="images answered, in the split's order (default test)")
+    split_run.add_argument("--requests", type=_positive_int, default=200, metavar="N", help="images answered (default 200)")
+    split_run.add_argument("--shape-bandwidth", metavar="MBPS[:N],...",
+                           help="pace the link at these Mbit/s, each for N requests (e.g. 100:100,1:100); default: "
+                                "--bandwidth-mbps for every request")
+    split_run.add_argument("--shape-delay-ms", type=_finite_float, metavar="MS",
+                           help="round trip added on the link (default: --rtt-ms)")
+    split_run.add_argument("--emulate-slowdown", type=_finite_float, default=1.0, metavar="F",
+                           help="the device is a board F times slower than this machine; its profile must be measured "
+                                "with the same factor (anytime profile --emulate-slowdown F)")
+    split_run.add_argument("--fixed", action="store_true",
+                           help="keep the first plan: do not follow the bandwidth the device measures")
+    split_run.add_argument("--timeout-ms", type=_finite_float, default=2000.0, metavar="MS",
+                           help="a server that has not answered by then is given up on: the device answers itself "
+                                "(default 2000)")
+    split_run.add_argument("--threads", type=_threads, default=1, metavar="N|auto",
+                           help="torch CPU threads of the device (default 1)")
+    split_run.add_argument("--out", metavar="FILE", help="also write every answer and the summary as JSON here")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
     experiment.add_argument("name", metavar="NAME", help="one of: " + ", ".join(_experiment_names()))
@@ -1158,7 +1198,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     profile, path = profile_run(
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
         device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
-        form=args.form, threads=args.threads, energy=energy, execution=args.execution,
+        form=args.form, threads=args.threads, energy=energy, execution=args.execution, slowdown=args.emulate_slowdown,
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()
@@ -1316,8 +1356,100 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _split_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device-profile", required=True, metavar="A.json", help="the run profiled on the device")
+    parser.add_argument("--server-profile", required=True, metavar="B.json", help="the run profiled on the server")
+    parser.add_argument("--bandwidth-mbps", type=_finite_float, required=True, metavar="W", help="link bandwidth, Mbit/s")
+    parser.add_argument("--rtt-ms", type=_finite_float, default=0.0, metavar="R", help="link round trip, ms (default 0)")
+    parser.add_argument("--deadline-ms", type=_finite_float, required=True, metavar="D", help="the time budget of one request")
+    parser.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
+                        help="the latency quantile that must fit (default 0.99)")
+    parser.add_argument("--codecs", default="fp32,fp16,int8", metavar="C,C",
+                        help="how an activation may travel: fp32, fp16, int8 (per-channel affine); default all three")
+    parser.add_argument("--criterion", choices=list(_CRITERIA), default="entropy", help="exit criterion (default entropy)")
+    parser.add_argument("--partitions", metavar="P,P",
+                        help="only these partition points: server (send the input), device (send nothing) or K (after "
+                             "exit K); default all")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _cmd_split(args: argparse.Namespace) -> int:
+    from anytime.split.codec import parse_codecs
+    from anytime.split.plan import Link
+    from anytime.split.runs import plan_run
+
+    plan = plan_run(args.run, args.device_profile, args.server_profile, Link(args.bandwidth_mbps, args.rtt_ms),
+                    args.deadline_ms, quantile=args.quantile, codecs=parse_codecs(args.codecs),
+                    criterion=args.criterion, partitions=args.partitions)  # fmt: skip
+    doc = plan.to_dict()
+    if not args.frontier and not args.json:
+        doc.pop("frontier")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    o = plan.option
+    verdict = "fits" if plan.fits else "does NOT fit"
+    print(f"{o.name(plan.num_steps)}: accuracy {100 * o.accuracy:.2f}% (validation), p{100 * plan.quantile:g} "
+          f"{o.latency_ms:.3f} ms {verdict} {plan.deadline_ms:g} ms; {100 * o.device_share:.1f}% answered on the "
+          f"device, {o.bytes_per_request:.0f} bytes per request; thresholds {list(o.thresholds)}")  # fmt: skip
+    if plan.note:
+        print(plan.note)
+    if args.frontier:
+        for f in plan.frontier:
+            print(f"  {f.latency_ms:9.3f} ms  {100 * f.accuracy:6.2f}%  {f.name(plan.num_steps)}")
+    return 0
+
+
+def _cmd_split_run(args: argparse.Namespace) -> int:
+    from anytime.split.codec import parse_codecs
+    from anytime.split.plan import Link
+    from anytime.split.session import parse_bandwidth_schedule, run_split_session
+
+    schedule = parse_bandwidth_schedule(args.shape_bandwidth, args.bandwidth_mbps, args.requests)
+    host, _, port = args.server.rpartition(":")
+    if not host or not port.isdigit():
+        raise AnytimeError(f"--server {args.server!r} is not HOST:PORT (e.g. 127.0.0.1:9000)")
+    result = run_split_session(
+        args.run, host=host, port=int(port), device_profile=args.device_profile, server_profile=args.server_profile,
+        link=Link(args.bandwidth_mbps, args.rtt_ms), deadline_ms=args.deadline_ms, quantile=args.quantile,
+        codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions, split=args.data_split,
+        requests=args.requests,
+        schedule=schedule, delay_ms=args.rtt_ms if args.shape_delay_ms is None else args.shape_delay_ms,
+        slowdown=args.emulate_slowdown, adapt=not args.fixed, timeout_ms=args.timeout_ms, threads=args.threads,
+        out=args.out,
+    )  # fmt: skip
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    for line in result.notes():
+        print(line)
+    print(f"{summary['requests']} requests: accuracy {100 * summary['accuracy']:.2f}%, p50 {summary['p50_ms']:.3f} ms, "
+          f"p99 {summary['p99_ms']:.3f} ms (planned p{100 * args.quantile:g} {summary['planned_ms']:.3f} ms), "
+          f"misses {100 * summary['miss_rate']:.2f}% of {args.deadline_ms:g} ms; answered on the device "
+          f"{100 * summary['device_share']:.1f}%, by the server {100 * summary['server_share']:.1f}%, "
+          f"fallback {100 * summary['fallback_share']:.1f}%")  # fmt: skip
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from anytime.serve.http import ServeOptions, serve
+
+    if args.role == "server":
+        from anytime.split.session import serve_split
+
+        http_only = [flag for flag, value in (("--profile", args.profile), ("--calibration", args.calibration),
+                                              ("--max-batch", args.max_batch), ("--workers", args.workers != 1))
+                     if value]  # fmt: skip
+        if http_only:
+            raise AnytimeError(f"{', '.join(http_only)} apply to the HTTP server; --role server takes the device's "
+                               "plan with each request (drop them)")  # fmt: skip
+
+        serve_split(args.run, host=args.host, port=args.port, threads=args.threads, device=args.device,
+                    max_payload_kb=args.max_body_kb,
+                    on_ready=lambda address: print(f"split server for {args.run} on {address} (Ctrl-C stops)",
+                                                   file=sys.stderr, flush=True))  # fmt: skip
+        return 0
 
     options = ServeOptions(run=args.run, profile=args.profile, calibration=args.calibration, max_batch=args.max_batch,
                            max_body_kb=args.max_body_kb, quantile=args.quantile, threads=args.threads,
@@ -1495,6 +1627,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ticket": _cmd_ticket,
     "report": _cmd_report,
     "serve": _cmd_serve,
+    "split": _cmd_split,
+    "split-run": _cmd_split_run,
     "experiment": _cmd_experiment,
     "demo": _cmd_demo,
     "prepare-data": _cmd_prepare_data,

@@ -456,7 +456,7 @@ def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
-    execution: str | None = None,
+    execution: str | None = None, slowdown: float = 1.0,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
@@ -465,7 +465,8 @@ def profile_run(
     device's energy source (refused before any measurement when none is readable). A model whose cost depends on
     the image (SACT) is timed on the run's validation images instead (so its data must be on this machine), in its
     ``execution`` (``sparse`` or ``dense``; default the model's own), which the profile records and the runtime
-    runs.
+    runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.split.device.slowed_model`),
+    recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``.
 
     On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
     execution); on a GPU, by the allocator.
@@ -491,6 +492,13 @@ def profile_run(
         if not hasattr(model, "execution"):
             raise AnytimeError("--execution chooses how a SACT run skips positions; this run has no such choice")
         model.execution = execution  # type: ignore[assignment]
+    if slowdown != 1:
+        from anytime.split.device import slowed_model
+
+        if train or energy is not None:
+            raise AnytimeError("--emulate-slowdown emulates a board's inference time; profile --train or --energy "
+                               "without it")  # fmt: skip
+        model = slowed_model(model, slowdown)
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
     target = check_output_file(Path(out) if out else default_profile_path(run_dir, target_device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
                                example="profile.json")  # fmt: skip
@@ -517,6 +525,8 @@ def profile_run(
             )  # fmt: skip
             if choice is not None:
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
+            if slowdown != 1:
+                profile = replace(profile, settings={**profile.settings, "emulated_slowdown": float(slowdown)})
             path = profile.save(target)
     finally:
         if reader is not None:
