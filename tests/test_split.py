@@ -441,3 +441,29 @@ def test_an_emulated_slower_board_waits_in_proportion():
         slowed_model(toy, 0.5)
     assert slowed_model(toy, 1.0) is toy
     assert ExitPolicy("entropy", (None, None)).num_steps == slow.num_steps
+
+
+def test_an_ensemble_splits_between_its_members():
+    """Partition k of an ensemble: the device runs members 0..k and sends the input with their answers."""
+    from test_ensembles import _ensemble
+
+    model, _ = _ensemble()
+    service = SplitService(model, (3, 2, 2))
+    srv = SplitServer(service, "127.0.0.1", 0)
+    srv.start()
+    try:
+        x = torch.randn(6, 3, 2, 2, generator=torch.Generator().manual_seed(1))
+        policy = ExitPolicy("entropy", (None, None))
+        whole = policy.run(model, x).predictions.tolist()
+        for k in (-1, 0, 1):
+            client = SplitClient(*srv.address)
+            h = x
+            segments = model.segments
+            for j in range(k + 1):
+                h = segments[j](h)
+            fields, payload = encode(h, "fp32")
+            header = {"type": "infer", "partition": k, **fields, "criterion": "entropy", "thresholds": [None, None]}
+            assert client.request(header, payload).header["prediction"] == whole
+            client.close()
+    finally:
+        srv.shutdown()
