@@ -93,8 +93,8 @@ class TokenBucket:
 
 
 class LinkShaper:
-    """The device's side of an emulated link: ``bandwidth_mbps`` (None: as fast as the socket goes) and an added
-    round trip ``delay_ms``. :meth:`set_bandwidth` changes it between requests (an experiment's link slowing down)."""
+    """The device's side of an emulated link: ``bandwidth_mbps`` (None: as fast as the socket goes), paced by a
+    token bucket without burst, and an added round trip ``delay_ms``. :meth:`set_bandwidth` changes it between requests (an experiment's link slowing down)."""
 
     def __init__(self, bandwidth_mbps: float | None = None, delay_ms: float = 0.0, *,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
@@ -111,8 +111,10 @@ class LinkShaper:
         if bandwidth_mbps is not None:
             Link(bandwidth_mbps, 0.0)  # validates
         self.bandwidth_mbps = None if bandwidth_mbps is None else float(bandwidth_mbps)
+        # No burst: every byte waits its time at the bandwidth, as on a link of that rate (a burst allowance
+        # would let a small message through an idle link at no cost at all).
         self.bucket = None if bandwidth_mbps is None else TokenBucket(
-            bandwidth_mbps * 1e6 / 8, clock=self._clock, sleep=self._sleep)  # fmt: skip
+            bandwidth_mbps * 1e6 / 8, burst=0, clock=self._clock, sleep=self._sleep)  # fmt: skip
 
     def send(self, sock: socket.socket, data: bytes) -> None:
         """Half the added delay, then ``data`` paced through the bucket."""
