@@ -387,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--emulate-slowdown", type=_finite_float, default=1.0, metavar="F",
                          help="runs with exits or ensembles: emulate a board F times slower than this machine (each "
                               "segment waits F-1 times its own time); for anytime split-run --emulate-slowdown F")
+    profile.add_argument("--gap-ms", type=_finite_float, default=0.0, metavar="MS",
+                         help="idle this long before every timed repetition, as a server idles between sporadic "
+                              "requests (default 0: back to back)")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
@@ -1199,6 +1202,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
         device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
         form=args.form, threads=args.threads, energy=energy, execution=args.execution, slowdown=args.emulate_slowdown,
+        gap_ms=args.gap_ms,
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()

@@ -456,7 +456,7 @@ def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
-    execution: str | None = None, slowdown: float = 1.0,
+    execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
@@ -466,7 +466,8 @@ def profile_run(
     the image (SACT) is timed on the run's validation images instead (so its data must be on this machine), in its
     ``execution`` (``sparse`` or ``dense``; default the model's own), which the profile records and the runtime
     runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.split.device.slowed_model`),
-    recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``.
+    recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``. ``gap_ms`` idles before every
+    timed repetition, as a server idles between sporadic requests.
 
     On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
     execution); on a GPU, by the allocator.
@@ -522,6 +523,7 @@ def profile_run(
                 memory=probe if memory else None, progress=progress, energy=reader,
                 energy_settings=energy or EnergySettings(), inputs=inputs,
                 inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
+                gap_s=gap_ms / 1000,
             )  # fmt: skip
             if choice is not None:
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})

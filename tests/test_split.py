@@ -99,8 +99,8 @@ def test_the_shaper_adds_its_delay_and_paces_the_payload():
     finally:
         a.close()
         b.close()
-    # half the delay each way, and 21,000 bytes at 1 MB/s less the first chunk's burst
-    assert clock.now == pytest.approx(0.010 + (21_000 - 16 * 1024) / 1e6)
+    # half the delay each way, and all 21,000 bytes at 1 MB/s: an idle link gives no burst for free
+    assert clock.now == pytest.approx(0.010 + 21_000 / 1e6)
     with pytest.raises(AnytimeError, match="bandwidth"):
         shaper.set_bandwidth(0.0)
 
@@ -467,3 +467,14 @@ def test_an_ensemble_splits_between_its_members():
             client.close()
     finally:
         srv.shutdown()
+
+
+def test_a_profile_can_idle_between_repetitions():
+    from anytime.profile import profile_model
+
+    clock = FakeClock()
+    profile = profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=5, warmup=1, gap_s=0.02,
+                            sleep=clock.sleep)  # fmt: skip
+    assert clock.slept == [0.02] * 5 and profile.settings["gap_ms"] == 20
+    with pytest.raises(AnytimeError, match="gap"):
+        profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=1, gap_s=-1.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -183,7 +184,7 @@ def profile_model(
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
     clock: Clock = monotonic, progress: bool = False, energy: EnergyReader | None = None,
     energy_settings: EnergySettings = EnergySettings(), sleep: Callable[[float], None] | None = None,
-    inputs: Tensor | None = None, inputs_label: str = "images given",
+    inputs: Tensor | None = None, inputs_label: str = "images given", gap_s: float = 0.0,
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
@@ -196,11 +197,16 @@ def profile_model(
     the steps: tests inject a fake one. ``progress``: a bar on stderr. ``energy`` (a reader from
     :func:`anytime.profile.energy.open_energy_reader`) adds joules per inference of every step (and exit path) at
     every batch size, measured as ``energy_settings`` says after the machine's idle power (``sleep`` waits for it).
+    ``gap_s`` idles that long before every timed repetition, as a lightly loaded server idles between requests
+    (a core that has idled runs the next request slower than one timed back to back).
     """
     from anytime.utils.progress import progress_bar
 
     if repeats < 1 or warmup < 0:
         raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
+    if not (0 <= gap_s < 60):
+        raise AnytimeError(f"the gap between repetitions must be between 0 and 60 s (got {gap_s})")
+    wait = sleep or time.sleep
     if train and getattr(model, "spec", None) is not None:
         raise AnytimeError("a converted (quantized or cast) model has no training step to time; profile its float run with --train")
     sizes = sorted({int(b) for b in batch_sizes})
@@ -238,6 +244,8 @@ def profile_model(
                 stages: list[list[float]] = []
                 with paused_gc():
                     for i in range(repeats):
+                        if gap_s:
+                            wait(gap_s)
                         a, s = _time_batch(model, batches[(warmup + i) % len(batches)], num_steps, incremental,
                                            i % 2 == 1, sync, clock)  # fmt: skip
                         alone.append(a)
@@ -268,7 +276,7 @@ def profile_model(
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
-                  "inputs": "random normal" if inputs is None else inputs_label,
+                  "inputs": "random normal" if inputs is None else inputs_label, "gap_ms": 1000 * gap_s,
                   **({"execution": model.execution} if hasattr(model, "execution") else {}),
                   "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,
