@@ -4,7 +4,9 @@ The multi-exit fast CIFAR card (`models/cifar10-fastcnn-exits.toml`, trained fir
 by two processes on this machine, pinned to one core each with one torch thread: the server (`anytime serve RUN
 --role server`, core 1) and the device (`anytime split-run`, core 0), which emulates a board SLOWDOWN times slower
 than a core here (each segment waits SLOWDOWN-1 times its own time; its profile is measured the same way). The
-link is shaped on the device's side (token bucket and added round trip) at each bandwidth and delay of LINKS.
+link is shaped on the device's side (token bucket without burst, and an added round trip) at each bandwidth and
+delay of LINKS. Both profiles are measured again before each link's sessions (this VM's batch-1 timings drift over
+minutes), the server's with an idle gap of one round trip before each repetition, as it idles between requests.
 
 For every link, three sessions answer the same REQUESTS test images one at a time against one deadline (DEADLINE
 times the device's own p99 through every exit, so the device alone cannot answer everything in time): the planner's
@@ -35,13 +37,13 @@ from anytime.errors import AnytimeError
 CARD = REPO / "models" / "cifar10-fastcnn-exits.toml"
 RUN = REPO / "runs" / "cifar10-fastcnn-exits"  # --run to change
 SLOWDOWN = 4.0  # the device is a board this many times slower than one core here (emulated)
-LINKS = [(1.0, 2.0), (10.0, 2.0), (100.0, 2.0), (1.0, 20.0), (10.0, 20.0), (100.0, 20.0)]  # (Mbit/s, round trip ms)
+LINKS = [(1.0, 5.0), (10.0, 5.0), (100.0, 5.0), (10.0, 20.0)]  # (Mbit/s, round trip ms)
 DEADLINE = 0.7  # deadline = this x the device's p99 through every exit
 QUANTILE = 0.99
 REQUESTS = 500  # test images per session (--quick: 40)
 PROFILE_REPEATS = 300  # batch-1 repetitions of each profile (--quick: 100)
-FAST, SLOW = 100.0, 1.0  # the adaptive sessions' link before and after the drop (Mbit/s), at ADAPT_RTT ms
-ADAPT_RTT = 2.0
+FAST, SLOW = 100.0, 0.3  # the adaptive sessions' link before and after the drop (Mbit/s), at ADAPT_RTT ms
+ADAPT_RTT = 5.0
 TARGET_ERROR = 0.15
 TARGET_MISS = 0.01
 DEVICE_CORE, SERVER_CORE = 0, 1
@@ -59,8 +61,8 @@ def _call(args: list[str], core: int | None = None) -> str:
     return done.stdout
 
 
-def _prepare(run_dir: Path, quick: bool, folder: Path) -> tuple[Path, Path]:
-    """Train (or reuse) the run, collect its validation outputs, profile device and server; the profiles' paths."""
+def _prepare(run_dir: Path, quick: bool) -> None:
+    """Train (or reuse) the run and collect its validation outputs."""
     if not (run_dir / "model.safetensors").is_file():
         if quick:
             _call(["train", "--model", "resnet20", "--data", "digits", "--epochs", "3", "--exits", "auto",
@@ -70,13 +72,19 @@ def _prepare(run_dir: Path, quick: bool, folder: Path) -> tuple[Path, Path]:
             _call(["train", "--card", str(CARD), "--out", str(run_dir), *resume])
     if not (run_dir / "outputs" / "val.npz").is_file():
         _call(["collect", str(run_dir), "--split", "val"])
+
+
+def _profiles(run_dir: Path, quick: bool, folder: Path, gap_ms: float) -> tuple[Path, Path]:
+    """Profile the device (emulated, back to back) and the server (idling ``gap_ms`` between repetitions, as it
+    idles at least a round trip between one device's requests), each on its own core; the profiles' paths. Taken
+    again before every link's sessions: batch-1 timings on this VM drift over minutes."""
     repeats = str(100 if quick else PROFILE_REPEATS)
     dev, srv = folder / "device.json", folder / "server.json"
-    for path, core, slow in ((dev, DEVICE_CORE, SLOWDOWN), (srv, SERVER_CORE, 1.0)):
+    for path, core, slow, gap in ((dev, DEVICE_CORE, SLOWDOWN, 0.0), (srv, SERVER_CORE, 1.0, gap_ms)):
         if path.exists():
             path.unlink()
         _call(["profile", str(run_dir), "--batch-sizes", "1", "--repeats", repeats, "--threads", "1", "--no-memory",
-               "--emulate-slowdown", str(slow), "--out", str(path)], core)  # fmt: skip
+               "--emulate-slowdown", str(slow), "--gap-ms", str(gap), "--out", str(path)], core)  # fmt: skip
     return dev, srv
 
 
@@ -125,7 +133,8 @@ def main() -> int:
     folder = run_dir.with_name(run_dir.name + "-split-bench")  # profiles; beside the run, which holds only its own files
     folder.mkdir(parents=True, exist_ok=True)
     requests = 40 if args.quick else REQUESTS
-    dev, srv = _prepare(run_dir, args.quick, folder)
+    _prepare(run_dir, args.quick)
+    dev, srv = _profiles(run_dir, args.quick, folder, LINKS[0][1])
     from anytime.profile import DeviceProfile
 
     device = DeviceProfile.load(dev)
@@ -136,8 +145,10 @@ def main() -> int:
     server, port = _start_server(run_dir)
     rows, worst, missed = [], 0.0, False
     try:
-        for mbps, rtt in LINKS:
+        for i, (mbps, rtt) in enumerate(LINKS):
             started = time.perf_counter()
+            if i:
+                dev, srv = _profiles(run_dir, args.quick, folder, rtt)
             entry = {"bandwidth_mbps": mbps, "rtt_ms": rtt}
             for label, extra in (("planned", ["--fixed"]), ("device_only", ["--fixed", "--partitions", "device"]),
                                  ("server_only", ["--fixed", "--partitions", "server"])):  # fmt: skip
@@ -156,6 +167,7 @@ def main() -> int:
         half = requests // 2
         drop = f"{FAST:g}:{half},{SLOW:g}"
         adaptive = {}
+        dev, srv = _profiles(run_dir, args.quick, folder, ADAPT_RTT)
         for label, extra in (("adaptive", []), ("fixed", ["--fixed"])):
             summary = _session(run_dir, port, dev, srv, FAST, ADAPT_RTT, deadline, requests,
                                ["--shape-bandwidth", drop, *extra])  # fmt: skip
