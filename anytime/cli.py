@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multiply the lr of normalisation layers' biases by X and divide their weight decay by X "
                             "(airbench uses 64; default 1)")
     train.add_argument("--amp", choices=["off", "bf16"],
-                       help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs; "
-                            "weights stay float32; default off)")
+                       help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs, "
+                            "emulated and many times slower on AVX2-only CPUs; weights stay float32; default off)")
     train.add_argument("--augment", choices=["none", "crop", "flip", "crop+flip"],
                        help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
                             "crop for digits)")
@@ -778,6 +778,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         base = card.config if card else TrainConfig()
     config = base.replace(**overrides) if overrides else base
+    if main and config.amp == "bf16":
+        from anytime.utils.machine import bf16_emulated, resolve_device
+
+        if bf16_emulated(resolve_device(config.device)):
+            print("note: this CPU has no bfloat16 instructions (no AVX-512 or AMX), so --amp bf16 is emulated and "
+                  "runs many times slower than float32 here; add --amp off", file=sys.stderr)  # fmt: skip
     trainer = Trainer(
         config, run_dir, progress=main and not args.no_progress and sys.stderr.isatty(),
         on_start=(lambda line: print(line, file=sys.stderr)) if main else None,

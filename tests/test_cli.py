@@ -201,3 +201,27 @@ def test_every_reporting_command_speaks_json(exit_run, tmp_path, capsys):
     assert main(["plot", str(run), "--json"]) == 0
     drawn = json.loads(capsys.readouterr().out)
     assert any(p.endswith("pareto.pdf") for p in drawn["paths"]) and any("calibrat" in s for s in drawn["skipped"])
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_train_says_when_bf16_is_emulated_on_this_cpu(capsys, tmp_path, monkeypatch, emulated):
+    import anytime.utils.machine as machine
+
+    monkeypatch.setattr(machine, "bf16_emulated", lambda device: emulated)
+    code, _, err = _run(capsys, "train", "--model", "lenet", "--data", "digits", "--epochs", "1", "--limit-train", "64",
+                        "--amp", "bf16", "--out", str(tmp_path / "r"))  # fmt: skip
+    assert code == 0
+    assert ("no bfloat16 instructions" in err and "--amp off" in err) is emulated
+
+
+def test_bf16_is_emulated_only_on_a_cpu_without_bf16_instructions(monkeypatch):
+    import torch
+
+    from anytime.utils import machine
+
+    assert not machine.bf16_emulated(torch.device("cuda"))
+    monkeypatch.setattr(machine.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert machine.bf16_emulated(torch.device("cpu"))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert not machine.bf16_emulated(torch.device("cpu"))
