@@ -134,3 +134,35 @@ def test_proc_stat_is_read_as_busy_and_total_jiffies(tmp_path):
     stat.write_text("cpu  100 5 20 800 30 1 2 3 0 0\ncpu0 50 2 10 400 15 0 1 1 0 0\n")
     assert _cpu_times(str(stat)) == (100 + 5 + 20 + 1 + 2 + 3, 961)
     assert _cpu_times(str(tmp_path / "missing")) is None
+
+
+def test_a_serving_loop_pauses_the_collector_and_collects_what_is_due_between_requests():
+    import gc
+    import weakref
+
+    from anytime.utils.collector import collect_due, serving_gc
+
+    class Node:
+        pass
+
+    freed = []
+    limits = gc.get_threshold()
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        with serving_gc():
+            gc.set_threshold(50, 10, 10)
+            assert not gc.isenabled()
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # a cycle: only the collector frees it
+            weakref.finalize(a, freed.append, "a")
+            del a, b
+            kept = [Node() for _ in range(200)]  # far past the young generation's threshold: nothing runs by itself
+            assert freed == [] and len(kept) == 200
+            assert collect_due() == 0 and freed == ["a"]
+            assert collect_due() == -1  # nothing due right after a collection
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*limits)
+        if not was_enabled:
+            gc.disable()

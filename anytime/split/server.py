@@ -18,6 +18,7 @@ from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.split.codec import decode
 from anytime.split.link import read_frame, frame
+from anytime.utils.collector import collect_due
 
 
 class SplitService:
@@ -137,6 +138,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 sock.sendall(frame(reply))
             except OSError:
                 return
+            collect_due()  # after the reply, before the next request arrives
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):

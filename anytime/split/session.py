@@ -17,6 +17,7 @@ from anytime.profile.stats import quantile_of
 from anytime.split.device import SplitAnswer, SplitDevice, slowed_model
 from anytime.split.link import LinkError, LinkShaper, SplitClient
 from anytime.split.plan import Link, SplitPlan
+from anytime.utils.collector import collect_due, serving_gc
 
 WARMUP = 5  # answers before the timed ones, on images not counted
 
@@ -62,7 +63,8 @@ def serve_split(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 900
     if on_ready is not None:
         on_ready("{}:{}".format(*server.address))
     try:
-        server.serve_forever()
+        with serving_gc():
+            server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
@@ -222,13 +224,16 @@ def run_split_session(
         device.answered = 0
         answers: list[SplitAnswer] = []
         boundary, phase = phases[0][1], 0
-        for i in range(requests):
-            if i == boundary and phase + 1 < len(phases):
-                phase += 1
-                shaper.set_bandwidth(phases[phase][0])
-                boundary += phases[phase][1]
-            answers.append(device.answer(images[WARMUP + i : WARMUP + i + 1]))
-            device.maybe_probe()
+        with serving_gc():
+            for i in range(requests):
+                if i == boundary and phase + 1 < len(phases):
+                    phase += 1
+                    shaper.set_bandwidth(phases[phase][0])
+                    boundary += phases[phase][1]
+                x = images[WARMUP + i : WARMUP + i + 1]
+                answers.append(device.answer(x))
+                device.maybe_probe()
+                collect_due()
         plans += [(i, p) for i, p in device.replans]
     finally:
         client.close()
