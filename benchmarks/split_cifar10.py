@@ -40,8 +40,8 @@ SLOWDOWN = 4.0  # the device is a board this many times slower than one core her
 LINKS = [(1.0, 5.0), (10.0, 5.0), (100.0, 5.0), (10.0, 20.0)]  # (Mbit/s, round trip ms)
 DEADLINE = 0.7  # deadline = this x the device's p99 through every exit
 QUANTILE = 0.99
-REQUESTS = 500  # test images per session (--quick: 40)
-PROFILE_REPEATS = 300  # batch-1 repetitions of each profile (--quick: 100)
+REQUESTS = 1000  # test images per session (--quick: 40)
+PROFILE_REPEATS = 500  # batch-1 repetitions of each profile (--quick: 100)
 FAST, SLOW = 100.0, 0.3  # the adaptive sessions' link before and after the drop (Mbit/s), at ADAPT_RTT ms
 ADAPT_RTT = 5.0
 TARGET_ERROR = 0.15
