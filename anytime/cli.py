@@ -390,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--gap-ms", type=_finite_float, default=0.0, metavar="MS",
                          help="idle this long before every timed repetition, as a server idles between sporadic "
                               "requests (default 0: back to back)")
+    profile.add_argument("--suffixes", action="store_true",
+                         help="runs with exits or ensembles: also time the stages after each partition point, started "
+                              "from a stored activation after the --gap-ms idle, as a split-computing server runs them "
+                              "(anytime split prices the server's part from them)")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
@@ -1208,7 +1212,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
         device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
         form=args.form, threads=args.threads, energy=energy, execution=args.execution, slowdown=args.emulate_slowdown,
-        gap_ms=args.gap_ms,
+        gap_ms=args.gap_ms, suffixes=args.suffixes,
     )  # fmt: skip
     if args.json:
         summary = profile.to_dict()

@@ -456,7 +456,7 @@ def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
-    execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0,
+    execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0, suffixes: bool = False,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
@@ -467,7 +467,8 @@ def profile_run(
     ``execution`` (``sparse`` or ``dense``; default the model's own), which the profile records and the runtime
     runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.split.device.slowed_model`),
     recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``. ``gap_ms`` idles before every
-    timed repetition, as a server idles between sporadic requests.
+    timed repetition, as a server idles between sporadic requests; ``suffixes`` also times what a split-computing
+    server runs after each partition point (``anytime split`` prices the server's part from it).
 
     On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
     execution); on a GPU, by the allocator.
@@ -523,7 +524,7 @@ def profile_run(
                 memory=probe if memory else None, progress=progress, energy=reader,
                 energy_settings=energy or EnergySettings(), inputs=inputs,
                 inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
-                gap_s=gap_ms / 1000,
+                gap_s=gap_ms / 1000, suffixes=suffixes,
             )  # fmt: skip
             if choice is not None:
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})

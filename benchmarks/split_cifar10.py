@@ -6,7 +6,8 @@ by two processes on this machine, pinned to one core each with one torch thread:
 than a core here (each segment waits SLOWDOWN-1 times its own time; its profile is measured the same way). The
 link is shaped on the device's side (token bucket without burst, and an added round trip) at each bandwidth and
 delay of LINKS. Both profiles are measured again before each link's sessions (this VM's batch-1 timings drift over
-minutes), the server's with an idle gap of one round trip before each repetition, as it idles between requests.
+minutes), the server's with an idle gap of one round trip before each repetition, as it idles between requests, and
+with its suffixes (the stages after each partition point timed from a stored activation, `--suffixes`).
 
 For every link, three sessions answer the same REQUESTS test images one at a time against one deadline (DEADLINE
 times the device's own p99 through every exit, so the device alone cannot answer everything in time): the planner's
@@ -76,15 +77,17 @@ def _prepare(run_dir: Path, quick: bool) -> None:
 
 def _profiles(run_dir: Path, quick: bool, folder: Path, gap_ms: float) -> tuple[Path, Path]:
     """Profile the device (emulated, back to back) and the server (idling ``gap_ms`` between repetitions, as it
-    idles at least a round trip between one device's requests), each on its own core; the profiles' paths. Taken
+    idles at least a round trip between one device's requests, with its suffixes), each on its own core; the
+    profiles' paths. Taken
     again before every link's sessions: batch-1 timings on this VM drift over minutes."""
     repeats = str(100 if quick else PROFILE_REPEATS)
     dev, srv = folder / "device.json", folder / "server.json"
-    for path, core, slow, gap in ((dev, DEVICE_CORE, SLOWDOWN, 0.0), (srv, SERVER_CORE, 1.0, gap_ms)):
+    for path, core, slow, extra in ((dev, DEVICE_CORE, SLOWDOWN, []),
+                                    (srv, SERVER_CORE, 1.0, ["--gap-ms", str(gap_ms), "--suffixes"])):  # fmt: skip
         if path.exists():
             path.unlink()
         _call(["profile", str(run_dir), "--batch-sizes", "1", "--repeats", repeats, "--threads", "1", "--no-memory",
-               "--emulate-slowdown", str(slow), "--gap-ms", str(gap), "--out", str(path)], core)  # fmt: skip
+               "--emulate-slowdown", str(slow), *extra, "--out", str(path)], core)  # fmt: skip
     return dev, srv
 
 

@@ -478,3 +478,44 @@ def test_a_profile_can_idle_between_repetitions():
     assert clock.slept == [0.02] * 5 and profile.settings["gap_ms"] == 20
     with pytest.raises(AnytimeError, match="gap"):
         profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=1, gap_s=-1.0)
+
+
+def test_the_planner_prices_the_server_from_its_suffixes_where_it_has_them():
+    from dataclasses import replace
+
+    server = _profile([0.5, 0.5, 0.5])
+    cold = tuple(tuple(np.full(100, 3.0) for _ in range(2 - k)) for k in range(2))  # after partition 0: 2 stages
+    with_suffixes = replace(server, latency={1: replace(server.at(1), suffixes=cold)})
+    link = Link(8.0, 1.0)
+    sent = link.transfer_ms(400 + HEADER_BYTES)
+
+    def to_the_last_exit(srv: DeviceProfile) -> float:
+        planner = SplitPlanner(_tables(), _profile([2.0, 2.0, 2.0]), srv, codecs=("fp32",), partitions=[0])
+        return [o for o in planner.options(link, 0.99) if o.thresholds == (None, None)][0].latency_ms
+
+    assert to_the_last_exit(server) == pytest.approx(2.0 + sent + 1.0, abs=0.01)  # read off the full pass
+    assert to_the_last_exit(with_suffixes) == pytest.approx(2.0 + sent + 6.0, abs=0.01)
+
+
+def test_a_profile_times_what_the_server_runs_after_each_partition(exit_run):
+    from anytime.profile import profile_model
+    from anytime.train.runs import load_run
+
+    clock = FakeClock()
+    model = load_run(exit_run).model
+    k = model.num_steps
+    profile = profile_model(model, (1, 32, 32), batch_sizes=[1], repeats=4, warmup=1, gap_s=0.01, sleep=clock.sleep,
+                            clock=clock, suffixes=True)  # fmt: skip
+    suffixes = profile.at(1).suffixes
+    assert [len(part) for part in suffixes] == list(range(k - 1, 0, -1))
+    assert all(s.size == 4 and not s.any() for part in suffixes for s in part)  # the idle gap is never timed
+    assert len(clock.slept) == 4 * k  # before each repetition, and before each partition's suffix
+    again = DeviceProfile.from_dict(profile.to_dict())
+    assert np.array_equal(again.at(1).suffix_paths(0), profile.at(1).suffix_paths(0))
+    assert again.at(1).suffix_paths(0).shape == (k - 1, 4) and again.settings["suffixes"] is True
+    with pytest.raises(AnytimeError, match="suffixes"):
+        profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=1, suffixes=True)
+    broken = profile.to_dict()
+    broken["batches"][0]["suffixes"] = broken["batches"][0]["suffixes"][:1]
+    with pytest.raises(AnytimeError, match="malformed"):
+        DeviceProfile.from_dict(broken)

@@ -96,6 +96,34 @@ def _time_batch(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, 
     return alone, stages
 
 
+def _time_suffixes(parts: tuple[Sequence[nn.Module], Sequence[nn.Module]], x: Tensor, sync: Callable[[], None],
+                   clock: Callable[[], float], wait: Callable[[float], None], gap_s: float) -> list[list[float]]:
+    """For each partition k before the last segment: segments 0..k run untimed, then, after the idle gap,
+    stages k+1.. are timed as a split server runs them from a received activation (per stage, ms)."""
+    segments, heads = parts
+    last = len(segments) - 1
+    out = []
+    for k in range(last):
+        h = x
+        for segment in segments[: k + 1]:
+            h = segment(h)
+        if gap_s:
+            wait(gap_s)
+        times = []
+        sync()
+        before = clock()
+        for j in range(k + 1, last + 1):
+            h = segments[j](h)
+            if j < last:
+                heads[j](h)
+            sync()
+            now = clock()
+            times.append((now - before) * 1000)
+            before = now
+        out.append(times)
+    return out
+
+
 def _energy(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, sync: Callable[[], None],
             reader: EnergyReader, settings: EnergySettings, clock: Clock) -> BatchEnergy:  # fmt: skip
     """Joules per inference of every step alone and, for incremental models, of every exit path (one pass
@@ -184,7 +212,7 @@ def profile_model(
     memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
     clock: Clock = monotonic, progress: bool = False, energy: EnergyReader | None = None,
     energy_settings: EnergySettings = EnergySettings(), sleep: Callable[[float], None] | None = None,
-    inputs: Tensor | None = None, inputs_label: str = "images given", gap_s: float = 0.0,
+    inputs: Tensor | None = None, inputs_label: str = "images given", gap_s: float = 0.0, suffixes: bool = False,
 ) -> DeviceProfile:  # fmt: skip
     """Measure every step (and, for incremental models, every stage) at each batch size.
 
@@ -198,7 +226,10 @@ def profile_model(
     :func:`anytime.profile.energy.open_energy_reader`) adds joules per inference of every step (and exit path) at
     every batch size, measured as ``energy_settings`` says after the machine's idle power (``sleep`` waits for it).
     ``gap_s`` idles that long before every timed repetition, as a lightly loaded server idles between requests
-    (a core that has idled runs the next request slower than one timed back to back).
+    (a core that has idled runs the next request slower than one timed back to back). ``suffixes`` (a model with
+    ``segments`` and ``heads``: exits, ensembles) also times, in every repetition, the stages after each partition
+    point started from a stored activation after the same gap, as a split-computing server runs them
+    (:attr:`BatchLatency.suffixes`).
     """
     from anytime.utils.progress import progress_bar
 
@@ -209,6 +240,13 @@ def profile_model(
     wait = sleep or time.sleep
     if train and getattr(model, "spec", None) is not None:
         raise AnytimeError("a converted (quantized or cast) model has no training step to time; profile its float run with --train")
+    parts = None
+    if suffixes:
+        segments, heads = getattr(model, "segments", None), getattr(model, "heads", None)
+        if not isinstance(segments, (tuple, list)) or heads is None or len(segments) < 2:
+            raise AnytimeError("--suffixes times what a split-computing server runs after each partition point: it "
+                               "needs a run with exits or an ensemble")  # fmt: skip
+        parts = (tuple(segments), list(heads))  # fetched once: an ensemble's segments share one pass's state
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise AnytimeError(f"batch sizes must be positive whole numbers (got {list(batch_sizes)})")
@@ -242,15 +280,18 @@ def profile_model(
                     bar.update(1)
                 alone: list[list[float]] = []
                 stages: list[list[float]] = []
+                after: list[list[list[float]]] = []
                 with paused_gc():
                     for i in range(repeats):
                         if gap_s:
                             wait(gap_s)
-                        a, s = _time_batch(model, batches[(warmup + i) % len(batches)], num_steps, incremental,
-                                           i % 2 == 1, sync, clock)  # fmt: skip
+                        batch = batches[(warmup + i) % len(batches)]
+                        a, s = _time_batch(model, batch, num_steps, incremental, i % 2 == 1, sync, clock)
                         alone.append(a)
                         if s is not None:
                             stages.append(s)
+                        if parts is not None:
+                            after.append(_time_suffixes(parts, batch, sync, clock, wait, gap_s))
                         bar.update(1)
                 mem = _cuda_memory(model, x, num_steps) if target.type == "cuda" else None
                 joules = None if energy is None else _energy(model, x, num_steps, incremental, sync, energy,
@@ -258,6 +299,8 @@ def profile_model(
                 latency[b] = BatchLatency(
                     b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
                     memory=mem, energy=joules,
+                    suffixes=None if parts is None else tuple(
+                        tuple(np.asarray([rep[k] for rep in after]).T.copy()) for k in range(num_steps - 1)),
                 )  # fmt: skip
         if train:
             for b in sizes:
@@ -277,6 +320,7 @@ def profile_model(
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
                   "inputs": "random normal" if inputs is None else inputs_label, "gap_ms": 1000 * gap_s,
+                  "suffixes": suffixes,
                   **({"execution": model.execution} if hasattr(model, "execution") else {}),
                   "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,

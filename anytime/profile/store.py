@@ -39,7 +39,9 @@ class BatchLatency:
     ``steps[k]``: step k answered alone (``forward_until(x, k)``). ``stages[k]`` (incremental models only):
     going from step k-1's answer to step k's, measured in the same repetitions, so the cumulative sum of
     stages 0..k of one repetition is the time to reach exit k under early exit. ``energy``: joules per inference,
-    where the profile measured energy (``anytime profile --energy``).
+    where the profile measured energy (``anytime profile --energy``). ``suffixes[k][i]`` (``anytime profile
+    --suffixes``): stage k+1+i when the pass starts after partition k from a stored activation, as a split
+    server runs it (segments started cold run slower than inside one pass).
     """
 
     batch_size: int
@@ -48,6 +50,14 @@ class BatchLatency:
     memory: dict[str, Any] | None = None
     training: dict[str, float] | None = None
     energy: BatchEnergy | None = None
+    suffixes: tuple[tuple[np.ndarray, ...], ...] | None = None
+
+    def suffix_paths(self, k: int) -> np.ndarray | None:
+        """Per repetition, the time from a stored activation after partition ``k`` to each later exit
+        ``[K-1-k, R]`` (cumulative), or None where the profile has no suffixes."""
+        if self.suffixes is None:
+            return None
+        return np.cumsum(np.stack(self.suffixes[k]), axis=0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: summaries beside the raw samples."""
@@ -58,7 +68,8 @@ class BatchLatency:
         return {"batch_size": self.batch_size, "steps": block(self.steps),
                 "stages": None if self.stages is None else block(self.stages),
                 "memory": self.memory, "training": self.training,
-                "energy": None if self.energy is None else self.energy.to_dict()}  # fmt: skip
+                "energy": None if self.energy is None else self.energy.to_dict(),
+                **({} if self.suffixes is None else {"suffixes": [block(s) for s in self.suffixes]})}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -214,8 +225,15 @@ class DeviceProfile:
                 if incremental and (stage_samples is None or len({s.size for s in stage_samples}) != 1):
                     raise ValueError("stages missing or ragged")
                 energy = entry.get("energy")
+                suffixes = entry.get("suffixes")
+                suffix_samples = None if suffixes is None else tuple(
+                    tuple(_samples(s["samples_ms"], where) for s in part) for part in suffixes)  # fmt: skip
+                if suffix_samples is not None and (not incremental or [len(p) for p in suffix_samples]
+                                                   != list(range(num_steps - 1, 0, -1))):  # fmt: skip
+                    raise ValueError("suffixes do not match the steps")
                 latency[b] = BatchLatency(b, step_samples, stage_samples, entry.get("memory"), entry.get("training"),
-                                          None if energy is None else BatchEnergy.from_dict(energy, num_steps, where))  # fmt: skip
+                                          None if energy is None else BatchEnergy.from_dict(energy, num_steps, where),
+                                          suffix_samples)  # fmt: skip
             if not latency or num_steps < 1:
                 raise ValueError("empty")
             meter = None if doc.get("energy") is None else EnergyMeter.from_dict(doc["energy"])

@@ -7,7 +7,9 @@ sends the input (server only); ``k = K-1`` sends nothing (device only). A sample
 
 - ``j <= k``: the device's path to exit j (its profile's cumulative stages, per repetition);
 - ``j > k``: the device's path to exit k, the link (round trip plus bytes over bandwidth), and the server's stages
-  k+1..j. The two machines' samples are independent, so every pair of repetitions is one possible request.
+  k+1..j: timed from a stored activation where the server's profile has them (``anytime profile --suffixes``),
+  else read off its full passes. The two machines' samples are independent, so every pair of repetitions is one
+  possible request.
 
 A request's latency is then a mixture over exits, weighted by where the validation samples leave under the
 option's thresholds (computed from the validation logits, with exits after ``k`` recomputed from the compressed
@@ -194,7 +196,11 @@ class SplitPlanner:
                 if j <= k:
                     self._paths[(k, j)] = np.sort(self._device_paths[j])
                     continue
-                remote = self._server_paths[j] - (self._server_paths[k] if k >= 0 else 0)
+                suffix = server.at(1).suffix_paths(k) if k >= 0 else None
+                if suffix is not None:  # measured from a received activation, as the server runs it
+                    remote = suffix[j - k - 1]
+                else:  # read off one full pass: segments started cold run slower than this
+                    remote = self._server_paths[j] - (self._server_paths[k] if k >= 0 else 0)
                 local = np.zeros(1) if k < 0 else self._device_paths[k]
                 self._paths[(k, j)] = np.sort((local[:, None] + remote[None, :]).reshape(-1))
 
