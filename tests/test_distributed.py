@@ -28,8 +28,11 @@ from anytime.train.distributed import from_environment, launch_local, rank_envir
 # lr 0.05 and parts them by orders of magnitude more.
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
-# With --sync-bn (batch norm over the global batch), the same up to float rounding, which a few steps amplify
-BN_LOSS_RTOL = 1e-3
+# With --sync-bn (batch norm over the global batch), the same up to float rounding, which a few steps amplify: on a
+# 2-core AVX2 EPYC the first epoch's loss was 3e-5 apart (own rows' statistics: 4e-4) and the second 1.2e-3 apart
+# (own rows: 1.5e-3), so the first epoch tells synced statistics from per-process ones and the second only bounds drift
+BN_FIRST_EPOCH_RTOL = 2e-4
+BN_LOSS_RTOL = 5e-3
 # By default each process normalises by its own rows' statistics: the curves part, but not by much
 OWN_ROWS_LOSS_RTOL = 0.05
 
@@ -154,7 +157,9 @@ def test_multi_exit_network_with_batch_norm_trains_on_two_processes(tmp_path):
     _train(tmp_path / "one", *extra)
     _train(tmp_path / "two", *extra, "--nproc", "2", "--sync-bn")
     _train(tmp_path / "own", *extra, "--nproc", "2")
-    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), rel=BN_LOSS_RTOL)
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert two[0] == pytest.approx(one[0], rel=BN_FIRST_EPOCH_RTOL)
+    assert two == pytest.approx(one, rel=BN_LOSS_RTOL)
     assert _losses(tmp_path / "own") == pytest.approx(_losses(tmp_path / "one"), rel=OWN_ROWS_LOSS_RTOL)
     exits = json.loads((tmp_path / "two" / "summary.json").read_text())["exits"]
     assert len(exits) == 3 and all(0 <= e["test_acc"] <= 1 for e in exits)
