@@ -244,3 +244,16 @@ def test_trtexec_timings_become_a_profile_of_the_export(exported_run, tmp_path, 
     cli_error(["profile", str(report.out), "--trtexec-times", str(times), "--out", str(tmp_path / "b2.json")], "exportTimes")
     cli_error(["profile", str(report.out), "--trtexec-times", str(tmp_path / "none"), "--out", str(tmp_path / "b3.json")],
               "missing")  # fmt: skip
+
+
+def test_onnx_int8_weights_are_7_bit_only_on_an_x86_cpu_without_vnni(monkeypatch):
+    from anytime.precision import export
+
+    monkeypatch.setattr(export.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert export.onnx_reduce_range()
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    assert not export.onnx_reduce_range()
+    monkeypatch.setattr(export.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert not export.onnx_reduce_range()
