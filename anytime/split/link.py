@@ -94,7 +94,8 @@ class TokenBucket:
 
 class LinkShaper:
     """The device's side of an emulated link: ``bandwidth_mbps`` (None: as fast as the socket goes), paced by a
-    token bucket without burst, and an added round trip ``delay_ms``. :meth:`set_bandwidth` changes it between requests (an experiment's link slowing down)."""
+    token bucket without burst, and an added round trip ``delay_ms``. :meth:`set_bandwidth` changes it between
+    requests (an experiment's link slowing down)."""
 
     def __init__(self, bandwidth_mbps: float | None = None, delay_ms: float = 0.0, *,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
