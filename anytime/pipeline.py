@@ -477,6 +477,8 @@ def profile_run(
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
+    if not 0 <= gap_ms < 60_000:
+        raise AnytimeError(f"--gap-ms is an idle time in milliseconds between 0 and 60000 (got {gap_ms:g})")
     choice = set_threads(threads)
     if (Path(run_dir) / MANIFEST).is_file():
         if form != "eager":

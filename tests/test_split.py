@@ -519,3 +519,14 @@ def test_a_profile_times_what_the_server_runs_after_each_partition(exit_run):
     broken["batches"][0]["suffixes"] = broken["batches"][0]["suffixes"][:1]
     with pytest.raises(AnytimeError, match="malformed"):
         DeviceProfile.from_dict(broken)
+
+
+def test_profile_refuses_a_negative_gap_and_suffixes_of_a_run_without_exits(exit_run, tmp_path, cli_error):
+    from anytime.train import TrainConfig, Trainer
+
+    cli_error(["profile", str(exit_run), "--gap-ms", "-3", "--repeats", "1", "--no-memory"], "--gap-ms", "-3")
+    plain = tmp_path / "plain"
+    Trainer(TrainConfig(model="lenet", data="digits", epochs=1, limit_train=64, device="cpu"), plain).fit()
+    cli_error(["profile", str(plain), "--suffixes", "--repeats", "1", "--no-memory", "--out", str(tmp_path / "p.json")],
+              "--suffixes", "exits")  # fmt: skip
+    assert not (tmp_path / "p.json").exists()
