@@ -140,7 +140,7 @@ def cam_run(
     (seeded), written to ``out`` (default ``RUN/cam``) together or not at all. ``explain``: ``predicted`` (each
     step's own answer) or ``label`` (the true class; images of a split only)."""
     from anytime.train.records import class_names, run_title
-    from anytime.train.runs import load_run
+    from anytime.train.runs import load_run, require_images
     from anytime.utils.outputs import check_output_file, output_lock, staged_files
 
     check_image_source(images, split)
@@ -149,6 +149,7 @@ def cam_run(
     if explain == "label" and split is None:
         raise AnytimeError("--explain label needs the images' true classes: draw them from a split (--split test)")
     run = load_run(run_dir, device)
+    require_images(run, "anytime cam")
     folder = Path(out) if out is not None else Path(run_dir) / "cam"
     check_output_file(folder / "cam.npz", what="class activation maps", flag="--out" if out is not None else "")
     x, labels, sources, shown = chosen_images(run, images, split, count)

@@ -84,7 +84,7 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 # One --device everywhere: int8 quantization, which runs on the CPU only, takes auto as the CPU.
 DEVICE_HELP = "auto (a CUDA GPU if torch sees one, else the CPU) | cpu | cuda[:N] (default auto)"
-_CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin")
+_CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience")
 _non_negative_int = _int_at_least(0)
 
 
@@ -167,19 +167,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
                             "other options override it")
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
-    train.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream"],
+    train.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream",
+                                          "sst2", "textfolder"],
                        help="default digits; shards: a folder made by 'anytime prepare-data'; folder-stream: an image "
-                            "folder decoded batch by batch (needs --image-size)")
+                            "folder decoded batch by batch (needs --image-size); sst2 and textfolder: sentences in "
+                            "train/dev/test .tsv or .csv files with a label and a content (or sentence, text) column")
     train.add_argument("--data-root", metavar="PATH",
                        help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
-                            "cifar100 likewise)")
+                            "cifar100 and sst2 likewise)")
     train.add_argument("--image-size", type=_positive_int, metavar="PX", help="resize images (folder data)")
+    train.add_argument("--vocab-size", type=_positive_int, metavar="N",
+                       help="text: entries of the WordPiece tokenizer trained on the training split (default 8000)")
+    train.add_argument("--max-length", type=_positive_int, metavar="T",
+                       help="text: tokens per sentence, [CLS] included; longer ones are cut and counted (default 64)")
+    train.add_argument("--tokenizer", metavar="FILE",
+                       help="text: use this tokenizer.json (e.g. another run's) instead of training one")
     train.add_argument("--val-fraction", type=_finite_float, metavar="F", help="share of training data held out")
     train.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only (quick runs)")
     train.add_argument("--epochs", type=_positive_int, metavar="N")
     train.add_argument("--batch-size", type=_positive_int, metavar="B")
-    train.add_argument("--lr", type=_finite_float, metavar="LR", help="SGD learning rate (default 0.01)")
-    train.add_argument("--momentum", type=_finite_float, metavar="M", help="default 0.9")
+    train.add_argument("--lr", type=_finite_float, metavar="LR", help="learning rate (default 0.01)")
+    train.add_argument("--optimizer", choices=["sgd", "adamw"], help="default sgd; adamw for transformers")
+    train.add_argument("--momentum", type=_finite_float, metavar="M", help="default 0.9 (AdamW: its first beta)")
     train.add_argument("--weight-decay", type=_finite_float, metavar="WD", help="default 5e-4")
     train.add_argument("--schedule", choices=["constant", "cosine", "step", "onecycle"],
                        help="lr schedule (default cosine; onecycle: linear rise over --warmup, then linear fall to 0)")
@@ -297,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     collect = sub.add_parser("collect", description=COMMANDS["collect"])
     collect.add_argument("run", metavar="RUN", help="a run directory written by 'anytime train --exits ...'")
-    collect.add_argument("--split", choices=["val", "test"], default="val")
+    collect.add_argument("--split", choices=["val", "test", "dev"], default="val")
     collect.add_argument("--device", default="auto", help=DEVICE_HELP)
     collect.add_argument("--batch-size", type=_positive_int, default=512, metavar="B")
     collect.add_argument("--json", action="store_true", help="print what was collected as JSON")
@@ -308,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="exit criterion (repeat for several; default all four)")
     sweep_cmd.add_argument("--settings", type=_int_at_least(2), default=1000, metavar="S",
                            help="threshold settings to sweep (default 1000)")
-    sweep_cmd.add_argument("--split", choices=["val", "test"], default="val")
+    sweep_cmd.add_argument("--split", choices=["val", "test", "dev"], default="val")
     sweep_cmd.add_argument("--json", action="store_true", help="print the Pareto fronts as JSON")
 
     calibrate = sub.add_parser("calibrate", description=COMMANDS["calibrate"])
@@ -332,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("evaluate", description=COMMANDS["evaluate"])
     evaluate.add_argument("run", metavar="RUN")
     evaluate.add_argument("--calibration", metavar="FILE", help="default RUN/calibration.json")
-    evaluate.add_argument("--split", choices=["val", "test"], default="test")
+    evaluate.add_argument("--split", choices=["val", "test", "dev"], default="test")
     evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
     evaluate.add_argument("--latency-samples", type=_non_negative_int, default=1000, metavar="N",
                           help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
@@ -390,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--gap-ms", type=_finite_float, default=0.0, metavar="MS",
                          help="idle this long before every timed repetition, as a server idles between sporadic "
                               "requests (default 0: back to back)")
+    profile.add_argument("--length", metavar="T[,T2...]",
+                         help="text runs: time sentences of T tokens (default the run's maximum length), one profile "
+                              "per length bucket, RUN/profile-<device>-T<T>.json each")
     profile.add_argument("--suffixes", action="store_true",
                          help="runs with exits or ensembles: also time the stages after each partition point, started "
                               "from a stored activation after the --gap-ms idle, as a split-computing server runs them "
@@ -428,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the latency quantile that must fit (default 0.99)")
     schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
     schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
+    schedule.add_argument("--length", type=_positive_int, metavar="TOKENS",
+                          help="text runs: the request's tokens; the profile of the shortest profiled length that "
+                               "holds it is used (profile each bucket with `anytime profile RUN --length T`)")
     schedule.add_argument("--energy-mj", type=float, metavar="E",
                           help="an energy budget: the mean millijoules per inference must fit too (a profile measured "
                                "with --energy)")
@@ -668,7 +683,7 @@ def _progress_printer(args: argparse.Namespace) -> Callable[[str], None]:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from anytime.backbones import get_spec, list_models
+    from anytime.backbones import get_spec, list_models, model_modality
     from anytime.backbones.registry import model_costs
 
     rows: list[dict[str, Any]] = []
@@ -676,8 +691,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     for name, cost in zip(names, model_costs(names, count_flops=args.flops)):
         family = "torchvision" if name.startswith("tv:") else get_spec(name).family
         description = "" if name.startswith("tv:") else get_spec(name).description
-        rows.append({"name": name, "family": family, "parameters": cost.parameters, "flops": cost.flops,
-                     "description": description})  # fmt: skip
+        rows.append({"name": name, "family": family, "modality": model_modality(name), "parameters": cost.parameters,
+                     "flops": cost.flops, "description": description})  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -700,7 +715,8 @@ _TRAIN_FIELDS = (
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
     "exit_head", "distill", "gradient_equilibrium", "init", "slices", "resolutions", "sact", "sact_mode", "ponder_cost", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
-    "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit",
+    "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit", "optimizer", "vocab_size", "max_length",
+    "tokenizer",
 )  # fmt: skip
 
 
@@ -969,21 +985,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_exits(args: argparse.Namespace) -> int:
-    import torch
-
-    from anytime.backbones import create_model
+    from anytime.backbones import create_model, example_input, model_modality
     from anytime.wrappers import attach_exits
     from anytime.wrappers.tracing import split_points
 
     from anytime.utils.resources import check_forward_memory, check_input_memory
 
-    shape = (args.in_channels, args.image_size, args.image_size)
+    shape: tuple[int, ...] = (args.in_channels, args.image_size, args.image_size)
     size = f"a {args.image_size}x{args.image_size} input"
-    check_input_memory(shape, 1, what=size, hint="choose a smaller --image-size")
-    backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
+    if model_modality(args.model) == "text":  # a sentence of the encoder's maximum length
+        backbone = create_model(args.model, num_classes=args.num_classes)
+        shape, size = (int(backbone.max_length),), f"{backbone.max_length} tokens"
+    else:
+        check_input_memory(shape, 1, what=size, hint="choose a smaller --image-size")
+        backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
     check_forward_memory(backbone, shape, 1, what=f"{args.model} on {size}", hint="choose a smaller --image-size")
     if args.points:
-        chain = split_points(backbone, torch.zeros(1, *shape))
+        chain = split_points(backbone, example_input(shape, 1))
         rows = [{"name": c.name, "shape": list(c.shape), "flops_fraction": c.flops / chain.total_flops,
                  "stage_end": c.stage_end} for c in chain.cuts]  # fmt: skip
         if args.json:
@@ -1001,13 +1019,14 @@ def _cmd_exits(args: argparse.Namespace) -> int:
                           "backbone_flops": model.backbone_flops, "exits": rows}, indent=2))  # fmt: skip
         return 0
     base = model.backbone_flops
-    print(f"{args.model} with {model.num_steps} exits ({args.exit_head} heads), {args.image_size}x{args.image_size} input")
+    print(f"{args.model} with {model.num_steps} exits ({args.exit_head} heads), {size}")
     print(f"{'exit':<5} {'point':<30} {'features':<12} {'MFLOPs':>9} {'of base':>8} {'params':>10} "
           f"{'head MFLOPs':>12} {'head params':>12}")  # fmt: skip
     for e in model.exit_info:
         print(f"{e.index:<5} {e.name:<30} {'x'.join(map(str, e.shape)):<12} {e.flops / 1e6:>9.2f} "
               f"{100 * e.flops / base:>7.1f}% {e.params:>10,} {e.head_flops / 1e6:>12.3f} {e.head_params:>12,}")  # fmt: skip
-    print("FLOPs for one image, a multiply-add counted as 2; cumulative: the backbone up to the exit and its head")
+    print(f"FLOPs for one {'sentence' if len(shape) == 1 else 'image'}, a multiply-add counted as 2; cumulative: the "
+          "backbone up to the exit and its head")
     return 0
 
 
@@ -1208,12 +1227,24 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     energy = None
     if args.energy:
         energy = EnergySettings(args.energy_windows, args.energy_window_s, args.energy_max_window_s, idle_s=args.idle_s)
-    profile, path = profile_run(
-        args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
-        device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
-        form=args.form, threads=args.threads, energy=energy, execution=args.execution, slowdown=args.emulate_slowdown,
-        gap_ms=args.gap_ms, suffixes=args.suffixes,
-    )  # fmt: skip
+    lengths: list[int | None] = [None]
+    if args.length is not None:
+        try:
+            lengths = [_positive_int(v.strip()) for v in str(args.length).split(",") if v.strip()] or [None]
+        except argparse.ArgumentTypeError as exc:
+            raise AnytimeError(f"--length takes token counts, e.g. 16,32,64: {exc}") from None
+        if len(lengths) > 1 and args.out:
+            raise AnytimeError("several --length buckets make one profile each; leave --out out (each goes to "
+                               "RUN/profile-<device>-T<length>.json)")  # fmt: skip
+    for length in lengths:
+        profile, path = profile_run(
+            args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
+            device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
+            form=args.form, threads=args.threads, energy=energy, execution=args.execution,
+            slowdown=args.emulate_slowdown, gap_ms=args.gap_ms, suffixes=args.suffixes, length=length,
+        )  # fmt: skip
+        if not args.json:
+            _print_profile(profile, path)
     if args.json:
         summary = profile.to_dict()
         for batch in summary["batches"]:
@@ -1221,8 +1252,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                 for entry in block:
                     entry.pop("samples_ms")
         print(json.dumps(summary, indent=2))
-        return 0
-    _print_profile(profile, path)
     return 0
 
 
@@ -1278,7 +1307,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         check_energy_budget(args.energy_mj)
     if args.variants:
         return _schedule_variants(args)
-    scheduler, path = scheduler_for_run(args.run, args.profile)
+    scheduler, path = scheduler_for_run(args.run, args.profile, length=args.length)
     answer = schedule_answer(scheduler, path, args.deadline_ms, args.quantile, args.batch_size, energy_mj=args.energy_mj)
     print(json.dumps(answer, indent=2))
     return 0

@@ -27,7 +27,7 @@ from anytime.pipeline import _splits_of
 from anytime.train.checkpoint import save_weights
 from anytime.train.multi_exit import build_model
 from anytime.train.records import WEIGHTS
-from anytime.train.runs import LoadedRun, load_run
+from anytime.train.runs import LoadedRun, load_run, require_images
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
@@ -45,6 +45,7 @@ CUT_COLUMNS: tuple[str, ...] = (
 
 def _plain_run(run_dir: str | Path, device: str) -> LoadedRun:
     run = load_run(run_dir, device)
+    require_images(run, "anytime cut")
     if run.num_steps != 1:
         raise AnytimeError(f"{run_dir} is an anytime model ({run.num_steps} steps); cut the plain ResNet it came from")
     residual_blocks(run.model)  # a clear error for a model without residual blocks

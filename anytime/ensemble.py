@@ -31,7 +31,7 @@ from anytime.pipeline import _splits_of, default_profile_path
 from anytime.precision.model import float_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.records import WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint
-from anytime.train.runs import LoadedRun, load_run, run_config
+from anytime.train.runs import LoadedRun, load_run, require_images, run_config
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
@@ -216,6 +216,8 @@ def build_ensemble(
     _check_compatible(paths)
     target_device = resolve_device(device)
     runs = [load_run(p, target_device) for p in paths]
+    for member in runs:
+        require_images(member, "anytime ensemble")
     size = runs[0].dataset.get("image_size") or [32, 32]
     shape = (int(runs[0].dataset["in_channels"]), int(size[0]), int(size[1]))
     described = [_member_info(r, shape) for r in runs]

@@ -26,7 +26,7 @@ from anytime.profile.latency import per_sample_latency
 from anytime.profile.stats import quantile_of
 from anytime.quantize import DEFAULT_CALIBRATION_IMAGES, calibration_batches
 from anytime.train.records import QUANT_STATE, precision_record, run_weights_fingerprint
-from anytime.train.runs import LoadedRun, load_run, run_config
+from anytime.train.runs import LoadedRun, load_run, require_images, run_config
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
 
@@ -124,6 +124,7 @@ def export_run(
         raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
                            "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
     run = load_run(source, "cpu", converted=False)
+    require_images(run, "anytime export")
     shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
     state, calibration, calibrated = None, None, None
     if precision == "int8" and record is not None and fmt == "pt2":  # the quantized run's own statistics

@@ -28,6 +28,7 @@ from anytime.calibrate import (
 )
 from anytime.calibrate.sweeps import exit_costs
 from anytime.data import DatasetSplits, make_loader
+from anytime.data.text import TOKENIZER_FILE
 from anytime.ensembles import EnsembleModel
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
@@ -35,11 +36,12 @@ from anytime.profile.energy import EnergySettings, open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
 from anytime.scheduler.query import (
-    CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, run_fingerprint, run_options, scheduler_for_run,
+    CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, profiled_lengths, run_fingerprint, run_options,
+    scheduler_for_run,
 )  # fmt: skip
 from anytime.train import load_splits
 from anytime.train.records import class_names, read_record, run_title, step_labels
-from anytime.train.runs import LoadedRun, load_run
+from anytime.train.runs import LoadedRun, dataset_input_shape, load_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
@@ -47,13 +49,16 @@ from anytime.utils.resources import check_forward_memory
 from anytime.utils.threads import set_threads
 
 def _splits_of(run: LoadedRun) -> DatasetSplits:
-    splits = load_splits(run.config)
+    splits = load_splits(run.config, run.run_dir)
     trained_on = run.dataset.get("fingerprint")
     if trained_on is not None and splits.info.fingerprint != trained_on:
         raise AnytimeError(
             f"the {splits.info.name} data at {splits.info.source} changed since {run.run_dir} was trained; "
             "its validation split may no longer be held out, so train again on the current data"
         )
+    if splits.info.tokenizer != run.dataset.get("tokenizer", ""):
+        raise AnytimeError(f"{run.run_dir / TOKENIZER_FILE} is not the tokenizer {run.run_dir} was trained with "
+                           "(another run's?); put the run's own tokenizer.json back, or train again")  # fmt: skip
     return splits
 
 
@@ -76,7 +81,7 @@ def collect_run(
                          hint="lower --batch-size")  # fmt: skip
     with output_lock(target):
         splits = _splits_of(run)
-        data = getattr(splits, split)
+        data = splits.split(split)
         loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
         model = run.model
         if split == "val" and isinstance(model, EnsembleModel):  # its fusers were fit on this split: cross-fitted
@@ -90,9 +95,8 @@ def collect_run(
     return cache
 
 
-def _input_shape(run: LoadedRun) -> tuple[int, int, int]:
-    size = run.dataset.get("image_size") or [32, 32]
-    return int(run.dataset["in_channels"]), int(size[0]), int(size[1])
+def _input_shape(run: LoadedRun) -> tuple[int, ...]:
+    return dataset_input_shape(run.dataset)
 
 
 def _cache(run_dir: str | Path, split: str) -> OutputCache:
@@ -283,7 +287,7 @@ def evaluate_run(
 def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: int, batch_size: int) -> dict[str, Any]:
     run_dir = run.run_dir
     splits = _splits_of(run)
-    data = getattr(splits, split)
+    data = splits.split(split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
     predictions, exits, labels = [], [], []
     for x, y in loader:
@@ -313,9 +317,13 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
         report["agreement_with_cache"] = {"exits": float((cached_exit == exit_of).mean()),
                                           "predictions": float((cached_pred == pred).mean())}  # fmt: skip
     if latency_samples > 0:  # a random sample: an image folder's split is stored class by class
-        timed = make_loader(data.sample(latency_samples, seed=run.config.seed), splits.info, batch_size=batch_size,
-                            train=False, seed=run.config.seed)  # fmt: skip
-        report["latency"] = _latency(run, policy, torch.cat([x for x, _ in timed]).to(run.device))
+        chosen = data.sample(latency_samples, seed=run.config.seed)
+        if splits.info.modality == "text":  # every sentence timed at its own length, unpadded
+            timed = make_loader(chosen, splits.info, batch_size=1, train=False, seed=run.config.seed)
+            report["latency"] = _latency(run, policy, [x.to(run.device) for x, _ in timed])
+        else:
+            timed = make_loader(chosen, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
+            report["latency"] = _latency(run, policy, torch.cat([x for x, _ in timed]).to(run.device))
     report["machine"] = describe_machine()
     report["device"] = device_label(run.device)
     report["torch_threads"] = torch.get_num_threads()
@@ -323,7 +331,7 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
     return report
 
 
-def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor) -> dict[str, Any]:
+def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor]) -> dict[str, Any]:
     from anytime.profile import latency_summary, per_sample_latency
 
     model = run.model
@@ -432,10 +440,11 @@ def _draw_run(
     return [p.name for p in paths]
 
 
-def default_profile_path(run_dir: str | Path, device: torch.device) -> Path:
+def default_profile_path(run_dir: str | Path, device: torch.device, *, length: int | None = None) -> Path:
     """Where ``anytime profile`` writes by default: ``RUN/profile-<device>.json``, named as the profile names
-    the device."""
-    return Path(run_dir) / f"profile-{device_slug({'type': device.type, 'label': device_label(device)})}.json"
+    the device (``-T<length>`` added for a text run's sentence length)."""
+    bucket = "" if length is None else f"-T{length}"
+    return Path(run_dir) / f"profile-{device_slug({'type': device.type, 'label': device_label(device)})}{bucket}.json"
 
 
 PROFILE_IMAGES = 512  # validation images a data-dependent model is timed on
@@ -447,7 +456,7 @@ def _real_inputs(run: LoadedRun, model: torch.nn.Module) -> torch.Tensor | None:
         return None
     from anytime.data.augment import normalize
 
-    splits = load_splits(run.config)
+    splits = load_splits(run.config, run.run_dir)
     count = min(PROFILE_IMAGES, len(splits.val))
     return normalize(splits.val.images[torch.arange(count)], splits.info.mean, splits.info.std)
 
@@ -457,6 +466,7 @@ def profile_run(
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
     execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0, suffixes: bool = False,
+    length: int | None = None,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
@@ -468,7 +478,9 @@ def profile_run(
     runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.split.device.slowed_model`),
     recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``. ``gap_ms`` idles before every
     timed repetition, as a server idles between sporadic requests; ``suffixes`` also times what a split-computing
-    server runs after each partition point (``anytime split`` prices the server's part from it).
+    server runs after each partition point (``anytime split`` prices the server's part from it). A text run is
+    timed on sentences of ``length`` tokens (default its maximum length), as a sentence costs what its length
+    costs; its default file is ``RUN/profile-<device>-T<length>.json``, one per length bucket.
 
     On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
     execution); on a GPU, by the allocator.
@@ -481,6 +493,8 @@ def profile_run(
         raise AnytimeError(f"--gap-ms is an idle time in milliseconds between 0 and 60000 (got {gap_ms:g})")
     choice = set_threads(threads)
     if (Path(run_dir) / MANIFEST).is_file():
+        if length is not None:
+            raise AnytimeError(f"{run_dir} is an export of images; --length is a text run's sentence length")
         if form != "eager":
             raise AnytimeError(f"{run_dir} is an export: its artifacts run as exported; --form applies to a run")
         model, shape, name, fingerprint, classes, target_device = _export_target(run_dir, device, train)
@@ -490,6 +504,11 @@ def profile_run(
             raise AnytimeError("--train times the training graph: profile it with --form eager")
         run = load_run(run_dir, device, form=form)
         model, shape, name, fingerprint = run.model, _input_shape(run), run.name, run.fingerprint
+        if run.dataset.get("modality") == "text":
+            if length is not None and not 2 <= length <= shape[0]:
+                raise AnytimeError(f"--length {length}: {run_dir} reads sentences of 2 to {shape[0]} tokens "
+                                   "([CLS] included; longer ones are cut to its maximum)")  # fmt: skip
+            shape = (length or shape[0],)
         classes, target_device = int(run.dataset["num_classes"]), run.device
         inputs = _real_inputs(run, model)
     if execution is not None:
@@ -504,7 +523,10 @@ def profile_run(
                                "without it")  # fmt: skip
         model = slowed_model(model, slowdown)
     sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
-    target = check_output_file(Path(out) if out else default_profile_path(run_dir, target_device), what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
+    if length is not None and len(shape) != 1:
+        raise AnytimeError(f"--length is a sentence length in tokens; {run_dir} is an image run")
+    default = default_profile_path(run_dir, target_device, length=shape[0] if len(shape) == 1 else None)
+    target = check_output_file(Path(out) if out else default, what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
                                example="profile.json")  # fmt: skip
     largest = max(sizes)
     check_forward_memory(model, shape, largest, training=train, what=f"profiling at batch {largest}",
@@ -563,9 +585,19 @@ def runner_for_run(
     """The anytime runtime for a run: its model, its device profile and (if calibrated) its early-exit policy.
 
     It runs what the profile measured: the profile's inference form, and on a CPU its torch thread count unless
-    ``threads`` says otherwise (a number, or ``auto``: chosen from the cores the machine leaves free now)."""
-    read_record(run_dir)  # "not a run" before "no profile"
-    path = find_profile(run_dir, profile)
+    ``threads`` says otherwise (a number, or ``auto``: chosen from the cores the machine leaves free now). A text
+    run without ``profile`` takes every length profile it has (``anytime profile RUN --length T``): each request
+    is priced by its length bucket."""
+    record = read_record(run_dir)  # "not a run" before "no profile"
+    buckets: dict[int, DeviceProfile] = {}
+    if profile is None and record.get("dataset", {}).get("modality") == "text":
+        lengths = profiled_lengths(sorted(Path(run_dir).glob("profile-*.json")))
+        for length, paths in lengths.items():
+            if len(paths) > 1:
+                raise AnytimeError(f"{run_dir} has several profiles of {length} tokens "
+                                   f"({', '.join(p.name for p in paths)}); keep one per length")  # fmt: skip
+            buckets[length] = DeviceProfile.load(paths[0])
+    path = lengths[max(lengths)][0] if buckets else find_profile(run_dir, profile)
     loaded = DeviceProfile.load(path)
     profiled_threads = loaded.settings.get("threads")
     if threads is None and loaded.device.get("type") == "cpu" and isinstance(profiled_threads, int):
@@ -575,10 +607,13 @@ def runner_for_run(
     if "execution" in loaded.settings and hasattr(run.model, "execution"):
         run.model.execution = str(loaded.settings["execution"])
     loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
+    for length, bucket in buckets.items():
+        bucket.check_model(run.fingerprint, run.num_steps, where=f"the profile of {length} tokens in {run_dir}")
     exit_policy = None
     calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
     if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
         exit_policy, _ = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
     accuracy = [o.accuracy for o in run_options(run_dir, loaded.step_names) if o.step is not None]
-    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy)
+    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy,
+                           length_profiles=buckets or None)  # fmt: skip
     return runner, run

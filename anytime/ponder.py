@@ -43,12 +43,13 @@ def ponder_run(
     (seeded), at ``steps`` (default all), written to ``out`` (default ``RUN/ponder``) together or not at all."""
     from anytime.cam import check_image_source, chosen_images
     from anytime.train.records import run_title
-    from anytime.train.runs import load_run
+    from anytime.train.runs import load_run, require_images
     from anytime.utils.outputs import check_output_file, output_lock, staged_files
     from anytime.wrappers.sact import SACTResNet
 
     check_image_source(images, split)
     run = load_run(run_dir, device)
+    require_images(run, "anytime ponder")
     model = run.model
     if not isinstance(model, SACTResNet):
         raise AnytimeError(f"{run_dir} is not a SACT run, so it has no ponder cost to map; train one with --sact "

@@ -26,7 +26,7 @@ from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
 from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
-from anytime.train.runs import LoadedRun, load_run, run_config
+from anytime.train.runs import LoadedRun, load_run, require_images, run_config
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -137,6 +137,7 @@ def quantize_run(
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
+    require_images(run, "anytime quantize")
     if precision == "int8" and getattr(run.model, "data_dependent_cost", False):
         raise AnytimeError(f"{parent} halts position by position (SACT), which torch.export cannot trace into an int8 "
                            "graph; quantize it with --precision int8-dynamic, bf16 or fp16")  # fmt: skip

@@ -52,7 +52,8 @@ def test_digits_shapes_and_info(digits) -> None:
     assert digits.split("val") is digits.val
     with pytest.raises(AnytimeError):
         digits.split("validation")
-    assert set(DATASETS) == {"digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream"}
+    assert set(DATASETS) == {"digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2",
+                             "textfolder"}
     assert info.to_dict()["classes"][0] == "0"
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from anytime import attach_exits
-from anytime.backbones import create_model, list_models
+from anytime.backbones import create_model, example_input, list_models, model_modality
 from anytime.errors import AnytimeError
 from anytime.wrappers import HEADS, MultiExitModel
 from anytime.wrappers.tracing import traced_chain
@@ -45,7 +45,8 @@ def test_exits_on_every_zoo_model(name):
     assert model.num_steps >= 2
     assert [e.name for e in model.exit_info][-1] == "output"
     assert all(e.name.startswith("stages.") for e in model.exit_info[:-1])
-    _check_contract(model, backbone, torch.randn(3, 3, 32, 32))
+    shape = (backbone.max_length,) if model_modality(name) == "text" else (3, 32, 32)
+    _check_contract(model, backbone, example_input(shape, 3, generator=torch.Generator().manual_seed(0)))
 
 
 @pytest.mark.parametrize("name", TORCHVISION_FAMILIES)

@@ -5,8 +5,9 @@ Importing this package registers the zoo (one file per family, in the order ``an
 
 # isort: off
 from anytime.backbones import lenet, vgg, resnet, preact_resnet, resnext, mobilenetv2, cifar_resnet, fastcnn  # noqa: F401
+from anytime.backbones import text  # noqa: F401
 # isort: on
-from anytime.backbones.base import StageInfo, StagedBackbone
+from anytime.backbones.base import StageInfo, StagedBackbone, example_input
 from anytime.backbones.registry import (
     ModelCost,
     ModelSpec,
@@ -15,10 +16,11 @@ from anytime.backbones.registry import (
     list_models,
     model_cost,
     model_costs,
+    model_modality,
     register_model,
 )
 
 __all__ = [
-    "ModelCost", "ModelSpec", "StageInfo", "StagedBackbone", "create_model", "get_spec", "list_models", "model_cost",
-    "model_costs", "register_model",
+    "ModelCost", "ModelSpec", "StageInfo", "StagedBackbone", "create_model", "example_input", "get_spec", "list_models",
+    "model_cost", "model_costs", "model_modality", "register_model",
 ]  # fmt: skip

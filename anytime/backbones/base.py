@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
+
+# Token ids of example sentences: past the special tokens, inside any vocabulary a text model accepts (>= 100).
+_EXAMPLE_TOKEN = 4
+_EXAMPLE_TOKENS = 100
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,22 @@ class StagedBackbone(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``[B, num_classes]``."""
         return self.head(self.forward_features(x))
+
+
+def example_input(
+    shape: tuple[int, ...], batch: int = 1, *, device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:  # fmt: skip
+    """A batch of model inputs of one sample's ``shape``: zero images for ``(C, H, W)``, random normal ones with a
+    ``generator``; for ``(T,)``, token ids with no padding (a fixed real token, or random ones with a
+    ``generator``), as a sentence of ``T`` tokens costs whatever its words."""
+    if len(shape) == 1:
+        if generator is None:
+            return torch.full((batch, shape[0]), _EXAMPLE_TOKEN, dtype=torch.int64, device=device)
+        return torch.randint(_EXAMPLE_TOKEN, _EXAMPLE_TOKENS, (batch, shape[0]), generator=generator).to(device)
+    if generator is None:
+        return torch.zeros(batch, *shape, device=device)
+    return torch.randn(batch, *shape, generator=generator).to(device)
 
 
 def classifier_head(channels: int, num_classes: int, *, pre: nn.Module | None = None) -> nn.Sequential:

@@ -24,6 +24,7 @@ class ModelSpec:
     family: str
     description: str
     builder: Callable[..., nn.Module]
+    modality: str = "image"  # "text" models take token ids and a vocabulary size
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,15 @@ class ModelCost:
 _REGISTRY: dict[str, ModelSpec] = {}
 
 
-def register_model(name: str, *, family: str, description: str) -> Callable[[B], B]:
-    """Decorator that registers a keyword-only builder ``f(*, num_classes, in_channels) -> nn.Module``."""
+def register_model(name: str, *, family: str, description: str, modality: str = "image") -> Callable[[B], B]:
+    """Decorator that registers a keyword-only builder ``f(*, num_classes, in_channels) -> nn.Module`` (a text
+    model's also takes ``vocab_size`` and ``max_length``)."""
 
     def decorate(builder: B) -> B:
         if name in _REGISTRY:
             raise ValueError(f"model '{name}' is registered twice")
-        _REGISTRY[name] = ModelSpec(name=name, family=family, description=description, builder=builder)
+        _REGISTRY[name] = ModelSpec(name=name, family=family, description=description, builder=builder,
+                                    modality=modality)  # fmt: skip
         return builder
 
     return decorate
@@ -78,8 +81,22 @@ def get_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
-def create_model(name: str, *, num_classes: int = 10, in_channels: int = 3) -> nn.Module:
-    """Build a zoo model (e.g. ``resnet20``) or a torchvision classifier (``tv:resnet18``) with random weights."""
+def model_modality(name: str) -> str:
+    """``"text"`` for a text encoder of the zoo, ``"image"`` for any other model (torchvision's included)."""
+    spec = _REGISTRY.get(name)
+    return "image" if spec is None else spec.modality
+
+
+def create_model(
+    name: str, *, num_classes: int = 10, in_channels: int = 3, vocab_size: int | None = None,
+    max_length: int | None = None,
+) -> nn.Module:  # fmt: skip
+    """Build a zoo model (e.g. ``resnet20``) or a torchvision classifier (``tv:resnet18``) with random weights.
+
+    A text model (``mobilebert_tiny``) takes ``vocab_size`` and ``max_length`` (its defaults where None)."""
+    text = {k: v for k, v in (("vocab_size", vocab_size), ("max_length", max_length)) if v is not None}
+    if text and model_modality(name) != "text":
+        raise AnytimeError(f"{name} is an image model; a vocabulary and a maximum length are for text models")
     if not isinstance(num_classes, int) or num_classes < 2:
         raise AnytimeError(f"num_classes must be at least 2 (got {num_classes}): a classifier needs 2 classes or more")
     if not isinstance(in_channels, int) or in_channels < 1:
@@ -94,7 +111,7 @@ def create_model(name: str, *, num_classes: int = 10, in_channels: int = 3) -> n
         return torchvision_model(tv_name, num_classes=num_classes, in_channels=in_channels)
     if name not in _REGISTRY:
         raise _unknown(name, list_models())
-    return _REGISTRY[name].builder(num_classes=num_classes, in_channels=in_channels)
+    return _REGISTRY[name].builder(num_classes=num_classes, in_channels=in_channels, **text)
 
 
 def _param_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
@@ -138,7 +155,8 @@ def _build_on_meta(name: str, *, num_classes: int, in_channels: int) -> nn.Modul
 def model_cost(
     name: str, *, num_classes: int = 10, in_channels: int = 3, image_size: int = 32, count_flops: bool = True
 ) -> ModelCost:
-    """Parameters and forward FLOPs of one ``image_size`` x ``image_size`` image.
+    """Parameters and forward FLOPs of one ``image_size`` x ``image_size`` image (a text model: one sentence of
+    its maximum length).
 
     The model is built on the meta device where possible, so even the largest torchvision models cost
     no memory and little time. FLOPs follow :class:`~torch.utils.flop_counter.FlopCounterMode`: a
@@ -148,15 +166,22 @@ def model_cost(
 
     if name.startswith(TV_PREFIX):
         _torchvision_names()  # torchvision must be imported outside the meta device context
-    model = _build_on_meta(name, num_classes=num_classes, in_channels=in_channels)
+    if model_modality(name) == "text":  # small, and its padding mask needs real values: built on the CPU
+        model = create_model(name, num_classes=num_classes, in_channels=in_channels)
+    else:
+        model = _build_on_meta(name, num_classes=num_classes, in_channels=in_channels)
     parameters = sum(p.numel() for p in model.parameters())
     flops: int | None = None
     if count_flops:
         device = next(model.parameters()).device
         counter = FlopCounterMode(display=False)
+        from anytime.backbones.base import example_input
+
+        text = model_modality(name) == "text"
+        shape = (int(getattr(model, "max_length")),) if text else (in_channels, image_size, image_size)
         try:
             with torch.no_grad(), counter:
-                model.eval()(torch.zeros(1, in_channels, image_size, image_size, device=device))
+                model.eval()(example_input(shape, 1, device=device))
             flops = int(counter.get_total_flops())
         except Exception:  # noqa: BLE001  any model may reject the size (ViT wants 224): FLOPs are then unknown
             flops = None

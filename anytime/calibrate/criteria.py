@@ -17,7 +17,8 @@ from anytime.errors import AnytimeError
 if TYPE_CHECKING:
     from torch import Tensor
 
-CRITERIA: tuple[str, ...] = ("entropy", "normalized-entropy", "confidence", "margin")
+CRITERIA: tuple[str, ...] = ("entropy", "normalized-entropy", "confidence", "margin", "patience")
+PATIENCE_MAX = 1000.0  # the largest patience a threshold may ask (a streak can never reach it)
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,19 @@ class Criterion:
     low_is_confident: bool
     description: str
 
+    @property
+    def stateful(self) -> bool:
+        """Whether an exit's score depends on the earlier exits' answers too (patience), not on its logits alone."""
+        return self.name == "patience"
+
     def score(self, logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
-        """The score of every row of ``logits`` (after dividing by ``temperature``), float64."""
+        """The score of every row of ``logits`` (after dividing by ``temperature``), float64. Patience scores
+        every exit at once: ``logits`` is ``[K, N, C]``, exits first (see :func:`agreement_streak`)."""
         import torch
         import torch.nn.functional as F
 
+        if self.stateful:
+            return agreement_streak(logits)
         z = logits.double()
         if not (isinstance(temperature, float) and temperature == 1.0):
             z = z / temperature
@@ -52,6 +61,8 @@ class Criterion:
 
     def bounds(self, num_classes: int) -> tuple[float, float]:
         """The range a threshold can take for ``num_classes`` classes."""
+        if self.stateful:
+            return (0.0, PATIENCE_MAX)
         return (0.0, math.log(num_classes)) if self.name == "entropy" else (0.0, 1.0)
 
     def check_thresholds(self, thresholds: Sequence[float | None], num_classes: int, num_exits: int) -> None:
@@ -80,7 +91,23 @@ _CRITERIA = {
     ),
     "confidence": Criterion("confidence", False, "max softmax probability (SDN); leave when at least the threshold"),
     "margin": Criterion("margin", False, "top-1 minus top-2 probability; leave when at least the threshold"),
+    "patience": Criterion("patience", False, "PABEE: how many exits in a row before this one gave the same class; "
+                          "leave when at least the threshold (every earlier exit's head runs)"),
 }
+
+
+def agreement_streak(logits: Tensor) -> Tensor:
+    """Patience scores (Zhou et al. 2020, PABEE) of exits' logits ``[K, N, C]``: for exit k and sample n, how many
+    exits in a row just before k predicted the class exit k predicts (0 at the first exit), as float64 ``[K, N]``."""
+    import torch
+
+    if logits.dim() != 3:
+        raise AnytimeError("patience compares exits with each other: score the logits of every exit, [K, N, C]")
+    predicted = logits.argmax(dim=-1)
+    streak = torch.zeros(predicted.shape, dtype=torch.float64, device=logits.device)
+    for k in range(1, predicted.shape[0]):
+        streak[k] = torch.where(predicted[k] == predicted[k - 1], streak[k - 1] + 1, 0.0)
+    return streak
 
 
 def get_criterion(name: str) -> Criterion:

@@ -98,8 +98,15 @@ class ExitPolicy:
 
         return torch.tensor(self._limits, dtype=torch.float64)
 
+    def _per_exit(self) -> None:
+        if get_criterion(self.criterion).stateful:
+            raise AnytimeError(f"the {self.criterion} criterion compares an exit with the earlier ones, which this "
+                               "path does not keep; use a per-exit criterion (entropy, confidence, ...) here, or "
+                               "`anytime evaluate` for real early exit with patience")  # fmt: skip
+
     def confident(self, k: int, logits: Tensor) -> Tensor | None:
         """Which samples may leave at early exit ``k`` given its logits (``None`` if nobody leaves there)."""
+        self._per_exit()
         limit = self._limits[k]
         if limit == -math.inf:
             return None
@@ -109,6 +116,7 @@ class ExitPolicy:
     def leaves(self, k: int, logits: Tensor) -> bool:
         """Whether the one sample of ``logits`` (``[1, C]``) leaves at early exit ``k``: a scalar decision, no
         per-sample bookkeeping (the batch-1 latency path)."""
+        self._per_exit()
         limit = self._limits[k]
         if limit == -math.inf:
             return False
@@ -162,9 +170,11 @@ class ExitPolicy:
                 "early exit needs the model in eval mode (call model.eval()): in training mode batch norm would "
                 "depend on which samples are still in"
             )
+        crit = get_criterion(self.criterion)
+        if crit.stateful:
+            return self._run_patience(segments, heads, x)
         if x.shape[0] == 1:
             return self._run_one(segments, heads, x)
-        crit = get_criterion(self.criterion)
         limits, temps = self._limits, self._temps
         batch = x.shape[0]
         last = self.num_steps - 1
@@ -193,6 +203,39 @@ class ExitPolicy:
                 out_logits[gone] = logits[leave]
                 stay = ~leave
                 index, h = index[stay], h[stay]
+        assert out_logits is not None
+        return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
+
+    def _run_patience(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
+        # Patience: every early exit's head runs (its answer extends or breaks the streak), and a sample leaves
+        # at an enabled exit once its streak reaches that exit's threshold.
+        import torch
+
+        batch, last = x.shape[0], self.num_steps - 1
+        predictions = torch.empty(batch, dtype=torch.long, device=x.device)
+        exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
+        out_logits: Tensor | None = None
+        index = torch.arange(batch, device=x.device)
+        streak = torch.zeros(batch, dtype=torch.float64, device=x.device)
+        previous: Tensor | None = None
+        h = x
+        for k, segment in enumerate(segments):
+            h = segment(h)
+            logits = h if k == last else heads[k](h)
+            if out_logits is None:
+                out_logits = torch.empty(batch, logits.shape[1], dtype=logits.dtype, device=x.device)
+            predicted = logits.argmax(dim=1)
+            if previous is not None:
+                streak = torch.where(predicted == previous, streak + 1, 0.0)
+            leave = torch.ones_like(predicted, dtype=torch.bool) if k == last else -streak <= self._limits[k]
+            if bool(leave.any()):
+                gone = index[leave]
+                predictions[gone], exits[gone], out_logits[gone] = predicted[leave], k, logits[leave]
+                stay = ~leave
+                if not bool(stay.any()):
+                    break
+                index, h, streak, predicted = index[stay], h[stay], streak[stay], predicted[stay]
+            previous = predicted
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 

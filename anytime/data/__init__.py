@@ -32,11 +32,13 @@ from anytime.data.digits import load_digits_raw
 from anytime.data.imagefolder import cache_path_for, load_folder, scan_folder, stream_folder
 from anytime.data.loader import BatchLoader, make_loader
 from anytime.data.synthetic import SYNTHETIC_TEST, SYNTHETIC_TRAIN, load_synthetic_raw
+from anytime.data.text import TEXT_DATASETS, load_text_dataset
 from anytime.errors import AnytimeError
 from anytime.utils.resources import check_memory
 from anytime.utils.seed import derive_seed
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream")
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2",
+                             "textfolder")
 # Read per batch, never decoded whole: no memory check, and --image-size must match (shards) or is required.
 _ON_DEMAND: tuple[str, ...] = ("shards", "folder-stream")
 DIGITS_TEST_FRACTION = 0.2
@@ -144,6 +146,9 @@ def load_dataset(
     cache_dir: str | os.PathLike[str] | None = None,
     image_size: int | None = None,
     limit_train: int | None = None,
+    vocab_size: int | None = None,
+    max_length: int | None = None,
+    tokenizer: str | None = None,
 ) -> DatasetSplits:
     """Load dataset ``name`` into train/val/test splits of uint8 tensors.
 
@@ -157,6 +162,9 @@ def load_dataset(
     ``shards`` and ``folder-stream`` splits hold an :class:`ImageStore` that reads each batch's images when
     asked; their splits are carved by index, nothing is read, and their mean and std come from preparation
     (shards: every training image) or a seeded sample of training images (folder-stream).
+
+    ``sst2`` and ``textfolder`` are text (:func:`anytime.data.text.load_text_dataset`): ``vocab_size`` and
+    ``max_length`` size the tokenizer and the token ids, ``tokenizer`` (its JSON) is used instead of training one.
     """
     if name not in DATASETS:
         raise AnytimeError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -166,6 +174,14 @@ def load_dataset(
         raise AnytimeError(f"image_size must be a positive number of pixels, got {image_size}")
     if limit_train is not None and limit_train < 1:
         raise AnytimeError(f"limit_train must be >= 1, got {limit_train}")
+    if name in TEXT_DATASETS:
+        if image_size is not None:
+            raise AnytimeError(f"{name} is text: it takes --max-length (tokens), not --image-size")
+        return load_text_dataset(name, root, val_fraction=val_fraction, seed=seed, cache_dir=cache_dir,
+                                 limit_train=limit_train, vocab_size=vocab_size, max_length=max_length,
+                                 tokenizer=tokenizer)  # fmt: skip
+    if vocab_size is not None or max_length is not None or tokenizer is not None:
+        raise AnytimeError(f"--vocab-size, --max-length and --tokenizer are for text data; {name} holds images")
     if image_size is not None:
         _check_image_memory(name, root, image_size)
     raw = _load_raw(name, root, seed=seed, cache_dir=cache_dir, image_size=image_size)

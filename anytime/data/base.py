@@ -30,13 +30,28 @@ class DatasetInfo:
     hflip: bool
     source: str
     fingerprint: str
+    # Text datasets (``modality="text"``): samples are token ids; see :mod:`anytime.data.text`.
+    modality: str = "image"
+    vocab_size: int = 0
+    max_length: int = 0
+    tokenizer: str = ""  # SHA-1 of the tokenizer's JSON
+    truncated: tuple[tuple[str, int], ...] = ()  # sentences cut to max_length, per split
+    empty_lines: tuple[tuple[str, int], ...] = ()  # blank lines and empty sentences skipped, per split
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's shape: ``(C, H, W)`` for images, ``(max_length,)`` for token ids."""
+        return (self.max_length,) if self.modality == "text" else (self.in_channels, *self.image_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able copy (tuples become lists)."""
+        """A JSON-able copy (tuples become lists); the text fields only for text."""
         out = asdict(self)
+        if self.modality != "text":
+            for key in ("modality", "vocab_size", "max_length", "tokenizer", "truncated", "empty_lines"):
+                del out[key]
         for key, value in out.items():
             if isinstance(value, tuple):
-                out[key] = list(value)
+                out[key] = [list(v) if isinstance(v, tuple) else v for v in value]
         return out
 
 
@@ -123,7 +138,7 @@ def take_images(images: torch.Tensor | ImageStore, positions: np.ndarray | torch
 
 @dataclass(frozen=True)
 class Split:
-    """One split: uint8 images [N,C,H,W] and int64 labels.
+    """One split: uint8 images [N,C,H,W] (or, for text, int64 token ids [N,L]) and int64 labels.
 
     ``images`` is a tensor held in memory, or an :class:`ImageStore` that reads each batch's samples when asked
     (data larger than memory). ``indices`` (optional) are the positions of the samples in the source's original
@@ -136,9 +151,10 @@ class Split:
     indices: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
-            raise ValueError(f"split {self.name}: images must be uint8 [N,C,H,W], got {self.images.dtype} "
-                             f"{tuple(self.images.shape)}")  # fmt: skip
+        tokens = self.images.dtype == torch.int64 and self.images.dim() == 2
+        if not tokens and (self.images.dtype != torch.uint8 or self.images.dim() != 4):
+            raise ValueError(f"split {self.name}: images must be uint8 [N,C,H,W] or token ids int64 [N,L], got "
+                             f"{self.images.dtype} {tuple(self.images.shape)}")  # fmt: skip
         if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
             raise ValueError(f"split {self.name}: labels must be int64 [N] matching the images")
 
@@ -158,17 +174,23 @@ class Split:
 
 @dataclass(frozen=True)
 class DatasetSplits:
-    """The train, validation and test splits of one dataset, with its description."""
+    """The train, validation and test splits of one dataset, with its description; a text dataset may have a
+    ``dev`` split too (held out, never trained on) and carries its tokenizer's JSON."""
 
     info: DatasetInfo
     train: Split
     val: Split
     test: Split
+    dev: Split | None = None
+    tokenizer: str | None = None
 
     def split(self, name: str) -> Split:
-        """The split called ``name`` ("train", "val" or "test")."""
+        """The split called ``name`` ("train", "val", "test", or "dev" where the dataset has one)."""
+        if name == "dev" and self.dev is not None:
+            return self.dev
         if name not in SPLIT_NAMES:
-            raise AnytimeError(f"unknown split {name!r}; choose one of {', '.join(SPLIT_NAMES)}")
+            extra = ", dev" if self.dev is not None else ""
+            raise AnytimeError(f"unknown split {name!r}; choose one of {', '.join(SPLIT_NAMES)}{extra}")
         return getattr(self, name)
 
 
@@ -249,10 +271,12 @@ def default_cache_dir() -> Path:
 
 
 def make_split(name: str, images: np.ndarray | ImageStore, labels: np.ndarray, indices: np.ndarray) -> Split:
-    """Wrap numpy arrays as a :class:`Split` of contiguous CPU tensors (an :class:`ImageStore` is kept as it is)."""
+    """Wrap numpy arrays as a :class:`Split` of contiguous CPU tensors (an :class:`ImageStore` is kept as it is);
+    2-D ``images`` are token ids."""
     return Split(
         name=name,
-        images=images if isinstance(images, ImageStore) else torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)),
+        images=images if isinstance(images, ImageStore) else torch.from_numpy(np.ascontiguousarray(
+            images, dtype=np.int64 if images.ndim == 2 else np.uint8)),  # 2-D: token ids
         labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)),
         indices=torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)),
     )

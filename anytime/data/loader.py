@@ -12,6 +12,8 @@ from anytime.data.base import DatasetInfo, Split, take_images
 from anytime.errors import AnytimeError
 from anytime.utils.seed import derive_seed
 
+BUCKET_POOL = 50  # batches sorted by length together when text is bucketed
+
 
 def share(count: int, part: tuple[int, int]) -> tuple[int, int]:
     """The rows ``[start, stop)`` of ``count`` that process ``rank`` of ``world`` takes: contiguous, in rank order,
@@ -46,6 +48,8 @@ class _BatchMaker:
         self.train = train
         self.seed = seed
         self.drop_last = drop_last
+        self.text = info.modality == "text"
+        self.lengths = images.ne(0).sum(1) if self.text else None
 
     def num_batches(self) -> int:
         n = int(self.labels.shape[0])
@@ -64,10 +68,36 @@ class _BatchMaker:
         if not self.train:
             return None
         generator = torch.Generator().manual_seed(derive_seed("order", self.seed, epoch))
-        return torch.randperm(int(self.labels.shape[0]), generator=generator)
+        order = torch.randperm(int(self.labels.shape[0]), generator=generator)
+        if self.lengths is None:
+            return order
+        return self._bucketed(order, generator)
+
+    def _bucketed(self, order: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """``order`` regrouped so that each batch holds sentences of similar length (less padding): every pool
+        of ``BUCKET_POOL`` batches is sorted by length and cut into batches, whose order is then shuffled."""
+        assert self.lengths is not None
+        pool = self.batch_size * BUCKET_POOL
+        batches: list[torch.Tensor] = []
+        for start in range(0, len(order), pool):
+            chunk = order[start : start + pool]
+            chunk = chunk[torch.argsort(self.lengths[chunk], stable=True)]
+            batches += list(chunk.split(self.batch_size))
+        full = [b for b in batches if len(b) == self.batch_size]
+        short = [b for b in batches if len(b) < self.batch_size]  # at most one per pool: they go last, merged
+        shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
+        return torch.cat(shuffled + short) if shuffled or short else order
 
     def batch(self, order: torch.Tensor | None, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, stop = index * self.batch_size, (index + 1) * self.batch_size
+        if self.text:
+            picked = torch.arange(start, min(stop, int(self.labels.shape[0]))) if order is None else order[start:stop]
+            if order is not None:
+                mine = share(len(picked), self.part)
+                picked = picked[mine[0] : mine[1]]
+            ids = self.images.index_select(0, picked)
+            longest = max(int(ids.ne(0).sum(1).max()), 1) if len(ids) else 1
+            return ids[:, :longest].contiguous(), self.labels.index_select(0, picked)
         if order is None:
             images, labels = self.images[start:stop], self.labels[start:stop]
         else:
@@ -96,7 +126,8 @@ class _EpochBatches(Dataset):
 
 
 class BatchLoader:
-    """Iterates ``(images float32 [B,C,H,W] normalised, labels int64 [B])``.
+    """Iterates ``(images float32 [B,C,H,W] normalised, labels int64 [B])``, or for text ``(token ids int64
+    [B,T], labels)`` with ``T`` the batch's longest sentence (training batches grouped by length).
 
     ``train=True``: shuffled each epoch and augmented by ``augment`` (default: the dataset's, random
     crops with 4 pixels of zero padding plus horizontal flips where ``info.hflip``) with batched tensor ops.

@@ -23,7 +23,7 @@ from anytime.errors import AnytimeError
 from anytime.utils.io import atomic_open
 
 CACHE_FORMAT = "anytime-outputs-v1"
-SPLITS: tuple[str, ...] = ("val", "test")
+SPLITS: tuple[str, ...] = ("val", "test", "dev")  # dev: text datasets that have one
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,17 +35,21 @@ def paused_gc() -> Iterator[None]:
 
 @torch.inference_mode()
 def per_sample_latency(
-    functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor, *, warmup: int = 10, batch_size: int = 1,
-    clock: Clock = monotonic,
+    functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor | Sequence[Tensor], *, warmup: int = 10,
+    batch_size: int = 1, clock: Clock = monotonic,
 ) -> dict[str, np.ndarray]:
-    """Seconds each function takes on every batch of ``batch_size`` samples of ``inputs``.
+    """Seconds each function takes on every batch of ``batch_size`` samples of ``inputs`` (or on every tensor of a
+    sequence of batches, e.g. sentences of their own lengths).
 
     The functions run interleaved on the same batch (A then B, then B then A on the next batch), so
     that a machine that slows down or speeds up during the measurement affects them alike. The first ``warmup`` batches run
     untimed. On CUDA every call is synchronised. Everything runs in inference mode.
     """
-    device = inputs.device
-    batches = [inputs[i : i + batch_size] for i in range(0, inputs.shape[0], batch_size)]
+    if isinstance(inputs, Tensor):
+        batches = [inputs[i : i + batch_size] for i in range(0, inputs.shape[0], batch_size)]
+    else:
+        batches = list(inputs)
+    device = batches[0].device
     for x in batches[:warmup]:
         for fn in functions.values():
             fn(x)

@@ -124,7 +124,8 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     """
     from anytime.contract import run_step, step_count
     from anytime.precision.export import MANIFEST, load_export
-    from anytime.train.runs import load_run
+    from anytime.backbones.base import example_input
+    from anytime.train.runs import dataset_input_shape, load_run
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -135,8 +136,8 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     else:
         run = load_run(run_dir, "cpu")
         model = run.model
-        shape = run.dataset.get("image_size") or [32, 32]
-        x = torch.randn(batch_size, int(run.dataset["in_channels"]), int(shape[0]), int(shape[1]))
+        # a text run at its longest sentence: the peak of any length
+        x = example_input(dataset_input_shape(run.dataset), batch_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         loaded = current_rss_bytes()
         reset = _reset_peak_rss()

@@ -13,7 +13,7 @@ from anytime.calibrate.policy import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, Option, PrecisionScheduler
-from anytime.train.records import precision_record, require_run, run_weights_fingerprint
+from anytime.train.records import precision_record, read_record, require_run, run_weights_fingerprint
 from anytime.utils.io import read_json
 
 CALIBRATION = "calibration.json"
@@ -61,17 +61,59 @@ def load_calibration(
     return policy, report
 
 
-def find_profile(run_dir: str | Path, profile: str | Path | None = None) -> Path:
-    """The profile to schedule with: the one given, or the run's only ``profile-*.json``."""
+def find_profile(run_dir: str | Path, profile: str | Path | None = None, *, length: int | None = None) -> Path:
+    """The profile to schedule with: the one given, or the run's only ``profile-*.json``; for a text run and a
+    request of ``length`` tokens, the run's profile of the shortest profiled length that holds it (its bucket)."""
     if profile is not None:
         return Path(profile)
     found = sorted(Path(run_dir).glob("profile-*.json"))
     if not found:
         raise AnytimeError(f"{run_dir} has no device profile; measure one with `anytime profile {run_dir}`")
+    if length is not None:
+        return _length_bucket(run_dir, found, length)
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
-        raise AnytimeError(f"{run_dir} has several profiles ({names}); choose one with --profile FILE")
+        raise AnytimeError(f"{run_dir} has several profiles ({names}); choose one with --profile FILE"
+                           + (" or, for a text run, give the request's --length" if "-T" in names else ""))  # fmt: skip
     return found[0]
+
+
+def profiled_lengths(paths: Sequence[Path]) -> dict[int, list[Path]]:
+    """The profiles among ``paths`` that time sentences, by their length in tokens."""
+    import json
+
+    lengths: dict[int, list[Path]] = {}
+    for path in paths:
+        try:
+            shape = json.loads(path.read_text())["input_shape"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a readable profile: loading it names the fault if it is chosen
+        if isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int):
+            lengths.setdefault(shape[0], []).append(path)
+    return lengths
+
+
+def _length_bucket(run_dir: str | Path, found: list[Path], length: int) -> Path:
+    if not isinstance(length, int) or length < 1:
+        raise AnytimeError(f"--length is a request's number of tokens, at least 1 (got {length})")
+    lengths = profiled_lengths(found)
+    try:  # the model reads at most its maximum length: a longer request is cut to it
+        length = min(length, int(read_record(run_dir)["dataset"]["max_length"]))
+    except (AnytimeError, KeyError, TypeError, ValueError):
+        pass
+    if not lengths:
+        raise AnytimeError(f"{run_dir} has no profile of sentence lengths; --length is for text runs, profiled with "
+                           f"`anytime profile {run_dir} --length T`")  # fmt: skip
+    holding = [t for t in lengths if t >= length]
+    if not holding:
+        longest = max(lengths)
+        raise AnytimeError(f"a request of {length} tokens is longer than every profiled length (at most {longest}); "
+                           f"profile `anytime profile {run_dir} --length {length}`, or cut requests to {longest}")  # fmt: skip
+    bucket = lengths[min(holding)]
+    if len(bucket) > 1:
+        names = ", ".join(p.name for p in bucket)
+        raise AnytimeError(f"{run_dir} has several profiles of {min(holding)} tokens ({names}); choose one with --profile")
+    return bucket[0]
 
 
 def run_options(run_dir: str | Path, step_names: Sequence[str]) -> list[Option]:
@@ -103,11 +145,12 @@ def run_options(run_dir: str | Path, step_names: Sequence[str]) -> list[Option]:
 
 
 def scheduler_for_run(
-    run_dir: str | Path, profile: str | Path | None = None, *, adapt: bool = True
+    run_dir: str | Path, profile: str | Path | None = None, *, adapt: bool = True, length: int | None = None
 ) -> tuple[DeadlineScheduler, Path]:
-    """A deadline scheduler for a run on a profiled device; the profile must name this run's weights."""
+    """A deadline scheduler for a run on a profiled device; the profile must name this run's weights. ``length``
+    (a text request's tokens) picks the profile of its length bucket."""
     fingerprint = run_fingerprint(run_dir)
-    path = find_profile(run_dir, profile)
+    path = find_profile(run_dir, profile, length=length)
     loaded = DeviceProfile.load(path, fingerprint=fingerprint)
     return DeadlineScheduler(loaded, run_options(run_dir, loaded.step_names), adapt=adapt), path
 

@@ -11,7 +11,7 @@ one step chosen up front by the scheduler.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from anytime.calibrate import ExitPolicy
-from anytime.errors import AnytimeError
+from anytime.calibrate.criteria import get_criterion
 from anytime.contract import is_incremental, run_step, step_count
+from anytime.errors import AnytimeError
 from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline, check_energy_budget
@@ -62,16 +63,24 @@ class AnytimeRunner:
     (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
     the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
     ``clock`` (seconds, monotonic; default :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests
-    inject a fake one.
+    inject a fake one. ``length_profiles`` (a text model's profiles by sentence length in tokens) price each request
+    by the shortest profiled length that holds it (``x.shape[1]``), its length bucket; ``profile`` is then the
+    longest.
     """
 
     def __init__(
         self, model: nn.Module, profile: DeviceProfile, policy: ExitPolicy | None = None, *, quantile: float = 0.99,
         adapt: bool = True, margin_ms: float = 0.0, window: int = 200, min_observations: int = 20,
         scheduler: DeadlineScheduler | None = None, step_accuracy: Sequence[float] | None = None,
-        clock: Clock = monotonic,
+        clock: Clock = monotonic, length_profiles: Mapping[int, DeviceProfile] | None = None,
     ) -> None:  # fmt: skip
         num_steps = step_count(model)
+        self.length_profiles = dict(sorted((length_profiles or {}).items()))
+        if self.length_profiles:
+            profile = self.length_profiles[max(self.length_profiles)]
+            for length, bucket in self.length_profiles.items():
+                bucket.check_model(None, num_steps, where=f"the profile of {length} tokens")
+                bucket.check_quantile(quantile)
         profile.check_model(None, num_steps, where="the profile")
         if not (margin_ms >= 0 and math.isfinite(margin_ms)):
             raise AnytimeError(f"margin_ms must be a finite number >= 0 (got {margin_ms})")
@@ -90,10 +99,14 @@ class AnytimeRunner:
                 raise AnytimeError("an early-exit policy needs an incremental model (one whose steps reuse each other's work)")
             if policy.num_steps != num_steps:
                 raise AnytimeError(f"the policy is for {policy.num_steps} exits but the model has {num_steps}")
+            if get_criterion(policy.criterion).stateful:
+                raise AnytimeError(f"the runtime decides exit by exit from each exit's own logits; a {policy.criterion} "
+                                   "calibration compares exits with each other: calibrate with --criterion entropy "
+                                   "(or confidence, margin) for the runtime")  # fmt: skip
         self._num_steps = num_steps
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
-        self._estimates: dict[int, tuple[list[float], list[float]]] = {}
+        self._estimates: dict[tuple[int, int | None], tuple[list[float], list[float]]] = {}
         self._energies: dict[int, list[float]] = {}
         if self.incremental:
             self.drift = DriftEstimator(window=window, min_observations=min_observations)
@@ -116,14 +129,27 @@ class AnytimeRunner:
             )
         return sizes[0]
 
-    def _stage_estimates(self, batch_size: int) -> tuple[list[float], list[float]]:
+    def bucket_of(self, length: int) -> int | None:
+        """The profiled sentence length that prices a request of ``length`` tokens (None without length profiles)."""
+        if not self.length_profiles:
+            return None
+        holding = [t for t in self.length_profiles if t >= length]
+        if not holding:
+            raise AnytimeError(f"a request of {length} tokens is longer than every profiled length "
+                               f"({max(self.length_profiles)}); cut it, or profile that length")  # fmt: skip
+        return holding[0]
+
+    def _stage_estimates(self, batch_size: int, length: int | None = None) -> tuple[list[float], list[float]]:
         """Per stage: its latency at the quantile and its median (ms), at the nearest profiled batch size
-        at or above ``batch_size``."""
-        found = self._estimates.get(batch_size)
+        at or above ``batch_size`` (and, with length profiles, the length bucket of ``length`` tokens)."""
+        bucket = None if length is None else self.bucket_of(length)
+        key = (batch_size, bucket)
+        found = self._estimates.get(key)
         if found is not None:
             return found
-        stages = self.profile.at(self._profiled_batch(batch_size)).stages or ()
-        found = self._estimates[batch_size] = (
+        profile = self.profile if bucket is None else self.length_profiles[bucket]
+        stages = profile.at(self._profiled_batch(batch_size)).stages or ()
+        found = self._estimates[key] = (
             [quantile_of(s, self.quantile) for s in stages], [max(quantile_of(s, 0.5), 1e-9) for s in stages],
         )  # fmt: skip
         return found
@@ -152,7 +178,7 @@ class AnytimeRunner:
             return self._predict_incremental(x, deadline_ms, start, energy_mj)
 
     def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
-        tail, median = self._stage_estimates(x.shape[0])
+        tail, median = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
         path_mj = None if energy_mj is None else self._path_energies(x.shape[0])
         last = self._num_steps - 1
         policy = self.policy

@@ -168,11 +168,13 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
     from anytime import __version__
     from anytime.pipeline import runner_for_run
     from anytime.scheduler.query import schedule_answer, scheduler_for_run
+    from anytime.train.runs import require_images
 
     if options.max_body_kb < 1:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
     runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile,
                                  device=options.device, threads=options.threads)  # fmt: skip
+    require_images(run, "anytime serve")
     spec = InputSpec.from_dataset(run.dataset)
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip

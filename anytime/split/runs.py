@@ -25,7 +25,7 @@ def split_tables(run_dir: str | Path, codecs: tuple[str, ...], *, device: str = 
     from anytime.ensembles import EnsembleModel
     from anytime.pipeline import _splits_of
     from anytime.scheduler.query import run_fingerprint
-    from anytime.train.runs import load_run
+    from anytime.train.runs import load_run, require_images
     from anytime.utils.outputs import check_output_file, output_lock
 
     fingerprint = run_fingerprint(run_dir)
@@ -33,6 +33,7 @@ def split_tables(run_dir: str | Path, codecs: tuple[str, ...], *, device: str = 
     if tables is not None and all(c in tables.codecs for c in codecs):
         return tables
     run = load_run(run_dir, device)
+    require_images(run, "split computing")
     _segmented(run.model, run_dir)
     if isinstance(run.model, EnsembleModel) and any(c != "fp32" for c in codecs):
         raise AnytimeError("an ensemble's validation answers are cross-fitted, so a compressed activation's effect "

@@ -50,12 +50,13 @@ def serve_split(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 900
                 on_ready: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Serve the run's later segments to split-computing devices until interrupted."""
     from anytime.split.server import SplitServer, SplitService
-    from anytime.train.runs import load_run
+    from anytime.train.runs import load_run, require_images
     from anytime.utils.machine import resolve_device
     from anytime.utils.threads import set_threads
 
     set_threads(threads)
     run = load_run(run_dir, resolve_device(device))
+    require_images(run, "split computing")
     size = run.dataset.get("image_size") or [32, 32]
     shape = (int(run.dataset["in_channels"]), int(size[0]), int(size[1]))
     service = SplitService(run.model, shape, fingerprint=run.fingerprint)

@@ -1,8 +1,8 @@
 """Model cards: a declarative training recipe in TOML, with the results measured with it.
 
 A card has the tables ``[card]`` (name, description), ``[model]`` (``name``), ``[data]`` (``name``,
-optional ``root``, ``image_size``, ``val_fraction``, ``limit_train``), ``[train]`` (the rest of
-:class:`TrainConfig`) and ``[results]`` (what a run of the card measured: accuracy, time, device,
+optional ``root``, ``image_size``, ``val_fraction``, ``limit_train``; for text ``vocab_size`` and ``max_length``),
+``[train]`` (the rest of :class:`TrainConfig`) and ``[results]`` (what a run of the card measured: accuracy, time, device,
 date). ``[results]`` is the card's last table so that :func:`record_results` can rewrite it.
 """
 
@@ -24,7 +24,7 @@ from anytime.utils.io import read_toml, write_text
 _TABLES = ("card", "model", "data", "train", "results")
 _RESULTS_HEADER = re.compile(r"^\s*\[results\]\s*(#.*)?$")
 _DATA_KEYS = {"name": "data", "root": "data_root", "image_size": "image_size", "val_fraction": "val_fraction",
-              "limit_train": "limit_train"}  # fmt: skip
+              "limit_train": "limit_train", "vocab_size": "vocab_size", "max_length": "max_length"}  # fmt: skip
 
 
 @dataclass(frozen=True)

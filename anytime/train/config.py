@@ -17,8 +17,10 @@ AMP: tuple[str, ...] = ("off", "bf16")
 EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
 EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the designs of anytime.wrappers.exit_head
 LADDERS: tuple[str, ...] = ("top-down",)
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,
-                                    "slices": str, "resolutions": str, "sact": str, "ladder": str, "augment": str, "prune_from": str}  # fmt: skip
+                                    "slices": str, "resolutions": str, "sact": str, "ladder": str, "augment": str, "prune_from": str,
+                                    "vocab_size": int, "max_length": int, "tokenizer": str}  # fmt: skip
 PRUNE_SCOPES: tuple[str, ...] = ("global", "layer")  # magnitudes ranked over all layers at once, or in each
 PRUNE_UNITS: tuple[str, ...] = ("weights", "channels")  # single weights (masked), or whole channels (a smaller network)
 _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [0.5, 0.75]",
@@ -75,9 +77,13 @@ class TrainConfig:
     image_size: int | None = None
     val_fraction: float = 0.1
     limit_train: int | None = None
+    vocab_size: int | None = None
+    max_length: int | None = None
+    tokenizer: str | None = None
     epochs: int = 10
     batch_size: int = 128
     lr: float = 0.01
+    optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 5e-4
     nesterov: bool = False
@@ -133,6 +139,10 @@ class TrainConfig:
             (self.batch_size >= 1, f"batch size must be at least 1 (got {self.batch_size})"),
             (math.isfinite(self.lr) and self.lr > 0, f"learning rate must be a positive number (got {self.lr})"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1) (got {self.momentum})"),
+            (self.optimizer in OPTIMIZERS, f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}"),
+            (not self.nesterov or self.optimizer == "sgd", "--nesterov is SGD's; AdamW takes no Nesterov momentum"),
+            (self.vocab_size is None or self.vocab_size >= 100, f"--vocab-size must be at least 100 (got {self.vocab_size})"),
+            (self.max_length is None or self.max_length >= 2, f"--max-length must be at least 2 tokens (got {self.max_length})"),
             (
                 math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                 f"weight decay must be >= 0 (got {self.weight_decay})",

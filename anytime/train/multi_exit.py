@@ -72,15 +72,29 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> None:
 
 
 def build_model(
-    config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True
+    config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True,
+    text: tuple[int, int] | None = None,
 ) -> nn.Module:
     """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
     with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, as a block-drop
     ladder when ``config.ladder`` is, as a resolution ladder when ``config.resolutions`` is, or as a SACT ResNet
-    when ``config.sact`` is."""
+    when ``config.sact`` is. ``text`` is a text dataset's ``(vocab_size, max_length)``: the model must be a text
+    encoder, and takes exits only."""
+    from anytime.backbones import model_modality
     from anytime.wrappers import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
-    backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
+    modality = model_modality(config.model)
+    if (text is not None) != (modality == "text"):
+        held, wanted = ("text", "a text model (mobilebert_tiny, bert_mini)") if text else ("images", "an image model")
+        raise AnytimeError(f"{config.model} is {'a text' if modality == 'text' else 'an image'} model, and "
+                           f"{config.data} holds {held}; choose {wanted}")  # fmt: skip
+    if text is not None:
+        if config.ladder or config.resolutions or config.sact or config.slices:
+            raise AnytimeError("text encoders take early exits (--exits) only; slices, ladders, resolutions and SACT "
+                               "are for image networks")  # fmt: skip
+        backbone = create_model(config.model, num_classes=num_classes, vocab_size=text[0], max_length=text[1])
+    else:
+        backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
     if config.init is not None and load_init:
         load_backbone_weights(backbone, config.init)
     if config.stochastic_depth > 0:
@@ -110,7 +124,7 @@ def build_model(
         return backbone
     model = attach_exits(
         backbone, config.exits, head=config.exit_head, num_classes=num_classes,
-        input_shape=(in_channels, *image_size),
+        input_shape=(text[1],) if text is not None else (in_channels, *image_size),
     )  # fmt: skip
     if config.exit_weights is not None and len(config.exit_weights) != model.num_steps:
         raise AnytimeError(

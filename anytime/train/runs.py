@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anytime.backbones.base import example_input
 from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_weights
@@ -48,6 +49,21 @@ class LoadedRun:
         return self.label or self.config.model
 
 
+def dataset_input_shape(dataset: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's input shape from a run's recorded dataset: ``(C, H, W)``, or ``(T,)`` for text."""
+    if dataset.get("modality") == "text":
+        return (int(dataset["max_length"]),)
+    size = dataset.get("image_size") or [32, 32]
+    return int(dataset["in_channels"]), int(size[0]), int(size[1])
+
+
+def require_images(run: LoadedRun, what: str) -> None:
+    """Refuse a text run where only image runs are supported yet (``what``: the command, e.g. ``anytime quantize``)."""
+    if run.dataset.get("modality") == "text":
+        raise AnytimeError(f"{run.run_dir} is a text run; {what} supports image runs only so far (text runs take "
+                           "train, collect, sweep, calibrate, evaluate, profile and schedule)")  # fmt: skip
+
+
 def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
     """The recipe and dataset description recorded in a run's ``config.json``."""
     record = read_record(run_dir)
@@ -66,8 +82,8 @@ def load_run(
         return loaded
     from anytime.inference import InferenceForm, inference_form
 
-    shape = (int(loaded.dataset["in_channels"]), *(int(v) for v in loaded.dataset.get("image_size") or (32, 32)))
-    probe = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(loaded.device)
+    probe = example_input(dataset_input_shape(loaded.dataset), 2, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(loaded.device)
     parsed = InferenceForm.parse(form)
     loaded.model = inference_form(loaded.model, parsed, probe=probe)
     loaded.form = parsed.name
@@ -87,6 +103,7 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
         size = dataset.get("image_size") or [32, 32]
         shape = {"num_classes": int(dataset["num_classes"]), "in_channels": int(dataset["in_channels"]),
                  "image_size": (int(size[0]), int(size[1]))}  # fmt: skip
+        text = (int(dataset["vocab_size"]), int(dataset["max_length"])) if dataset.get("modality") == "text" else None
     except (KeyError, TypeError, ValueError, IndexError):
         raise AnytimeError(f"{run / 'config.json'} does not describe its dataset; was it edited?") from None
     target = resolve_device(str(device))
@@ -106,13 +123,15 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
         load_weights(model, weights)
         label = f"{baseline.get('method')}({len(model.members)} x {config.model})"
         return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target, label)
-    model = build_model(config, load_init=False, **shape)  # type: ignore[arg-type]
+    model = build_model(config, load_init=False, text=text, **shape)  # type: ignore[arg-type]
     plan = run_channel_plan(run)
     if plan is not None:  # a structured ticket: the dense network cut to its channels
         shrink(model, plan)
     load_weights(model, weights)
     record = precision_record(run)
     if record is not None and converted:
+        if text is not None:
+            raise AnytimeError(f"{run} is a converted text run; converting text encoders is not supported yet")
         model = _converted(run, model.eval(), record, (shape["in_channels"], *shape["image_size"]), target)
     return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target)
 

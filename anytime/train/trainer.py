@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anytime.data import Augment, BatchLoader, DatasetSplits, load_dataset, make_loader
+from anytime.data.text import TEXT_DATASETS, TOKENIZER_FILE
 from anytime.errors import AnytimeError
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
@@ -27,7 +28,7 @@ from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.channels import CHANNELS_FILE, ChannelPlan, shrink
 from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_channel_ticket, make_ticket
 from anytime.train.timing import PHASES, Clock, PhaseLog
-from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json
+from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json, write_text
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import (
     MARKER,
@@ -161,12 +162,47 @@ def require_checkpoint(run_dir: str | Path, verb: str) -> Path:
     return path
 
 
-def load_splits(config: TrainConfig) -> DatasetSplits:
-    """The train / validation / test splits a recipe trains on."""
+def load_splits(config: TrainConfig, run_dir: str | Path | None = None) -> DatasetSplits:
+    """The train / validation / test splits a recipe trains on. Text is encoded with the tokenizer ``run_dir``
+    holds (``tokenizer.json``), else the recipe's ``tokenizer`` file, else a new one trained on the split."""
+    tokenizer = None
+    if config.data in TEXT_DATASETS:
+        tokenizer = read_tokenizer(config, run_dir)
     return load_dataset(
         config.data, config.data_root, val_fraction=config.val_fraction, seed=config.seed,
-        image_size=config.image_size, limit_train=config.limit_train,
+        image_size=config.image_size, limit_train=config.limit_train, vocab_size=config.vocab_size,
+        max_length=config.max_length, tokenizer=tokenizer,
     )  # fmt: skip
+
+
+def read_tokenizer(config: TrainConfig, run_dir: str | Path | None) -> str | None:
+    """The JSON of the tokenizer a text run uses: the run's own ``tokenizer.json`` (refused if it is gone), or for a
+    new run (``run_dir`` None) the recipe's ``tokenizer`` file; None when there is none (a new run trains one)."""
+    if run_dir is not None:
+        path = Path(run_dir) / TOKENIZER_FILE
+        if not path.is_file():
+            raise AnytimeError(f"{run_dir} has no {TOKENIZER_FILE}, which its token ids were made with; restore it "
+                               "from a copy of the run, or train again")  # fmt: skip
+    elif config.tokenizer is not None:
+        path = Path(config.tokenizer).expanduser()
+    else:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AnytimeError(f"cannot read the tokenizer {path} ({exc}); give a tokenizer.json `anytime train` "
+                           "wrote") from None  # fmt: skip
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """SGD over :func:`parameter_groups`, or AdamW (``momentum`` its first beta) with no weight decay on biases
+    and normalisation weights (every 1-D parameter), as transformers are trained."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(parameter_groups(model, config), momentum=config.momentum, nesterov=config.nesterov)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() > 1], "lr": config.lr, "weight_decay": config.weight_decay},
+              {"params": [p for p in trainable if p.dim() <= 1], "lr": config.lr, "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW([g for g in groups if g["params"]], betas=(config.momentum, 0.999))
 
 
 @torch.no_grad()
@@ -377,12 +413,15 @@ class Trainer:
         if ctx is not None:
             device = ctx.device(device)
         if splits is None:
-            splits = load_splits(cfg)
+            splits = load_splits(cfg, self.run_dir if state is not None else None)
         info = splits.info
+        if info.modality == "text" and (cfg.tta or cfg.augment is not None or cfg.channels_last):
+            raise AnytimeError("--tta, --augment and --channels-last are for images; leave them out for text")
         seed_everything(cfg.seed)
         model = build_model(
             cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
             load_init=state is None,  # a resumed run takes every weight from its checkpoint
+            text=(info.vocab_size, info.max_length) if info.modality == "text" else None,
         ).to(device)
         if state is None and cfg.init is None:
             init_from_data(model, splits, device)
@@ -418,8 +457,8 @@ class Trainer:
             sync_batch_norms(model)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        self._check_resources(model, info.in_channels, info.image_size)
-        optimizer = torch.optim.SGD(parameter_groups(model, cfg), momentum=cfg.momentum, nesterov=cfg.nesterov)
+        self._check_resources(model, info.input_shape)
+        optimizer = make_optimizer(model, cfg)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: lr_factor(cfg, epoch))
         history: list[dict[str, Any]] = []
         start_epoch = 0
@@ -457,7 +496,7 @@ class Trainer:
             if extend:  # the schedule of the new length, from the epoch the run goes on at
                 for group in optimizer.param_groups:
                     group["lr"] = group["initial_lr"] * lr_factor(cfg, start_epoch)
-        augment = cfg.augmentation(info.hflip)
+        augment = Augment("none", 0) if info.modality == "text" else cfg.augmentation(info.hflip)
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
@@ -466,6 +505,8 @@ class Trainer:
                 mask.save(self.run_dir / MASK_FILE)
             if plan is not None and state is None:
                 plan.save(self.run_dir / CHANNELS_FILE)
+            if splits.tokenizer is not None and not (self.run_dir / TOKENIZER_FILE).is_file():
+                write_text(self.run_dir / TOKENIZER_FILE, splits.tokenizer)
         forward: nn.Module = _TrainingForward(model)
         if ctx is not None:
             # the sandwich rule leaves the slices it did not pick (their norms and heads) without a gradient
@@ -480,7 +521,8 @@ class Trainer:
         if self.on_start is not None:
             self.on_start(
                 f"{'resuming' if state is not None else 'training'} {cfg.model} on {info.name} "
-                f"({len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test images) "
+                f"({len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test "
+                f"{'sentences' if info.modality == 'text' else 'images'}) "
                 f"from epoch {start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
             )
 
@@ -706,13 +748,13 @@ class Trainer:
             raise AnytimeError(f"a ticket trains on with the recipe of its dense run {dense_run}, but these differ: "
                                f"{'; '.join(differing)}; use the dense run's recipe")  # fmt: skip
 
-    def _check_resources(self, model: nn.Module, channels: int, size: tuple[int, int]) -> None:
+    def _check_resources(self, model: nn.Module, shape: tuple[int, ...]) -> None:
         """Refuse, before the first batch, a batch that cannot fit in memory or checkpoints that cannot fit on disk."""
         cfg = self.config
-        shape = (channels, *size)
+        samples = f"sentences of {shape[0]} tokens" if len(shape) == 1 else f"{shape[1]}x{shape[2]} images"
         check_forward_memory(model, shape, cfg.batch_size, training=True,
-                             what=f"training {cfg.model} on batches of {cfg.batch_size} {size[0]}x{size[1]} images",
-                             hint="lower --batch-size or --image-size")  # fmt: skip
+                             what=f"training {cfg.model} on batches of {cfg.batch_size} {samples}",
+                             hint="lower --batch-size, --image-size or --max-length")  # fmt: skip
         # the checkpoint (weights and momentum) twice while it is replaced, and the final weights
         check_disk(self.run_dir, 5 * model_bytes(model), f"the checkpoints of {cfg.model}",
                    "free some space or choose another --out")  # fmt: skip

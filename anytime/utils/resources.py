@@ -94,7 +94,10 @@ def forward_bytes_per_sample(model: nn.Module, input_shape: Sequence[int], *, tr
     """
     import torch
 
-    channels, height, width = (int(v) for v in input_shape)
+    from anytime.backbones.base import example_input
+
+    text = len(input_shape) == 1  # token ids (T,), counted as a 1 x 1 x T input
+    channels, height, width = (1, 1, int(input_shape[0])) if text else (int(v) for v in input_shape)
     scale = 1.0
     if height * width > _MEASURE_PIXELS:
         side = int(_MEASURE_PIXELS**0.5)
@@ -120,14 +123,14 @@ def forward_bytes_per_sample(model: nn.Module, input_shape: Sequence[int], *, tr
         device = param.device if param is not None else torch.device("cpu")
         model.eval()
         with torch.no_grad():
-            model(torch.zeros(1, channels, height, width, device=device))
+            model(example_input((width,) if text else (channels, height, width), 1, device=device))
     except Exception:  # noqa: BLE001  a model that only takes its own size: judge by the input alone
         sizes = []
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    input_bytes = 4 * channels * height * width
+    input_bytes = (8 if text else 4) * channels * height * width
     if not sizes:
         return int(scale * 64 * input_bytes)
     if training:

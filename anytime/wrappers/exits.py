@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from anytime.backbones.base import Scale, StagedBackbone
+from anytime.backbones.base import Scale, StagedBackbone, example_input
 from anytime.errors import AnytimeError
 from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
 
@@ -38,6 +38,8 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         raise AnytimeError(f"unknown exit head '{kind}'; choose one of {', '.join(HEADS)}")
     if len(shape) == 1:
         return nn.Linear(shape[0], num_classes)
+    if len(shape) == 2:
+        return TokenHead(kind, shape[1], num_classes)
     channels, height, width = shape
     if kind == "linear":
         return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
@@ -51,6 +53,35 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels),
         nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes),
     )  # fmt: skip
+
+
+class TokenHead(nn.Module):
+    """An exit classifier for a text encoder's hidden states ``[B, T, H]`` (padded positions zero).
+
+    ``linear``: the first (``[CLS]``) position and a linear layer. ``pool`` / ``scaled``: the mean over the real
+    tokens and a linear layer (``scaled`` multiplies the logits by ``2 / sqrt(H)``, as for images). ``conv``: the
+    most expressive, BERT's pooler on the first position (a tanh layer) and a linear layer, as DeeBERT's exits.
+    """
+
+    def __init__(self, kind: str, hidden: int, num_classes: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.pool = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) if kind == "conv" else nn.Identity()
+        self.classifier = nn.Linear(hidden, num_classes)
+        self.scale = 2 / math.sqrt(hidden) if kind == "scaled" else 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``[B, C]``."""
+        if self.kind in ("linear", "conv"):
+            pooled = x[:, 0]
+        else:
+            keep = x.ne(0).any(dim=-1, keepdim=True)
+            pooled = x.sum(dim=1) / keep.sum(dim=1).clamp(min=1)
+        logits = self.classifier(self.pool(pooled))
+        return logits * self.scale if self.kind == "scaled" else logits
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}"
 
 
 @dataclass(frozen=True)
@@ -304,7 +335,7 @@ def attach_exits(
     *,
     head: str = "pool",
     num_classes: int | None = None,
-    input_shape: tuple[int, int, int] | None = None,
+    input_shape: tuple[int, ...] | None = None,
 ) -> MultiExitModel:
     """Attach early exits to ``backbone`` and return a :class:`MultiExitModel`.
 
@@ -313,18 +344,21 @@ def attach_exits(
     fractions of FLOPs (``[0.25, 0.5]``) or point names (``["stages.0", "stages.1.2"]``, or module names such
     as ``layer2`` for a torchvision model). Zoo models split at their declared stages and blocks; any
     other module is split on its torch.fx graph. ``head`` picks the exit head design (see :func:`exit_head`).
-    ``input_shape`` is one sample's ``(C, H, W)``; by default the backbone's ``in_channels`` at 32x32.
+    ``input_shape`` is one sample's ``(C, H, W)``; by default the backbone's ``in_channels`` at 32x32, or for a
+    text encoder ``(T,)``, its maximum length (FLOPs are counted at that length).
     """
     kind, value = _parse_points(points)
     if head not in HEADS:
         raise AnytimeError(f"unknown exit head '{head}'; choose one of {', '.join(HEADS)}")
+    if input_shape is None and getattr(backbone, "modality", "image") == "text":
+        input_shape = (int(backbone.max_length),)  # type: ignore[arg-type]
     if input_shape is None:
         input_shape = (int(getattr(backbone, "in_channels", 3)), 32, 32)
     try:
         device = next(backbone.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
-    sample = torch.zeros(1, *input_shape, device=device)
+    sample = example_input(input_shape, 1, device=device)
     chain = split_points(backbone, sample)
     chosen = _choose(chain, kind, value, isinstance(backbone, StagedBackbone))
     segments = chain.segments(chosen)

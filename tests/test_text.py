@@ -1,0 +1,273 @@
+"""Text classification: tables of sentences, the tokenizer, encoders with exits, and the pipeline on them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from anytime.backbones import create_model
+from anytime.calibrate import ExitPolicy
+from anytime.data import load_dataset, make_loader
+from anytime.data.text import TOKENIZER_FILE, read_table
+from anytime.errors import AnytimeError
+from anytime.wrappers import attach_exits
+
+SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
+GOOD = ("good", "great", "fine", "lovely", "superb", "warm")
+BAD = ("bad", "awful", "poor", "dull", "boring", "cold")
+
+
+def _sentences(count: int, seed: int) -> list[tuple[int, str]]:
+    """Labelled sentences whose label is told by a few words among neutral ones, of varied lengths."""
+    rng = np.random.default_rng(seed)
+    neutral = ("the", "film", "was", "a", "story", "with", "actors", "and", "music", "plot")
+    rows = []
+    for i in range(count):
+        label = i % 2
+        words = list(rng.choice(neutral, size=int(rng.integers(2, 14))))
+        for _ in range(int(rng.integers(1, 3))):
+            words.insert(int(rng.integers(0, len(words) + 1)), str(rng.choice(GOOD if label else BAD)))
+        rows.append((label, " ".join(words)))
+    return rows
+
+
+def _write(path: Path, rows: list[tuple[int, str]], column: str = "content") -> None:
+    sep = "\t" if path.suffix == ".tsv" else ","
+    path.write_text(f"label{sep}{column}\n" + "".join(f"{y}{sep}{t}\n" for y, t in rows), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def text_root(tmp_path_factory) -> Path:
+    """A textfolder: train.tsv (with a 'sentence' column, as SST-2's), dev.csv and test.tsv."""
+    root = tmp_path_factory.mktemp("textfolder")
+    _write(root / "train.tsv", _sentences(400, 0), column="sentence")
+    _write(root / "dev.csv", _sentences(60, 1))
+    _write(root / "test.tsv", _sentences(80, 2))
+    return root
+
+
+@pytest.fixture(scope="module")
+def text_run(text_root, tmp_path_factory) -> Path:
+    """A MobileBERT-shaped encoder with exits after every layer, trained for 2 epochs on the textfolder."""
+    from anytime.train import TrainConfig, Trainer
+
+    run = tmp_path_factory.mktemp("text-run") / "run"
+    config = TrainConfig(model="mobilebert_tiny", data="textfolder", data_root=str(text_root), epochs=2,
+                         batch_size=32, lr=2e-3, optimizer="adamw", weight_decay=0.01, exits="auto", vocab_size=200,
+                         max_length=16, device="cpu")  # fmt: skip
+    Trainer(config, run).fit()
+    return run
+
+
+def test_a_text_folder_loads_as_token_ids(text_root):
+    splits = load_dataset("textfolder", text_root, max_length=12, vocab_size=200)
+    info = splits.info
+    assert info.modality == "text" and info.num_classes == 2 and info.max_length == 12
+    assert info.input_shape == (12,)
+    assert splits.train.images.dtype == torch.int64 and splits.train.images.shape[1] == 12
+    assert (splits.train.images[:, 0] == 2).all()  # every sentence starts with [CLS]
+    assert len(splits.train) + len(splits.val) == 400 and len(splits.dev) == 60 and len(splits.test) == 80
+    assert not set(splits.train.indices.tolist()) & set(splits.val.indices.tolist())
+    cut = dict(info.truncated)
+    longest = max(len(t.split()) for _, t in _sentences(400, 0))
+    assert cut["train"] > 0 and longest + 1 > 12  # some sentences were longer than 12 tokens, and were counted
+    assert splits.tokenizer is not None and json.loads(splits.tokenizer)["model"]["type"] == "WordPiece"
+    again = load_dataset("textfolder", text_root, max_length=12, tokenizer=splits.tokenizer)
+    assert torch.equal(again.test.images, splits.test.images) and again.info.tokenizer == info.tokenizer
+
+
+def test_text_batches_are_trimmed_and_bucketed(text_root):
+    splits = load_dataset("textfolder", text_root, max_length=16, vocab_size=200)
+    loader = make_loader(splits.train, splits.info, batch_size=16, train=True, seed=3)
+    seen, spreads = [], []
+    for ids, labels in loader:
+        lengths = ids.ne(0).sum(1)
+        assert ids.shape[1] == int(lengths.max())  # trimmed to the batch's longest sentence
+        spreads.append(int(lengths.max() - lengths.min()))
+        seen.append(labels)
+    assert sum(len(s) for s in seen) == len(splits.train)
+    again = [labels for _, labels in make_loader(splits.train, splits.info, batch_size=16, train=True, seed=3)]
+    assert all(torch.equal(a, b) for a, b in zip(seen, again))  # the order depends on (seed, epoch) only
+    assert np.mean(spreads) <= 2  # grouped by length: little padding inside a batch
+    ids, _ = next(iter(make_loader(splits.test, splits.info, batch_size=80, train=False)))
+    assert torch.equal(ids, splits.test.images[:, : ids.shape[1]])  # evaluation keeps the order
+
+
+@pytest.mark.parametrize("name", ["mobilebert_tiny", "bert_mini"])
+@pytest.mark.parametrize("head", ["pool", "linear", "conv"])
+def test_padding_changes_no_answer(name, head):
+    torch.manual_seed(0)
+    model = attach_exits(create_model(name, num_classes=3, vocab_size=300, max_length=20), "auto", head=head).eval()
+    short = torch.tensor([[2, 17, 45, 9]])
+    padded = torch.tensor([[2, 17, 45, 9, 0, 0, 0], [2, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        alone, together = model(short), model(padded)
+        assert torch.allclose(alone[:, 0], together[:, 0], atol=1e-5)
+        for k in range(model.num_steps):
+            assert torch.allclose(model.forward_until(short, k)[0], together[k, 0], atol=1e-5)
+    assert model.num_steps == len(model.backbone.stages)
+
+
+def test_text_models_and_data_must_match(text_root, tmp_path):
+    from anytime.train import TrainConfig, Trainer
+
+    with pytest.raises(AnytimeError, match="text model"):
+        Trainer(TrainConfig(model="lenet", data="textfolder", data_root=str(text_root), epochs=1), tmp_path / "a").fit()
+    with pytest.raises(AnytimeError, match="image"):
+        Trainer(TrainConfig(model="mobilebert_tiny", data="digits", epochs=1), tmp_path / "b").fit()
+    with pytest.raises(AnytimeError, match="early exits"):
+        Trainer(TrainConfig(model="mobilebert_tiny", data="textfolder", data_root=str(text_root), epochs=1,
+                            slices="0.5,1"), tmp_path / "c").fit()  # fmt: skip
+    with pytest.raises(AnytimeError, match="max-length"):
+        load_dataset("textfolder", text_root, image_size=32)
+    with pytest.raises(AnytimeError, match="for images"):
+        Trainer(TrainConfig(model="mobilebert_tiny", data="textfolder", data_root=str(text_root), epochs=1,
+                            tta=True), tmp_path / "d").fit()  # fmt: skip
+    with pytest.raises(AnytimeError, match="text data"):
+        load_dataset("digits", max_length=32)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("text\tlabel2\nhello\t1\n", ["label", "content"]),
+        ("label\tcontent\nfine movie\tpositive\n", ["fine movie", "not an integer", ":2"]),
+        ("label\tcontent\n", ["no labelled sentence"]),
+        ("", ["empty"]),
+    ],
+)
+def test_malformed_tables_are_one_line(tmp_path, content, words):
+    path = tmp_path / "train.tsv"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(AnytimeError) as caught:
+        read_table(path)
+    message = str(caught.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_blank_lines_are_counted_and_an_encoding_is_named(tmp_path):
+    path = tmp_path / "train.tsv"
+    path.write_text("label\tcontent\n1\tgood\n\n0\t   \n0\tbad\n", encoding="utf-8")
+    table = read_table(path)
+    assert table.texts == ("good", "bad") and table.empty == 2
+    path.write_bytes("label\tcontent\n1\tcaf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    with pytest.raises(AnytimeError, match="not UTF-8"):
+        read_table(path)
+
+
+def test_the_pipeline_runs_on_text(text_run, capsys, tmp_path):
+    from anytime.cli import main
+
+    summary = json.loads((text_run / "summary.json").read_text())
+    assert len(summary["exits"]) == 6 and (text_run / TOKENIZER_FILE).is_file()
+    for split in ("val", "dev", "test"):
+        assert main(["collect", str(text_run), "--split", split]) == 0
+    assert main(["sweep", str(text_run)]) == 0
+    assert main(["calibrate", str(text_run), "--max-drop", "1"]) == 0
+    assert main(["evaluate", str(text_run), "--split", "dev", "--latency-samples", "0"]) == 0
+    capsys.readouterr()
+    report = json.loads((text_run / "evaluation-dev.json").read_text())
+    assert report["samples"] == 60 and report["agreement_with_cache"]["predictions"] == 1.0
+    assert report["agreement_with_cache"]["exits"] == 1.0
+    patience = str(tmp_path / "calibration-patience.json")
+    assert main(["calibrate", str(text_run), "--max-drop", "2", "--criterion", "patience", "--out", patience]) == 0
+    assert main(["evaluate", str(text_run), "--split", "test", "--calibration", patience, "--latency-samples", "5"]) == 0
+    capsys.readouterr()
+    report = json.loads((text_run / "evaluation-test.json").read_text())
+    assert report["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
+    assert report["latency"]["early_exit"]["count"] == 5
+
+
+def test_patience_counts_agreeing_exits_in_a_row():
+    from anytime.calibrate.criteria import agreement_streak
+
+    classes = torch.tensor([[0, 1, 2], [0, 1, 0], [0, 0, 0], [1, 0, 0]])  # [K=4 exits, N=3 samples]
+    logits = torch.nn.functional.one_hot(classes, 3).double()
+    assert agreement_streak(logits).tolist() == [[0, 0, 0], [1, 1, 0], [2, 0, 1], [0, 1, 2]]
+    policy = ExitPolicy("patience", (None, 1.0, 2.0))
+    with pytest.raises(AnytimeError, match="patience"):
+        policy.leaves(1, logits[1])
+
+
+def test_patience_early_exit_matches_its_offline_assignment():
+    from anytime.calibrate.criteria import agreement_streak
+
+    torch.manual_seed(1)
+    model = attach_exits(create_model("bert_mini", num_classes=3, vocab_size=200, max_length=12), "auto").eval()
+    ids = torch.randint(4, 200, (40, 12))
+    ids[::3, 7:] = 0  # some padding
+    with torch.no_grad():
+        logits = model(ids)
+    policy = ExitPolicy("patience", (None, 1.0, 1.0))
+    out = policy.run(model, ids)
+    predicted = logits.argmax(-1)
+    for n in range(40):
+        k = int(out.exits[n])
+        assert out.predictions[n] == predicted[k, n]
+        if k < 3:
+            assert k >= 1 and predicted[k, n] == predicted[k - 1, n]  # left on a streak of 1
+    streaks = agreement_streak(logits[:-1]).T.tolist()  # [N, K-1]
+    expected = [next((k for k in (1, 2) if row[k] >= 1), 3) for row in streaks]
+    assert out.exits.tolist() == expected
+
+
+def test_length_buckets_price_each_request(text_run, tmp_path, capsys):
+    from anytime.cli import main
+    from anytime.pipeline import runner_for_run
+    from anytime.scheduler import AnytimeRunner
+
+    run = tmp_path / "run"
+    shutil.copytree(text_run, run, ignore=shutil.ignore_patterns("profile-*"))
+    assert main(["profile", str(run), "--length", "8", "--batch-sizes", "1", "--repeats", "100", "--no-memory"]) == 0
+    capsys.readouterr()
+    assert main(["schedule", str(run), "--deadline-ms", "50", "--length", "12"]) == 2
+    assert "longer than every profiled length" in capsys.readouterr().err
+    assert main(["profile", str(run), "--length", "16", "--batch-sizes", "1", "--repeats", "100", "--no-memory"]) == 0
+    capsys.readouterr()
+    for length, bucket in ((5, 8), (12, 16), (40, 16)):  # 40 tokens are cut to the run's 16
+        assert main(["schedule", str(run), "--deadline-ms", "50", "--length", str(length)]) == 0
+        answer = json.loads(capsys.readouterr().out)
+        assert answer["profile"].endswith(f"-T{bucket}.json"), answer
+    assert main(["schedule", str(run), "--deadline-ms", "50"]) == 2
+    assert "--length" in capsys.readouterr().err
+    runner, loaded = runner_for_run(run, policy=False)
+    assert isinstance(runner, AnytimeRunner) and sorted(runner.length_profiles) == [8, 16]
+    assert runner.bucket_of(3) == 8 and runner.bucket_of(9) == 16
+    out = runner.predict(torch.tensor([[2, 10, 11, 12, 13]]), 1000.0)
+    assert out.step == loaded.num_steps - 1 and not out.missed
+    with pytest.raises(AnytimeError, match="patience"):
+        AnytimeRunner(loaded.model, runner.profile, ExitPolicy("patience", (None,) * (loaded.num_steps - 1)))
+
+
+def test_a_tokenizer_from_another_run_is_refused(text_run, tmp_path, cli_error):
+    from anytime.data.text import train_tokenizer
+
+    run = tmp_path / "run"
+    shutil.copytree(text_run, run)
+    (run / TOKENIZER_FILE).write_text(train_tokenizer(("other words entirely", "and some more"), 120))
+    cli_error(["collect", str(run), "--split", "val"], "tokenizer", str(run))
+    (run / TOKENIZER_FILE).unlink()
+    cli_error(["collect", str(run), "--split", "dev"], "has no tokenizer.json", str(run))
+
+
+@pytest.mark.needs_data
+def test_sst2_loads_with_its_columns():
+    if not (SST2 / "train.tsv").is_file():
+        pytest.skip(f"SST-2 not found at {SST2}")
+    splits = load_dataset("sst2", SST2, max_length=64)
+    assert len(splits.train) + len(splits.val) == 67_349 and len(splits.dev) == 872 and len(splits.test) == 1_821
+    assert splits.info.classes == ("0", "1")
+
+
+def test_the_exits_command_shows_a_text_encoder(capsys):
+    from anytime.cli import main
+
+    assert main(["exits", "mobilebert_tiny", "--num-classes", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["exits"]
+    assert [r["name"] for r in rows] == [f"stages.{i}" for i in range(5)] + ["output"]
+    assert rows[0]["shape"] == [64, 256] and rows[-1]["flops"] > rows[0]["flops"]
