@@ -77,6 +77,23 @@ def exit_run_dir(run_dir: Path | None, quick: bool, card: Path = EXITS_CARD) -> 
     return run_dir.with_name(run_dir.name + "-quick") if quick else run_dir
 
 
+def train_card(run_dir: Path, quick: bool, card_path: Path) -> dict[str, Any]:
+    """Train the card ``card_path`` into ``run_dir`` unless it is there (resuming an interrupted run) and return the
+    run's summary. Quick mode trains 1 epoch on 2000 samples: a smoke run, not figures."""
+    import json
+
+    from anytime.train import Trainer, load_card
+    from anytime.train.trainer import CHECKPOINT
+
+    card = load_card(card_path)
+    config = card.config.replace(epochs=1, limit_train=2000) if quick else card.config
+    if not (run_dir / "model.safetensors").is_file():
+        resume = (run_dir / CHECKPOINT).is_file()
+        print(f"{'resuming' if resume else 'training'} {card.name} in {run_dir} ({config.epochs} epochs)...")
+        Trainer(config, run_dir, extra_config={"card": str(card_path)}).fit(resume=resume)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def prepare_exit_run(
     run_dir: Path, quick: bool, *, max_drop: float, card_path: Path = EXITS_CARD
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
@@ -87,15 +104,8 @@ def prepare_exit_run(
     from anytime.calibrate import CRITERIA
     from anytime.outputs import load_cache
     from anytime.pipeline import calibrate_run, collect_run, run_fingerprint
-    from anytime.train import Trainer, load_card
-    from anytime.train.trainer import CHECKPOINT
 
-    card = load_card(card_path)
-    config = card.config.replace(epochs=1, limit_train=2000) if quick else card.config
-    if not (run_dir / "model.safetensors").is_file():
-        resume = (run_dir / CHECKPOINT).is_file()
-        print(f"{'resuming' if resume else 'training'} {card.name} in {run_dir} ({config.epochs} epochs)...")
-        Trainer(config, run_dir, extra_config={"card": str(card_path)}).fit(resume=resume)
+    train_card(run_dir, quick, card_path)
     fingerprint = run_fingerprint(run_dir)
     for split in ("val", "test"):
         try:
