@@ -1001,7 +1001,7 @@ def _cmd_exits(args: argparse.Namespace) -> int:
         backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
     check_forward_memory(backbone, shape, 1, what=f"{args.model} on {size}", hint="choose a smaller --image-size")
     if args.points:
-        chain = split_points(backbone, example_input(shape, 1))
+        chain = split_points(backbone, example_input(shape, 1, tokens=len(shape) == 1))
         rows = [{"name": c.name, "shape": list(c.shape), "flops_fraction": c.flops / chain.total_flops,
                  "stage_end": c.stage_end} for c in chain.cuts]  # fmt: skip
         if args.json:

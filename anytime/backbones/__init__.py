@@ -7,7 +7,7 @@ Importing this package registers the zoo (one file per family, in the order ``an
 from anytime.backbones import lenet, vgg, resnet, preact_resnet, resnext, mobilenetv2, cifar_resnet, fastcnn  # noqa: F401
 from anytime.backbones import text  # noqa: F401
 # isort: on
-from anytime.backbones.base import StageInfo, StagedBackbone, example_input
+from anytime.backbones.base import StageInfo, StagedBackbone, example_input, takes_tokens
 from anytime.backbones.registry import (
     ModelCost,
     ModelSpec,
@@ -22,5 +22,5 @@ from anytime.backbones.registry import (
 
 __all__ = [
     "ModelCost", "ModelSpec", "StageInfo", "StagedBackbone", "create_model", "example_input", "get_spec", "list_models",
-    "model_cost", "model_costs", "model_modality", "register_model",
+    "model_cost", "model_costs", "model_modality", "register_model", "takes_tokens",
 ]  # fmt: skip

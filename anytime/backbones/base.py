@@ -72,14 +72,21 @@ class StagedBackbone(nn.Module):
         return self.head(self.forward_features(x))
 
 
+def takes_tokens(model: nn.Module) -> bool:
+    """Whether ``model`` (or the backbone it wraps) is a text encoder reading token ids."""
+    return "text" in (getattr(model, "modality", None), getattr(getattr(model, "backbone", None), "modality", None))
+
+
 def example_input(
-    shape: tuple[int, ...], batch: int = 1, *, device: torch.device | str | None = None,
+    shape: tuple[int, ...], batch: int = 1, *, tokens: bool = False, device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:  # fmt: skip
-    """A batch of model inputs of one sample's ``shape``: zero images for ``(C, H, W)``, random normal ones with a
-    ``generator``; for ``(T,)``, token ids with no padding (a fixed real token, or random ones with a
+    """A batch of model inputs of one sample's ``shape``: zeros (random normal values with a ``generator``), or with
+    ``tokens`` the token ids of a ``(T,)`` sentence with no padding (a fixed real token, or random ones with a
     ``generator``), as a sentence of ``T`` tokens costs whatever its words."""
-    if len(shape) == 1:
+    if tokens:
+        if len(shape) != 1:
+            raise ValueError(f"token ids have one dimension per sample (T,), not {shape}")
         if generator is None:
             return torch.full((batch, shape[0]), _EXAMPLE_TOKEN, dtype=torch.int64, device=device)
         return torch.randint(_EXAMPLE_TOKEN, _EXAMPLE_TOKENS, (batch, shape[0]), generator=generator).to(device)

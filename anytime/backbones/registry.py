@@ -181,7 +181,7 @@ def model_cost(
         shape = (int(getattr(model, "max_length")),) if text else (in_channels, image_size, image_size)
         try:
             with torch.no_grad(), counter:
-                model.eval()(example_input(shape, 1, device=device))
+                model.eval()(example_input(shape, 1, tokens=text, device=device))
             flops = int(counter.get_total_flops())
         except Exception:  # noqa: BLE001  any model may reject the size (ViT wants 224): FLOPs are then unknown
             flops = None

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from anytime.backbones.base import example_input
+from anytime.backbones.base import example_input, takes_tokens
 from anytime.contract import is_incremental, run_step, step_count
 from anytime.errors import AnytimeError
 from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergyReader, EnergySettings, idle_power, measure_energy
@@ -269,12 +269,13 @@ def profile_model(
     bar = progress_bar(len(sizes) * (warmup + repeats), "profile", enabled=progress, unit="rep")
     try:
         with torch.inference_mode():
-            sample = example_input(input_shape, 1, generator=generator).to(target)
+            tokens = takes_tokens(model)
+            sample = example_input(input_shape, 1, tokens=tokens, generator=generator).to(target)
             # a quantized graph counts as zero FLOPs: a converted model carries its float graph's
             flops = getattr(model, "step_flops", None) or tuple(_flops(model, sample, k) for k in range(num_steps))
             classes = num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
             for b in sizes:
-                x = example_input(input_shape, b, generator=generator).to(target)
+                x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
                 batches = [x] if inputs is None else _real_batches(inputs, b, warmup + repeats, target)
                 for i in range(warmup):
                     _time_batch(model, batches[i % len(batches)], num_steps, incremental, i % 2 == 1, sync, clock)
@@ -305,7 +306,7 @@ def profile_model(
                 )  # fmt: skip
         if train:
             for b in sizes:
-                x = example_input(input_shape, b, generator=generator).to(target)
+                x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
                 latency[b] = replace(latency[b], training=_training(model, x, classes, train_repeats))
     finally:
         bar.close()

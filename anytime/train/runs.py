@@ -82,7 +82,8 @@ def load_run(
         return loaded
     from anytime.inference import InferenceForm, inference_form
 
-    probe = example_input(dataset_input_shape(loaded.dataset), 2, generator=torch.Generator().manual_seed(0))
+    probe = example_input(dataset_input_shape(loaded.dataset), 2, tokens=loaded.dataset.get("modality") == "text",
+                          generator=torch.Generator().manual_seed(0))
     probe = probe.to(loaded.device)
     parsed = InferenceForm.parse(form)
     loaded.model = inference_form(loaded.model, parsed, probe=probe)

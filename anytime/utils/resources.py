@@ -94,10 +94,10 @@ def forward_bytes_per_sample(model: nn.Module, input_shape: Sequence[int], *, tr
     """
     import torch
 
-    from anytime.backbones.base import example_input
+    from anytime.backbones.base import example_input, takes_tokens
 
-    text = len(input_shape) == 1  # token ids (T,), counted as a 1 x 1 x T input
-    channels, height, width = (1, 1, int(input_shape[0])) if text else (int(v) for v in input_shape)
+    text = takes_tokens(model)  # token ids (T,), counted as a 1 x 1 x T input
+    channels, height, width = (1, 1, int(input_shape[0])) if len(input_shape) == 1 else (int(v) for v in input_shape)
     scale = 1.0
     if height * width > _MEASURE_PIXELS:
         side = int(_MEASURE_PIXELS**0.5)
@@ -123,7 +123,8 @@ def forward_bytes_per_sample(model: nn.Module, input_shape: Sequence[int], *, tr
         device = param.device if param is not None else torch.device("cpu")
         model.eval()
         with torch.no_grad():
-            model(example_input((width,) if text else (channels, height, width), 1, device=device))
+            model(example_input(tuple(int(v) for v in input_shape) if len(input_shape) == 1 else (channels, height, width),
+                                1, tokens=text, device=device))
     except Exception:  # noqa: BLE001  a model that only takes its own size: judge by the input alone
         sizes = []
     finally:

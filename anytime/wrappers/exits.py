@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from anytime.backbones.base import Scale, StagedBackbone, example_input
+from anytime.backbones.base import Scale, StagedBackbone, example_input, takes_tokens
 from anytime.errors import AnytimeError
 from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
 
@@ -358,7 +358,7 @@ def attach_exits(
         device = next(backbone.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
-    sample = example_input(input_shape, 1, device=device)
+    sample = example_input(input_shape, 1, tokens=takes_tokens(backbone), device=device)
     chain = split_points(backbone, sample)
     chosen = _choose(chain, kind, value, isinstance(backbone, StagedBackbone))
     segments = chain.segments(chosen)
