@@ -492,9 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", description=COMMANDS["export"])
     export.add_argument("run", metavar="RUN", help="a finished run: float, or converted by 'anytime quantize'")
     export.add_argument("--format", required=True, choices=["pt2", "onnx"],
-                        help="pt2: torch.export programs (fp32, int8 PT2E, bf16); onnx: ONNX graphs for ONNX Runtime or "
+                        help="pt2: torch.export programs (fp32, int8 PT2E, bf16, fp16); onnx: ONNX graphs for ONNX Runtime or "
                              "TensorRT (fp32, int8 QDQ by ONNX Runtime's quantize_static; needs anytime[deploy])")
-    export.add_argument("--precision", choices=["fp32", "int8", "bf16"],
+    export.add_argument("--precision", choices=["fp32", "int8", "bf16", "fp16"],
                         help="default: the run's own (fp32 for a float run)")
     export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
     export.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",

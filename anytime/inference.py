@@ -120,9 +120,11 @@ def inference_form(model: nn.Module, form: InferenceForm, probe: Tensor | None =
     if form.channels_last:
         converted = converted.to(memory_format=torch.channels_last)
     if form.compile:  # each segment and head apart, so early exit still stops after the part it needs
-        from anytime.precision.model import float_parts, layout_of
+        from anytime.precision.model import float_parts, layout_of, room_for_compiled_parts
 
-        for part in float_parts(converted) if layout_of(converted) == "exits" else [converted]:
+        parts = float_parts(converted) if layout_of(converted) == "exits" else [converted]
+        room_for_compiled_parts(len(parts))
+        for part in parts:
             part.compile(dynamic=False)
     if probe is not None:
         _check(original, converted, probe, form)

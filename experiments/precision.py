@@ -12,8 +12,13 @@ are nearly tied, so read their error, not their top-1 agreement), and the traine
 (RUNS, those present; the last step of a multi-exit run), calibrated on training images, scored on test images,
 and fine-tuned by QAT_EPOCHS of quantization-aware training (full mode only).
 
-Run: `anytime experiment precision [--quick] [--out DIR] [--overwrite]` (quick: a few minutes; full: about an hour
-on 2 CPU cores). Writes: results.csv, results.json, config.json and precision.png / .svg.
+On a CUDA GPU (`--device cuda`) the variants are what a GPU runs: eager and compiled fp32, eager and compiled fp16,
+eager bf16, and ONNX Runtime fp32 through its CUDA provider where the installed build has one; int8 static
+quantization (PT2E, X86InductorQuantizer) runs on x86 CPUs only, and a GPU's int8 is a TensorRT engine built from the
+ONNX export (README, "Deploying to a board").
+
+Run: `anytime experiment precision [--quick] [--device cpu|cuda] [--out DIR] [--overwrite]` (quick: a few minutes;
+full: about an hour on 2 CPU cores). Writes: results.csv, results.json, config.json and precision.png / .svg.
 """
 
 from __future__ import annotations
@@ -31,14 +36,14 @@ from anytime.backbones import create_model
 from anytime.data import make_loader
 from anytime.plotting.precision import plot_precision
 from anytime.precision import convert
-from anytime.precision.export import export_model, load_export
+from anytime.precision.export import export_model, load_export, onnxruntime_providers
 from anytime.profile import per_sample_latency
 from anytime.profile.stats import quantile_of
 from anytime.quantize import calibration_batches, quantize_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.machine import cpu_model
+from anytime.utils.machine import cpu_model, device_label, resolve_device
 from anytime.utils.outputs import staged_dir
 from anytime.utils.results import study_output, study_parser, write_study_config
 
@@ -88,16 +93,45 @@ def _with_batch_statistics(model: nn.Module, shape: tuple[int, ...], generator: 
     return model.eval()
 
 
-def _variants(model: nn.Module, shape: tuple[int, ...], calibration: list[Tensor], scratch: Path,
-              qat: nn.Module | None) -> tuple[dict[str, Callable[[Tensor], Tensor]], dict[str, int]]:  # fmt: skip
-    """Every variant of ``model`` as a function of a batch, and each one's artifact size on disk (bytes)."""
+def _exported_sizes(model: nn.Module, shape: tuple[int, ...], calibration: list[Tensor], scratch: Path,
+                    artifacts: tuple[tuple[str, str], ...]) -> dict[str, int]:  # fmt: skip
+    """Export ``model`` as every (format, precision) of ``artifacts`` into ``scratch``; each one's bytes on disk."""
     sizes = {}
-    for fmt, precision in (("pt2", "fp32"), ("pt2", "int8"), ("pt2", "bf16"), ("onnx", "fp32"), ("onnx", "int8")):
+    for fmt, precision in artifacts:
         folder = scratch / f"{fmt}-{precision}"
         folder.mkdir()
         manifest = export_model(model, fmt, precision, folder, input_shape=shape, num_classes=10, name="study",
                                 calibration=calibration)  # fmt: skip
         sizes[f"{fmt}-{precision}"] = manifest.bytes
+    return sizes
+
+
+def _gpu_variants(model: nn.Module, shape: tuple[int, ...], scratch: Path,
+                  device: torch.device) -> tuple[dict[str, Callable[[Tensor], Tensor]], dict[str, int]]:  # fmt: skip
+    """The variants a CUDA GPU runs (``model`` on the CPU; the variants on ``device``) and their artifacts' sizes."""
+    sizes = _exported_sizes(model, shape, [], scratch, (("pt2", "fp32"), ("pt2", "fp16"), ("pt2", "bf16"), ("onnx", "fp32")))
+    fp16, _ = convert(model, "fp16", input_shape=shape, compile=False, device=device)
+    bf16, _ = convert(model, "bf16", input_shape=shape, compile=False, device=device)
+    fp16_compiled, _ = convert(model, "fp16", input_shape=shape, compile=True, device=device)
+    fp32 = copy.deepcopy(model).to(device)
+    variants: dict[str, Callable[[Tensor], Tensor]] = {
+        "fp32 eager": _LastStep(fp32), "fp32 compiled": torch.compile(_LastStep(copy.deepcopy(fp32))),
+        "fp16 eager": _LastStep(fp16.to(device)), "fp16 compiled": _LastStep(fp16_compiled.to(device)),
+        "bf16 eager": _LastStep(bf16.to(device)),
+    }  # fmt: skip
+    size_of = {"fp32 eager": sizes["pt2-fp32"], "fp32 compiled": sizes["pt2-fp32"], "fp16 eager": sizes["pt2-fp16"],
+               "fp16 compiled": sizes["pt2-fp16"], "bf16 eager": sizes["pt2-bf16"]}  # fmt: skip
+    if "CUDAExecutionProvider" in onnxruntime_providers():
+        variants["onnxruntime fp32 (CUDA)"] = _LastStep(load_export(scratch / "onnx-fp32", provider="cuda"))
+        size_of["onnxruntime fp32 (CUDA)"] = sizes["onnx-fp32"]
+    return variants, size_of
+
+
+def _variants(model: nn.Module, shape: tuple[int, ...], calibration: list[Tensor], scratch: Path,
+              qat: nn.Module | None) -> tuple[dict[str, Callable[[Tensor], Tensor]], dict[str, int]]:  # fmt: skip
+    """Every CPU variant of ``model`` as a function of a batch, and each one's artifact size on disk (bytes)."""
+    sizes = _exported_sizes(model, shape, calibration, scratch,
+                            (("pt2", "fp32"), ("pt2", "int8"), ("pt2", "bf16"), ("onnx", "fp32"), ("onnx", "int8")))
     int8, _ = convert(model, "int8", input_shape=shape, calibration=calibration, compile=True)
     bf16, _ = convert(model, "bf16", input_shape=shape, compile=False)
     variants: dict[str, Callable[[Tensor], Tensor]] = {
@@ -118,17 +152,17 @@ def _variants(model: nn.Module, shape: tuple[int, ...], calibration: list[Tensor
 def _measure(name: str, source: str, shape: tuple[int, ...], variants: dict[str, Callable[[Tensor], Tensor]],
              sizes: dict[str, int], images: Tensor, scored: tuple[Tensor, Tensor] | None, repeats: int,
              batches: int) -> list[dict]:  # fmt: skip
-    reference = torch.cat([variants["fp32 eager"](images[i : i + 256]) for i in range(0, len(images), 256)])
+    reference = torch.cat([variants["fp32 eager"](images[i : i + 256]).float() for i in range(0, len(images), 256)])
     single = per_sample_latency(variants, images[: repeats + WARMUP], warmup=WARMUP)
     pool = images.repeat(max(1, (32 * (batches + 1)) // len(images) + 1), 1, 1, 1)[: 32 * (batches + 1)]
     batched = per_sample_latency(variants, pool, warmup=1, batch_size=32)
     rows = []
     for variant, fn in variants.items():
-        out = torch.cat([fn(images[i : i + 256]).float() for i in range(0, len(images), 256)])
+        out = torch.cat([fn(images[i : i + 256]).float().to(reference.device) for i in range(0, len(images), 256)])
         accuracy = None
         if scored is not None:
             x, y = scored
-            hits = sum(int((fn(x[i : i + 256]).argmax(1) == y[i : i + 256]).sum()) for i in range(0, len(x), 256))
+            hits = sum(int((fn(x[i : i + 256]).argmax(1).cpu() == y[i : i + 256]).sum()) for i in range(0, len(x), 256))
             accuracy = hits / len(y)
         rows.append({
             "model": name, "source": source, "input_shape": "x".join(map(str, shape)), "variant": variant,
@@ -148,7 +182,10 @@ def _measure(name: str, source: str, shape: tuple[int, ...], variants: dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = study_parser("precision", __doc__.splitlines()[0]).parse_args(argv)
+    parser = study_parser("precision", __doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: the device every variant runs on")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
     out_dir, create_parents = study_output(args, "precision")
     tv_models, zoo_models, runs = TV_MODELS, ZOO_MODELS, [Path(r) for r in RUNS if (Path(r) / "model.safetensors").is_file()]
     eval_images, accuracy_images, repeats, batches, qat_epochs = EVAL_IMAGES, ACCURACY_IMAGES, LATENCY_REPEATS, THROUGHPUT_BATCHES, QAT_EPOCHS
@@ -162,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
              "random-weight models: batch-norm statistics and int8 calibration from random images, random inputs; "
              "their logits are nearly tied across classes, so top-1 agreement there is fragile: read max_abs_err "
              "and rel_err (max error over the largest logit) for them",
-             f"threads: {torch.get_num_threads()}"]  # fmt: skip
+             f"threads: {torch.get_num_threads()}", f"device: {device_label(device)}"]  # fmt: skip
+    if device.type == "cuda":
+        notes.append("int8 static quantization (PT2E, X86InductorQuantizer) runs on x86 CPUs only: no int8 rows on a "
+                     "GPU, where int8 is a TensorRT engine built from the ONNX export; ONNX Runtime's providers here: "
+                     + (", ".join(onnxruntime_providers()) or "none (not installed)"))  # fmt: skip
+        qat_epochs = 0  # QAT fine-tunes the CPU's int8 graphs
     with staged_dir(out_dir, "precision study", overwrite=args.overwrite, create_parents=create_parents) as out:
         random_models = [(f"tv:{n}", (3, 224, 224)) for n in tv_models] + [(n, (3, 32, 32)) for n in zoo_models]
         for name, shape in random_models:
@@ -172,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             calibration = [torch.randn(32, *shape, generator=generator) for _ in range(2)]
             images = torch.randn(min(eval_images, 64) if shape[1] > 64 else eval_images, *shape, generator=generator)
             with tempfile.TemporaryDirectory() as scratch:
-                variants, sizes = _variants(model, shape, calibration, Path(scratch), None)
+                if device.type == "cuda":
+                    variants, sizes = _gpu_variants(model, shape, Path(scratch), device)
+                    images = images.to(device)
+                else:
+                    variants, sizes = _variants(model, shape, calibration, Path(scratch), None)
                 rows += _measure(name, "random weights", shape, variants, sizes, images, None, repeats, batches)
         for run_dir in runs:
             run = load_run(run_dir, converted=False)
@@ -180,26 +226,32 @@ def main(argv: list[str] | None = None) -> int:
             splits = load_splits(run.config)
             test = [b for b in make_loader(splits.test.sample(accuracy_images, SEED), splits.info, batch_size=256, train=False)]
             x, y = torch.cat([b[0] for b in test]), torch.cat([b[1] for b in test])
-            calibration = list(calibration_batches(run, CALIBRATION_IMAGES))
             with tempfile.TemporaryDirectory() as scratch:
-                qat = None
-                if qat_epochs:
-                    print(f"{run_dir}: {qat_epochs} epochs of quantization-aware training...", flush=True)
-                    copy_dir = Path(scratch) / "qat"
-                    quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=copy_dir,
-                                 qat_epochs=qat_epochs, qat_lr=QAT_LR, progress=print)  # fmt: skip
-                    qat = load_run(copy_dir).model
-                variants, sizes = _variants(run.model, shape, calibration, Path(scratch), qat)
+                if device.type == "cuda":
+                    variants, sizes = _gpu_variants(run.model, shape, Path(scratch), device)
+                    x = x.to(device)
+                else:
+                    calibration = list(calibration_batches(run, CALIBRATION_IMAGES))
+                    qat = None
+                    if qat_epochs:
+                        print(f"{run_dir}: {qat_epochs} epochs of quantization-aware training...", flush=True)
+                        copy_dir = Path(scratch) / "qat"
+                        quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=copy_dir,
+                                     qat_epochs=qat_epochs, qat_lr=QAT_LR, progress=print)  # fmt: skip
+                        qat = load_run(copy_dir).model
+                    variants, sizes = _variants(run.model, shape, calibration, Path(scratch), qat)
                 rows += _measure(run_dir.name, str(run_dir), shape, variants, sizes, x[:eval_images], (x, y), repeats, batches)
         write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)
-        plot_precision(rows, out / "precision", title=f"precision on {cpu_model()} ({torch.get_num_threads()} threads)")
+        where = device_label(device) if device.type == "cuda" else f"{cpu_model()} ({torch.get_num_threads()} threads)"
+        plot_precision(rows, out / "precision", title=f"precision on {where}")
         write_study_config(
             out, study="precision",
             hyper={"tv_models": tv_models, "zoo_models": zoo_models, "runs": [str(r) for r in runs],
                    "calibration_images": CALIBRATION_IMAGES, "eval_images": eval_images,
                    "accuracy_images": accuracy_images, "latency_repeats": repeats, "throughput_batches": batches,
-                   "warmup": WARMUP, "qat_epochs": qat_epochs, "qat_lr": QAT_LR, "seed": SEED, "quick": args.quick},
+                   "warmup": WARMUP, "qat_epochs": qat_epochs, "qat_lr": QAT_LR, "seed": SEED, "quick": args.quick,
+                   "device": str(device)},
             notes=notes,
         )  # fmt: skip
     print(f"results in {out_dir}/")

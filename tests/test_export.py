@@ -85,6 +85,21 @@ def test_int8_artifacts_store_int8_weights(fmt, tmp_path):
     assert agree >= 0.9
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_pt2_artifacts_store_16_bit_weights_and_answer_in_fp32(precision, tmp_path):
+    torch.manual_seed(0)
+    model = _Wide().eval()
+    fp32 = _export(model, "pt2", tmp_path / "fp32", (256,))
+    half = _export(model, "pt2", tmp_path / precision, (256,), precision=precision)
+    ratio = fp32.manifest.bytes / half.manifest.bytes
+    assert 1.9 <= ratio <= 2.1, f"{precision}: the artifact is {ratio:.2f}x smaller than fp32"
+    x = torch.randn(16, 256)
+    with torch.no_grad():
+        out, reference = half(x), model(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
+    assert next(iter(model.parameters())).dtype == torch.float32  # exporting never casts the caller's model
+
+
 def test_pt2_archives_deflate_their_graph_and_hold_no_example_inputs(tmp_path):
     exported = _export(_Wide().eval(), "pt2", tmp_path / "fp32", (256,))
     with zipfile.ZipFile(tmp_path / "fp32" / exported.manifest.parts[0].file) as archive:

@@ -97,6 +97,22 @@ def test_channels_last_form_equals_eager_and_the_eager_form_is_the_model_itself(
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_every_compiled_part_stays_compiled_at_every_batch_size():
+    from torch._dynamo.utils import counters
+
+    from anytime.backbones import create_model
+    from anytime.wrappers import attach_exits
+
+    torch.manual_seed(0)
+    model = attach_exits(create_model("lenet", num_classes=10), "auto", num_classes=10, input_shape=(3, 32, 32))
+    compiled = inference_form(model.eval(), InferenceForm(compile=True))
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for batch in (1, 2, 3):  # 3 parts x 3 shapes: past TorchDynamo's default 8 graphs per compiled function
+            compiled(torch.randn(batch, 3, 32, 32))
+    assert counters["stats"]["unique_graphs"] - before == 9, "a part fell back to eager"
+
+
 def test_a_wrong_fold_is_refused_by_the_probe(monkeypatch):
     from anytime import inference
 

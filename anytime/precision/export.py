@@ -11,6 +11,7 @@ training images, and run through ONNX Runtime's execution providers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -32,13 +33,13 @@ from anytime.errors import AnytimeError
 from anytime.precision.model import PartsModel, quiet_torchao, lower_int8
 
 FORMATS: tuple[str, ...] = ("pt2", "onnx")
-EXPORTABLE: dict[str, tuple[str, ...]] = {"pt2": ("fp32", "int8", "bf16"), "onnx": ("fp32", "int8")}
+EXPORTABLE: dict[str, tuple[str, ...]] = {"pt2": ("fp32", "int8", "bf16", "fp16"), "onnx": ("fp32", "int8")}
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "anytime-export-v1"
 EXPORT = "export"  # the kind of results folder an export is
 MAX_BATCH = 4096  # the largest batch an artifact's dynamic batch dimension admits
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-_DTYPES = {"fp32": torch.float32, "int8": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "int8": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEPLOY_HINT = "pip install 'anytime[deploy]' (onnx, onnxscript, onnxruntime)"
 
 
@@ -353,8 +354,8 @@ def export_model(
         examples = [x.to(dtype) for x in part_inputs(layout, floats, torch.zeros(2, *input_shape))]
     parts: list[nn.Module] = floats
     per_part: list[list[Tensor]] | None = None
-    if precision == "bf16":
-        parts = list(convert(model, "bf16", input_shape=input_shape, compile=False)[0].parts)
+    if precision in ("bf16", "fp16"):  # a cast: exporting traces it, so fp16 exports on a CPU too
+        parts = [copy.deepcopy(part).to(dtype) for part in floats]
     elif precision == "int8" and fmt == "pt2":
         converted, _ = convert(model, "int8", input_shape=input_shape, calibration=calibration, state=state,
                                compile=False, qat=qat)  # fmt: skip
@@ -470,6 +471,15 @@ class _OrtPart(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         array = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
         return torch.from_numpy(self.session.run(None, {self.input_name: array})[0])
+
+
+def onnxruntime_providers() -> tuple[str, ...]:
+    """The execution providers of the installed ONNX Runtime build (none when it is not installed)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return ()
+    return tuple(onnxruntime.get_available_providers())
 
 
 def _ort_session(path: Path, provider: str, threads: int) -> Any:

@@ -22,6 +22,7 @@ from anytime.errors import AnytimeError
 
 PRECISIONS: tuple[str, ...] = ("int8", "int8-dynamic", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SHAPES_PER_PART = 16  # input shapes (batch sizes, sentence lengths) each compiled part may meet and stay compiled
 _OBSERVER = "activation_post_process"
 
 
@@ -263,6 +264,17 @@ class _Float(nn.Module):
         return self.part(x).float()
 
 
+def room_for_compiled_parts(count: int) -> None:
+    """Let ``count`` compiled parts each meet :data:`SHAPES_PER_PART` input shapes. Every module torch.compile
+    wraps runs through one shared function, whose graph cache holds 8 entries by default: a model of five parts
+    seen at two batch sizes fills it, and past it TorchDynamo runs the module eagerly, with only a log warning."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(int(getattr(config, name)), SHAPES_PER_PART * count))
+
+
 def lower_int8(part: nn.Module, example: Tensor) -> nn.Module:
     """An int8 graph lowered to oneDNN's int8 kernels: exported again with a dynamic batch, then inductor's
     freezing passes (the X86 patterns torchao registers: weight prepacking, fused ReLU and residual adds)
@@ -481,5 +493,6 @@ def convert(
         copied = copy.deepcopy(model).to(target, _DTYPES[precision])
         converted, state = float_parts(copied), {}
     if compile and precision != "int8":
+        room_for_compiled_parts(len(converted))
         converted = [torch.compile(p) for p in converted]
     return PrecisionModel(model, converted, spec, flops), state
