@@ -642,6 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--drop-caches", action="store_true",
                             help="studies that read from disk (batch-time, memory, time-accuracy): drop the OS page "
                                  "cache first (root; it affects the whole machine)")
+    experiment.add_argument("--device", help="studies that time a device (precision): cpu (default) or cuda[:N]")
 
     demo = sub.add_parser("demo", description=COMMANDS["demo"])
     demo.add_argument("--out", metavar="DIR", help="results folder (default runs/demo)")
@@ -935,6 +936,10 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
                                   ("--drop-caches", args.drop_caches)) if on]  # fmt: skip
     if args.out:
         argv += ["--out", args.out]
+    if args.device is not None:
+        if not getattr(module, "TAKES_DEVICE", False):
+            raise AnytimeError(f"the {args.name} study runs on the CPU only; drop --device")
+        argv += ["--device", args.device]
     entry: Callable[[list[str]], int] = module.main
     return int(entry(argv) or 0)
 

@@ -64,6 +64,7 @@ SEED = 0
 QUICK = {"TV_MODELS": ("resnet18", "mobilenet_v2"), "ZOO_MODELS": ("resnet20",), "EVAL_IMAGES": 200,
          "ACCURACY_IMAGES": 2000, "LATENCY_REPEATS": 20, "THROUGHPUT_BATCHES": 2, "QAT_EPOCHS": 0, "RUNS": 1}  # fmt: skip
 # ------------------------------------------------------------------------------------------------------
+TAKES_DEVICE = True  # `anytime experiment precision --device cuda` passes it on
 
 
 class _LastStep(nn.Module):

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROFILE = ["--device", "cuda", "--batch-sizes", "1,4", "--repeats", "100", "--warmup", "3"]
 
 
+def _input_shape(run) -> tuple[int, ...]:
+    return (int(run.dataset["in_channels"]), *(int(v) for v in run.dataset["image_size"]))
+
+
 @pytest.fixture(scope="module")
 def half_runs(exit_run, tmp_path_factory) -> tuple[Path, Path, Path]:
     """The trained multi-exit digits run and its fp16 (compiled) and bf16 (eager) forms, converted on the GPU."""
@@ -43,7 +47,7 @@ def test_half_precision_runs_keep_the_step_contract_and_the_parents_accuracy(hal
     for exit_ in summary["exits"]:
         assert abs(exit_["val_acc"] - exit_["parent_val_acc"]) <= 0.02, exit_
     loaded = load_run(qrun, "cuda")
-    x = torch.randn(6, 3, 32, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    x = torch.randn(6, *_input_shape(loaded), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with torch.no_grad():
         out = loaded.model(x)
         assert out.device.type == "cuda" and out.dtype == torch.float32
@@ -77,14 +81,18 @@ def test_one_schedule_spans_fp32_fp16_and_bf16_on_the_gpu(half_runs, capsys):
 
 def test_real_early_exit_and_the_runtime_run_on_the_gpu(half_runs, capsys):
     from anytime.pipeline import runner_for_run
+    from anytime.train.runs import load_run
 
     parent, fp16, _ = half_runs
     assert main(["collect", str(fp16)]) == 0 and main(["calibrate", str(fp16), "--max-drop", "1"]) == 0
+    loaded = load_run(fp16, "cuda")
+    parts = [type(p).__name__ for p in loaded.model.parts]
+    assert len(loaded.model.segments) == loaded.num_steps, (parts, loaded.num_steps, type(loaded.model).__name__)
     assert main(["evaluate", str(fp16), "--device", "cuda", "--latency-samples", "20"]) == 0, capsys.readouterr().err
     if not list(fp16.glob("profile-cuda-*.json")):
         assert main(["profile", str(fp16), *PROFILE]) == 0
     runner, loaded = runner_for_run(fp16, next(fp16.glob("profile-cuda-*.json")), device="cuda")
-    answer = runner.predict(torch.zeros(1, 3, 32, 32, device="cuda"), 10_000.0)
+    answer = runner.predict(torch.zeros(1, *_input_shape(loaded), device="cuda"), 10_000.0)
     assert answer.logits.device.type == "cuda" and 0 <= answer.step < loaded.num_steps
 
 
