@@ -1,8 +1,11 @@
 """The step contract, as protocols: what every family of anytime steps (exits, slices, block-drop ladders,
 ensembles, converted models) offers, and what the profiler, the trainer, the cache and the runtime may rely on.
 
-Checked structurally (``isinstance`` on the protocol), so a user's own family needs no base class; a plain
-``nn.Module`` is one step. ``tests/test_contract.py`` runs every family in the package through the same checks.
+Checked structurally, so a user's own family needs no base class; a plain ``nn.Module`` is one step.
+``tests/test_contract.py`` runs every family in the package through the same checks. Check a model with
+:func:`is_anytime` and :func:`is_segmented` rather than ``isinstance`` on the protocols: since Python 3.12 that
+``isinstance`` looks attributes up statically, and misses what an ``nn.Module`` keeps as a submodule (a multi-exit
+network's ``heads`` list).
 """
 
 from __future__ import annotations
@@ -47,16 +50,30 @@ class SegmentedModel(AnytimeModel, Protocol):
     def heads(self) -> Sequence[nn.Module]: ...
 
 
+_ANYTIME_MEMBERS = ("num_steps", "forward_until", "forward_all", "steps")
+_SEGMENTED_MEMBERS = (*_ANYTIME_MEMBERS, "segments", "heads")
+
+
+def is_anytime(model: Any) -> bool:
+    """Whether ``model`` offers the step contract (:class:`AnytimeModel`), its members looked up as Python does."""
+    return all(hasattr(model, name) for name in _ANYTIME_MEMBERS)
+
+
+def is_segmented(model: Any) -> bool:
+    """Whether ``model`` is built of segments and exit heads (:class:`SegmentedModel`)."""
+    return all(hasattr(model, name) for name in _SEGMENTED_MEMBERS)
+
+
 def step_count(model: Any) -> int:
     """Steps of a model under the contract; 1 for a plain classifier."""
-    return int(model.num_steps) if isinstance(model, AnytimeModel) else 1
+    return int(model.num_steps) if is_anytime(model) else 1
 
 
 def is_incremental(model: Any) -> bool:
     """Whether step k+1 reuses step k's work (a contract model, unless it says ``incremental = False``)."""
-    return isinstance(model, AnytimeModel) and bool(getattr(model, "incremental", True))
+    return is_anytime(model) and bool(getattr(model, "incremental", True))
 
 
 def run_step(model: Any, x: Tensor, k: int) -> Tensor:
     """Step ``k`` of ``model`` alone (a plain classifier's only step is its forward)."""
-    return model.forward_until(x, k) if isinstance(model, AnytimeModel) else model(x)
+    return model.forward_until(x, k) if is_anytime(model) else model(x)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from anytime.contract import SegmentedModel, step_count
+from anytime.contract import is_segmented, step_count
 from anytime.errors import AnytimeError
 
 PRECISIONS: tuple[str, ...] = ("int8", "int8-dynamic", "bf16", "fp16")
@@ -113,7 +113,7 @@ class _Step(nn.Module):
 
 def layout_of(model: nn.Module) -> str:
     """How a model's steps are computed: ``exits`` (segments and heads), ``steps`` (one forward per step) or ``plain``."""
-    if isinstance(model, SegmentedModel):
+    if is_segmented(model):
         return "exits"
     if step_count(model) > 1:
         return "steps"
