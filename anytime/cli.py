@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", description=COMMANDS["serve"])
     serve.add_argument("run", metavar="RUN", help="a finished, profiled run (anytime profile RUN)")
-    serve.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
+    serve.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json (a text run: every length bucket it has)")
     serve.add_argument("--calibration", metavar="FILE",
                        help="early-exit thresholds (default RUN/calibration.json when there is one)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -3,6 +3,7 @@ trained, profiled digits run (real requests on 127.0.0.1, no timing assertions).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -151,8 +152,6 @@ def _npy(array: np.ndarray) -> bytes:
 @pytest.fixture(scope="module")
 def server(exit_run, tmp_path_factory):
     """`anytime serve` of a calibrated, profiled digits run, on a free port of 127.0.0.1."""
-    import uvicorn
-
     from anytime.pipeline import calibrate_run, collect_run, profile_run
     from anytime.serve import ServeOptions, build_app
 
@@ -162,6 +161,15 @@ def server(exit_run, tmp_path_factory):
     calibrate_run(run, max_drop=1.0, criterion="confidence")
     profile_run(run, batch_sizes=[1, 2], repeats=100, warmup=2, memory=False)
     app, service = build_app(ServeOptions(run=str(run), max_body_kb=64, quantile=0.9))
+    with listening(app, service) as port:
+        yield SimpleNamespace(port=port, run=run, service=service)
+
+
+@contextlib.contextmanager
+def listening(app, service):
+    """Serve ``app`` on a free port of 127.0.0.1 in a thread; yield the port; stop the server and ``service``."""
+    import uvicorn
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -173,10 +181,12 @@ def server(exit_run, tmp_path_factory):
             break
         threading.Event().wait(0.05)
     assert instance.started, "the server did not start"
-    yield SimpleNamespace(port=port, run=run, service=service)
-    instance.should_exit = True
-    thread.join(timeout=30)
-    service.stop()
+    try:
+        yield port
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=30)
+        service.stop()
 
 
 def _call(server, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):

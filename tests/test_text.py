@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -271,3 +272,90 @@ def test_the_exits_command_shows_a_text_encoder(capsys):
     rows = json.loads(capsys.readouterr().out)["exits"]
     assert [r["name"] for r in rows] == [f"stages.{i}" for i in range(5)] + ["output"]
     assert rows[0]["shape"] == [64, 256] and rows[-1]["flops"] > rows[0]["flops"]
+
+
+@pytest.fixture(scope="module")
+def text_server(text_run, tmp_path_factory):
+    """`anytime serve` of the text run, calibrated and profiled at 8 and 16 tokens."""
+    from anytime.cli import main
+    from anytime.serve import ServeOptions, build_app
+    from tests.test_serve import listening
+
+    run = tmp_path_factory.mktemp("served-text") / "run"
+    shutil.copytree(text_run, run, ignore=shutil.ignore_patterns("profile-*", "calibration*.json"))
+    for argv in (["collect", str(run)], ["calibrate", str(run), "--max-drop", "1"],
+                 *(["profile", str(run), "--length", t, "--batch-sizes", "1,2", "--repeats", "100", "--no-memory"]
+                   for t in ("8", "16"))):  # fmt: skip
+        assert main(argv) == 0
+    app, service = build_app(ServeOptions(run=str(run), max_body_kb=16))
+    with listening(app, service) as port:
+        yield SimpleNamespace(port=port, run=run, service=service)
+
+
+def test_serve_answers_sentences_as_the_body_a_form_or_json(text_server):
+    from tests.test_serve import _call, _multipart
+
+    sentence = "a lovely warm film"
+    body, headers = _multipart({"text": sentence.encode(), "deadline_ms": b"1000"})
+    answers = []
+    for path, payload, extra in (
+        ("/predict?deadline_ms=1000", sentence.encode(), {"Content-Type": "text/plain; charset=utf-8"}),
+        ("/predict", json.dumps({"text": sentence, "deadline_ms": 1000}).encode(), {"Content-Type": "application/json"}),
+        ("/predict", body, headers),
+    ):  # fmt: skip
+        status, answer = _call(text_server, "POST", path, payload, extra)
+        assert status == 200, answer
+        answers.append(answer)
+    assert len({a["class"] for a in answers}) == 1 and answers[0]["class"] in (0, 1)
+    assert all(a["met"] and a["step_name"] for a in answers)
+    status, health = _call(text_server, "GET", "/healthz")
+    assert status == 200 and health["length_buckets"] == [8, 16] and "UTF-8" in health["input"]
+
+
+def test_serve_schedules_a_text_request_by_its_length_bucket(text_server):
+    from tests.test_serve import _call
+
+    for query, bucket in (("&length=5", 8), ("&length=12", 16), ("", 16), ("&length=40", 16)):  # 40 tokens are cut to 16
+        status, answer = _call(text_server, "GET", f"/schedule?deadline_ms=50{query}")
+        assert status == 200 and answer["profile"].endswith(f"-T{bucket}.json"), answer
+    status, answer = _call(text_server, "GET", "/schedule?deadline_ms=50&length=0")
+    assert status == 400 and "tokens" in answer["error"]
+
+
+@pytest.mark.parametrize("body,headers,status,words", [
+    (b"\xff\xfe broken", {}, 415, "not UTF-8"),
+    (b"   ", {}, 400, "empty sentence"),
+    (b'{"text": 3, "deadline_ms": 10}', {"Content-Type": "application/json"}, 400, "must be a string"),
+    (b'{"text": "fine"', {"Content-Type": "application/json"}, 400, "not valid JSON"),
+    (b'["fine"]', {"Content-Type": "application/json"}, 400, "must be an object"),
+    (b'{"sentence": "fine", "deadline_ms": 10}', {"Content-Type": "application/json"}, 400, "no 'text' field"),
+])  # fmt: skip
+def test_serve_refuses_malformed_text_requests_in_one_sentence(text_server, body, headers, status, words):
+    from tests.test_serve import _call
+
+    got, answer = _call(text_server, "POST", "/predict?deadline_ms=100", body, headers)
+    assert got == status and words in answer["error"] and "\n" not in answer["error"], answer
+
+
+def test_a_batch_of_sentences_is_padded_and_answers_as_each_alone(text_server):
+    from anytime.serve import Request
+
+    service = text_server.service
+    short, long = torch.tensor([2, 40, 41]), torch.tensor([2, 50, 51, 52, 53, 54, 55])
+    now = service.clock()
+    together = service.answer_now([Request(short, 1e6, now), Request(long, 1e6, now)])
+    alone = [service.answer_now([Request(x, 1e6, now)])[0] for x in (short, long)]
+    assert [a.label for a in together] == [a.label for a in alone] and together[0].batch_size == 2
+
+
+def test_a_text_server_refuses_another_runs_tokenizer(text_run, tmp_path):
+    from anytime.serve import ServeOptions, build_app
+
+    run = tmp_path / "run"
+    shutil.copytree(text_run, run, ignore=shutil.ignore_patterns("profile-*"))
+    (run / TOKENIZER_FILE).write_text((run / TOKENIZER_FILE).read_text().replace('"[UNK]"', '"[UNK]" ', 1))
+    from anytime.cli import main
+
+    assert main(["profile", str(run), "--length", "16", "--batch-sizes", "1", "--repeats", "100", "--no-memory"]) == 0
+    with pytest.raises(AnytimeError, match="not the tokenizer"):
+        build_app(ServeOptions(run=str(run)))

@@ -1,7 +1,8 @@
 """``anytime serve``'s HTTP endpoint: FastAPI on uvicorn (``anytime[serve]``), over :class:`Service`.
 
-Routes: ``POST /predict`` (an image or ``.npy`` array with a deadline and optionally an energy budget ``energy_mj``),
-``GET /schedule?deadline_ms=D[&energy_mj=E]``,
+Routes: ``POST /predict`` (an image or ``.npy`` array, or for a text run a sentence, with a deadline and optionally
+an energy budget ``energy_mj``; as the body, a form field or a JSON object), ``GET /schedule?deadline_ms=D[&energy_mj=E]
+[&length=T]``,
 ``GET /healthz`` and ``GET /metrics`` (Prometheus). Every refusal is a 4xx JSON ``{"error": "one sentence"}``;
 the server never reads a path or unpickles anything a client sends.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
-from anytime.serve.inputs import InputSpec
+from anytime.serve.inputs import Inputs, InputSpec, TextSpec
 from anytime.serve.service import BadRequest, Request, Service, parse_deadline, parse_energy_budget
 
 ROUTES = "POST /predict, GET /schedule?deadline_ms=D, GET /healthz, GET /metrics"
@@ -43,12 +44,12 @@ class ServeOptions:
     device: str = "auto"
 
 
-def _multipart_fields(body: bytes, content_type: str) -> dict[str, bytes]:
+def _multipart_fields(body: bytes, content_type: str, field: str) -> dict[str, bytes]:
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         f"Content-Type: {content_type}\r\n\r\n".encode("latin-1") + body
     )
     if not message.is_multipart():
-        raise BadRequest("malformed multipart body: send the image in a form field named 'image'")
+        raise BadRequest(f"malformed multipart body: send the {field} in a form field named '{field}'")
     fields: dict[str, bytes] = {}
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
@@ -58,10 +59,32 @@ def _multipart_fields(body: bytes, content_type: str) -> dict[str, bytes]:
     return fields
 
 
-def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, float, int, float | None], dict[str, Any]],
+def _json_fields(body: bytes, field: str) -> dict[str, bytes]:
+    """A JSON object's fields as the form's would be (numbers and booleans as their text); ``field`` must be text."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest(f'the body is not valid JSON: send {{"{field}": ..., "deadline_ms": 10}}') from None
+    if not isinstance(doc, dict):
+        raise BadRequest(f'the JSON body must be an object: {{"{field}": ..., "deadline_ms": 10}}')
+    if field == "image" and "image" in doc:
+        raise BadRequest("images are not sent in JSON: send the PNG, JPEG or .npy bytes as the body or a form field", 415)
+    fields = {}
+    for key, value in doc.items():
+        if key == field and not isinstance(value, str):
+            raise BadRequest(f"'{field}' must be a string")
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        if value is not None:
+            fields[key] = str(value).encode()
+    return fields
+
+
+def create_app(service: Service, spec: Inputs,
+               schedule: Callable[[float, float, int, float | None, int | None], dict[str, Any]],
                *, info: dict[str, Any], max_body_bytes: int) -> Any:  # fmt: skip
-    """The FastAPI application over a started ``service``; ``schedule(deadline_ms, quantile, batch, energy_mj)``
-    answers ``GET /schedule`` (as ``anytime schedule``)."""
+    """The FastAPI application over a started ``service``; ``schedule(deadline_ms, quantile, batch, energy_mj,
+    length)`` answers ``GET /schedule`` (as ``anytime schedule``)."""
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
@@ -117,17 +140,23 @@ def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, flo
 
     @app.post("/predict")
     async def predict(request: HttpRequest) -> JSONResponse:
-        """Answer one image or array within its deadline (queue time counted)."""
+        """Answer one input (an image or array, or a sentence) within its deadline (queue time counted)."""
         arrived = service.clock()
         body = await read_body(request)
         content_type = request.headers.get("content-type", "")
+        field = spec.field
         fields: dict[str, bytes] = {}
-        if content_type.startswith("multipart/form-data"):
-            fields = _multipart_fields(body, content_type)
-            if "image" not in fields:
-                raise BadRequest("the form has no 'image' field: send -F image=@picture.png -F deadline_ms=10")
-            body = fields["image"]
-        text = {k: v.decode("utf-8", "replace") for k, v in fields.items() if k != "image"}
+        if content_type.startswith(("multipart/form-data", "application/json")):
+            if content_type.startswith("multipart/form-data"):
+                fields = _multipart_fields(body, content_type, field)
+            else:
+                fields = _json_fields(body, field)
+            if field not in fields:
+                example = "-F image=@picture.png -F deadline_ms=10" if field == "image" else (
+                    '{"text": "a sentence", "deadline_ms": 10}')  # fmt: skip
+                raise BadRequest(f"the request has no '{field}' field: send {example}")
+            body = fields[field]
+        text = {k: v.decode("utf-8", "replace") for k, v in fields.items() if k != field}
         deadline = parse_deadline(text.get("deadline_ms") or request.query_params.get("deadline_ms")
                                   or request.headers.get("x-deadline-ms"))  # fmt: skip
         cheapest = (text.get("cheapest") or request.query_params.get("cheapest") or "").lower() in _TRUE or (
@@ -137,17 +166,21 @@ def create_app(service: Service, spec: InputSpec, schedule: Callable[[float, flo
         if energy is not None and service.runner.profile.energy is None:
             raise BadRequest("this server's profile has no energy figures: drop energy_mj, or serve a profile measured "
                              "with `anytime profile RUN --energy`")  # fmt: skip
-        image = spec.decode(body)
-        answer = await asyncio.wrap_future(service.submit(Request(image, deadline, arrived, cheapest, energy)))
+        decoded = spec.decode(body)
+        answer = await asyncio.wrap_future(service.submit(Request(decoded, deadline, arrived, cheapest, energy)))
         return JSONResponse(answer.to_dict())
 
     @app.get("/schedule")
     async def schedule_route(deadline_ms: str | None = None, quantile: float = 0.99, batch_size: int = 1,
-                             energy_mj: str | None = None) -> JSONResponse:  # fmt: skip
-        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule``."""
+                             energy_mj: str | None = None, length: int | None = None) -> JSONResponse:  # fmt: skip
+        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule`` (a text
+        run's ``length``: the request's tokens, default its longest)."""
         if not (math.isfinite(quantile) and 0 < quantile <= 1):
             raise BadRequest(f"quantile {quantile} must be in (0, 1]")
-        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size, parse_energy_budget(energy_mj)))
+        if length is not None and (spec.field != "text" or length < 1):
+            raise BadRequest("length is a text run's number of tokens (a whole number, at least 1)")
+        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size, parse_energy_budget(energy_mj),
+                                     length))  # fmt: skip
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -168,23 +201,32 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
     from anytime import __version__
     from anytime.pipeline import runner_for_run
     from anytime.scheduler.query import schedule_answer, scheduler_for_run
-    from anytime.train.runs import require_images
 
     if options.max_body_kb < 1:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
     runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile,
                                  device=options.device, threads=options.threads)  # fmt: skip
-    require_images(run, "anytime serve")
-    spec = InputSpec.from_dataset(run.dataset)
+    text = run.dataset.get("modality") == "text"
+    spec: Inputs = TextSpec.from_run(options.run, run.dataset) if text else InputSpec.from_dataset(run.dataset)
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip
-    scheduler, profile_path = scheduler_for_run(options.run, options.profile)
+    longest = max(runner.length_profiles) if text and runner.length_profiles else None
+    schedulers = {longest: scheduler_for_run(options.run, options.profile, length=longest)}
+    profile_path = schedulers[longest][1]
     info = {"run": str(Path(options.run)), "model": run.name, "profile": str(profile_path), "version": __version__,
             "steps": list(runner.profile.step_names), "policy": runner.policy.to_dict() if runner.policy else None,
             "input": spec.describe(), "max_batch": service.max_batch, "quantile": options.quantile}  # fmt: skip
 
-    def schedule(deadline_ms: float, quantile: float, batch_size: int, energy_mj: float | None) -> dict[str, Any]:
-        return schedule_answer(scheduler, profile_path, deadline_ms, quantile, batch_size, energy_mj=energy_mj)
+    if longest is not None:
+        info["length_buckets"] = sorted(runner.length_profiles)
+
+    def schedule(deadline_ms: float, quantile: float, batch_size: int, energy_mj: float | None,
+                 length: int | None) -> dict[str, Any]:  # fmt: skip
+        key = longest if length is None or longest is None else length
+        if key not in schedulers:
+            schedulers[key] = scheduler_for_run(options.run, options.profile, length=key)
+        scheduler, path = schedulers[key]
+        return schedule_answer(scheduler, path, deadline_ms, quantile, batch_size, energy_mj=energy_mj)
 
     with contextlib.suppress(ImportError):  # Pillow's decoders, loaded now rather than by the first image
         from PIL import Image

@@ -1,9 +1,12 @@
-"""What ``POST /predict`` accepts: a PNG or JPEG image, or an ``.npy`` array, turned into the model's input.
+"""What ``POST /predict`` accepts: a PNG or JPEG image, or an ``.npy`` array, turned into the model's input; for a
+text run, a sentence in UTF-8 turned into token ids.
 
 Images and uint8 arrays are pixels, normalised here with the mean and standard deviation the run was trained
 with; a float array is the model's input as the run's data pipeline makes it (already normalised). Nothing
 is resized: an input of another size or channel count is refused with what the model takes. Arrays are read
-without pickle, and an image's size is checked from its header before its pixels are decoded.
+without pickle, and an image's size is checked from its header before its pixels are decoded. A sentence is
+tokenized with the run's own tokenizer (``RUN/tokenizer.json``, checked against the one it was trained with) and
+cut at the run's maximum length, as in training; it keeps its own length, so it is priced by its length bucket.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from anytime.errors import AnytimeError
 from anytime.serve.service import BadRequest
 
 if TYPE_CHECKING:
@@ -21,6 +25,20 @@ if TYPE_CHECKING:
 
 _NPY_MAGIC = b"\x93NUMPY"
 _IMAGE_MODES = {1: ("L", "LA", "I;16", "I"), 3: ("RGB", "RGBA", "P", "CMYK", "YCbCr")}
+
+
+class Inputs(Protocol):
+    """What the server needs of a run's input: ``field`` (the form or JSON field that carries it), the class
+    names, a description for error messages, an example to warm up with, and :meth:`decode`."""
+
+    field: str
+    class_names: tuple[str, ...] | None
+
+    def describe(self) -> str: ...
+
+    def example(self) -> bytes: ...
+
+    def decode(self, body: bytes) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,7 @@ class InputSpec:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     class_names: tuple[str, ...] | None = None
+    field: str = "image"
 
     @classmethod
     def from_dataset(cls, dataset: Mapping[str, Any]) -> InputSpec:
@@ -123,3 +142,51 @@ class InputSpec:
         from anytime.data.augment import normalize
 
         return normalize(torch.from_numpy(np.ascontiguousarray(chw))[None], self.mean, self.std)[0]
+
+
+class TextSpec:
+    """A text run's input: a sentence (UTF-8), tokenized with the run's tokenizer and cut at its maximum length."""
+
+    field = "text"
+
+    def __init__(self, tokenizer: Any, max_length: int, class_names: tuple[str, ...] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.class_names = class_names
+
+    @classmethod
+    def from_run(cls, run_dir: Any, dataset: Mapping[str, Any]) -> TextSpec:
+        """From a text run: its ``tokenizer.json`` (refused when missing or not the one it was trained with)."""
+        from anytime.data.text import parse_tokenizer, tokenizer_sha
+        from anytime.train.trainer import read_tokenizer
+        from anytime.train.runs import run_config
+
+        config, _ = run_config(run_dir)
+        text = read_tokenizer(config, run_dir)
+        if text is None or tokenizer_sha(text) != dataset.get("tokenizer"):
+            raise AnytimeError(f"{run_dir}/tokenizer.json is not the tokenizer {run_dir} was trained with (another "
+                               "run's?); put the run's own tokenizer.json back, or train again")  # fmt: skip
+        classes = dataset.get("classes")
+        return cls(parse_tokenizer(text, f"{run_dir}/tokenizer.json"), int(dataset["max_length"]),
+                   tuple(str(c) for c in classes) if classes else None)  # fmt: skip
+
+    def describe(self) -> str:
+        """What the model takes, in words."""
+        return f"a sentence in UTF-8 (cut at {self.max_length} tokens)"
+
+    def example(self) -> bytes:
+        """A sentence long enough to reach the maximum length (for warming up)."""
+        return " ".join(["anytime"] * self.max_length).encode()
+
+    def decode(self, body: bytes) -> torch.Tensor:
+        """Token ids ``[T]`` (int64, ``[CLS]`` first, at most ``max_length``); :class:`BadRequest` otherwise."""
+        import torch
+
+        try:
+            sentence = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(f"the body is not UTF-8 text; the model takes {self.describe()}", status=415) from None
+        if not sentence.strip():
+            raise BadRequest(f"empty sentence: send {self.describe()}")
+        ids = self.tokenizer.encode(sentence).ids[: self.max_length]
+        return torch.tensor(ids, dtype=torch.int64)

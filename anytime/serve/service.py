@@ -40,8 +40,8 @@ class BadRequest(AnytimeError):
 
 @dataclass(frozen=True)
 class Request:
-    """One input (``[C, H, W]`` float32, already normalised) with its deadline (and optionally an energy budget
-    per inference), stamped when it arrived."""
+    """One input (``[C, H, W]`` float32, already normalised; or a sentence's token ids ``[T]``) with its deadline
+    (and optionally an energy budget per inference), stamped when it arrived."""
 
     image: torch.Tensor
     deadline_ms: float
@@ -130,7 +130,7 @@ class Service:
         self._worker: threading.Thread | None = None
 
     def warm_up(self, example: torch.Tensor, repeats: int = 3) -> None:
-        """Run every step on ``example`` (``[C, H, W]``) at every batch size served, so that the first requests
+        """Run every step on ``example`` (``[C, H, W]``, or token ids ``[T]``) at every batch size served, so that the first requests
         do not pay for lazy initialisation (allocators, kernels picked on first call)."""
         import torch
 
@@ -192,7 +192,14 @@ class Service:
         import torch
 
         device = next((p.device for p in self.runner.model.parameters()), torch.device("cpu"))
-        return torch.stack([r.image for r in requests]).to(device)
+        inputs = [r.image for r in requests]
+        if inputs[0].dim() == 1:  # sentences' token ids, padded to the longest (the encoders ignore padding)
+            from torch.nn.utils.rnn import pad_sequence
+
+            from anytime.data.text import PAD_ID
+
+            return pad_sequence(inputs, batch_first=True, padding_value=PAD_ID).to(device)
+        return torch.stack(inputs).to(device)
 
     def _left_ms(self, request: Request) -> float:
         return request.deadline_ms - 1000.0 * (self.clock() - request.arrived)
