@@ -99,9 +99,11 @@ def test_text_batches_are_trimmed_and_bucketed(text_root):
     assert torch.equal(ids, splits.test.images[:, : ids.shape[1]])  # evaluation keeps the order
 
 
-@pytest.mark.parametrize("name", ["mobilebert_tiny", "bert_mini"])
+@pytest.mark.parametrize("name", ["mobilebert_tiny", "bert_mini", "hf_bert", "hf_mobilebert"])
 @pytest.mark.parametrize("head", ["pool", "linear", "conv"])
 def test_padding_changes_no_answer(name, head):
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = attach_exits(create_model(name, num_classes=3, vocab_size=300, max_length=20), "auto", head=head).eval()
     short = torch.tensor([[2, 17, 45, 9]])
@@ -359,3 +361,79 @@ def test_a_text_server_refuses_another_runs_tokenizer(text_run, tmp_path):
     assert main(["profile", str(run), "--length", "16", "--batch-sizes", "1", "--repeats", "100", "--no-memory"]) == 0
     with pytest.raises(AnytimeError, match="not the tokenizer"):
         build_app(ServeOptions(run=str(run)))
+
+
+def _hf_checkpoint(folder: Path, kind: str, text_root: Path, *, base: bool = False) -> Path:
+    """A tiny Hugging Face checkpoint saved by save_pretrained, with a tokenizer trained on the text folder."""
+    transformers = pytest.importorskip("transformers")
+    from anytime.data.text import train_tokenizer
+
+    table = read_table(text_root / "train.tsv")
+    tokenizer = train_tokenizer(table.texts, 200)
+    folder.mkdir(parents=True)
+    (folder / TOKENIZER_FILE).write_text(tokenizer)
+    vocab = len(json.loads(tokenizer)["model"]["vocab"])
+    torch.manual_seed(1)
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=64, num_labels=2)  # fmt: skip
+        model = (transformers.BertModel if base else transformers.BertForSequenceClassification)(config)
+    else:
+        config = transformers.MobileBertConfig(vocab_size=vocab, hidden_size=64, embedding_size=32, true_hidden_size=32,
+                                               intra_bottleneck_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                               intermediate_size=64, max_position_embeddings=64, num_labels=2)  # fmt: skip
+        model = (transformers.MobileBertModel if base else transformers.MobileBertForSequenceClassification)(config)
+    transformers.utils.logging.disable_progress_bar()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind,base", [("bert", False), ("mobilebert", True)])
+def test_a_hugging_face_checkpoint_starts_a_run_that_rebuilds_without_it(kind, base, text_root, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from anytime.backbones.hf import hf_encoder, load_checkpoint_weights, read_checkpoint_config
+    from anytime.cli import main
+    from anytime.train.runs import load_run
+
+    checkpoint = _hf_checkpoint(tmp_path / "checkpoint", kind, text_root, base=base)
+    encoder = hf_encoder(kind, num_classes=2, vocab_size=read_checkpoint_config(checkpoint)["vocab_size"],
+                         max_length=16, config=read_checkpoint_config(checkpoint))  # fmt: skip
+    load_checkpoint_weights(encoder, checkpoint)
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    key = next(k for k in saved if k.endswith("embeddings.word_embeddings.weight"))
+    assert torch.equal(encoder.stem.embeddings.word_embeddings.weight, saved[key])
+    run = tmp_path / "run"
+    assert main(["train", "--model", f"hf_{kind}", "--init", str(checkpoint), "--data", "textfolder", "--data-root",
+                 str(text_root), "--exits", "auto", "--epochs", "1", "--max-length", "16", "--optimizer", "adamw",
+                 "--lr", "2e-3", "--batch-size", "32", "--out", str(run), "--no-progress"]) == 0  # fmt: skip
+    record = json.loads((run / "config.json").read_text())
+    assert record["hf_config"]["model_type"] == kind and record["hf_config"]["num_hidden_layers"] == 2
+    assert (run / TOKENIZER_FILE).read_text() == (checkpoint / TOKENIZER_FILE).read_text()  # the checkpoint's vocabulary
+    shutil.rmtree(checkpoint)  # the run rebuilds from what it recorded
+    loaded = load_run(run)
+    assert loaded.num_steps == 2 and loaded.model.forward_all(torch.tensor([[2, 30, 31]])).shape == (2, 1, 2)
+    capsys.readouterr()
+    assert main(["collect", str(run)]) == 0 and main(["calibrate", str(run), "--max-drop", "5"]) == 0
+
+
+def test_hugging_face_checkpoints_that_do_not_fit_are_refused_in_one_line(text_root, tmp_path, cli_error):
+    checkpoint = _hf_checkpoint(tmp_path / "bert", "bert", text_root)
+    train = ["train", "--data", "textfolder", "--data-root", str(text_root), "--exits", "auto", "--epochs", "1",
+             "--max-length", "16", "--no-progress"]  # fmt: skip
+    cli_error([*train, "--model", "hf_mobilebert", "--init", str(checkpoint), "--out", str(tmp_path / "a")],
+              "bert model", "hf_mobilebert")  # fmt: skip
+    other = tmp_path / "other-vocabulary"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 7}))
+    cli_error([*train, "--model", "hf_bert", "--init", str(other), "--out", str(tmp_path / "b")], "tokens", "--tokenizer")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(checkpoint, pickled)
+    (pickled / "model.safetensors").unlink()
+    cli_error([*train, "--model", "hf_bert", "--init", str(pickled), "--out", str(tmp_path / "c")], "model.safetensors")
+    gpt = tmp_path / "gpt"
+    shutil.copytree(checkpoint, gpt)
+    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    cli_error([*train, "--model", "hf_bert", "--init", str(gpt), "--out", str(tmp_path / "d")], "gpt2")
+    assert not any((tmp_path / name).exists() for name in "abcd")

@@ -89,14 +89,19 @@ def model_modality(name: str) -> str:
 
 def create_model(
     name: str, *, num_classes: int = 10, in_channels: int = 3, vocab_size: int | None = None,
-    max_length: int | None = None,
+    max_length: int | None = None, hf_config: dict | None = None,
 ) -> nn.Module:  # fmt: skip
     """Build a zoo model (e.g. ``resnet20``) or a torchvision classifier (``tv:resnet18``) with random weights.
 
-    A text model (``mobilebert_tiny``) takes ``vocab_size`` and ``max_length`` (its defaults where None)."""
-    text = {k: v for k, v in (("vocab_size", vocab_size), ("max_length", max_length)) if v is not None}
+    A text model (``mobilebert_tiny``) takes ``vocab_size`` and ``max_length`` (its defaults where None); a
+    ``transformers`` one (``hf_bert``, ``hf_mobilebert``) also ``hf_config``, a configuration to build instead of
+    its small default (a checkpoint's, or the one a run recorded)."""
+    text = {k: v for k, v in (("vocab_size", vocab_size), ("max_length", max_length), ("hf_config", hf_config))
+            if v is not None}  # fmt: skip
     if text and model_modality(name) != "text":
         raise AnytimeError(f"{name} is an image model; a vocabulary and a maximum length are for text models")
+    if hf_config is not None and get_spec(name).family != "transformers":
+        raise AnytimeError(f"{name} is not a transformers model; a Hugging Face configuration is for hf_bert or hf_mobilebert")
     if not isinstance(num_classes, int) or num_classes < 2:
         raise AnytimeError(f"num_classes must be at least 2 (got {num_classes}): a classifier needs 2 classes or more")
     if not isinstance(in_channels, int) or in_channels < 1:

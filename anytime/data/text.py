@@ -143,15 +143,20 @@ def train_tokenizer(texts: tuple[str, ...], vocab_size: int) -> str:
 
 
 def parse_tokenizer(json_text: str, where: str):  # type: ignore[no-untyped-def]
-    """A ``tokenizers.Tokenizer`` from its JSON, checked to put the special tokens where the models expect."""
+    """A ``tokenizers.Tokenizer`` from its JSON, checked to do what the models expect: ``[PAD]`` is id 0 (the
+    encoders find padding by it) and every encoding starts with ``[CLS]``. One ``anytime train`` wrote, or a
+    Hugging Face checkpoint's ``tokenizer.json`` (BERT's vocabulary: ``[CLS]`` 101, ``[SEP]`` closing)."""
     lib = _tokenizers()
     try:
         tokenizer = lib.Tokenizer.from_str(json_text)
     except Exception as exc:  # noqa: BLE001  the Rust side raises its own exception type
         raise AnytimeError(f"{where} is not a tokenizer file ({str(exc).splitlines()[0]})") from None
-    for expected, token in enumerate(SPECIAL_TOKENS):
-        if tokenizer.token_to_id(token) != expected:
-            raise AnytimeError(f"{where}: {token} must have id {expected}; use a tokenizer `anytime train` wrote")
+    if tokenizer.token_to_id("[PAD]") != PAD_ID:
+        raise AnytimeError(f"{where}: [PAD] must have id {PAD_ID}; use a tokenizer `anytime train` wrote or a BERT one")
+    cls = tokenizer.token_to_id("[CLS]")
+    if cls is None or tokenizer.encode("a").ids[:1] != [cls]:
+        raise AnytimeError(f"{where} does not start its encodings with [CLS]; use a tokenizer `anytime train` wrote "
+                           "or a BERT one")  # fmt: skip
     return tokenizer
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from anytime.backbones import create_model
+from anytime.backbones import create_model, get_spec
 from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.train.config import TrainConfig
@@ -73,13 +74,15 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> None:
 
 def build_model(
     config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True,
-    text: tuple[int, int] | None = None,
+    text: tuple[int, int] | None = None, hf_config: dict[str, Any] | None = None,
 ) -> nn.Module:
     """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
     with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, as a block-drop
     ladder when ``config.ladder`` is, as a resolution ladder when ``config.resolutions`` is, or as a SACT ResNet
     when ``config.sact`` is. ``text`` is a text dataset's ``(vocab_size, max_length)``: the model must be a text
-    encoder, and takes exits only."""
+    encoder, and takes exits only. A ``transformers`` model (``hf_bert``, ``hf_mobilebert``) is built from
+    ``hf_config`` (the one its run recorded), else from a Hugging Face checkpoint directory given as ``config.init``,
+    else from its small default."""
     from anytime.backbones import model_modality
     from anytime.wrappers import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
@@ -92,11 +95,24 @@ def build_model(
         if config.ladder or config.resolutions or config.sact or config.slices:
             raise AnytimeError("text encoders take early exits (--exits) only; slices, ladders, resolutions and SACT "
                                "are for image networks")  # fmt: skip
-        backbone = create_model(config.model, num_classes=num_classes, vocab_size=text[0], max_length=text[1])
+        from anytime.backbones.hf import is_checkpoint_dir, read_checkpoint_config
+
+        hf_checkpoint = config.init is not None and get_spec(config.model).family == "transformers" and (
+            is_checkpoint_dir(config.init))  # fmt: skip
+        if hf_config is None and hf_checkpoint:
+            hf_config = read_checkpoint_config(config.init)  # type: ignore[arg-type]
+        backbone = create_model(config.model, num_classes=num_classes, vocab_size=text[0], max_length=text[1],
+                                hf_config=hf_config)  # fmt: skip
     else:
+        hf_checkpoint = False
         backbone = create_model(config.model, num_classes=num_classes, in_channels=in_channels)
     if config.init is not None and load_init:
-        load_backbone_weights(backbone, config.init)
+        if hf_checkpoint:
+            from anytime.backbones.hf import load_checkpoint_weights
+
+            load_checkpoint_weights(backbone, config.init)  # type: ignore[arg-type]
+        else:
+            load_backbone_weights(backbone, config.init)
     if config.stochastic_depth > 0:
         set_stochastic_depth(backbone, config.stochastic_depth)
     if config.ladder is not None:

@@ -124,7 +124,8 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
         load_weights(model, weights)
         label = f"{baseline.get('method')}({len(model.members)} x {config.model})"
         return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target, label)
-    model = build_model(config, load_init=False, text=text, **shape)  # type: ignore[arg-type]
+    model = build_model(config, load_init=False, text=text, hf_config=read_record(run).get("hf_config"),
+                        **shape)  # type: ignore[arg-type]
     plan = run_channel_plan(run)
     if plan is not None:  # a structured ticket: the dense network cut to its channels
         shrink(model, plan)

@@ -177,7 +177,8 @@ def load_splits(config: TrainConfig, run_dir: str | Path | None = None) -> Datas
 
 def read_tokenizer(config: TrainConfig, run_dir: str | Path | None) -> str | None:
     """The JSON of the tokenizer a text run uses: the run's own ``tokenizer.json`` (refused if it is gone), or for a
-    new run (``run_dir`` None) the recipe's ``tokenizer`` file; None when there is none (a new run trains one)."""
+    new run (``run_dir`` None) the recipe's ``tokenizer`` file, else the ``tokenizer.json`` of the checkpoint
+    directory it starts from (``--init``); None when there is none (a new run trains one)."""
     if run_dir is not None:
         path = Path(run_dir) / TOKENIZER_FILE
         if not path.is_file():
@@ -185,6 +186,8 @@ def read_tokenizer(config: TrainConfig, run_dir: str | Path | None) -> str | Non
                                "from a copy of the run, or train again")  # fmt: skip
     elif config.tokenizer is not None:
         path = Path(config.tokenizer).expanduser()
+    elif config.init is not None and (Path(config.init).expanduser() / TOKENIZER_FILE).is_file():
+        path = Path(config.init).expanduser() / TOKENIZER_FILE  # a Hugging Face checkpoint's own vocabulary
     else:
         return None
     try:
@@ -422,7 +425,9 @@ class Trainer:
             cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
             load_init=state is None,  # a resumed run takes every weight from its checkpoint
             text=(info.vocab_size, info.max_length) if info.modality == "text" else None,
+            hf_config=None if state is None else state.get("hf_config"),
         ).to(device)
+        hf_config = getattr(getattr(model, "backbone", model), "hf_config", None)
         if state is None and cfg.init is None:
             init_from_data(model, splits, device)
         mask: Mask | None = None
@@ -500,7 +505,7 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(info.to_dict(), device, resumed_from=start_epoch if state is not None else None,
-                               extensions=extensions, augment=augment)  # fmt: skip
+                               extensions=extensions, augment=augment, hf_config=hf_config)  # fmt: skip
             if mask is not None and state is None:
                 mask.save(self.run_dir / MASK_FILE)
             if plan is not None and state is None:
@@ -531,6 +536,7 @@ class Trainer:
                 "epoch": epoch, "config": cfg.to_dict(), "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": history,
                 "dataset": info.to_dict(), "extensions": extensions,
+                **({"hf_config": hf_config} if hf_config is not None else {}),
                 **({"ema": ema.state_dict()} if ema is not None else {}),
                 **({"mask": mask.state(), "dense_run": dense_run} if mask is not None else {}),
                 **({"channels": plan.to_dict(), "dense_run": dense_run, "dense_parameters": dense_parameters}
@@ -762,6 +768,7 @@ class Trainer:
     def _write_config(
         self, dataset: dict[str, Any], device: torch.device, resumed_from: int | None,
         extensions: list[dict[str, Any]] | None = None, augment: Augment | None = None,
+        hf_config: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         path = self.run_dir / "config.json"
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -775,6 +782,7 @@ class Trainer:
             **({"sync_bn": self.distributed.sync_bn} if self.distributed is not None else {}),
             "created": now,
             **({"augment": dataclasses.asdict(augment)} if augment is not None else {}),
+            **({"hf_config": hf_config} if hf_config is not None else {}),  # the run rebuilds from it, not --init
             **self.extra_config,
         }
         if resumed_from is not None and path.exists():
