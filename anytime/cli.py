@@ -643,10 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
                             help="studies that read from disk (batch-time, memory, time-accuracy): drop the OS page "
                                  "cache first (root; it affects the whole machine)")
     experiment.add_argument("--device", help="studies that time a device (precision): cpu (default) or cuda[:N]")
+    experiment.add_argument("--json", action="store_true",
+                            help="print the study's results.json (its progress goes to stderr)")
 
     demo = sub.add_parser("demo", description=COMMANDS["demo"])
     demo.add_argument("--out", metavar="DIR", help="results folder (default runs/demo)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier demo's results in --out")
+    demo.add_argument("--json", action="store_true", help="print the demo's demo.json (what the summary shows)")
 
     prepare = sub.add_parser("prepare-data", description=COMMANDS["prepare-data"])
     prepare.add_argument("src", metavar="SRC", help="an image folder holding train/<class>/* and test/<class>/*")
@@ -941,7 +944,14 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
             raise AnytimeError(f"the {args.name} study runs on the CPU only; drop --device")
         argv += ["--device", args.device]
     entry: Callable[[list[str]], int] = module.main
-    return int(entry(argv) or 0)
+    if not args.json:
+        return int(entry(argv) or 0)
+    with contextlib.redirect_stdout(sys.stderr):  # the study's progress lines: stdout carries the JSON
+        code = int(entry(argv) or 0)
+    results = Path(args.out) if args.out else Path("results") / args.name
+    if code == 0:
+        print((results / "results.json").read_text())
+    return code
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -954,6 +964,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"demo: training {DEMO_CONFIG.model} on the embedded digits for {DEMO_CONFIG.epochs} epochs...",
           file=sys.stderr)  # fmt: skip
     result = run_demo(out, progress=sys.stderr.isatty(), overwrite=args.overwrite, create_parents=args.out is None)
+    if args.json:
+        print((result.out_dir / "demo.json").read_text())
+        return 0
     final = result.summary["final"]
     print(f"test accuracy {100 * final['test_acc']:.2f}% (validation {100 * final['val_acc']:.2f}%) "
           f"in {result.summary['train_time_s']:.1f} s of training")  # fmt: skip
@@ -1134,7 +1147,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from anytime.pipeline import evaluate_run
 
     report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
-                          latency_samples=args.latency_samples, form=args.form)  # fmt: skip
+                          latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty())  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

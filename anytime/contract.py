@@ -50,8 +50,14 @@ class SegmentedModel(AnytimeModel, Protocol):
     def heads(self) -> Sequence[nn.Module]: ...
 
 
-_ANYTIME_MEMBERS = ("num_steps", "forward_until", "forward_all", "steps")
-_SEGMENTED_MEMBERS = (*_ANYTIME_MEMBERS, "segments", "heads")
+def _members(protocol: type) -> tuple[str, ...]:
+    """The names a protocol declares (its own and its bases'), read from the class bodies above."""
+    return tuple(sorted({name for cls in protocol.__mro__ if cls.__module__ == __name__
+                         for name in vars(cls) if not name.startswith("_")}))  # fmt: skip
+
+
+_ANYTIME_MEMBERS = _members(AnytimeModel)
+_SEGMENTED_MEMBERS = _members(SegmentedModel)
 
 
 def is_anytime(model: Any) -> bool:

@@ -262,11 +262,12 @@ def _calibrate(
 
 def evaluate_run(
     run_dir: str | Path, *, calibration: str | Path | None = None, split: str = "test", device: str = "cpu",
-    latency_samples: int = 1000, batch_size: int = 256, form: str = "eager",
+    latency_samples: int = 1000, batch_size: int = 256, form: str = "eager", progress: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
-    backbone (interleaved, same samples), both in the inference ``form``. Written to ``RUN/evaluation-SPLIT.json``."""
+    backbone (interleaved, same samples), both in the inference ``form``. Written to ``RUN/evaluation-SPLIT.json``
+    (a progress bar on stderr with ``progress``)."""
     _check_split(split)
     run = load_run(run_dir, device, form=form)
     if run.num_steps < 2:
@@ -278,23 +279,31 @@ def evaluate_run(
     policy.check(run.num_steps, num_classes)
     target = check_output_file(Path(run_dir) / f"evaluation-{split}.json", what="evaluation", flag="")
     with output_lock(target):
-        report = _evaluate(run, policy, split, latency_samples, batch_size)
+        report = _evaluate(run, policy, split, latency_samples, batch_size, progress)
         report["form"] = run.form
         write_json(target, report)
     return report
 
 
-def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: int, batch_size: int) -> dict[str, Any]:
+def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: int, batch_size: int,
+              progress: bool = False) -> dict[str, Any]:  # fmt: skip
+    from anytime.utils.progress import progress_bar
+
     run_dir = run.run_dir
     splits = _splits_of(run)
     data = splits.split(split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
     predictions, exits, labels = [], [], []
-    for x, y in loader:
-        out = policy.run(run.model, x.to(run.device))
-        predictions.append(out.predictions.cpu())
-        exits.append(out.exits.cpu())
-        labels.append(y)
+    bar = progress_bar(len(data), f"evaluate {split}", enabled=progress, unit="sample")
+    try:
+        for x, y in loader:
+            out = policy.run(run.model, x.to(run.device))
+            predictions.append(out.predictions.cpu())
+            exits.append(out.exits.cpu())
+            labels.append(y)
+            bar.update(len(y))
+    finally:
+        bar.close()
     pred = torch.cat(predictions).numpy()
     exit_of = torch.cat(exits).numpy()
     truth = torch.cat(labels).numpy()
@@ -320,10 +329,10 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
         chosen = data.sample(latency_samples, seed=run.config.seed)
         if splits.info.modality == "text":  # every sentence timed at its own length, unpadded
             timed = make_loader(chosen, splits.info, batch_size=1, train=False, seed=run.config.seed)
-            report["latency"] = _latency(run, policy, [x.to(run.device) for x, _ in timed])
+            report["latency"] = _latency(run, policy, [x.to(run.device) for x, _ in timed], progress)
         else:
             timed = make_loader(chosen, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
-            report["latency"] = _latency(run, policy, torch.cat([x for x, _ in timed]).to(run.device))
+            report["latency"] = _latency(run, policy, torch.cat([x for x, _ in timed]).to(run.device), progress)
     report["machine"] = describe_machine()
     report["device"] = device_label(run.device)
     report["torch_threads"] = torch.get_num_threads()
@@ -331,14 +340,28 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
     return report
 
 
-def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor]) -> dict[str, Any]:
+_LATENCY_CHUNK = 100  # samples timed between two moves of the progress bar
+
+
+def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor],
+             progress: bool = False) -> dict[str, Any]:  # fmt: skip
     from anytime.profile import latency_summary, per_sample_latency
+    from anytime.utils.progress import progress_bar
 
     model = run.model
-    times = per_sample_latency(
-        {"early_exit": lambda x: policy.run(model, x), "backbone": lambda x: model.backbone(x)},  # type: ignore[union-attr]
-        images, warmup=min(20, len(images)),
-    )  # fmt: skip
+    functions = {"early_exit": lambda x: policy.run(model, x), "backbone": lambda x: model.backbone(x)}  # type: ignore[union-attr]
+    chunks: dict[str, list[np.ndarray]] = {name: [] for name in functions}
+    bar = progress_bar(len(images), "latency", enabled=progress, unit="sample")
+    try:  # timed in chunks (an even count: the interleaving order alternates on), the bar moving between them
+        for start in range(0, len(images), _LATENCY_CHUNK):
+            chunk = images[start : start + _LATENCY_CHUNK]
+            warmup = min(20, len(chunk)) if start == 0 else 0
+            for name, values in per_sample_latency(functions, chunk, warmup=warmup).items():
+                chunks[name].append(values)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    times = {name: np.concatenate(values) for name, values in chunks.items()}
     early, plain = latency_summary(times["early_exit"]), latency_summary(times["backbone"])
     return {"batch_size": 1, "early_exit": early, "backbone": plain,
             "mean_ratio": early["mean_ms"] / plain["mean_ms"],

@@ -156,6 +156,8 @@ def test_demo_writes_results_and_plots(capsys, tmp_path):
     code, out, _ = _run(capsys, "demo", "--out", str(out_dir))
     assert code == 0
     assert "test accuracy" in out and str(out_dir) in out
+    code, printed, _ = _run(capsys, "demo", "--out", str(out_dir), "--overwrite", "--json")
+    assert code == 0 and set(json.loads(printed)) >= {"summary", "deadlines", "batch_time"}
     for name in ("demo.json", "training_curves.png", "training_curves.svg", "batch_time.png", "run/metrics.csv"):
         assert (out_dir / name).is_file(), name
     demo = json.loads((out_dir / "demo.json").read_text())
@@ -190,7 +192,7 @@ def test_every_reporting_command_speaks_json(exit_run, tmp_path, capsys):
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    quiet = {"serve", "experiment", "demo", "schedule"}  # a server, studies whose results are files, JSON always
+    quiet = {"serve", "schedule"}  # a server, JSON always
     for name, command in commands.items():
         assert name in quiet or any("--json" in a.option_strings for a in command._actions), name
     run = tmp_path / "run"

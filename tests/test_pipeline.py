@@ -138,13 +138,14 @@ def test_a_cache_from_another_model_or_split_is_refused(collected, tmp_path):
         load_cache(other, "val")
 
 
-def test_evaluate_reports_accuracy_agreement_and_latency(collected):
+def test_evaluate_reports_accuracy_agreement_and_latency(collected, capsys):
     calibrate_run(collected, max_drop=1.0)
-    report = evaluate_run(collected, latency_samples=30)
+    report = evaluate_run(collected, latency_samples=230, progress=True)  # latency timed in chunks of 100
+    assert "evaluate test" in capsys.readouterr().err  # the progress bar, on stderr
     assert report["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
     assert report["samples"] == 359 and sum(report["exit_share"]) == pytest.approx(1)
     lat = report["latency"]
-    assert lat["early_exit"]["count"] == 30 and lat["backbone"]["count"] == 30
+    assert lat["early_exit"]["count"] == 230 and lat["backbone"]["count"] == 230
     assert lat["early_exit"]["p99_ms"] >= lat["early_exit"]["p50_ms"] > 0
     assert (collected / "evaluation-test.json").is_file()
 

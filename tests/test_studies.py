@@ -28,9 +28,11 @@ def _check_config(out):
     assert any("page cache" in note for note in config["notes"])
 
 
-def test_batch_time_quick(tmp_path):
+def test_batch_time_quick(tmp_path, capsys):
     out = tmp_path / "batch-time"
-    assert main(["experiment", "batch-time", "--quick", "--out", str(out)]) == 0
+    assert main(["experiment", "batch-time", "--quick", "--out", str(out), "--json"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == json.loads((out / "results.json").read_text()) and printed.err  # progress: stderr
     rows = _rows(out / "results.csv")
     assert {r["model"] for r in rows} == {"lenet", "resnet18", "preact_resnet18", "resnext29_2x64d",
                                           "mobilenetv2", "vgg11"}  # fmt: skip
