@@ -85,6 +85,22 @@ def test_int8_artifacts_store_int8_weights(fmt, tmp_path):
     assert agree >= 0.9
 
 
+def test_onnx_artifacts_carry_no_module_paths_and_a_small_int8_network_is_still_3_5x_smaller(tmp_path):
+    import onnx
+
+    model = _families()["exits"].eval()  # a multi-exit ResNet-20: 0.27 M weights, where names weigh most
+    calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    fp32 = _export(model, "onnx", tmp_path / "fp32")
+    int8 = _export(model, "onnx", tmp_path / "int8", precision="int8", calibration=calibration)
+    ratio = fp32.manifest.bytes / int8.manifest.bytes
+    assert ratio >= 3.5, f"the int8 ONNX artifacts are only {ratio:.2f}x smaller"
+    graph = onnx.load(str(tmp_path / "int8" / int8.manifest.parts[-1].file)).graph
+    onnx.checker.check_model(onnx.load(str(tmp_path / "int8" / int8.manifest.parts[-1].file)), full_check=True)
+    assert [v.name for v in graph.input] == ["input"] and [v.name for v in graph.output] == ["output"]
+    assert not any(node.name for node in graph.node) and not graph.value_info
+    assert max(len(name) for node in graph.node for name in (*node.input, *node.output)) <= 10
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_pt2_artifacts_store_16_bit_weights_and_answer_in_fp32(precision, tmp_path):
     torch.manual_seed(0)
