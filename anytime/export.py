@@ -142,6 +142,7 @@ def export_run(
             float_model, fmt, precision, work, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
             name=run.config.model, calibration=calibration, state=state, qat=qat, parent_run=str(source),
             parent_fingerprint=run_weights_fingerprint(source), calibration_images=calibrated,
+            backend=record.get("backend") if record is not None and precision == "int8" else None,
         )  # fmt: skip
         rows: list[ParityRow] = []
         if images is not None:

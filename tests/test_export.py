@@ -277,14 +277,14 @@ def test_trtexec_timings_become_a_profile_of_the_export(exported_run, tmp_path, 
               "missing")  # fmt: skip
 
 
-def test_onnx_int8_weights_are_7_bit_only_on_an_x86_cpu_without_vnni(monkeypatch):
-    from anytime.precision import export
+def test_int8_ranges_are_7_bit_only_on_an_x86_cpu_without_vnni(monkeypatch):
+    from anytime.precision import model
 
-    monkeypatch.setattr(export.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(model.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
-    assert export.onnx_reduce_range()
+    assert model.x86_without_vnni() and model.backend_for("int8", torch.device("cpu")) == model.X86_7BIT
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
-    assert not export.onnx_reduce_range()
-    monkeypatch.setattr(export.platform, "machine", lambda: "aarch64")
+    assert not model.x86_without_vnni() and model.backend_for("int8", torch.device("cpu")) == model.X86_FULL
+    monkeypatch.setattr(model.platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
-    assert not export.onnx_reduce_range()
+    assert not model.x86_without_vnni()

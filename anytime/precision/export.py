@@ -17,7 +17,6 @@ import io
 import json
 import logging
 import os
-import platform
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 
 from anytime.contract import step_count
 from anytime.errors import AnytimeError
-from anytime.precision.model import PartsModel, quiet_torchao, lower_int8
+from anytime.precision.model import X86_7BIT, PartsModel, lower_int8, quiet_torchao, x86_without_vnni
 
 FORMATS: tuple[str, ...] = ("pt2", "onnx")
 EXPORTABLE: dict[str, tuple[str, ...]] = {"pt2": ("fp32", "int8", "bf16", "fp16"), "onnx": ("fp32", "int8")}
@@ -280,15 +279,6 @@ def _compact_names(graph: Any) -> None:
     del graph.value_info[:]
 
 
-def onnx_reduce_range() -> bool:
-    """Whether int8 ONNX weights are quantized to 7 bits: on an x86 CPU without VNNI (AVX2, AVX-512 without
-    VNNI), ONNX Runtime's uint8 x int8 kernels add pairs of products in 16 bits, which saturate on full-range
-    weights (its documentation says so; a digits ResNet-20's exit agreed on 80% of images with the float one
-    there; with 7-bit weights, at least 90%)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and not getattr(torch.cpu, "_is_vnni_supported",
-                                                                             lambda: True)()  # fmt: skip
-
-
 def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str) -> None:
     _onnx_modules()
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
@@ -308,7 +298,7 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
         quant_pre_process(str(float_path), str(prepared))
         quantize_static(
             str(prepared), str(path), reader, quant_format=QuantFormat.QDQ, per_channel=True,
-            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=onnx_reduce_range(),
+            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=x86_without_vnni(),
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         raise AnytimeError(f"ONNX Runtime could not quantize {what} ({_first_line(exc)})") from None
@@ -365,6 +355,7 @@ def export_model(
     model: nn.Module, fmt: str, precision: str, folder: Path, *, input_shape: tuple[int, ...], num_classes: int,
     name: str, calibration: Sequence[Tensor] | None = None, state: dict[str, Tensor] | None = None,
     qat: bool = False, parent_run: str = "", parent_fingerprint: str = "", calibration_images: int | None = None,
+    backend: str | None = None,
 ) -> ExportManifest:  # fmt: skip
     """Write a float model's steps (eval mode, on the CPU) as ``fmt`` artifacts at ``precision`` into the existing
     ``folder``, with the manifest; return it. int8 needs ``calibration`` batches (training images) or, for
@@ -384,8 +375,9 @@ def export_model(
         parts = [copy.deepcopy(part).to(dtype) for part in floats]
     elif precision == "int8" and fmt == "pt2":
         converted, _ = convert(model, "int8", input_shape=input_shape, calibration=calibration, state=state,
-                               compile=False, qat=qat)  # fmt: skip
+                               compile=False, qat=qat, backend=backend)  # fmt: skip
         parts = list(converted.parts)
+        backend = converted.spec.backend
     elif precision == "int8":
         if qat:
             raise AnytimeError("a model fine-tuned for int8 (QAT) exports as pt2: ONNX int8 artifacts are quantized by "
@@ -399,10 +391,12 @@ def export_model(
             raise AnytimeError("int8 ONNX artifacts need calibration images from the training split")
     written = _write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part)
     quantizer = None
-    if precision == "int8":
-        quantizer = "X86InductorQuantizer (PT2E)" if fmt == "pt2" else (
-            "onnxruntime quantize_static (QDQ, per channel"
-            + (", 7-bit weights: the exporting CPU has no VNNI)" if onnx_reduce_range() else ")"))  # fmt: skip
+    if precision == "int8" and fmt == "pt2":
+        quantizer = "X86InductorQuantizer (PT2E" + (", 7-bit activations: for CPUs without VNNI)" if backend == X86_7BIT
+                                                     else ")")  # fmt: skip
+    elif precision == "int8":
+        quantizer = "onnxruntime quantize_static (QDQ, per channel" + (
+            ", 7-bit weights: the exporting CPU has no VNNI)" if x86_without_vnni() else ")")  # fmt: skip
     from datetime import datetime, timezone
 
     manifest = ExportManifest(
@@ -555,6 +549,9 @@ def load_export(
     if manifest.format == "pt2":
         if provider != "cpu":
             raise AnytimeError(".pt2 artifacts run through PyTorch here; --provider applies to ONNX artifacts")
+        if manifest.precision == "int8" and lower and x86_without_vnni() and "7-bit" not in (manifest.quantizer or ""):
+            raise AnytimeError(f"{root}'s int8 graphs were quantized for a CPU with VNNI (8-bit activations); this CPU has "
+                               "none, so its int8 kernels would overflow: export the run again on this machine")  # fmt: skip
         for part in manifest.parts:
             module = _load_pt2(root / part.file, manifest.precision)
             if manifest.precision == "int8" and lower:

@@ -60,6 +60,20 @@ class PrecisionSpec:
         return spec
 
 
+X86_FULL = "x86-inductor"
+X86_7BIT = "x86-inductor-7bit"  # activations quantized to 0..127: what a CPU without VNNI computes without overflow
+
+
+def x86_without_vnni() -> bool:
+    """An x86 CPU without VNNI (AVX2, or AVX-512 without it). Its int8 kernels multiply uint8 activations by int8
+    weights and add pairs of products in 16 bits (vpmaddubsw), which saturate on full-range values: a multi-exit
+    CIFAR network's oneDNN int8 graphs agreed with their own reference arithmetic on 82-85% of test images on
+    such a CPU. 7-bit activations (int8 PT2E) or weights (ONNX Runtime) keep every pair in range, as PyTorch's and
+    ONNX Runtime's documentation advise for these CPUs."""
+    return platform.machine().lower() in ("x86_64", "amd64") and not getattr(torch.cpu, "_is_vnni_supported",
+                                                                             lambda: True)()  # fmt: skip
+
+
 def backend_for(precision: str, device: torch.device) -> str:
     """The backend that runs ``precision`` on ``device``, or a one-line error naming one that runs here."""
     if precision not in PRECISIONS:
@@ -75,7 +89,7 @@ def backend_for(precision: str, device: torch.device) -> str:
                 "found); on ARM boards use XNNPACKQuantizer with ExecuTorch, or TensorRT int8 on a Jetson; "
                 "int8-dynamic and bf16 run here"
             )
-        return "x86-inductor"
+        return X86_7BIT if x86_without_vnni() else X86_FULL
     if precision == "int8-dynamic":
         return "torchao-dynamic"
     if precision == "fp16" and device.type == "cpu":
@@ -319,7 +333,8 @@ def _export_for_quantization(part: nn.Module, sample: Tensor) -> torch.fx.GraphM
     raise AnytimeError(f"{type(part).__name__} cannot be exported for int8 quantization ({first})") from None
 
 
-def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = False) -> list[nn.Module]:
+def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = False,
+                  reduce_range: bool = False) -> list[nn.Module]:  # fmt: skip
     """Each part exported and prepared for int8: observers (post-training) or fake quantization (``qat``: the
     parts are exported in training mode, so batch norm keeps training and folds into the convolution)."""
     with quiet_torchao():
@@ -341,7 +356,7 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
             constant_fold(exported)  # weights computed from parameters (a slice's leading channels) become constants
             _folded_as_parameters(exported)
         quantizer = X86InductorQuantizer()
-        quantizer.set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
+        quantizer.set_global(get_default_x86_inductor_quantization_config(is_qat=qat, reduce_range=reduce_range))
         try:
             prepared.append(prepare_qat_pt2e(exported, quantizer) if qat else prepare_pt2e(exported, quantizer))
         except Exception as exc:  # noqa: BLE001  the quantizer's pattern matching fails with plain ValueErrors
@@ -350,15 +365,18 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
     return prepared
 
 
-def prepare_qat(model: nn.Module, input_shape: tuple[int, ...]) -> list[nn.Module]:
+def prepare_qat(model: nn.Module, input_shape: tuple[int, ...], *, reduce_range: bool | None = None) -> list[nn.Module]:
     """Quantization-aware training graphs of a float model's parts (a copy: the model is left as it was), in
-    training mode, with fake quantization of weights and activations; train them, then pass
-    :func:`graph_state` of them to :func:`convert` with ``qat=True``."""
+    training mode, with fake quantization of weights and activations (7-bit activations with ``reduce_range``,
+    by default where this CPU has no VNNI); train them, then pass :func:`graph_state` of them to
+    :func:`convert` with ``qat=True``."""
+    if reduce_range is None:
+        reduce_range = x86_without_vnni()
     copied = copy.deepcopy(model).eval()
     parts = float_parts(copied)
     with torch.no_grad():
         inputs = part_inputs(layout_of(copied), parts, torch.zeros(2, *input_shape))
-    prepared = _prepare_int8(parts, inputs, qat=True)
+    prepared = _prepare_int8(parts, inputs, qat=True, reduce_range=reduce_range)
     with quiet_torchao():
         from torchao.quantization.pt2e import move_exported_model_to_train
     for part in prepared:
@@ -441,17 +459,23 @@ def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tup
 def convert(
     model: nn.Module, precision: str, *, input_shape: tuple[int, ...], calibration: Iterable[Tensor] | None = None,
     state: dict[str, Tensor] | None = None, compile: bool = True, device: torch.device | None = None,
-    qat: bool = False, step_flops: Sequence[int] | None = None,
+    qat: bool = False, step_flops: Sequence[int] | None = None, backend: str | None = None,
 ) -> tuple[PrecisionModel, dict[str, Tensor]]:  # fmt: skip
     """Convert a float model (on the CPU, eval mode) to ``precision``; return it and the state that rebuilds it.
 
     int8 needs either ``calibration`` batches (training images: never validation or test) or the ``state``
     recorded by an earlier conversion of the same weights; with ``qat`` the state is :func:`graph_state` of
     graphs from :func:`prepare_qat` after training. The other precisions need neither. ``step_flops``: the
-    float model's FLOPs per step as counted when the run was made (counted here when not given).
+    float model's FLOPs per step as counted when the run was made (counted here when not given). ``backend``:
+    the one a recorded conversion used (int8: full or 7-bit activations), default the one this device runs.
     """
     target = device or torch.device("cpu")
-    spec = PrecisionSpec(precision, backend_for(precision, target), compile)
+    here = backend_for(precision, target)
+    spec = PrecisionSpec(precision, backend or here, compile)
+    reduce_range = spec.backend == X86_7BIT
+    if precision == "int8" and compile and here == X86_7BIT and not reduce_range:
+        raise AnytimeError("this int8 run was quantized for a CPU with VNNI (8-bit activations); this CPU has none, so "
+                           "its int8 kernels would overflow: quantize the float run again on this machine")  # fmt: skip
     model = model.eval()
     num_steps = step_count(model)
     layout = layout_of(model)
@@ -462,14 +486,14 @@ def convert(
     if precision == "int8" and qat:
         if state is None:
             raise AnytimeError("a quantization-aware int8 model is rebuilt from its trained graphs' state")
-        prepared = prepare_qat(model, input_shape)
+        prepared = prepare_qat(model, input_shape, reduce_range=reduce_range)
         _load_observers(prepared, state, everything=True)
         with quiet_torchao():
             from torchao.quantization.pt2e import move_exported_model_to_eval
         for part in prepared:
             move_exported_model_to_eval(part)
     elif precision == "int8":
-        prepared = _prepare_int8(float_parts(model), inputs)
+        prepared = _prepare_int8(float_parts(model), inputs, reduce_range=reduce_range)
         if state is None:
             if calibration is None or _calibrate(layout, prepared, calibration) == 0:
                 raise AnytimeError("int8 static quantization needs calibration images from the training split")

@@ -159,7 +159,8 @@ def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple
             raise AnytimeError(f"{run} has no {QUANT_STATE} (its int8 statistics); quantize the parent run again")
         state = read_weights(run / QUANT_STATE)
     converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device,
-                           qat=bool(record.get("qat_epochs")), step_flops=_recorded_flops(run))  # fmt: skip
+                           qat=bool(record.get("qat_epochs")), step_flops=_recorded_flops(run),
+                           backend=spec.backend if spec.precision == "int8" else None)  # fmt: skip
     return converted
 
 
