@@ -117,12 +117,16 @@ class HFEncoder(StagedBackbone):
 
 
 def _classifier(kind: str, config: dict[str, Any]) -> nn.Module:
+    from anytime.precision.model import quiet_torchao
+
     lib = _transformers()
     config_class = {"bert": lib.BertConfig, "mobilebert": lib.MobileBertConfig}[kind]
-    model_class = {"bert": lib.BertForSequenceClassification, "mobilebert": lib.MobileBertForSequenceClassification}[kind]
     hf_config = config_class(**{k: v for k, v in config.items() if k not in ("model_type", "transformers_version")})
     hf_config._attn_implementation = "sdpa"
-    return model_class(hf_config)
+    with quiet_torchao():  # transformers' model classes import torchao where it is installed
+        model_class = {"bert": lib.BertForSequenceClassification,
+                       "mobilebert": lib.MobileBertForSequenceClassification}[kind]  # fmt: skip
+        return model_class(hf_config)
 
 
 def hf_encoder(
