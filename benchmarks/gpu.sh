@@ -86,7 +86,7 @@ for s in "${steps[@]}"; do
     case $s in
         env) step env 60 env_step ;;
         tests) step tests 200 tests_step ;;
-        pipeline) step pipeline 240 pipeline_step ;;
+        pipeline) step pipeline 420 pipeline_step ;;
         study) step study 240 study_step ;;
         *) echo "unknown step '$s': env, tests, pipeline or study" >&2; exit 2 ;;
     esac
