@@ -7,7 +7,8 @@
 #                real early exit, schedules across precisions, and a profile with NVML energy
 #   4. study:    `anytime experiment precision --quick --device cuda`
 # Logs and a tarball of the results go to $OUT (default results/gpu); each step has its own time limit, so a slow
-# step costs only itself, and BUDGET_S (default 3600) caps the whole run: a step gets at most what is left. Usage:
+# step costs only itself, and BUDGET_S (default 3600) caps the whole run: a step gets at most what is left. The
+# script exits 1 when a step failed. Usage:
 # OUT=DIR bash benchmarks/gpu.sh [step ...] (default: every step). DEVICE=cpu PRECISIONS=bf16 walks the same
 # pipeline on a CPU (to check the script itself).
 set -u
@@ -25,6 +26,7 @@ step() {  # step NAME SECONDS FUNCTION: run it with a time limit, log it, pack w
     timeout --kill-after=10 "$limit" bash -c "$(declare -f anytime "$3"); $3" >"$OUT/$name.log" 2>&1
     rc=$?
     echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
+    ((rc == 0)) || failed+=("$name")
     tail -n 5 "$OUT/$name.log"
     tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
         --exclude='*.pt2' --exclude='*.onnx' --exclude=outputs . 2>/dev/null
@@ -80,7 +82,7 @@ study_step() {
     anytime experiment precision --quick --device "$DEVICE" --out "$WORK/precision" --overwrite
 }
 
-steps=("$@")
+steps=("$@") failed=()
 [ ${#steps[@]} -eq 0 ] && steps=(env tests pipeline study)
 for s in "${steps[@]}"; do
     case $s in
@@ -91,3 +93,4 @@ for s in "${steps[@]}"; do
         *) echo "unknown step '$s': env, tests, pipeline or study" >&2; exit 2 ;;
     esac
 done
+((${#failed[@]} == 0)) || { echo "failed: ${failed[*]}" | tee -a "$OUT/steps.txt"; exit 1; }

@@ -60,6 +60,31 @@ def test_converted_steps_keep_the_step_contract(family, precision, calibration):
         converted.forward_until(x, steps)
 
 
+@pytest.mark.parametrize("criterion", ["entropy", "patience"])
+def test_early_exit_of_a_half_precision_run_answers_in_float32(criterion):
+    # A converted model's heads answer in float32 and its last segment in its own precision; a batch whose
+    # samples leave at both once failed on a GPU (fp16) when the answers were gathered into one tensor.
+    from anytime.calibrate import ExitPolicy
+
+    model = _families()["exits"].eval()
+    converted, _ = convert(model, "bf16", input_shape=SHAPE)
+    x = torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        first = converted.forward_until(x, 0)
+    if criterion == "patience":  # every head runs, so no one leaving early still mixes the two precisions
+        policy = ExitPolicy("patience", (99.0,) * (converted.num_steps - 1))
+    else:  # the median entropy at exit 0: about half the batch leaves there, the rest goes on
+        p = first.softmax(-1)
+        entropy = -(p * p.clamp_min(1e-12).log()).sum(-1)
+        policy = ExitPolicy("entropy", (float(entropy.median()),) + (None,) * (converted.num_steps - 2))
+    out = policy.run(converted, x)
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (16, 10)
+    if criterion == "entropy":
+        assert len(set(out.exits.tolist())) > 1, "the batch should leave at more than one exit"
+    one = policy.run(converted, x[:1])
+    assert one.logits.dtype == torch.float32
+
+
 def test_int8_early_exit_does_not_run_later_stages(calibration):
     model = _families()["exits"].eval()
     converted, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=True)

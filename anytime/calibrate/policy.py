@@ -146,7 +146,8 @@ class ExitPolicy:
 
     def run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
         """Real early exit of a multi-exit model on the batch ``x`` (in inference mode: the outputs carry
-        no autograd history and cannot enter one)."""
+        no autograd history and cannot enter one). The logits come back in float32 whatever precision each
+        step computes in: a converted model's heads answer in float32, its last segment in its own precision."""
         import torch
 
         with torch.inference_mode():
@@ -189,18 +190,18 @@ class ExitPolicy:
                 continue
             logits = h if k == last else heads[k](h)
             if out_logits is None:
-                out_logits = torch.empty(batch, logits.shape[1], dtype=logits.dtype, device=x.device)
+                out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
             leave = None if k == last else crit.signed(crit.score(logits, temps[k])) <= limits[k]
             if leave is None or bool(leave.all()):
                 predictions[index] = logits.argmax(dim=1)
                 exits[index] = k
-                out_logits[index] = logits
+                out_logits[index] = logits.float()
                 break
             if bool(leave.any()):
                 gone = index[leave]
                 predictions[gone] = logits[leave].argmax(dim=1)
                 exits[gone] = k
-                out_logits[gone] = logits[leave]
+                out_logits[gone] = logits[leave].float()
                 stay = ~leave
                 index, h = index[stay], h[stay]
         assert out_logits is not None
@@ -223,14 +224,14 @@ class ExitPolicy:
             h = segment(h)
             logits = h if k == last else heads[k](h)
             if out_logits is None:
-                out_logits = torch.empty(batch, logits.shape[1], dtype=logits.dtype, device=x.device)
+                out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
             predicted = logits.argmax(dim=1)
             if previous is not None:
                 streak = torch.where(predicted == previous, streak + 1, 0.0)
             leave = torch.ones_like(predicted, dtype=torch.bool) if k == last else -streak <= self._limits[k]
             if bool(leave.any()):
                 gone = index[leave]
-                predictions[gone], exits[gone], out_logits[gone] = predicted[leave], k, logits[leave]
+                predictions[gone], exits[gone], out_logits[gone] = predicted[leave], k, logits[leave].float()
                 stay = ~leave
                 if not bool(stay.any()):
                     break
@@ -255,7 +256,7 @@ class ExitPolicy:
             logits = heads[k](h)
             if self.leaves(k, logits):
                 break
-        return EarlyExitOutput(logits.argmax(dim=1), torch.tensor([k], device=x.device), logits)
+        return EarlyExitOutput(logits.argmax(dim=1), torch.tensor([k], device=x.device), logits.float())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able."""
