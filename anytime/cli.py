@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from anytime.errors import AnytimeError, PeerStopped
+from anytime.utils.figure_sizes import FIGURE_SIZES
 
 COMMANDS: dict[str, str] = {
     "models": "list the model zoo and torchvision classifiers, with parameter counts",
@@ -122,6 +123,7 @@ def _form(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+FIGURE_SIZE_HELP = "figure size: " + "; ".join(f"{s.name}: {s.description}" for s in FIGURE_SIZES.values())
 FORM_HELP = ("inference form: eager (default), or any of fold (batch norm into the convolutions), channels-last, "
              "compile, joined by '+'")
 
@@ -351,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
     plot.add_argument("run", metavar="RUN")
     plot.add_argument("--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)")
+    plot.add_argument("--figure-size", default="screen", choices=list(FIGURE_SIZES),
+                      help=FIGURE_SIZE_HELP + " (default screen; a paper's size goes into RUN/plots/SIZE/)")  # fmt: skip
     plot.add_argument("--json", action="store_true", help="print the figures drawn and the sections skipped as JSON")
 
     cam = sub.add_parser("cam", description=COMMANDS["cam"],
@@ -643,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="studies that read from disk (batch-time, memory, time-accuracy): drop the OS page "
                                  "cache first (root; it affects the whole machine)")
     experiment.add_argument("--device", help="studies that time a device (precision): cpu (default) or cuda[:N]")
+    experiment.add_argument("--figure-size", default="screen", choices=list(FIGURE_SIZES),
+                            help=FIGURE_SIZE_HELP + " (default screen)")  # fmt: skip
     experiment.add_argument("--json", action="store_true",
                             help="print the study's results.json (its progress goes to stderr)")
 
@@ -944,10 +950,15 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
             raise AnytimeError(f"the {args.name} study runs on the CPU only; drop --device")
         argv += ["--device", args.device]
     entry: Callable[[list[str]], int] = module.main
-    if not args.json:
-        return int(entry(argv) or 0)
-    with contextlib.redirect_stdout(sys.stderr):  # the study's progress lines: stdout carries the JSON
-        code = int(entry(argv) or 0)
+    with contextlib.ExitStack() as scope:
+        if args.figure_size != "screen":
+            from anytime.plotting import figure_size
+
+            scope.enter_context(figure_size(args.figure_size))
+        if not args.json:
+            return int(entry(argv) or 0)
+        with contextlib.redirect_stdout(sys.stderr):  # the study's progress lines: stdout carries the JSON
+            code = int(entry(argv) or 0)
     results = Path(args.out) if args.out else Path("results") / args.name
     if code == 0:
         print((results / "results.json").read_text())
@@ -1171,7 +1182,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from anytime.pipeline import plot_run
 
-    report = plot_run(args.run, profile=args.profile)
+    report = plot_run(args.run, profile=args.profile, figure_size=args.figure_size)
     if args.json:
         return _print_json(report)
     for path in report.paths:

@@ -377,8 +377,9 @@ class PlotReport:
 
 
 def plot_run(
-    run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None
-) -> PlotReport:
+    run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None,
+    figure_size: str = "screen",
+) -> PlotReport:  # fmt: skip
     """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
     every exit alone), accuracy vs threshold, each exit's reliability diagram and its accuracy per class, the
     calibrated exit histogram, per-exit accuracy by epoch, and, once the run is profiled, accuracy vs deadline and
@@ -387,13 +388,18 @@ def plot_run(
     Everything that can refuse (the caches, the calibration, the profile) is read before any figure is drawn,
     and the figures replace the old ones all together or not at all. A section that cannot be drawn is named
     in ``skipped`` with the reason (by the rule ``schedule`` follows for profiles); a ``profile`` given
-    explicitly must be usable.
+    explicitly must be usable. At a paper's ``figure_size`` (``page`` or ``column``) the figures go to
+    ``RUN/plots/SIZE/`` instead, beside the screen-sized ones the report page shows.
     """
     from anytime.calibrate import CRITERIA
+    from anytime.plotting.layout import figure_size as sized
+    from anytime.utils.figure_sizes import FIGURE_SIZES
     from anytime.train import read_metrics
 
+    if figure_size not in FIGURE_SIZES:
+        raise AnytimeError(f"unknown figure size '{figure_size}'; choose one of: {', '.join(FIGURE_SIZES)}")
     val = _cache(run_dir, "val")
-    folder = Path(run_dir) / "plots"
+    folder = Path(run_dir) / "plots" / ("" if figure_size == "screen" else figure_size)
     check_output_file(folder / "pareto.png", what="figure", flag="")
     skipped: list[str] = []
     report = None
@@ -415,7 +421,7 @@ def plot_run(
         except AnytimeError as exc:
             skipped.append(f"deadline plots: {exc}")
     results = {name: sweep(val, name, settings=settings) for name in list(criteria or CRITERIA)}
-    with output_lock(folder), staged_files(folder) as work:
+    with output_lock(folder), staged_files(folder) as work, sized(figure_size):
         labels = list(step_labels(run_dir, val.step_names))
         classes = class_names(run_dir)
         names = _draw_run(run_title(run_dir), work, val, results, report, rows, scheduler, labels, classes)

@@ -227,3 +227,32 @@ def test_bf16_is_emulated_only_on_a_cpu_without_bf16_instructions(monkeypatch):
     assert machine.bf16_emulated(torch.device("cpu"))
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert not machine.bf16_emulated(torch.device("cpu"))
+
+
+def test_a_study_draws_its_figures_at_the_size_asked_for(capsys, tmp_path, monkeypatch):
+    from PIL import Image
+
+    import anytime.cli
+
+    studies = tmp_path / "experiments"
+    studies.mkdir()
+    (studies / "two_panels.py").write_text(
+        "from pathlib import Path\n"
+        "from anytime.plotting import save_figure\n"
+        "from anytime.plotting.layout import panels\n"
+        "def main(argv):\n"
+        "    out = Path(argv[argv.index('--out') + 1])\n"
+        "    out.mkdir()\n"
+        "    fig, axes = panels(2, (5.5, 4))\n"
+        "    for ax in axes:\n"
+        "        ax.plot([0, 1], [0, 1])\n"
+        "    save_figure(fig, out / 'figure', formats=('png',))\n"
+        "    return 0\n"
+    )
+    monkeypatch.setattr(anytime.cli, "_experiments_dir", lambda: studies)
+    widths = {}
+    for size in ("screen", "column"):
+        code, _, err = _run(capsys, "experiment", "two-panels", "--out", str(tmp_path / size), "--figure-size", size)
+        assert code == 0, err
+        widths[size] = Image.open(tmp_path / size / "figure.png").size[0]
+    assert widths["screen"] > 1500 and 430 <= widths["column"] <= 580  # 11 in and 3.4 in at 150 dpi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +159,29 @@ def test_plots(collected):
     assert all(p.stat().st_size > 1000 for p in report.paths)
     assert report.skipped == [f"deadline plots: {collected} has no device profile; measure one with "
                               f"`anytime profile {collected}`"]
+
+
+def test_plots_at_a_papers_column_width_go_beside_the_screen_ones(collected, tmp_path, capsys):
+    from PIL import Image
+
+    from anytime.utils.outputs import DirState, check_output_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(collected, run)
+    calibrate_run(run, max_drop=1.0)
+    screen = {p.name for p in plot_run(run).paths}
+    code, out, _ = _run(capsys, "plot", run, "--figure-size", "column", "--json")
+    assert code == 0
+    column = [Path(p) for p in json.loads(out)["paths"]]
+    assert {p.name for p in column} == screen and all(p.parent == run / "plots" / "column" for p in column)
+    assert all((run / "plots" / name).is_file() for name in screen)  # the screen figures stay
+    for path in column:
+        if path.suffix == ".png":  # 3.4 in at 150 dpi, give or take what a tight bounding box trims or adds
+            assert 430 <= Image.open(path).size[0] <= 580, path.name
+    assert check_output_dir(run, "run") is DirState.OURS  # train --overwrite still recognises the whole run
+    with pytest.raises(SystemExit) as refused:
+        main(["plot", str(run), "--figure-size", "poster"])
+    assert refused.value.code == 2 and "invalid choice: 'poster'" in capsys.readouterr().err
 
 
 def test_the_cli_pipeline(collected, capsys, tmp_path):

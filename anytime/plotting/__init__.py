@@ -15,6 +15,7 @@ from anytime.plotting.figures import (
     plot_training_curves,
     save_figure,
 )
+from anytime.plotting.layout import figure_size
 from anytime.plotting.schedule import (
     plot_deadline_accuracy,
     plot_deadline_runs,
@@ -23,7 +24,7 @@ from anytime.plotting.schedule import (
 )
 
 __all__ = [
-    "plot_batch_time", "plot_class_accuracy", "plot_reliability", "plot_deadline_accuracy", "plot_deadline_runs", "plot_energy_accuracy", "plot_exit_accuracy_epochs",
+    "figure_size", "plot_batch_time", "plot_class_accuracy", "plot_reliability", "plot_deadline_accuracy", "plot_deadline_runs", "plot_energy_accuracy", "plot_exit_accuracy_epochs",
     "plot_exit_histogram", "plot_exit_pareto", "plot_latency_distributions", "plot_memory", "plot_threshold_curves",
     "plot_time_accuracy", "plot_training_curves", "save_figure",
 ]  # fmt: skip

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import scaled
 
 if TYPE_CHECKING:
     from anytime.cam import StepMaps
@@ -24,7 +24,7 @@ def plot_step_maps(
     with the step's answer and confidence (red where it is wrong, when ``labels`` are known)."""
     count = images.shape[0]
     columns = 1 + len(maps)
-    fig = Figure(figsize=(1.9 * columns, 2.1 * count + 0.4), layout="constrained")
+    fig = scaled((1.9 * columns, 2.1 * count + 0.4), layout="constrained")
     axes = np.atleast_2d(fig.subplots(count, columns, squeeze=False))
 
     def name(c: int) -> str:

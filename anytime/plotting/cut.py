@@ -8,9 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import panels
 
 _STYLES = {"shortcut": "--", "branch": "-"}
 
@@ -25,8 +24,7 @@ def plot_cut_study(
     """Three panels for one or more studies (``{label: CutStudy.rows}``): the cumulative ladder's accuracy by
     blocks cut from the top, each block cut alone, and accuracy against batch-1 latency; recomputed batch-norm
     statistics, where measured, are drawn with hollow markers."""
-    fig = Figure(figsize=(15, 4.2))
-    ax_ladder, ax_single, ax_latency = fig.subplots(1, 3)
+    fig, (ax_ladder, ax_single, ax_latency) = panels(3, (5, 4.2))
     for label, rows in studies.items():
         base = next(r for r in rows if r["scope"] == "none")
         kinds = [k for k in ("branch", "shortcut") if _series(rows, "ladder", k)]
@@ -68,9 +66,8 @@ def plot_step_families(
     """Test accuracy against measured mean latency of every step, one line per family (``{label: StepPoints}``);
     with ``budgets`` (rows of :func:`anytime.compare.matched_table`), a second panel of each family's accuracy
     at matched latency budgets."""
-    fig = Figure(figsize=(12 if budgets else 6.5, 4.5))
-    axes = fig.subplots(1, 2 if budgets else 1)
-    ax = axes[0] if budgets else axes
+    fig, axes = panels(2 if budgets else 1, (6 if budgets else 6.5, 4.5))
+    ax = axes[0]
     for label, points in families.items():
         ordered = sorted(points, key=lambda p: p.mean_ms)
         ax.plot([p.mean_ms for p in ordered], [100 * p.test_acc for p in ordered], marker="o", label=label)

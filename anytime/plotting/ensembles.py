@@ -7,9 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import panels
 
 
 def plot_baselines(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], *, title: str) -> list[Path]:
@@ -17,8 +16,7 @@ def plot_baselines(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[st
     models = list(dict.fromkeys(str(r["model"]) for r in rows))
     methods = list(dict.fromkeys(str(r["method"]) for r in rows))
     width = 0.8 / max(len(models), 1)
-    fig = Figure(figsize=(11, 4))
-    ax_acc, ax_time = fig.subplots(1, 2)
+    fig, (ax_acc, ax_time) = panels(2, (5.5, 4))
     for i, model in enumerate(models):
         mine = {str(r["method"]): r for r in rows if r["model"] == model}
         xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(methods))]
@@ -39,8 +37,7 @@ _STYLE = {"fp32": "-", "int8": "--"}
 def plot_ensemble_study(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], *, title: str) -> list[Path]:
     """Test accuracy against p99 latency: every ensemble ladder (one line per fuser and precision, the MLP's bold),
     every member alone (points: circles fp32, crosses int8) and the early-exit ladder."""
-    fig = Figure(figsize=(8, 5.5))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (8, 5.5))
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for row in rows:
         groups.setdefault((str(row["kind"]), str(row["precision"])), []).append(row)

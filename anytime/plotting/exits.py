@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import panels, scaled
 
 if TYPE_CHECKING:
     from anytime.calibrate import Oracle, SweepResult
@@ -23,8 +23,7 @@ def plot_exit_pareto(
 ) -> list[Path]:
     """Accuracy vs mean FLOPs per sample: the Pareto front of each criterion, every exit on its own (labelled with
     ``names``, default the cache's), the oracle."""
-    fig = Figure(figsize=(7, 4.8))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (7, 4.8))
     # Criteria that rank samples alike (entropy and normalised entropy) give the same front: each gets its own
     # dash pattern and a thinner line than the one before, so that coinciding curves all stay visible.
     styles = ("-", "--", ":", "-.")
@@ -53,8 +52,7 @@ def plot_exit_pareto(
 
 def plot_threshold_curves(results: Mapping[str, SweepResult], stem: str | os.PathLike[str], title: str) -> list[Path]:
     """Accuracy and mean FLOPs against the threshold all exits share, one panel per criterion."""
-    fig = Figure(figsize=(4 * len(results), 3.6))
-    axes = np.atleast_1d(fig.subplots(1, len(results)))
+    fig, axes = panels(len(results), (4, 3.6))
     for ax, (name, result) in zip(axes, results.items()):
         t = result.shared if result.shared is not None else result.thresholds[:, 0]
         keep = np.isfinite(t)
@@ -65,7 +63,6 @@ def plot_threshold_curves(results: Mapping[str, SweepResult], stem: str | os.Pat
         twin.plot(t[keep], result.flops_ratio[keep], color="#DD8452", label="FLOPs ratio")
         twin.set_ylabel("mean FLOPs / backbone FLOPs", color="#DD8452")
     fig.suptitle(f"{title}: accuracy (blue) and cost (orange) vs threshold")
-    fig.tight_layout()
     return save_figure(fig, stem)
 
 
@@ -73,8 +70,7 @@ def plot_exit_histogram(
     report: Mapping[str, Any], names: Sequence[str], stem: str | os.PathLike[str], title: str
 ) -> list[Path]:
     """Share of samples leaving at each exit under the calibrated policy, validation and test side by side."""
-    fig = Figure(figsize=(7, 3.8))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (7, 3.8))
     x = np.arange(len(names))
     splits = [(s, report[s]) for s in ("validation", "test") if report.get(s)]
     width = 0.8 / max(len(splits), 1)
@@ -92,8 +88,7 @@ def plot_exit_accuracy_epochs(
     rows: Sequence[Mapping[str, Any]], names: Sequence[str], stem: str | os.PathLike[str], title: str
 ) -> list[Path]:
     """Validation accuracy of every exit after each epoch, from a run's ``metrics.csv``."""
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (7, 4))
     epochs = [int(r["epoch"]) + 1 for r in rows]
     for k, name in enumerate(names):
         ax.plot(epochs, [100 * float(r[f"val_acc_exit{k}"]) for r in rows], marker=".", label=name)
@@ -107,15 +102,8 @@ def plot_reliability(cache: OutputCache, names: Sequence[str], stem: str | os.Pa
     """A reliability diagram per exit (accuracy against confidence in 15 bins, with the bins' counts) and its ECE."""
     from anytime.utils.stats import expected_calibration_error, reliability, softmax
 
-    k_steps = cache.num_steps
-    cols = min(k_steps, 5)
-    rows = -(-k_steps // cols)
-    fig = Figure(figsize=(2.6 * cols, 2.8 * rows))
-    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)).ravel()
+    fig, axes = panels(cache.num_steps, (2.6, 2.8), max_columns=5, sharex=True, sharey=True)
     for k, ax in enumerate(axes):
-        if k >= k_steps:
-            ax.set_visible(False)
-            continue
         p = softmax(cache.logits[k])
         conf, acc, counts = reliability(p, cache.labels)
         filled = counts > 0
@@ -124,12 +112,14 @@ def plot_reliability(cache: OutputCache, names: Sequence[str], stem: str | os.Pa
         ax.set(title=f"{names[k]}: ECE {100 * expected_calibration_error(p, cache.labels):.1f}%", xlim=(0, 1), ylim=(0, 1))
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
-    for ax in axes[(rows - 1) * cols :]:
-        ax.set_xlabel("confidence (max softmax)")
-    for ax in axes[::cols]:
-        ax.set_ylabel("accuracy")
+    columns = axes[0].get_subplotspec().get_gridspec().ncols
+    for k, ax in enumerate(axes):
+        if k + columns >= len(axes):  # nothing below it
+            ax.set_xlabel("confidence (max softmax)")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        if k % columns == 0:
+            ax.set_ylabel("accuracy")
     fig.suptitle(f"{title}: reliability of each exit ({cache.num_samples} {cache.split} samples, 15 bins)")
-    fig.tight_layout()
     return save_figure(fig, stem)
 
 
@@ -141,7 +131,7 @@ def plot_class_accuracy(
 
     table = 100 * class_accuracy(cache.logits, cache.labels, cache.num_classes)
     labels = list(classes) if classes and len(classes) == cache.num_classes else [str(c) for c in range(cache.num_classes)]
-    fig = Figure(figsize=(max(6.0, 0.62 * cache.num_classes + 1.8), 0.45 * cache.num_steps + 1.6))
+    fig = scaled((max(6.0, 0.62 * cache.num_classes + 1.8), 0.45 * cache.num_steps + 1.6), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(table, vmin=0, vmax=100, cmap="viridis", aspect="auto")
     if cache.num_classes <= 20:

@@ -1,4 +1,4 @@
-"""Figures for runs and studies, saved as PNG and SVG side by side."""
+"""Figures for runs and studies, saved as PNG, SVG and PDF side by side."""
 
 from __future__ import annotations
 
@@ -9,17 +9,20 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from anytime.plotting.layout import fit_to_size, panels
 from anytime.utils.io import atomic_path
 
 PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "step": "#55A868", "data": "#8172B3"}
 
 
 def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg", "pdf")) -> list[Path]:
-    """Save ``fig`` as ``stem.png`` and ``stem.svg`` (atomically).
+    """Save ``fig`` as ``stem.png``, ``stem.svg`` and ``stem.pdf`` (each atomically), its titles wrapped to fit
+    when it is drawn at a paper's width (:func:`anytime.plotting.figure_size`).
 
     Figures are built with :class:`matplotlib.figure.Figure` directly, never through pyplot, so plotting
     neither selects a backend for the user's process nor leaves figures open in it.
     """
+    fit_to_size(fig)
     paths = []
     for fmt in formats:
         path = Path(f"{os.fspath(stem)}.{fmt}")
@@ -32,8 +35,7 @@ def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str
 def plot_training_curves(rows: Sequence[Mapping[str, Any]], title: str, stem: str | os.PathLike[str]) -> list[Path]:
     """Loss and accuracy per epoch (train and validation) of one run, from its ``metrics.csv`` rows."""
     epochs = [int(r["epoch"]) + 1 for r in rows]
-    fig = Figure(figsize=(10, 3.8))
-    ax_loss, ax_acc = fig.subplots(1, 2)
+    fig, (ax_loss, ax_acc) = panels(2, (5, 3.8))
     ax_loss.plot(epochs, [float(r["train_loss"]) for r in rows], marker="o", label="train")
     ax_loss.plot(epochs, [float(r["val_loss"]) for r in rows], marker="s", label="validation")
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss (log scale)", title="loss", yscale="log")
@@ -52,8 +54,7 @@ def plot_batch_time(
 ) -> list[Path]:
     """Stacked bars of forward / backward / optimizer-step time per mini-batch, one bar per batch size."""
     sizes = [str(int(r["batch_size"])) for r in results]
-    fig = Figure(figsize=(10, 3.8))
-    ax_time, ax_rate = fig.subplots(1, 2)
+    fig, (ax_time, ax_rate) = panels(2, (5, 3.8))
     bottom = [0.0] * len(results)
     for phase in ("forward", "backward", "step"):
         values = [1000 * float(r[f"{phase}_p50_s"]) for r in results]
@@ -76,8 +77,7 @@ def plot_memory(
     device: str,
 ) -> list[Path]:
     """Peak memory vs batch size (one line per model) and vs DataLoader workers (one bar group per pipeline)."""
-    fig = Figure(figsize=(11, 4))
-    ax_batch, ax_workers = fig.subplots(1, 2)
+    fig, (ax_batch, ax_workers) = panels(2, (5.5, 4))
     for model, rows in by_batch.items():
         ax_batch.plot(
             [int(r["batch_size"]) for r in rows], [float(r["peak_rss_mb"]) for r in rows], marker="o", label=model
@@ -102,8 +102,7 @@ def plot_time_accuracy(
     curves: Mapping[str, Sequence[Mapping[str, Any]]], stem: str | os.PathLike[str], title: str
 ) -> list[Path]:
     """Validation accuracy against cumulative wall-clock training time, one curve per model."""
-    fig = Figure(figsize=(6.5, 4.2))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (6.5, 4.2))
     for model, rows in curves.items():
         ax.plot(
             [float(r["elapsed_s"]) / 60 for r in rows],

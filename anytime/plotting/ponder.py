@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import scaled
 
 
 def plot_ponder_maps(images: np.ndarray, units: np.ndarray, step_names: Sequence[str], stem: str | os.PathLike[str],
@@ -18,7 +18,7 @@ def plot_ponder_maps(images: np.ndarray, units: np.ndarray, step_names: Sequence
     (``units`` ``[K, N, H, W]``), on one colour scale from ``least`` (every stage's first unit) to ``most`` (the
     most any map shows, so that the differences are visible)."""
     count, columns = images.shape[0], 1 + units.shape[0]
-    fig = Figure(figsize=(1.9 * columns + 0.8, 2.0 * count + 0.4), layout="constrained")
+    fig = scaled((1.9 * columns + 0.8, 2.0 * count + 0.4), layout="constrained")
     axes = np.atleast_2d(fig.subplots(count, columns, squeeze=False))
     gray = images.shape[-1] == 1
     shown = None

@@ -7,9 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import panels
 
 
 def plot_precision(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[str], *, title: str = "") -> list[Path]:
@@ -18,8 +17,7 @@ def plot_precision(rows: Sequence[Mapping[str, Any]], stem: str | os.PathLike[st
     for the models with an accuracy (a colour per model, a marker per variant)."""
     models = list(dict.fromkeys(r["model"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    fig = Figure(figsize=(15, 4.8))
-    ax_latency, ax_accuracy = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    fig, (ax_latency, ax_accuracy) = panels(2, (7.5, 4.8), width_ratios=[2, 1])
     width = 0.8 / max(len(variants), 1)
     for j, variant in enumerate(variants):
         xs, ys = [], []

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import panels
 
 if TYPE_CHECKING:
     from anytime.profile import DeviceProfile
@@ -32,8 +32,7 @@ def plot_deadline_accuracy(
     deadlines = np.linspace(top / 400, top, 400)
     accuracy = [np.nan if not (c := scheduler.select(float(d), quantile, batch_size)).fits else 100 * c.accuracy
                 for d in deadlines]  # fmt: skip
-    fig = Figure(figsize=(7, 4.4))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (7, 4.4))
     ax.step(deadlines, accuracy, where="post", color="#4C72B0", label=f"scheduler's choice (p{100 * quantile:g} fits)")
     profile = scheduler.profile
     on_front = {option.name for option, _ in frontier}
@@ -69,10 +68,9 @@ def plot_latency_distributions(
     from anytime.utils.stats import bootstrap_quantile
 
     at = profile.at(batch_size)
-    panels = [("each step alone", at.steps)] + ([("each stage (one exit further)", at.stages)] if at.stages else [])
-    fig = Figure(figsize=(5 * len(panels), 4))
-    axes = np.atleast_1d(fig.subplots(1, len(panels)))
-    for ax, (label, samples) in zip(axes, panels):
+    shown = [("each step alone", at.steps)] + ([("each stage (one exit further)", at.stages)] if at.stages else [])
+    fig, axes = panels(len(shown), (5, 4))
+    for ax, (label, samples) in zip(axes, shown):
         ax.violinplot([np.asarray(s) for s in samples], showextrema=False)
         for k, s in enumerate(samples, start=1):
             for q, marker in ((0.5, "_"), (0.99, "v")):
@@ -85,7 +83,6 @@ def plot_latency_distributions(
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{title}: latency at batch {batch_size} on {profile.device.get('label')} "
                  "(_ p50, v p99; bars: bootstrap 95% intervals)")  # fmt: skip
-    fig.tight_layout()
     return save_figure(fig, stem)
 
 
@@ -96,8 +93,7 @@ def plot_deadline_runs(
 
     ``rows`` carry ``condition``, ``deadline_ms``, ``miss_rate``, ``accuracy`` and ``oracle_accuracy``.
     """
-    fig = Figure(figsize=(11, 4.2))
-    miss_ax, acc_ax = fig.subplots(1, 2)
+    fig, (miss_ax, acc_ax) = panels(2, (5.5, 4.2))
     for condition in conditions:
         mine = sorted((r for r in rows if r["condition"] == condition), key=lambda r: r["deadline_ms"])
         d = [r["deadline_ms"] for r in mine]
@@ -112,7 +108,6 @@ def plot_deadline_runs(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
     return save_figure(fig, stem)
 
 
@@ -123,8 +118,7 @@ def plot_energy_accuracy(
     two-dimensional frontier (none other as accurate is both faster and more frugal) filled and named, the rest hollow."""
     profile = scheduler.profile
     front = {o.name for o, _, _ in scheduler.frontier_points(quantile, batch_size, energy=True)}
-    fig = Figure(figsize=(11, 4.4))
-    axes = fig.subplots(1, 2, sharey=True)
+    fig, axes = panels(2, (5.5, 4.4), sharey=True)
     for o in scheduler.options.values():
         latency, energy = scheduler.latency(o, quantile, batch_size), scheduler.energy_mj(o, batch_size)
         colour = "#C44E52" if o.kind == "policy" else "black"

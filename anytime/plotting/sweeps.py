@@ -8,18 +8,16 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from anytime.jobs import JobOutcome, numeric_axis
 from anytime.plotting.figures import save_figure
+from anytime.plotting.layout import panels
 
 
 def plot_sweep(outcomes: Sequence[JobOutcome], stem: str | os.PathLike[str], title: str) -> list[Path]:
     """Test accuracy of every finished job (failed jobs are left out and named in the title)."""
     ok = [o for o in outcomes if o.test_acc is not None]
     failed = len(outcomes) - len(ok)
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, (7, 4.5))
     axis = numeric_axis(ok) if len(ok) > 1 else None
     if axis is not None:
         groups: dict[str, list[JobOutcome]] = {}
@@ -50,8 +48,7 @@ def plot_lottery(
     """Test accuracy against sparsity, one curve per reset epoch (tickets whose ``params`` hold ``sparsity`` and
     ``reset_epoch``), the dense run as a line; beside it, the sweep's wall-clock time by number of workers (left
     empty without timings)."""
-    fig = Figure(figsize=(11, 4.5))
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    fig, (left, right) = panels(2, (5.5, 4.5), width_ratios=[2, 1])
     by_epoch: dict[int, list[JobOutcome]] = {}
     for ticket in tickets:
         by_epoch.setdefault(int(ticket.params["reset_epoch"]), []).append(ticket)

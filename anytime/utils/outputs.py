@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anytime.errors import AnytimeError
+from anytime.utils.figure_sizes import FIGURE_SIZES
 
 MARKER = ".anytime.json"
 MARKER_FORMAT = "anytime-output-v1"
@@ -341,8 +342,12 @@ def _has_format(path: Path, tag: str) -> bool:
     return isinstance(doc, dict) and doc.get("format") == tag
 
 
-# What the run's own sub-folders hold (the cut study's folder is marked as its own).
-_RUN_SUBFOLDERS = {"outputs": ("*.npz",), "plots": ("*.png", "*.svg", "*.pdf")}
+# What the run's own sub-folders hold, and their own folders (the cut study's folder is marked as its own):
+# plots/ keeps the figures drawn at a paper's size in a folder named after it.
+_RUN_SUBFOLDERS = {
+    "outputs": (("*.npz",), ()),
+    "plots": (("*.png", "*.svg", "*.pdf"), tuple(name for name in FIGURE_SIZES if name != "screen")),
+}
 
 
 def _strays(folder: Path, marker: Marker) -> list[str]:
@@ -361,13 +366,14 @@ def _strays(folder: Path, marker: Marker) -> list[str]:
             if inner is not None:
                 strays += [f"{name}/{n}" for n in _strays(path, inner)]
                 continue
-            patterns = _RUN_SUBFOLDERS.get(name) if marker.kind == RUN else None
+            patterns, nested = _RUN_SUBFOLDERS.get(name, (None, ())) if marker.kind == RUN else (None, ())
             for file in sorted(p for p in path.rglob("*") if not p.is_dir()):
                 relative = file.relative_to(folder).as_posix()
                 if is_temporary(file.name):
                     continue
                 if patterns is not None:
-                    ours = file.parent == path and any(fnmatch.fnmatchcase(file.name, p) for p in patterns)
+                    at_home = file.parent == path or (file.parent.parent == path and file.parent.name in nested)
+                    ours = at_home and any(fnmatch.fnmatchcase(file.name, p) for p in patterns)
                 else:
                     ours = relative in marker.entries
                 if not ours:
