@@ -21,12 +21,13 @@ import torch
 from torch import Tensor
 
 from anytime.data import make_loader
+from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
 from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
-from anytime.train.runs import LoadedRun, load_run, require_images, run_config
+from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -137,11 +138,15 @@ def quantize_run(
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
-    require_images(run, "anytime quantize")
+    text = run.dataset.get("modality") == "text"
+    if text and precision == "int8":
+        raise AnytimeError(f"{parent} is a text run: static int8 (PT2E) quantizes convolutional image networks; "
+                           "quantize a text encoder with --precision int8-dynamic (int8 Linear layers, the usual form "
+                           "for transformers), bf16 or fp16")  # fmt: skip
     if precision == "int8" and getattr(run.model, "data_dependent_cost", False):
         raise AnytimeError(f"{parent} halts position by position (SACT), which torch.export cannot trace into an int8 "
                            "graph; quantize it with --precision int8-dynamic, bf16 or fp16")  # fmt: skip
-    shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
+    shape = dataset_input_shape(run.dataset)
     parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
     splits = _splits_of(run)
     seed = run.config.seed
@@ -187,8 +192,9 @@ def quantize_run(
             "train": run.config.to_dict(), "dataset": run.dataset, "precision": record, "device": str(target_device),
             "machine": describe_machine(), "git_sha": git_sha(), "created": now,
         })  # fmt: skip
-        with atomic_path(work / WEIGHTS) as tmp:
-            shutil.copyfile(parent / WEIGHTS, tmp)
+        for name in (WEIGHTS, TOKENIZER_FILE) if text else (WEIGHTS,):  # a text run's token ids need its tokenizer
+            with atomic_path(work / name) as tmp:
+                shutil.copyfile(parent / name, tmp)
         if state:
             from safetensors.torch import save_file
 

@@ -18,3 +18,22 @@ def test_timings_pause_the_garbage_collector():
     with pytest.raises(ValueError), paused_gc():
         raise ValueError
     assert gc.isenabled()
+
+
+def test_int8_weights_count_at_their_stored_size_not_as_the_float_they_report():
+    import copy
+
+    from torch import nn
+
+    from anytime.precision.model import quiet_torchao
+    from anytime.profile.steps import weights_bytes
+
+    with quiet_torchao():
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
+    assert quantized[0].weight.dtype == torch.float32  # what the subclass reports
+    dense = weights_bytes(model)
+    assert dense == 4 * sum(p.numel() for p in model.parameters())
+    assert dense / 4.2 < weights_bytes(quantized) < dense / 3.5  # int8 values, float scales and biases

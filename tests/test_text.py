@@ -186,6 +186,37 @@ def test_the_pipeline_runs_on_text(text_run, capsys, tmp_path):
     assert report["latency"]["early_exit"]["count"] == 5
 
 
+@pytest.mark.parametrize("precision", ["int8-dynamic", "bf16"])
+def test_a_text_run_quantizes_and_goes_through_the_pipeline(text_run, precision, tmp_path, capsys):
+    from anytime.cli import main
+    from anytime.train.runs import load_run
+
+    out = tmp_path / precision
+    assert main(["quantize", str(text_run), "--precision", precision, "--no-compile", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["precision"]["precision"] == precision and len(summary["exits"]) == 6
+    for exit_ in summary["exits"]:  # 80 test sentences: 4 of them may change their answer
+        assert abs(exit_["test_acc"] - exit_["parent_test_acc"]) <= 0.05, exit_
+    assert (out / TOKENIZER_FILE).read_bytes() == (text_run / TOKENIZER_FILE).read_bytes()
+    loaded = load_run(out)
+    sentence = torch.tensor([[2, 5, 9, 11, 7]])
+    with torch.no_grad():
+        logits = loaded.model.forward_until(sentence, 5)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 2)
+    for argv in (["collect", out], ["collect", out, "--split", "test"], ["calibrate", out, "--max-drop", "1"],
+                 ["evaluate", out, "--split", "test", "--latency-samples", "5"],
+                 ["profile", out, "--length", "16", "--batch-sizes", "1", "--repeats", "20", "--no-memory"]):  # fmt: skip
+        assert main([str(a) for a in argv]) == 0, argv
+    capsys.readouterr()
+    report = json.loads((out / "evaluation-test.json").read_text())
+    assert report["agreement_with_cache"]["predictions"] >= 0.95  # one by one against the cached batches
+
+
+def test_static_int8_of_a_text_run_is_refused_in_one_line(text_run, tmp_path, cli_error):
+    cli_error(["quantize", str(text_run), "--precision", "int8", "--out", str(tmp_path / "q")], "int8-dynamic")
+    assert not (tmp_path / "q").exists()
+
+
 def test_patience_counts_agreeing_exits_in_a_row():
     from anytime.calibrate.criteria import agreement_streak
 

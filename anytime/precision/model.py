@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from anytime.backbones.base import example_input, takes_tokens
 from anytime.contract import is_segmented, step_count
 from anytime.errors import AnytimeError
 
@@ -211,7 +212,7 @@ class PartsModel(nn.Module):
             for k in range(self.num_steps):
                 yield self.forward_until(x, k)
             return
-        h = x.to(self._dtype)
+        h = _cast(x, self._dtype)
         last = self.num_steps - 1
         for k in range(self.num_steps):
             h = self.parts[2 * k](h)
@@ -223,8 +224,8 @@ class PartsModel(nn.Module):
             raise AnytimeError(f"step {k} does not exist; this model has steps 0..{self.num_steps - 1}")
         k %= self.num_steps
         if self.layout != "exits":
-            return self.parts[k](x.to(self._dtype)).float()
-        h = x.to(self._dtype)
+            return self.parts[k](_cast(x, self._dtype)).float()
+        h = _cast(x, self._dtype)
         for i in range(k + 1):
             h = self.parts[2 * i](h)
         return h.float() if k == self.num_steps - 1 else self.parts[2 * k + 1](h).float()
@@ -256,6 +257,8 @@ class PrecisionModel(PartsModel):
         super().__init__(layout_of(float_model), parts, dtype=_DTYPES.get(spec.precision, torch.float32),
                          step_flops=step_flops, exit_info=getattr(float_model, "exit_info", None))  # fmt: skip
         self.spec = spec
+        if takes_tokens(float_model):  # what it reads is what the float model reads: token ids
+            self.modality = "text"
         object.__setattr__(self, "float_model", float_model)  # not a submodule: saved and moved by its owner
         self.backbone_flops = getattr(float_model, "backbone_flops", step_flops[-1])
 
@@ -266,7 +269,12 @@ class _Cast(nn.Module):
         self.part, self.dtype = part, dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.part(x.to(self.dtype))
+        return self.part(_cast(x, self.dtype))
+
+
+def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Images to the model's precision; token ids stay integers."""
+    return x.to(dtype) if x.is_floating_point() else x
 
 
 class _Float(nn.Module):
@@ -375,7 +383,7 @@ def prepare_qat(model: nn.Module, input_shape: tuple[int, ...], *, reduce_range:
     copied = copy.deepcopy(model).eval()
     parts = float_parts(copied)
     with torch.no_grad():
-        inputs = part_inputs(layout_of(copied), parts, torch.zeros(2, *input_shape))
+        inputs = part_inputs(layout_of(copied), parts, _example(input_shape, 2))
     prepared = _prepare_int8(parts, inputs, qat=True, reduce_range=reduce_range)
     with quiet_torchao():
         from torchao.quantization.pt2e import move_exported_model_to_train
@@ -438,6 +446,11 @@ def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor], *, ever
         part.load_state_dict(mine, strict=False)
 
 
+def _example(shape: tuple[int, ...], batch: int) -> Tensor:
+    """Zero images of one sample's ``shape`` ``(C, H, W)``, or a sentence's token ids for ``(T,)``."""
+    return example_input(shape, batch, tokens=len(shape) == 1)
+
+
 def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tuple[int, ...]:
     """FLOPs of each step of a float model on one sample of ``shape`` (``FlopCounterMode``), or those it measured on
     images when its cost depends on them (SACT)."""
@@ -447,7 +460,7 @@ def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tup
         return tuple(model.step_flops)  # type: ignore[union-attr]
 
     flops = []
-    sample = torch.zeros(1, *shape)
+    sample = _example(shape, 1)
     for k in range(num_steps):
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
@@ -481,8 +494,12 @@ def convert(
     layout = layout_of(model)
     known = step_flops is not None and len(step_flops) == num_steps
     flops = tuple(int(f) for f in step_flops) if known else float_flops(model, input_shape, num_steps)  # type: ignore[union-attr]
-    with torch.no_grad():
-        inputs = part_inputs(layout, float_parts(model), torch.zeros(2, *input_shape))
+    if precision == "int8" and len(input_shape) == 1:
+        raise AnytimeError("static int8 (PT2E) quantizes convolutional image networks; quantize a text encoder with "
+                           "--precision int8-dynamic (int8 Linear layers, the usual form for transformers), bf16 or fp16")  # fmt: skip
+    if precision == "int8":
+        with torch.no_grad():
+            inputs = part_inputs(layout, float_parts(model), _example(input_shape, 2))
     if precision == "int8" and qat:
         if state is None:
             raise AnytimeError("a quantization-aware int8 model is rebuilt from its trained graphs' state")

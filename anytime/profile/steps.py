@@ -55,11 +55,20 @@ def _step_params(model: nn.Module, num_steps: int) -> tuple[int, ...]:
     return (total,) * num_steps
 
 
+def _payload(tensor: Tensor) -> list[Tensor]:
+    """The plain tensors that hold a tensor's data: itself, or a tensor subclass's inner tensors (torchao's int8
+    weights keep int8 values and float scales inside a tensor that reports the float dtype)."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in _payload(getattr(tensor, name))]
+
+
 def weights_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers, each tensor counted once (the serialised payload)."""
     seen: set[int] = set()
     total = 0
-    for tensor in model.state_dict().values():
+    for tensor in (inner for value in model.state_dict().values() for inner in _payload(value)):
         try:
             key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
         except NotImplementedError:  # an opaque tensor (oneDNN's prepacked int8 weights) has no storage to share

@@ -61,7 +61,7 @@ def require_images(run: LoadedRun, what: str) -> None:
     """Refuse a text run where only image runs are supported yet (``what``: the command, e.g. ``anytime quantize``)."""
     if run.dataset.get("modality") == "text":
         raise AnytimeError(f"{run.run_dir} is a text run; {what} supports image runs only so far (text runs take "
-                           "train, collect, sweep, calibrate, evaluate, profile, schedule and serve)")  # fmt: skip
+                           "train, quantize, collect, sweep, calibrate, evaluate, profile, schedule and serve)")  # fmt: skip
 
 
 def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
@@ -132,9 +132,7 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
     load_weights(model, weights)
     record = precision_record(run)
     if record is not None and converted:
-        if text is not None:
-            raise AnytimeError(f"{run} is a converted text run; converting text encoders is not supported yet")
-        model = _converted(run, model.eval(), record, (shape["in_channels"], *shape["image_size"]), target)
+        model = _converted(run, model.eval(), record, dataset_input_shape(dataset), target)
     return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target)
 
 
