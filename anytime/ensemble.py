@@ -12,6 +12,7 @@ fuser's own training data. The test split is only reported.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from anytime.backbones.base import example_input
 from anytime.data import make_loader
+from anytime.data.text import TOKENIZER_FILE
 from anytime.data.base import DatasetSplits
 from anytime.ensembles import FUSERS, EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, member_log_probs
 from anytime.errors import AnytimeError
@@ -31,8 +34,8 @@ from anytime.pipeline import _splits_of, default_profile_path
 from anytime.precision.model import float_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.records import WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint
-from anytime.train.runs import LoadedRun, load_run, require_images, run_config
-from anytime.utils.io import write_json
+from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
+from anytime.utils.io import atomic_path, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
 
@@ -89,10 +92,19 @@ def _check_choices(order: str, fuser: str, fit_split: str, folds: int) -> None:
 
 
 def _check_compatible(paths: Sequence[Path]) -> None:
-    """Members must answer the same question on the same images, and share the held-out split."""
+    """Members must answer the same question on the same images (or the same token ids of the same sentences),
+    and share the held-out split."""
     records = [(p, *run_config(p)) for p in paths]
     first, first_config, first_data = records[0]
     for path, config, data in records[1:]:
+        if (data.get("modality") == "text") != (first_data.get("modality") == "text"):
+            raise AnytimeError(f"{first} and {path} read different inputs (text and images); an ensemble's members "
+                               "must be trained on the same data")  # fmt: skip
+        if data.get("modality") == "text" and (_tokenizer_of(first) != _tokenizer_of(path)
+                                                or data.get("max_length") != first_data.get("max_length")):  # fmt: skip
+            raise AnytimeError(f"{first} and {path} encode sentences differently (another tokenizer or maximum "
+                               f"length); train the members with one tokenizer: --tokenizer {first}/{TOKENIZER_FILE} "
+                               f"--max-length {first_data.get('max_length')}")  # fmt: skip
         for key in _DATASET_KEYS:
             if first_data.get(key) != data.get(key):
                 what = {"num_classes": "label sets", "in_channels": "input shapes", "image_size": "input shapes"}.get(key, "datasets")
@@ -107,6 +119,14 @@ def _check_compatible(paths: Sequence[Path]) -> None:
                     f"{getattr(config, key)}): one's validation images may be the other's training images, so no "
                     "fuser can be fit honestly; train the members with the same split"
                 )  # fmt: skip
+
+
+def _tokenizer_of(run: Path) -> bytes:
+    try:
+        return (run / TOKENIZER_FILE).read_bytes()
+    except OSError:
+        raise AnytimeError(f"{run} has no readable {TOKENIZER_FILE}, which its token ids were made with; restore it "
+                           "from a copy of the run, or train again") from None
 
 
 def _member_info(run: LoadedRun, shape: tuple[int, ...]) -> tuple[MemberInfo, str]:
@@ -141,7 +161,8 @@ def _costs(runs: Sequence[LoadedRun], infos: Sequence[MemberInfo], shape: tuple[
         return [float(c) for c in profiled], "profiles (batch 1, p50)"  # type: ignore[arg-type]
     from anytime.profile.latency import per_sample_latency
 
-    inputs = torch.randn(_COST_SAMPLES, *shape, generator=torch.Generator().manual_seed(0)).to(runs[0].device)
+    inputs = example_input(shape, _COST_SAMPLES, tokens=len(shape) == 1, generator=torch.Generator().manual_seed(0))
+    inputs = inputs.to(runs[0].device)
     calls = {str(i): (lambda x, r=r, info=info: member_log_probs(r.model, info.step, x))
              for i, (r, info) in enumerate(zip(runs, infos))}  # fmt: skip
     with torch.inference_mode():
@@ -216,10 +237,8 @@ def build_ensemble(
     _check_compatible(paths)
     target_device = resolve_device(device)
     runs = [load_run(p, target_device) for p in paths]
-    for member in runs:
-        require_images(member, "anytime ensemble")
-    size = runs[0].dataset.get("image_size") or [32, 32]
-    shape = (int(runs[0].dataset["in_channels"]), int(size[0]), int(size[1]))
+    shape = dataset_input_shape(runs[0].dataset)
+    text = runs[0].dataset.get("modality") == "text"
     described = [_member_info(r, shape) for r in runs]
     infos = [d[0] for d in described]
     costs, cost_source = _costs(runs, infos, shape) if order != "given" else ([float("nan")] * len(runs), "not measured")
@@ -271,6 +290,9 @@ def build_ensemble(
             "device": str(target_device), "machine": describe_machine(), "git_sha": git_sha(), "created": now,
         })  # fmt: skip
         save_weights(bank, work / WEIGHTS)
+        if text:  # the run's token ids are its members' (one tokenizer, checked above)
+            with atomic_path(work / TOKENIZER_FILE) as tmp:
+                shutil.copyfile(paths[0] / TOKENIZER_FILE, tmp)
         fingerprint = run_weights_fingerprint(work)
         _write_caches(work, model, fingerprint, torch.from_numpy(chosen.heldout), val_labels, test_fused[fuser],
                       test_labels, splits.info.fingerprint)  # fmt: skip
@@ -304,7 +326,8 @@ def _summary(report: EnsembleReport, model: EnsembleModel, target: Path, first: 
     fuser = report.fuser
     return {
         "run_dir": str(target), "model": "ensemble", "data": first.config.data, "fuser": fuser, "order": report.order,
-        "dataset": {k: first.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "dataset": {k: first.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source",
+                                                      "modality", "max_length") if k in first.dataset},
         "members": [vars(m) for m in report.members],
         "final": {"val_acc": report.val_acc[fuser][-1], "test_acc": report.test_acc[fuser][-1]},
         "exits": [{**e.to_dict(), "val_acc": report.val_acc[fuser][e.index], "test_acc": report.test_acc[fuser][e.index]}

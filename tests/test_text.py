@@ -217,6 +217,35 @@ def test_static_int8_of_a_text_run_is_refused_in_one_line(text_run, tmp_path, cl
     assert not (tmp_path / "q").exists()
 
 
+def test_text_runs_of_one_tokenizer_make_an_ensemble_that_goes_through_the_pipeline(text_run, text_root, tmp_path,
+                                                                                      capsys, cli_error):  # fmt: skip
+    from anytime.cli import main
+    from anytime.train import TrainConfig, Trainer
+
+    second = tmp_path / "bert"
+    recipe = dict(data="textfolder", data_root=str(text_root), epochs=1, batch_size=32, lr=2e-3, optimizer="adamw",
+                  vocab_size=200, max_length=16, device="cpu")  # fmt: skip
+    Trainer(TrainConfig(model="bert_mini", tokenizer=str(text_run / TOKENIZER_FILE), **recipe), second).fit()
+    out = tmp_path / "ensemble"
+    assert main(["ensemble", "--members", f"{text_run},{second}", "--folds", "2", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["members"]) == 2 and set(report["test_acc"]) == {"mlp", "mean", "vote", "weighted"}
+    assert (out / TOKENIZER_FILE).read_bytes() == (text_run / TOKENIZER_FILE).read_bytes()
+    for argv in (["calibrate", out, "--max-drop", "1"], ["evaluate", out, "--split", "test", "--latency-samples", "5"],
+                 ["profile", out, "--length", "16", "--batch-sizes", "1", "--repeats", "20", "--no-memory"]):  # fmt: skip
+        assert main([str(a) for a in argv]) == 0, argv
+    capsys.readouterr()
+    evaluation = json.loads((out / "evaluation-test.json").read_text())
+    assert evaluation["samples"] == 80 and evaluation["agreement_with_cache"]["predictions"] >= 0.95
+    from anytime.serve.inputs import TextSpec
+    from anytime.train.runs import run_config
+
+    assert TextSpec.from_run(out, run_config(out)[1]).max_length == 16  # what `anytime serve` reads first
+    other = tmp_path / "own-tokenizer"  # a tokenizer of its own: other token ids for the same words
+    Trainer(TrainConfig(model="bert_mini", **{**recipe, "vocab_size": 150}), other).fit()
+    cli_error(["ensemble", "--members", f"{text_run},{other}", "--out", str(tmp_path / "e2")], "encode sentences differently")
+
+
 def test_patience_counts_agreeing_exits_in_a_row():
     from anytime.calibrate.criteria import agreement_streak
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from anytime.backbones.base import takes_tokens
 from anytime.ensembles.fusers import Fuser, is_fitted_kind, log_probs, make_fuser
 from anytime.errors import AnytimeError
 from anytime.wrappers.exits import ExitInfo
@@ -93,6 +94,8 @@ class EnsembleModel(nn.Module):
         self.step_flops = tuple(flops)
         self.member_precisions = tuple(i.precision for i in infos)
         self.backbone_flops = max(i.flops for i in infos)
+        if any(takes_tokens(m) for m in members):  # members of one tokenizer read the same token ids
+            self.modality = "text"
 
     @property
     def num_steps(self) -> int:
@@ -139,8 +142,8 @@ class EnsembleModel(nn.Module):
     def segments(self) -> tuple[nn.Module, ...]:
         """Early exit by :class:`anytime.calibrate.ExitPolicy`: segment k runs member k on the samples still in,
         carrying the input and the answers so far in one tensor (the last segment also fuses, so it answers)."""
-        shape: list[int] = []
-        return tuple(_MemberSegment(self, k, shape) for k in range(self.num_steps))
+        carried = _Carried()
+        return tuple(_MemberSegment(self, k, carried) for k in range(self.num_steps))
 
     @property
     def heads(self) -> list[nn.Module]:
@@ -192,27 +195,37 @@ class HeldoutView(nn.Module):
         return self.ensemble.forward_heldout(x, mine)
 
 
+class _Carried:
+    """What the segments of one pass share: one sample's input shape and the input's dtype. Under early exit the
+    input rides along with the answers in one float tensor; token ids below 2**24 survive the trip exactly."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, ...] = ()
+        self.dtype = torch.float32
+
+
 class _MemberSegment(nn.Module):
     """Segment k of an ensemble under early exit (see :attr:`EnsembleModel.segments`)."""
 
-    def __init__(self, ensemble: EnsembleModel, k: int, shape: list[int]) -> None:
+    def __init__(self, ensemble: EnsembleModel, k: int, carried: _Carried) -> None:
         super().__init__()
         object.__setattr__(self, "ensemble", ensemble)  # not a submodule: the members are registered once
         self.k = k
-        self.shape = shape  # one sample's input shape, shared by the segments of one pass (set by the first)
+        self.carried = carried  # the input's shape and dtype, shared by the segments of one pass (set by the first)
 
     def forward(self, h: Tensor) -> Tensor:
         if self.k == 0:
-            self.shape[:] = h.shape[1:]
-            x, answers = h, h.new_zeros(h.shape[0], 0)
+            self.carried.shape, self.carried.dtype = tuple(h.shape[1:]), h.dtype
+            x, answers = h, h.new_zeros(h.shape[0], 0, dtype=torch.float32)
         else:
-            size = int(torch.Size(self.shape).numel())
-            x, answers = h[:, :size].reshape(h.shape[0], *self.shape), h[:, size:]
+            size = int(torch.Size(self.carried.shape).numel())
+            x = h[:, :size].reshape(h.shape[0], *self.carried.shape).to(self.carried.dtype)  # token ids come back whole
+            answers = h[:, size:]
         mine = self.ensemble.member_answer(x, self.k)
-        answers = torch.cat([answers, mine], dim=1)
+        answers = torch.cat([answers, mine.float()], dim=1)
         if self.k == self.ensemble.num_steps - 1:
             return _FuseHead(self.ensemble.bank.fusers[self.k])(answers)
-        return torch.cat([x.flatten(1), answers], dim=1)
+        return torch.cat([x.flatten(1).float(), answers], dim=1)
 
 
 class _FuseHead(nn.Module):
