@@ -687,9 +687,12 @@ def _print_json(value: Any) -> int:
 
 
 def _progress_printer(args: argparse.Namespace) -> Callable[[str], None]:
-    """Where a long command's progress lines go: stdout, or stderr when stdout carries --json."""
+    """Where a long command's progress lines go: stdout, or stderr when stdout carries --json (above any
+    live progress bar)."""
+    from anytime.utils.progress import write_line
+
     stream = sys.stderr if getattr(args, "json", False) else sys.stdout
-    return lambda line: print(line, file=stream, flush=True)
+    return lambda line: write_line(line, file=stream)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -1562,7 +1565,7 @@ def _cmd_cut(args: argparse.Namespace) -> int:
     study = cut_study(
         args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
         split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device, out=args.out,
-        overwrite=args.overwrite, progress=_progress_printer(args),
+        overwrite=args.overwrite, progress=_progress_printer(args), bar=sys.stderr.isatty(),
     )  # fmt: skip
     if args.json:
         return _print_json(study)

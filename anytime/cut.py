@@ -32,6 +32,7 @@ from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
+from anytime.utils.progress import progress_bar
 from anytime.wrappers import CUT_KINDS, apply_cuts, residual_blocks
 from anytime.wrappers.batchnorm import recompute_bn_statistics
 from anytime.wrappers.separate import count_flops
@@ -123,7 +124,7 @@ def cut_study(
     run_dir: str | Path, *, kinds: Sequence[str] = CUT_KINDS, recalibrate_bn: bool = False, finetune_epochs: int = 0,
     finetune_lr: float = 0.01, split: str = "test", images: int | None = None, recalibration_batches: int = 20,
     latency_repeats: int = 30, device: str = "cpu", out: str | Path | None = None, overwrite: bool = False,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, bar: bool = False,
 ) -> CutStudy:  # fmt: skip
     """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind; measure each
     configuration's accuracy on ``split`` (or on ``images`` of it drawn at random, seeded), FLOPs and batch-1
@@ -133,7 +134,8 @@ def cut_study(
     ``recalibration_batches`` training batches (no augmentation) with the cut in place; ``finetune_epochs``
     adds the accuracy after that many epochs of fine-tuning each configuration (lr ``finetune_lr``).
     Written to ``OUT/cut.csv``, ``OUT/cut.json`` and plots in ``OUT`` (default ``RUN/cut``), all at once; an
-    earlier study there is replaced only with ``overwrite``.
+    earlier study there is replaced only with ``overwrite``. ``progress`` gets a line per configuration; ``bar``
+    shows a bar of the configurations on stderr.
     """
     for kind in kinds:
         if kind not in CUT_KINDS:
@@ -162,31 +164,36 @@ def cut_study(
     rows: list[dict[str, Any]] = []
     configs = cut_configurations(num_blocks, kinds)
     base_latency = None
-    for index, (name, scope, cuts) in enumerate(configs):
-        apply_cuts(model, cuts)
-        flops = count_flops(model, model, shape)  # first: a configuration that does not run fails here, clearly
-        p50, p90 = _latency(model, sample, latency_repeats)
-        base_latency = base_latency or p50
-        row: dict[str, Any] = {
-            "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
-            "blocks": " ".join(str(i) for i in sorted(cuts)), "blocks_cut": len(cuts),
-            "flops": flops, "latency_p50_ms": p50, "latency_p90_ms": p90,
-            "accuracy": _accuracy(model, x_eval, y_eval), "accuracy_recalibrated": None, "accuracy_finetuned": None,
-        }  # fmt: skip
-        row["flops_ratio"] = row["flops"] / base_flops
-        row["latency_ratio"] = p50 / base_latency
-        if recalibrate_bn and cuts:
-            tuned = copy.deepcopy(model)
-            recompute_bn_statistics(tuned, plain_train, max_batches=recalibration_batches)
-            row["accuracy_recalibrated"] = _accuracy(tuned, x_eval, y_eval)
-        if finetune_epochs and cuts:
-            tuned = copy.deepcopy(model)
-            _finetune(tuned, augmented, finetune_epochs, finetune_lr, run.device)
-            row["accuracy_finetuned"] = _accuracy(tuned, x_eval, y_eval)
-        rows.append(row)
-        if progress is not None:
-            progress(f"[{index + 1}/{len(configs)}] {name:<16} acc {100 * row['accuracy']:5.1f}%  "
-                     f"latency {p50:.2f} ms  FLOPs {100 * row['flops_ratio']:.0f}%")  # fmt: skip
+    shown = progress_bar(len(configs), "cut", enabled=bar, unit="config")
+    try:
+        for index, (name, scope, cuts) in enumerate(configs):
+            apply_cuts(model, cuts)
+            flops = count_flops(model, model, shape)  # first: a configuration that does not run fails here, clearly
+            p50, p90 = _latency(model, sample, latency_repeats)
+            base_latency = base_latency or p50
+            row: dict[str, Any] = {
+                "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
+                "blocks": " ".join(str(i) for i in sorted(cuts)), "blocks_cut": len(cuts),
+                "flops": flops, "latency_p50_ms": p50, "latency_p90_ms": p90,
+                "accuracy": _accuracy(model, x_eval, y_eval), "accuracy_recalibrated": None, "accuracy_finetuned": None,
+            }  # fmt: skip
+            row["flops_ratio"] = row["flops"] / base_flops
+            row["latency_ratio"] = p50 / base_latency
+            if recalibrate_bn and cuts:
+                tuned = copy.deepcopy(model)
+                recompute_bn_statistics(tuned, plain_train, max_batches=recalibration_batches)
+                row["accuracy_recalibrated"] = _accuracy(tuned, x_eval, y_eval)
+            if finetune_epochs and cuts:
+                tuned = copy.deepcopy(model)
+                _finetune(tuned, augmented, finetune_epochs, finetune_lr, run.device)
+                row["accuracy_finetuned"] = _accuracy(tuned, x_eval, y_eval)
+            rows.append(row)
+            if progress is not None:
+                progress(f"[{index + 1}/{len(configs)}] {name:<16} acc {100 * row['accuracy']:5.1f}%  "
+                         f"latency {p50:.2f} ms  FLOPs {100 * row['flops_ratio']:.0f}%")  # fmt: skip
+            shown.update()
+    finally:
+        shown.close()
     apply_cuts(model, {})
     report = {
         "run": str(run_dir), "model": run.config.model, "split": split, "images": len(y_eval),

@@ -24,6 +24,7 @@ from anytime.profile import measure_train_step
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import device_label, resolve_device
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import page_cache_note, study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cache_note = page_cache_note(args)
     rows = []
-    with staged_dir(out_dir, "batch-time study", overwrite=args.overwrite, create_parents=create_parents) as out:
+    with (staged_dir(out_dir, "batch-time study", overwrite=args.overwrite, create_parents=create_parents) as out,
+          StudyProgress(len(MODELS) * len(batch_sizes), "batch-time") as progress):  # fmt: skip
         for model_name in MODELS:
             model_rows = []
             for batch_size in batch_sizes:
@@ -77,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"model": model_name, **timing.summary(), "first_iteration_s": cold_s,
                        "first_forward_s": cold.forward_s[0]}  # fmt: skip
                 model_rows.append(row)
-                print(f"{model_name:<18} batch {batch_size:>4}: {1000 * row['total_p50_s']:8.1f} ms/batch "
-                      f"(fwd {1000 * row['forward_p50_s']:.1f}, bwd {1000 * row['backward_p50_s']:.1f}, "
-                      f"step {1000 * row['step_p50_s']:.1f}); first iteration {1000 * cold_s:.0f} ms")  # fmt: skip
+                progress.done(f"{model_name:<18} batch {batch_size:>4}: {1000 * row['total_p50_s']:8.1f} ms/batch "
+                              f"(fwd {1000 * row['forward_p50_s']:.1f}, bwd {1000 * row['backward_p50_s']:.1f}, "
+                              f"step {1000 * row['step_p50_s']:.1f}); first iteration {1000 * cold_s:.0f} ms")  # fmt: skip
             plot_batch_time(model_name, model_rows, out / f"batch_time_{model_name}", device_label(device))
             rows.extend(model_rows)
 

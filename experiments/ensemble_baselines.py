@@ -19,6 +19,7 @@ from anytime.plotting.ensembles import plot_baselines
 from anytime.train import TrainConfig
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             data = "digits"
     budgets = BUDGETS if data == "cifar10" else QUICK_BUDGETS
     rows = []
-    with staged_dir(out_dir, "ensemble-baselines study", overwrite=args.overwrite, create_parents=create_parents) as out:
+    with (staged_dir(out_dir, "ensemble-baselines study", overwrite=args.overwrite, create_parents=create_parents) as out,
+          StudyProgress(len(budgets) * len(METHODS), "ensemble-baselines", unit="method") as progress):  # fmt: skip
         (out / "runs").mkdir()
         for model, budget in budgets.items():
             for method in METHODS:
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                        "train_time_s": report.train_time_s, "eval_time_s": report.eval_time_s,
                        "first_member_test_acc": report.step_test_acc[0]}  # fmt: skip
                 rows.append(row)
-                print(f"{model:<9} {method:<18} | {100 * report.test_acc:6.2f}% | {report.train_time_s:8.1f} s | "
-                      f"{report.eval_time_s:6.2f} s   (first member alone {100 * report.step_test_acc[0]:.2f}%)", flush=True)  # fmt: skip
+                progress.done(f"{model:<9} {method:<18} | {100 * report.test_acc:6.2f}% | {report.train_time_s:8.1f} s | "
+                              f"{report.eval_time_s:6.2f} s   (first member alone {100 * report.step_test_acc[0]:.2f}%)")  # fmt: skip
         write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)
         plot_baselines(rows, out / "baselines", title=f"torchensemble on {data} ({DEVICE})")

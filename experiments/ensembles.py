@@ -28,6 +28,7 @@ from anytime.quantize import quantize_run
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"member runs not found ({', '.join(str(m) for m in members if not m.is_dir())}): the quick study on digits")
     repeats = 100 if quick else REPEATS
     rows: list[dict[str, object]] = []
-    with staged_dir(out_dir, "ensembles study", overwrite=args.overwrite, create_parents=create_parents) as out:
+    with (staged_dir(out_dir, "ensembles study", overwrite=args.overwrite, create_parents=create_parents) as out,
+          StudyProgress(3, "ensembles", unit="part") as progress):  # fmt: skip
         (out / "runs").mkdir()
         (out / "profiles").mkdir()
         if quick:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for precision in ("fp32", "int8"):
             runs = members if precision == "fp32" else [m.with_name(f"{m.name}-int8") for m in members]
             ensemble = out / "runs" / precision
-            print(f"{precision} ensemble of {', '.join(r.name for r in runs)}...", flush=True)
+            progress.say(f"{precision} ensemble of {', '.join(r.name for r in runs)}...")
             report = build_ensemble(runs, ensemble, folds=FOLDS)
             profile, _ = profile_run(ensemble, batch_sizes=[1], repeats=repeats, memory=False)
             latency = _p99(profile)
@@ -96,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                                        out=out / "profiles" / f"{Path(member.run).name}.json")  # fmt: skip
                 rows.append({"kind": "member alone", "precision": precision, "step": member.name,
                              "p99_ms": _p99(alone)[-1], "test_acc": member.test_acc, "val_acc": member.val_acc})  # fmt: skip
+            progress.done()
         exits, _ = profile_run(exit_run, batch_sizes=[1], repeats=repeats, memory=False, out=out / "profiles" / "exits.json")
         for name, latency_ms, acc in zip(exits.step_names, _p99(exits), _test_acc(exit_run)):
             rows.append({"kind": "early exits", "precision": "fp32", "step": f"{exit_run.name} {name}",
                          "p99_ms": latency_ms, "test_acc": acc, "val_acc": None})  # fmt: skip
+        progress.done()
         for row in rows:
-            print(f"{row['kind']:<18} {row['precision']:<5} {row['step']:<34} p99 {row['p99_ms']:8.3f} ms  "
-                  f"test {100 * float(row['test_acc']):6.2f}%")  # type: ignore[arg-type]  # fmt: skip
+            progress.say(f"{row['kind']:<18} {row['precision']:<5} {row['step']:<34} p99 {row['p99_ms']:8.3f} ms  "
+                         f"test {100 * float(row['test_acc']):6.2f}%")  # type: ignore[arg-type]  # fmt: skip
         write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)
         plot_ensemble_study(rows, out / "ensembles", title=f"ensembles vs members and exits (batch 1, p{int(100 * QUANTILE)})")

@@ -27,6 +27,7 @@ from anytime.jobs import Job, JobOutcome, Sweep, run_job, run_sweep
 from anytime.train import TrainConfig
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -78,30 +79,34 @@ def main(argv: list[str] | None = None) -> int:
     # 1. The dense run (reused when finished with this recipe; resumed when interrupted).
     dense = dense_recipe(hyper)
     dense_dir = runs / "dense"
+    progress = StudyProgress(1 + len(WORKERS) * len(hyper["SPARSITIES"]) * len(hyper["RESET_EPOCHS"]), "lottery",
+                             unit="run")  # fmt: skip
     outcome = run_job(Job(name="dense", params={}, config=dense.to_dict(), run_dir=str(dense_dir)))
     if outcome.status == "failed":
         raise AnytimeError(f"the dense run failed: {outcome.error} (log: {outcome.log})")
     dense_acc = outcome.test_acc
-    print(f"dense {hyper['MODEL']}: test {100 * (dense_acc or 0):.2f}%", flush=True)
+    progress.done(f"dense {hyper['MODEL']}: test {100 * (dense_acc or 0):.2f}%")
 
     # 2. The tickets, once per worker count, each an ordinary run folder kept in RUNS (a study stopped halfway
     #    keeps its finished tickets; a pass that found some finished has no timing to compare).
     timings: dict[int, float] = {}
     trained: dict[int, int] = {}
     outcomes: dict[int, tuple[JobOutcome, ...]] = {}
-    for workers in WORKERS:
-        folder = runs / f"tickets-{workers}-worker{'s' if workers > 1 else ''}"
-        sweep = ticket_sweep(dense, dense_dir, folder, hyper)
-        start = time.perf_counter()
-        result = run_sweep(sweep, folder, workers=workers, threads=THREADS_PER_WORKER)
-        timings[workers] = time.perf_counter() - start
-        if result.failed:
-            raise AnytimeError(f"ticket {result.failed[0].job} failed: {result.failed[0].error} "
-                               f"(log: {result.failed[0].log})")  # fmt: skip
-        outcomes[workers] = result.outcomes
-        trained[workers] = sum(o.status == "done" for o in result.outcomes)
-        print(f"{len(sweep.jobs)} tickets with {workers} worker(s): {timings[workers]:.1f} s "
-              f"({trained[workers]} trained now)", flush=True)  # fmt: skip
+    with progress:
+        for workers in WORKERS:
+            folder = runs / f"tickets-{workers}-worker{'s' if workers > 1 else ''}"
+            sweep = ticket_sweep(dense, dense_dir, folder, hyper)
+            start = time.perf_counter()
+            result = run_sweep(sweep, folder, workers=workers, threads=THREADS_PER_WORKER,
+                               on_outcome=lambda _: progress.done())  # fmt: skip
+            timings[workers] = time.perf_counter() - start
+            if result.failed:
+                raise AnytimeError(f"ticket {result.failed[0].job} failed: {result.failed[0].error} "
+                                   f"(log: {result.failed[0].log})")  # fmt: skip
+            outcomes[workers] = result.outcomes
+            trained[workers] = sum(o.status == "done" for o in result.outcomes)
+            progress.say(f"{len(sweep.jobs)} tickets with {workers} worker(s): {timings[workers]:.1f} s "
+                         f"({trained[workers]} trained now)")  # fmt: skip
     timed = all(trained[w] == len(outcomes[w]) for w in WORKERS)
     speedup = timings[WORKERS[0]] / timings[WORKERS[-1]] if timed else None
     efficiency = speedup / (WORKERS[-1] / WORKERS[0]) if speedup is not None else None

@@ -26,6 +26,7 @@ from anytime.profile.memory import loader_memory, train_step_memory
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import cpu_model
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import page_cache_note, study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
 
     by_batch: dict[str, list[dict]] = {}
+    progress = StudyProgress(len(models) * len(batch_sizes) + 2 * len(WORKERS), "memory")
     for model in models:
         by_batch[model] = []
         for batch_size in batch_sizes:
@@ -68,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as exc:
                 raise AnytimeError(f"the memory probe of {model} at batch {batch_size} failed ({exc})") from None
             by_batch[model].append(row)
-            print(f"{model:<14} batch {batch_size:>4}: peak RSS {row['peak_rss_mb']:7.0f} MiB "
-                  f"(process before the model: {row['baseline_rss_mb']:.0f} MiB)")  # fmt: skip
+            progress.done(f"{model:<14} batch {batch_size:>4}: peak RSS {row['peak_rss_mb']:7.0f} MiB "
+                          f"(process before the model: {row['baseline_rss_mb']:.0f} MiB)")  # fmt: skip
 
-    with tempfile.TemporaryDirectory() as scratch:
+    with progress, tempfile.TemporaryDirectory() as scratch:
         root = Path(DATA_ROOT)
         if not (root / "train").is_dir():
             root = _generated_folder(Path(scratch) / "images")
@@ -89,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_isolated(loader_memory, pipeline, str(root), workers=workers, batches=loader_batches,
                                    cache_dir=str(cache_dir))  # fmt: skip
                 by_workers.append(row)
-                print(f"{pipeline:<12} {workers} workers: peak PSS {row['peak_pss_mb']:6.0f} MiB, RSS sum "
-                      f"{row['peak_rss_mb']:6.0f} MiB over {row['processes']} processes, "
-                      f"{row['images_per_s']:7.0f} images/s")  # fmt: skip
+                progress.done(f"{pipeline:<12} {workers} workers: peak PSS {row['peak_pss_mb']:6.0f} MiB, RSS sum "
+                              f"{row['peak_rss_mb']:6.0f} MiB over {row['processes']} processes, "
+                              f"{row['images_per_s']:7.0f} images/s")  # fmt: skip
         notes.append(cache_note)
 
     with staged_dir(out_dir, "memory study", overwrite=args.overwrite, create_parents=create_parents) as out:

@@ -45,6 +45,7 @@ from anytime.train.runs import load_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import cpu_model, device_label, resolve_device
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress, write_line
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -175,10 +176,9 @@ def _measure(name: str, source: str, shape: tuple[int, ...], variants: dict[str,
             "top1_agreement": float((out.argmax(1) == reference.argmax(1)).float().mean()), "accuracy": accuracy,
         })  # fmt: skip
         row = rows[-1]
-        print(f"{name:<22} {variant:<18} b1 {row['latency_b1_p50_ms']:8.2f} ms (p99 {row['latency_b1_p99_ms']:8.2f})  "
-              f"b32 {row['images_per_s_b32']:8.1f} img/s  {row['size_bytes'] / 1e6:7.2f} MB  agree "
-              f"{100 * row['top1_agreement']:6.2f}%" + (f"  acc {100 * accuracy:.2f}%" if accuracy is not None else ""),
-              flush=True)  # fmt: skip
+        write_line(f"{name:<22} {variant:<18} b1 {row['latency_b1_p50_ms']:8.2f} ms (p99 {row['latency_b1_p99_ms']:8.2f})  "
+                   f"b32 {row['images_per_s_b32']:8.1f} img/s  {row['size_bytes'] / 1e6:7.2f} MB  agree "
+                   f"{100 * row['top1_agreement']:6.2f}%" + (f"  acc {100 * accuracy:.2f}%" if accuracy is not None else ""))  # fmt: skip
     return rows
 
 
@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                      "GPU, where int8 is a TensorRT engine built from the ONNX export; ONNX Runtime's providers here: "
                      + (", ".join(onnxruntime_providers()) or "none (not installed)"))  # fmt: skip
         qat_epochs = 0  # QAT fine-tunes the CPU's int8 graphs
-    with staged_dir(out_dir, "precision study", overwrite=args.overwrite, create_parents=create_parents) as out:
-        random_models = [(f"tv:{n}", (3, 224, 224)) for n in tv_models] + [(n, (3, 32, 32)) for n in zoo_models]
+    random_models = [(f"tv:{n}", (3, 224, 224)) for n in tv_models] + [(n, (3, 32, 32)) for n in zoo_models]
+    with (staged_dir(out_dir, "precision study", overwrite=args.overwrite, create_parents=create_parents) as out,
+          StudyProgress(len(random_models) + len(runs), "precision", unit="model") as progress):  # fmt: skip
         for name, shape in random_models:
             torch.manual_seed(SEED)
             model = create_model(name, num_classes=1000 if name.startswith("tv:") else 10)
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     variants, sizes = _variants(model, shape, calibration, Path(scratch), None)
                 rows += _measure(name, "random weights", shape, variants, sizes, images, None, repeats, batches)
+            progress.done()
         for run_dir in runs:
             run = load_run(run_dir, converted=False)
             shape = (int(run.dataset["in_channels"]), *(int(v) for v in run.dataset.get("image_size") or [32, 32]))
@@ -235,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                     calibration = list(calibration_batches(run, CALIBRATION_IMAGES))
                     qat = None
                     if qat_epochs:
-                        print(f"{run_dir}: {qat_epochs} epochs of quantization-aware training...", flush=True)
+                        progress.say(f"{run_dir}: {qat_epochs} epochs of quantization-aware training...")
                         copy_dir = Path(scratch) / "qat"
                         quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=copy_dir,
-                                     qat_epochs=qat_epochs, qat_lr=QAT_LR, progress=print)  # fmt: skip
+                                     qat_epochs=qat_epochs, qat_lr=QAT_LR, progress=progress.say)  # fmt: skip
                         qat = load_run(copy_dir).model
                     variants, sizes = _variants(run.model, shape, calibration, Path(scratch), qat)
                 rows += _measure(run_dir.name, str(run_dir), shape, variants, sizes, x[:eval_images], (x, y), repeats, batches)
+            progress.done()
         write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)
         where = device_label(device) if device.type == "cuda" else f"{cpu_model()} ({torch.get_num_threads()} threads)"

@@ -23,6 +23,7 @@ Writes: cut-<run>.csv, families.csv, results.json, config.json, cut.png/.svg, fa
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import device_label, resolve_device
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -118,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. Train (or reuse) every run.
     summaries = {}
-    for name, config in recipes(hyper["LIMIT_TRAIN"], hyper["EPOCHS"]).items():
+    to_train = recipes(hyper["LIMIT_TRAIN"], hyper["EPOCHS"])
+    progress = StudyProgress(len(to_train) + 2 * len(CUT_MODELS) + 1, "residual-cutting", unit="part")
+    for name, config in to_train.items():
         summaries[name] = ensure_run(config, runs / name)
-        print(f"{name:<26} test {100 * summaries[name]['final']['test_acc']:.2f}%  "
-              f"({summaries[name]['train_time_s'] / 60:.1f} min of training)", flush=True)  # fmt: skip
+        progress.done(f"{name:<26} test {100 * summaries[name]['final']['test_acc']:.2f}%  "
+                      f"({summaries[name]['train_time_s'] / 60:.1f} min of training)")  # fmt: skip
 
-    with staged_dir(out_dir, "residual-cutting study", overwrite=args.overwrite, create_parents=create_parents) as out:
+    with progress, staged_dir(out_dir, "residual-cutting study", overwrite=args.overwrite,
+                              create_parents=create_parents) as out:  # fmt: skip
         # 2. The cutting study on the plain and the stochastic-depth nets.
         studies: dict[str, list[dict[str, Any]]] = {}
         (out / "cut").mkdir()
@@ -132,18 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                 study = cut_study(runs / name, recalibrate_bn=RECALIBRATE_BN, images=hyper["EVAL_IMAGES"],
                                   recalibration_batches=RECALIBRATION_BATCHES,
                                   latency_repeats=hyper["CUT_LATENCY_REPEATS"], out=out / "cut" / name,
-                                  progress=lambda line, name=name: print(f"  {name}: {line}", flush=True))  # fmt: skip
+                                  progress=lambda line, name=name: progress.say(f"  {name}: {line}"),
+                                  bar=sys.stderr.isatty())  # fmt: skip
                 studies[name] = study.rows
                 write_csv(out / f"cut-{name}.csv", study.rows)
                 whole = study.rows[0]["accuracy"]
                 top = [r for r in study.rows if r["config"] == "shortcut:top2"]
-                print(f"{name:<26} ({design}) whole {100 * whole:.1f}%, links of the top 2 blocks cut "
-                      f"{100 * top[0]['accuracy']:.1f}%", flush=True)  # fmt: skip
+                progress.done(f"{name:<26} ({design}) whole {100 * whole:.1f}%, links of the top 2 blocks cut "
+                              f"{100 * top[0]['accuracy']:.1f}%")  # fmt: skip
         title = f"CIFAR-10 test ({hyper['EVAL_IMAGES']} images), {hyper['EPOCHS']} epochs on {hyper['LIMIT_TRAIN']} images"
         plot_cut_study(studies, out / "cut", title=title)
 
         # 3. The families of steps on measured latency.
         points = family_points(runs, hyper["PROFILE_REPEATS"])
+        progress.done()
         table = matched_table(points, budgets(points, BUDGETS_MS))
         write_csv(out / "families.csv", [p.to_dict() for ps in points.values() for p in ps])
         write_csv(out / "matched.csv", table)

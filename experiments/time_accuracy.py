@@ -11,6 +11,7 @@ Writes: curves.csv, results.json, config.json, time_accuracy.png / .svg and each
 
 from __future__ import annotations
 
+import sys
 
 from anytime.data import load_dataset
 from anytime.plotting import plot_time_accuracy
@@ -18,6 +19,7 @@ from anytime.train import TrainConfig, Trainer, read_metrics
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import device_label, resolve_device
 from anytime.utils.outputs import staged_dir
+from anytime.utils.progress import StudyProgress
 from anytime.utils.results import page_cache_note, study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
@@ -41,18 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     notes = [cache_note]
     curves: dict[str, list[dict]] = {}
     summaries = {}
-    with staged_dir(out_dir, "time-accuracy study", overwrite=args.overwrite, create_parents=create_parents) as out:
+    with (staged_dir(out_dir, "time-accuracy study", overwrite=args.overwrite, create_parents=create_parents) as out,
+          StudyProgress(sum(models.values()), "time-accuracy", unit="epoch") as progress):  # fmt: skip
         for model, epochs in models.items():
             config = TrainConfig(model=model, data="cifar10", epochs=epochs, batch_size=BATCH_SIZE, lr=LR, seed=SEED,
                                  limit_train=limit)  # fmt: skip
-            summary = Trainer(config, out / "runs" / model).fit(splits=splits)
+            trainer = Trainer(config, out / "runs" / model, progress=sys.stderr.isatty(),
+                              on_epoch_end=lambda _: progress.done())  # fmt: skip
+            summary = trainer.fit(splits=splits)
             curves[model] = read_metrics(out / "runs" / model)
             summaries[model] = summary
             steady = summary["timing"]["steady"]
-            print(f"{model:<10} {epochs} epochs: val {100 * summary['final']['val_acc']:.2f}%, "
-                  f"test {100 * summary['final']['test_acc']:.2f}%, {summary['wall_time_s'] / 60:.1f} min; "
-                  f"epoch 0 {summary['timing']['epoch0']['images_per_s']:.0f} images/s"
-                  + (f", steady {steady['images_per_s']:.0f} images/s" if steady else ""))  # fmt: skip
+            progress.say(f"{model:<10} {epochs} epochs: val {100 * summary['final']['val_acc']:.2f}%, "
+                         f"test {100 * summary['final']['test_acc']:.2f}%, {summary['wall_time_s'] / 60:.1f} min; "
+                         f"epoch 0 {summary['timing']['epoch0']['images_per_s']:.0f} images/s"
+                         + (f", steady {steady['images_per_s']:.0f} images/s" if steady else ""))  # fmt: skip
         columns = ["model", "epoch", "elapsed_s", "train_s", "val_acc", "train_acc", "images_per_s"]
         write_csv(out / "curves.csv", [{"model": m, **r} for m, rows in curves.items() for r in rows], columns)
         write_json(out / "results.json", summaries)

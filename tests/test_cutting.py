@@ -134,10 +134,15 @@ def plain_run(tmp_path_factory):
     return run
 
 
-def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys):
+def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys, monkeypatch):
+    import sys
+
     out = tmp_path / "study"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # as in a terminal: a bar of the configurations
     assert main(["cut", str(plain_run), "--kind", "branch", "--recalibrate-bn", "--images", "60", "--repeats", "3",
                  "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    assert "[19/19] branch:top9" in printed.out and "cut:   0%" in printed.err and "0/19" in printed.err
     rows = list(csv.DictReader((out / "cut.csv").open()))
     assert len(rows) == 1 + 9 + 9  # whole, each block alone, the cumulative ladder
     ladder = [r for r in rows if r["scope"] == "ladder"]

@@ -166,3 +166,23 @@ def test_a_serving_loop_pauses_the_collector_and_collects_what_is_due_between_re
         gc.set_threshold(*limits)
         if not was_enabled:
             gc.disable()
+
+
+def test_a_study_shows_a_bar_on_a_terminal_and_its_lines_on_stdout(capsys, monkeypatch):
+    import sys
+
+    from anytime.utils.progress import StudyProgress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with StudyProgress(2, "my-study", unit="model") as progress:
+        progress.done("first model: 91.00%")
+        progress.say("a note")
+        progress.done()
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == ["first model: 91.00%", "a note"]
+    assert "my-study:   0%" in printed.err and "0/2" in printed.err  # drawn at once; later redraws are throttled
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # piped or logged: the lines only
+    with StudyProgress(1, "my-study") as progress:
+        progress.done("only line")
+    printed = capsys.readouterr()
+    assert printed.out == "only line\n" and printed.err == ""
