@@ -203,13 +203,22 @@ def test_a_text_run_quantizes_and_goes_through_the_pipeline(text_run, precision,
     with torch.no_grad():
         logits = loaded.model.forward_until(sentence, 5)
     assert logits.dtype == torch.float32 and logits.shape == (1, 2)
+    parent_profile = tmp_path / "parent-T8.json"
     for argv in (["collect", out], ["collect", out, "--split", "test"], ["calibrate", out, "--max-drop", "1"],
                  ["evaluate", out, "--split", "test", "--latency-samples", "5"],
-                 ["profile", out, "--length", "16", "--batch-sizes", "1", "--repeats", "20", "--no-memory"]):  # fmt: skip
+                 ["profile", out, "--length", "8", "--batch-sizes", "1", "--repeats", "20", "--no-memory"],
+                 ["profile", text_run, "--length", "8", "--batch-sizes", "1", "--repeats", "20", "--no-memory",
+                  "--out", parent_profile]):  # fmt: skip
         assert main([str(a) for a in argv]) == 0, argv
     capsys.readouterr()
     report = json.loads((out / "evaluation-test.json").read_text())
     assert report["agreement_with_cache"]["predictions"] >= 0.95  # one by one against the cached batches
+    (profiled,) = out.glob("profile-*-T8.json")  # an 8-token sentence costs what 8 tokens cost, not 16
+    def flops_of(path):
+        return [step["flops"] for step in json.loads(path.read_text())["steps"]]
+
+    flops = flops_of(profiled)
+    assert flops == flops_of(parent_profile) and flops[-1] < summary["step_flops"][-1]
 
 
 def test_static_int8_of_a_text_run_is_refused_in_one_line(text_run, tmp_path, cli_error):
@@ -232,9 +241,12 @@ def test_text_runs_of_one_tokenizer_make_an_ensemble_that_goes_through_the_pipel
     assert len(report["members"]) == 2 and set(report["test_acc"]) == {"mlp", "mean", "vote", "weighted"}
     assert (out / TOKENIZER_FILE).read_bytes() == (text_run / TOKENIZER_FILE).read_bytes()
     for argv in (["calibrate", out, "--max-drop", "1"], ["evaluate", out, "--split", "test", "--latency-samples", "5"],
-                 ["profile", out, "--length", "16", "--batch-sizes", "1", "--repeats", "20", "--no-memory"]):  # fmt: skip
+                 ["profile", out, "--length", "8", "--batch-sizes", "1", "--repeats", "20", "--no-memory"]):  # fmt: skip
         assert main([str(a) for a in argv]) == 0, argv
     capsys.readouterr()
+    (profiled,) = out.glob("profile-*-T8.json")
+    built = json.loads((out / "summary.json").read_text())["exits"]
+    assert json.loads(profiled.read_text())["steps"][-1]["flops"] < built[-1]["flops"]  # counted at 8 tokens, not 16
     evaluation = json.loads((out / "evaluation-test.json").read_text())
     assert evaluation["samples"] == 80 and evaluation["agreement_with_cache"]["predictions"] >= 0.95
     from anytime.serve.inputs import TextSpec

@@ -82,7 +82,7 @@ class EnsembleModel(nn.Module):
         self.infos = tuple(infos)
         self.bank = bank
         fuser_flops = [int(f.flops()) for f in bank.fusers]
-        flops = [sum(i.flops for i in infos[: k + 1]) + fuser_flops[k] for k in range(len(infos))]
+        flops = self.step_flops_from([i.flops for i in infos])
         paid = [sum(i.flops for i in infos[: k + 1]) + sum(fuser_flops[: k + 1]) for k in range(len(infos))]
         params = [sum(i.params for i in infos[: k + 1]) + sum(p.numel() for p in bank.fusers[k].parameters())
                   for k in range(len(infos))]  # fmt: skip
@@ -96,6 +96,11 @@ class EnsembleModel(nn.Module):
         self.backbone_flops = max(i.flops for i in infos)
         if any(takes_tokens(m) for m in members):  # members of one tokenizer read the same token ids
             self.modality = "text"
+
+    def step_flops_from(self, member_flops: Sequence[int]) -> tuple[int, ...]:
+        """FLOPs of each step given each member's FLOPs on one input (a sentence's depend on its length): the
+        members of the prefix and the step's fuser."""
+        return tuple(sum(member_flops[: k + 1]) + int(fuser.flops()) for k, fuser in enumerate(self.bank.fusers))
 
     @property
     def num_steps(self) -> int:

@@ -47,6 +47,27 @@ def _flops(model: nn.Module, x: Tensor, k: int) -> int:
     return int(counter.get_total_flops())
 
 
+def _float_graph_flops(model: nn.Module, x: Tensor, k: int) -> int:
+    """FLOPs of step ``k`` on ``x``, counted on a converted model's float graph (a quantized one counts as zero)."""
+    graph = getattr(model, "float_model", model)
+    device = next((p.device for p in graph.parameters()), x.device)
+    return _flops(graph, x.to(device), k)
+
+
+def _step_flops(model: nn.Module, x: Tensor, num_steps: int, tokens: bool) -> tuple[int, ...]:
+    """FLOPs of each step on one sample ``x``. An image model's recorded FLOPs serve (its input has one shape); a
+    sentence costs what its length costs, so a text model's are counted at this length: a converted model's on its
+    float graph, an ensemble's from its members'."""
+    recorded = getattr(model, "step_flops", None)
+    if recorded is not None and not tokens:
+        return tuple(recorded)
+    infos = getattr(model, "infos", None)
+    if infos is not None and hasattr(model, "step_flops_from"):
+        members = [_float_graph_flops(m, x, i.step if i.step is not None else 0) for m, i in zip(model.members, infos)]
+        return tuple(model.step_flops_from(members))
+    return tuple(_float_graph_flops(model, x, k) for k in range(num_steps))
+
+
 def _step_params(model: nn.Module, num_steps: int) -> tuple[int, ...]:
     info = getattr(model, "exit_info", None)
     if info is not None and len(info) == num_steps:
@@ -280,8 +301,7 @@ def profile_model(
         with torch.inference_mode():
             tokens = takes_tokens(model)
             sample = example_input(input_shape, 1, tokens=tokens, generator=generator).to(target)
-            # a quantized graph counts as zero FLOPs: a converted model carries its float graph's
-            flops = getattr(model, "step_flops", None) or tuple(_flops(model, sample, k) for k in range(num_steps))
+            flops = _step_flops(model, sample, num_steps, tokens)
             classes = num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
             for b in sizes:
                 x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
