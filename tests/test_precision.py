@@ -283,3 +283,24 @@ def test_torchvision_resnets_quantize_to_int8():
     converted, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
     with torch.no_grad():
         assert converted(torch.randn(3, *SHAPE)).shape == (3, 10)
+
+
+def test_int8_dynamic_runs_fbgemm_kernels_on_an_x86_cpu_and_torchao_elsewhere(monkeypatch):
+    import platform
+
+    import anytime.precision.model as precision_model
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the fbgemm kernels are chosen on x86 CPUs")
+    model = _families()["exits"].eval()
+    x = torch.randn(4, *SHAPE, generator=torch.Generator().manual_seed(4))
+    converted, _ = convert(model, "int8-dynamic", input_shape=SHAPE)
+    assert converted.spec.backend == "fbgemm-dynamic" and not converted.spec.compile  # compiled, they ran slower
+    linears = [m for p in converted.parts for m in p.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert linears, "every exit head's Linear should be a dynamic int8 Linear"
+    monkeypatch.setattr(precision_model, "_has_fbgemm", lambda: False)
+    elsewhere, _ = convert(model, "int8-dynamic", input_shape=SHAPE, compile=False)
+    assert elsewhere.spec.backend == "torchao-dynamic"
+    with torch.no_grad():  # the two forms quantize alike
+        agree = (converted(x).argmax(-1) == elsewhere(x).argmax(-1)).float().mean().item()
+    assert agree >= 0.75

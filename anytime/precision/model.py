@@ -10,6 +10,7 @@ import contextlib
 import copy
 import logging
 import platform
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,14 @@ class PrecisionSpec:
         return spec
 
 
+FBGEMM_DYNAMIC = "fbgemm-dynamic"  # torch.ao's dynamic Linear: x86 CPUs
+TORCHAO_DYNAMIC = "torchao-dynamic"
 X86_FULL = "x86-inductor"
 X86_7BIT = "x86-inductor-7bit"  # activations quantized to 0..127: what a CPU without VNNI computes without overflow
+
+
+def _has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def x86_without_vnni() -> bool:
@@ -92,7 +99,9 @@ def backend_for(precision: str, device: torch.device) -> str:
             )
         return X86_7BIT if x86_without_vnni() else X86_FULL
     if precision == "int8-dynamic":
-        return "torchao-dynamic"
+        # torchao's int8 dynamic Linear ran 8-25x slower than fp32 on this x86 CPU (AVX2; BENCHMARKS.md, "int8-dynamic
+        # on an x86 CPU"; pytorch/ao#4365); torch.ao's fbgemm kernels run about as fast as fp32 with int8 weights.
+        return FBGEMM_DYNAMIC if device.type == "cpu" and x86 and _has_fbgemm() else TORCHAO_DYNAMIC
     if precision == "fp16" and device.type == "cpu":
         raise AnytimeError("fp16 runs on CUDA devices; on this CPU choose bf16, int8 or int8-dynamic")
     return "cast"
@@ -524,11 +533,19 @@ def convert(
             converted: list[nn.Module] = [convert_pt2e(p) for p in prepared]
         if compile:
             converted = [lower_int8(p, example[:2]) for p, example in zip(converted, inputs)]
+    elif precision == "int8-dynamic" and here == FBGEMM_DYNAMIC:
+        with warnings.catch_warnings():  # torch.ao's deprecation notice: the choice is ours, not the user's
+            warnings.simplefilter("ignore")
+            copied = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+        compile = False  # compiled, these kernels ran slower at batch 1 (1.28 against 1.04 ms, SST-2 encoder)
+        spec = PrecisionSpec(precision, FBGEMM_DYNAMIC, compile)
+        converted, state = float_parts(copied), {}
     elif precision == "int8-dynamic":
         with quiet_torchao():
             from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
         copied = copy.deepcopy(model)
         quantize_(copied, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
+        spec = PrecisionSpec(precision, TORCHAO_DYNAMIC, compile)
         converted, state = float_parts(copied), {}
     else:
         copied = copy.deepcopy(model).to(target, _DTYPES[precision])

@@ -76,13 +76,18 @@ def _step_params(model: nn.Module, num_steps: int) -> tuple[int, ...]:
     return (total,) * num_steps
 
 
-def _payload(tensor: Tensor) -> list[Tensor]:
-    """The plain tensors that hold a tensor's data: itself, or a tensor subclass's inner tensors (torchao's int8
-    weights keep int8 values and float scales inside a tensor that reports the float dtype)."""
-    if type(tensor) in (torch.Tensor, nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
-        return [tensor]
-    names, _ = tensor.__tensor_flatten__()
-    return [inner for name in names for inner in _payload(getattr(tensor, name))]
+def _payload(value: Any) -> list[Tensor]:
+    """The plain tensors that hold a state entry's data: a tensor itself, a tensor subclass's inner tensors
+    (torchao's int8 weights keep int8 values and float scales inside a tensor that reports the float dtype), the
+    tensors of a tuple (torch.ao's packed weight and bias); nothing for other entries (a dtype)."""
+    if isinstance(value, (tuple, list)):
+        return [inner for item in value for inner in _payload(item)]
+    if not isinstance(value, Tensor):
+        return []
+    if type(value) in (torch.Tensor, nn.Parameter) or not hasattr(value, "__tensor_flatten__"):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [inner for name in names for inner in _payload(getattr(value, name))]
 
 
 def weights_bytes(model: nn.Module) -> int:
