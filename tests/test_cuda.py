@@ -111,6 +111,15 @@ def test_a_text_encoder_is_profiled_per_length_bucket_on_the_gpu(tmp_path, capsy
     for length in (8, 16):
         assert main(["profile", str(run), "--length", str(length), *PROFILE]) == 0, capsys.readouterr().err
     assert sorted(p.name.rsplit("-", 1)[1] for p in run.glob("profile-cuda-*-T*.json")) == ["T16.json", "T8.json"]
+    half = tmp_path / "run-fp16"  # a text encoder in half precision: its token ids stay integers on the GPU
+    assert main(["quantize", str(run), "--precision", "fp16", "--device", "cuda", "--no-compile", "--out", str(half),
+                 "--json"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert all(abs(e["test_acc"] - e["parent_test_acc"]) <= 0.05 for e in summary["exits"])
+    for argv in (["collect", half, "--device", "cuda"], ["calibrate", half, "--max-drop", "1"],
+                 ["evaluate", half, "--device", "cuda", "--split", "test", "--latency-samples", "5"],
+                 ["profile", half, "--length", "8", *PROFILE]):  # fmt: skip
+        assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
 
 
 def test_nvml_reads_the_gpus_energy():
