@@ -112,6 +112,7 @@ def test_a_text_encoder_is_profiled_per_length_bucket_on_the_gpu(tmp_path, capsy
         assert main(["profile", str(run), "--length", str(length), *PROFILE]) == 0, capsys.readouterr().err
     assert sorted(p.name.rsplit("-", 1)[1] for p in run.glob("profile-cuda-*-T*.json")) == ["T16.json", "T8.json"]
     half = tmp_path / "run-fp16"  # a text encoder in half precision: its token ids stay integers on the GPU
+    capsys.readouterr()
     assert main(["quantize", str(run), "--precision", "fp16", "--device", "cuda", "--no-compile", "--out", str(half),
                  "--json"]) == 0  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
