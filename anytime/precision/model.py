@@ -392,7 +392,7 @@ def prepare_qat(model: nn.Module, input_shape: tuple[int, ...], *, reduce_range:
     copied = copy.deepcopy(model).eval()
     parts = float_parts(copied)
     with torch.no_grad():
-        inputs = part_inputs(layout_of(copied), parts, _example(input_shape, 2))
+        inputs = part_inputs(layout_of(copied), parts, _example(model, input_shape, 2))
     prepared = _prepare_int8(parts, inputs, qat=True, reduce_range=reduce_range)
     with quiet_torchao():
         from torchao.quantization.pt2e import move_exported_model_to_train
@@ -455,9 +455,9 @@ def _load_observers(prepared: list[nn.Module], state: dict[str, Tensor], *, ever
         part.load_state_dict(mine, strict=False)
 
 
-def _example(shape: tuple[int, ...], batch: int) -> Tensor:
-    """Zero images of one sample's ``shape`` ``(C, H, W)``, or a sentence's token ids for ``(T,)``."""
-    return example_input(shape, batch, tokens=len(shape) == 1)
+def _example(model: nn.Module, shape: tuple[int, ...], batch: int) -> Tensor:
+    """Inputs of one sample's ``shape`` for ``model``: zeros, or a sentence's token ids for a text encoder."""
+    return example_input(shape, batch, tokens=takes_tokens(model))
 
 
 def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tuple[int, ...]:
@@ -469,7 +469,7 @@ def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tup
         return tuple(model.step_flops)  # type: ignore[union-attr]
 
     flops = []
-    sample = _example(shape, 1)
+    sample = _example(model, shape, 1)
     for k in range(num_steps):
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
@@ -503,12 +503,12 @@ def convert(
     layout = layout_of(model)
     known = step_flops is not None and len(step_flops) == num_steps
     flops = tuple(int(f) for f in step_flops) if known else float_flops(model, input_shape, num_steps)  # type: ignore[union-attr]
-    if precision == "int8" and len(input_shape) == 1:
+    if precision == "int8" and takes_tokens(model):
         raise AnytimeError("static int8 (PT2E) quantizes convolutional image networks; quantize a text encoder with "
                            "--precision int8-dynamic (int8 Linear layers, the usual form for transformers), bf16 or fp16")  # fmt: skip
     if precision == "int8":
         with torch.no_grad():
-            inputs = part_inputs(layout, float_parts(model), _example(input_shape, 2))
+            inputs = part_inputs(layout, float_parts(model), _example(model, input_shape, 2))
     if precision == "int8" and qat:
         if state is None:
             raise AnytimeError("a quantization-aware int8 model is rebuilt from its trained graphs' state")
