@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from anytime.backbones.base import example_input
+from anytime.backbones.base import example_input, takes_tokens
 from anytime.data import make_loader
 from anytime.data.text import TOKENIZER_FILE
 from anytime.data.base import DatasetSplits
@@ -161,7 +161,8 @@ def _costs(runs: Sequence[LoadedRun], infos: Sequence[MemberInfo], shape: tuple[
         return [float(c) for c in profiled], "profiles (batch 1, p50)"  # type: ignore[arg-type]
     from anytime.profile.latency import per_sample_latency
 
-    inputs = example_input(shape, _COST_SAMPLES, tokens=len(shape) == 1, generator=torch.Generator().manual_seed(0))
+    seeded = torch.Generator().manual_seed(0)
+    inputs = example_input(shape, _COST_SAMPLES, tokens=takes_tokens(runs[0].model), generator=seeded)
     inputs = inputs.to(runs[0].device)
     calls = {str(i): (lambda x, r=r, info=info: member_log_probs(r.model, info.step, x))
              for i, (r, info) in enumerate(zip(runs, infos))}  # fmt: skip

@@ -61,7 +61,7 @@ def require_images(run: LoadedRun, what: str) -> None:
     """Refuse a text run where only image runs are supported yet (``what``: the command, e.g. ``anytime quantize``)."""
     if run.dataset.get("modality") == "text":
         raise AnytimeError(f"{run.run_dir} is a text run; {what} supports image runs only so far (text runs take "
-                           "train, quantize, collect, sweep, calibrate, evaluate, profile, schedule and serve)")  # fmt: skip
+                           "train, quantize, ensemble, collect, sweep, calibrate, evaluate, profile, schedule and serve)")  # fmt: skip
 
 
 def run_config(run_dir: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
