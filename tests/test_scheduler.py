@@ -240,6 +240,7 @@ class TimedLadder(nn.Module):
         self.clock = FakeClock()
         self.delays_ms = delays_ms
         self.slowdown = 1.0
+        self.finish_ms = 0.0  # taken when the runtime closes the steps: its bookkeeping after the last stage
         self.num_classes = num_classes
         self.scale = nn.Parameter(torch.ones(1))
 
@@ -253,9 +254,12 @@ class TimedLadder(nn.Module):
         return 20 * confident * one_hot.float() * self.scale
 
     def steps(self, x: Tensor) -> Iterator[Tensor]:
-        for k, delay in enumerate(self.delays_ms):
-            self.clock.advance(delay * self.slowdown)
-            yield self._logits(x, k)
+        try:
+            for k, delay in enumerate(self.delays_ms):
+                self.clock.advance(delay * self.slowdown)
+                yield self._logits(x, k)
+        finally:
+            self.clock.advance(self.finish_ms)
 
     def forward_until(self, x: Tensor, k: int) -> Tensor:
         self.clock.advance(sum(self.delays_ms[: k + 1]) * self.slowdown)
@@ -329,6 +333,23 @@ def test_adaptation_keeps_deadlines_when_the_device_slows_down(sleepy):
         model.slowdown = 1.0
     assert static_misses == 4
     assert not any(o.missed for o in adapted) and all(o.step < 2 for o in adapted)
+
+
+def test_the_adaptive_runtime_keeps_its_own_bookkeeping_time_free():
+    model = TimedLadder([4.0, 8.0, 16.0]).eval()
+    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    model.finish_ms = 1.0  # what the runtime does after its last stage, which the profile never timed
+    deadline = 4.0 + 8.0 + 0.5  # exits 0 and 1 fit with 0.5 ms to spare: less than the bookkeeping
+    static = AnytimeRunner(model, profile, adapt=False, quantile=0.9, clock=model.clock)
+    adaptive = AnytimeRunner(model, profile, adapt=True, quantile=0.9, window=30, min_observations=4, clock=model.clock)
+    x = -torch.ones(1, 3)
+    late = [static.predict(x, deadline) for _ in range(3)]
+    assert all(o.step == 1 and o.missed and o.elapsed_ms == pytest.approx(13.0) for o in late)
+    learning = [adaptive.predict(x, deadline) for _ in range(4)]  # 4 answers' bookkeeping times make it count
+    assert all(o.step == 1 and o.missed for o in learning)
+    answered = [adaptive.predict(x, deadline) for _ in range(4)]
+    assert all(o.step == 0 and not o.missed and o.elapsed_ms == pytest.approx(5.0) for o in answered)
+    assert adaptive.predict(x, 4.0 + 8.0 + 1.5).step == 1  # with room for it, the runtime goes on
 
 
 def test_a_non_incremental_model_gets_one_step_chosen_up_front(sleepy):

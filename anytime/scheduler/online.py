@@ -26,7 +26,7 @@ from collections import deque
 from anytime.errors import AnytimeError
 
 
-class _SortedWindow:
+class SortedWindow:
     """The last ``size`` values, kept in arrival order and in sorted order."""
 
     def __init__(self, size: int) -> None:
@@ -61,8 +61,8 @@ class DriftEstimator:
             raise AnytimeError(f"need window >= 1 and 1 <= min_observations <= window (got {window}, {min_observations})")
         self.window = window
         self.min_observations = min_observations
-        self._ratios = _SortedWindow(window)
-        self._excess = _SortedWindow(window)
+        self._ratios = SortedWindow(window)
+        self._excess = SortedWindow(window)
         self.version = 0  # bumped by every observation, so callers can cache what they derive from it
 
     @property

@@ -2,9 +2,10 @@
 
 For an incremental model the steps run in order. After each one the runner returns if the exit is
 confident (the calibrated policy) or if the next stage's latency at the quantile, scaled by the device's
-current drift, no longer fits in the time left (or, given an energy budget, if reaching the next exit would cost
-more energy per inference than the budget, by the profile's exit-path energies); otherwise it goes on. The first
-step always runs, so a prediction always comes back. A non-incremental model (each step a separate forward) gets
+current drift, and the runner's own time to return an answer after its last stage no longer fit in the time left
+(or, given an energy budget, if reaching the next exit would cost more energy per inference than the budget, by
+the profile's exit-path energies); otherwise it goes on. The first step always runs, so a prediction always comes
+back. A non-incremental model (each step a separate forward) gets
 one step chosen up front by the scheduler.
 """
 
@@ -25,7 +26,7 @@ from anytime.errors import AnytimeError
 from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, check_deadline, check_energy_budget
-from anytime.scheduler.online import DriftEstimator
+from anytime.scheduler.online import DriftEstimator, SortedWindow
 from anytime.utils.timer import Clock, monotonic
 
 
@@ -58,7 +59,9 @@ class AnytimeRunner:
 
     ``quantile`` is the latency quantile a stage must fit at before it starts. With ``adapt`` every stage's
     measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows
-    down. ``margin_ms`` is kept free at the end for returning the answer. A non-incremental model's step is
+    down, and the runner times what it does after its last stage (the answer's bookkeeping, which the profile
+    does not time) and keeps that time's quantile free: a request that goes on with a few microseconds to spare
+    would otherwise miss by them. ``margin_ms`` is kept free at the end as well, for returning the answer. A non-incremental model's step is
     chosen by ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits
     (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
     the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
@@ -110,6 +113,8 @@ class AnytimeRunner:
         self._energies: dict[int, list[float]] = {}
         if self.incremental:
             self.drift = DriftEstimator(window=window, min_observations=min_observations)
+            self._finish = SortedWindow(window)
+            self._min_observations = min_observations
             self.scheduler = None
         else:
             accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
@@ -183,6 +188,8 @@ class AnytimeRunner:
         last = self._num_steps - 1
         policy = self.policy
         budget = deadline_ms - self.margin_ms
+        if self.adapt and len(self._finish) >= self._min_observations:
+            budget -= self._finish.quantile(self.quantile)
         batch = x.shape[0]
         decided: Tensor | None = None  # which samples have already left at a confident exit
         exits: Tensor | None = None
@@ -245,8 +252,10 @@ class AnytimeRunner:
         else:
             exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
         predictions = logits.argmax(dim=1)
-        elapsed_ms = 1000.0 * (self.clock() - start)
-        return AnytimePrediction(predictions, logits, exits, k, reason, elapsed_ms, float(deadline_ms))
+        end = self.clock()
+        if self.adapt:
+            self._finish.add(1000.0 * (end - before))
+        return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
 
     def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
         assert self.scheduler is not None
