@@ -9,10 +9,15 @@ without online adaptation, and one priced by the longest bucket only. Twice: wit
 goes as deep as the deadline allows: the case that tests the pricing) and with the entropy calibration (fit on
 validation for at most 1 point below the last exit; patience compares exits with each other, which the runtime
 does not keep).
+Torch runs with THREADS threads (recorded in the profiles, which the runtime follows): at batch 1 this encoder's p99
+was lower on one thread than on two at every length here (64 tokens: 4.9-5.4 ms against 5.6-6.2 ms), and the
+deadline is judged on the tail.
 A miss is an answer later than the deadline, timed around the call. A request counts where its bucket's first
-exit fits the deadline: the p99 of the first exit alone, timed on that bucket's test sentences one at a time just
-before the sweep (hindsight, as deadline_cifar10 does). Target: at every deadline, the runtime as `anytime serve`
-runs it (length-aware, adaptive) misses at most 1% of the requests that count. Ratio: the worst such miss rate (%).
+exit fits the deadline: the p99, over that bucket's sentences, of the runtime's fastest answer (the first exit
+and nothing more, asked of the same runtime with no time to spare), timed in the same pass, each sentence in turn
+with the runtimes (hindsight under the same conditions; a p99 timed minutes earlier on this VM moved enough to
+decide the count at the deadlines near it). Target: at every deadline, the runtime as `anytime serve` runs it
+(length-aware, adaptive) misses at most 1% of the requests that count. Ratio: the worst such miss rate (%).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ MAX_DROP = 1.0  # calibration: accuracy points below the last exit (validation)
 PROFILE_REPEATS = 1000  # profile samples per step and length
 DEADLINES = 8  # geometric from 0.8x the shortest bucket's first-exit p99 to 1.3x the longest's last-exit p99
 MISS_TARGET = 0.01
+THREADS = 1  # torch CPU threads for the profiles and the runtime
 WARMUP_REQUESTS = 50
 
 
@@ -54,43 +60,49 @@ def _sentences(run_dir: Path, count: int | None) -> tuple[list[torch.Tensor], to
     return [x for x, _ in batches], torch.cat([y for _, y in batches])
 
 
-def _first_exit_p99(model: torch.nn.Module, sentences: list[torch.Tensor], buckets: np.ndarray) -> dict[int, float]:
-    """Per length bucket: the p99 (ms) of the first exit alone over its sentences, each timed once."""
-    times = np.zeros(len(sentences))
-    with torch.inference_mode():
-        for i, x in enumerate(sentences):
-            start = time.perf_counter()
-            model.forward_until(x, 0)  # type: ignore[operator]
-            times[i] = 1000 * (time.perf_counter() - start)
-    return {int(t): float(np.quantile(times[buckets == t], QUANTILE, method="inverted_cdf")) for t in np.unique(buckets)}
+FASTEST = "first exit alone"
 
 
 def _serve(runners: dict[str, AnytimeRunner], sentences: list[torch.Tensor], labels: torch.Tensor, deadline: float,
-           fits: np.ndarray) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Every sentence answered by every runner in turn (order alternating); ``fits`` marks the scored requests."""
-    names = list(runners)
-    late = {n: np.zeros(len(sentences), dtype=bool) for n in names}
-    right = {n: np.zeros(len(sentences), dtype=bool) for n in names}
-    steps = {n: np.zeros(len(sentences), dtype=np.int64) for n in names}
+           buckets: np.ndarray) -> tuple[dict[str, dict[str, Any]], dict[int, float]]:  # fmt: skip
+    """Every sentence answered by every runner in turn (order alternating), and by the :data:`FASTEST` runner with
+    no time to spare; a request counts where the fastest answers' p99 over its bucket fits ``deadline``. The
+    figures per runner and that p99 per bucket (ms)."""
+    names = [*runners, FASTEST]
+    late = {n: np.zeros(len(sentences), dtype=bool) for n in runners}
+    right = {n: np.zeros(len(sentences), dtype=bool) for n in runners}
+    steps = {n: np.zeros(len(sentences), dtype=np.int64) for n in runners}
+    fastest = np.zeros(len(sentences))
+    fastest_runner = runners["length-aware static"]
     for i, x in enumerate(sentences):
         for name in names if i % 2 == 0 else names[::-1]:
+            if name == FASTEST:
+                start = time.perf_counter()
+                fastest_runner.predict(x, 1e-6)
+                fastest[i] = 1000 * (time.perf_counter() - start)
+                continue
             start = time.perf_counter()
             out = runners[name].predict(x, deadline)
             late[name][i] = 1000 * (time.perf_counter() - start) > deadline
             right[name][i] = bool(out.predictions[0] == labels[i])
             steps[name][i] = out.step
-    scored = fits if fits.any() else np.zeros_like(fits)
+    first = {int(t): float(np.quantile(fastest[buckets == t], QUANTILE, method="inverted_cdf")) for t in np.unique(buckets)}
+    scored = np.array([first[int(t)] <= deadline for t in buckets])
+    deeper = {n: scored & (steps[n] > 0) for n in runners}  # the requests that went past the first exit
     return {n: {"miss_rate_scored": float(late[n][scored].mean()) if scored.any() else None,
+                "miss_rate_deeper": float(late[n][deeper[n]].mean()) if deeper[n].any() else None,
                 "miss_rate_all": float(late[n].mean()), "accuracy": float(right[n].mean()),
-                "scored_share": float(scored.mean()), "mean_step": float(steps[n].mean())} for n in names}  # fmt: skip
+                "scored_share": float(scored.mean()), "mean_step": float(steps[n].mean())} for n in runners}, first  # fmt: skip
 
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--run", type=Path, default=RUN, help="the trained SST-2 run (early_exit_sst2.py trains it)")
     p.add_argument("--sentences", type=int, help="test sentences per deadline (default all 1,821)")
+    p.add_argument("--threads", type=int, default=THREADS, help=f"torch CPU threads (default {THREADS})")
     args = p.parse_args()
     run_dir = args.run
+    torch.set_num_threads(args.threads)
     repeats, count, deadlines_n = (200, 100, 3) if args.quick else (PROFILE_REPEATS, args.sentences, DEADLINES)
     chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion="entropy", out=run_dir / "calibration-entropy.json")
     policies = {"no policy": None, "entropy": ExitPolicy.from_dict(chosen["policy"])}
@@ -98,7 +110,7 @@ def main() -> int:
     for length in LENGTHS:
         print(f"profiling {run_dir} at {length} tokens ({repeats} repeats at batch 1)...")
         profiles[length], _ = profile_run(run_dir, batch_sizes=[1], repeats=repeats, memory=False, length=length,
-                                          out=run_dir / f"deadline-profile-T{length}.json")  # fmt: skip
+                                          threads=args.threads, out=run_dir / f"deadline-profile-T{length}.json")  # fmt: skip
     model = load_run(run_dir).model
     sentences, labels = _sentences(run_dir, count)
     lengths = np.array([x.shape[1] for x in sentences])
@@ -108,10 +120,7 @@ def main() -> int:
     print(f"{len(sentences)} sentences, {np.round(np.bincount(np.searchsorted(LENGTHS, buckets)) / len(buckets), 3)} "
           f"in buckets {LENGTHS}; profiled p99 of the first exit {({t: round(v, 3) for t, v in profiled_first.items()})}"
           f" ms, of the last {({t: round(profiles[t].step_quantile(last, QUANTILE), 3) for t in LENGTHS})} ms")  # fmt: skip
-    _first_exit_p99(model, sentences[:WARMUP_REQUESTS], buckets[:WARMUP_REQUESTS])  # warm-up
-    first_p99 = _first_exit_p99(model, sentences, buckets)
-    print(f"first exit alone, p99 per bucket on these sentences: {({t: round(v, 3) for t, v in first_p99.items()})} ms")
-    low = 0.8 * min(first_p99.values())
+    low = 0.8 * min(profiled_first.values())
     high = 1.3 * profiles[LENGTHS[-1]].step_quantile(last, QUANTILE)
     deadlines = np.geomspace(low, high, deadlines_n)
     warm = min(WARMUP_REQUESTS, len(sentences))
@@ -124,15 +133,18 @@ def main() -> int:
                                                    length_profiles=profiles),
             "longest only": AnytimeRunner(model, profiles[LENGTHS[-1]], policy, quantile=QUANTILE, adapt=False),
         }  # fmt: skip
-        _serve(runners, sentences[:warm], labels[:warm], float(high), np.zeros(warm, dtype=bool))
+        _serve(runners, sentences[:warm], labels[:warm], float(high), buckets[:warm])
         for deadline in deadlines:
-            fits = np.array([first_p99[t] <= deadline for t in buckets])
-            served = _serve(runners, sentences, labels, float(deadline), fits)
+            served, first = _serve(runners, sentences, labels, float(deadline), buckets)
+            print(f"  {mode:<9} deadline {deadline:7.3f} ms: the runtime's fastest answer, p99 per bucket "
+                  f"{({t: round(v, 3) for t, v in first.items()})} ms")  # fmt: skip
             for name, result in served.items():
-                rows.append({"policy": mode, "runtime": name, "deadline_ms": float(deadline), **result})
-                miss = result["miss_rate_scored"]
+                rows.append({"policy": mode, "runtime": name, "deadline_ms": float(deadline), **result,
+                             **{f"first_exit_p99_T{t}_ms": v for t, v in first.items()}})  # fmt: skip
+                miss, deeper = result["miss_rate_scored"], result["miss_rate_deeper"]
                 print(f"  {mode:<9} {name:<22} deadline {deadline:7.3f} ms: {100 * result['scored_share']:5.1f}% "
-                      f"scored, miss {'-' if miss is None else f'{100 * miss:.2f}%'} (all "
+                      f"scored, miss {'-' if miss is None else f'{100 * miss:.2f}%'} (past the first exit "
+                      f"{'-' if deeper is None else f'{100 * deeper:.1f}%'}; all "
                       f"{100 * result['miss_rate_all']:.2f}%), accuracy {100 * result['accuracy']:.2f}%, mean step "
                       f"{result['mean_step']:.2f}")  # fmt: skip
     write_csv(run_dir / "text_deadline.csv", rows)
@@ -140,9 +152,8 @@ def main() -> int:
               and r["miss_rate_scored"] is not None]  # fmt: skip
     worst = max(scored, default=float("nan"))
     figures = {"run": str(run_dir), "lengths": list(LENGTHS), "policy": policies["entropy"].to_dict(), "rows": rows,
-               "first_exit_p99_ms": {str(t): v for t, v in first_p99.items()},
                "profiled_first_exit_p99_ms": {str(t): v for t, v in profiled_first.items()},
-               "sentences": len(sentences)}  # fmt: skip
+               "sentences": len(sentences), "threads": args.threads}  # fmt: skip
     return report("text_deadline", args, figures, 100 * worst, f"<= {100 * MISS_TARGET:.0f}% missed",
                   bool(worst <= MISS_TARGET))  # fmt: skip
 
