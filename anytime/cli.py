@@ -636,6 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(default 2000)")
     split_run.add_argument("--threads", type=_threads, default=1, metavar="N|auto",
                            help="torch CPU threads of the device (default 1)")
+    split_run.add_argument("--link-samples", type=_non_negative_int, default=100, metavar="N",
+                           help="exchanges with the server that measure the link (bandwidth, and the overhead per "
+                                "exchange at the quantile) before the first plan (default 100; 0: plan with "
+                                "--bandwidth-mbps, --rtt-ms and --overhead-ms as given)")
     split_run.add_argument("--out", metavar="FILE", help="also write every answer and the summary as JSON here")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
@@ -1436,6 +1440,10 @@ def _split_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-profile", required=True, metavar="B.json", help="the run profiled on the server")
     parser.add_argument("--bandwidth-mbps", type=_finite_float, required=True, metavar="W", help="link bandwidth, Mbit/s")
     parser.add_argument("--rtt-ms", type=_finite_float, default=0.0, metavar="R", help="link round trip, ms (default 0)")
+    parser.add_argument("--overhead-ms", type=_finite_float, default=0.0, metavar="O",
+                        help="what one exchange takes beyond the round trip and its bytes at the bandwidth, at the "
+                             "quantile (encoding, framing, waits), ms (default 0; split-run measures it, see "
+                             "--link-samples)")
     parser.add_argument("--deadline-ms", type=_finite_float, required=True, metavar="D", help="the time budget of one request")
     parser.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
                         help="the latency quantile that must fit (default 0.99)")
@@ -1453,9 +1461,9 @@ def _cmd_split(args: argparse.Namespace) -> int:
     from anytime.split.plan import Link
     from anytime.split.runs import plan_run
 
-    plan = plan_run(args.run, args.device_profile, args.server_profile, Link(args.bandwidth_mbps, args.rtt_ms),
-                    args.deadline_ms, quantile=args.quantile, codecs=parse_codecs(args.codecs),
-                    criterion=args.criterion, partitions=args.partitions)  # fmt: skip
+    link = Link(args.bandwidth_mbps, args.rtt_ms, args.overhead_ms)
+    plan = plan_run(args.run, args.device_profile, args.server_profile, link, args.deadline_ms, quantile=args.quantile,
+                    codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions)  # fmt: skip
     doc = plan.to_dict()
     if not args.frontier and not args.json:
         doc.pop("frontier")
@@ -1486,12 +1494,13 @@ def _cmd_split_run(args: argparse.Namespace) -> int:
         raise AnytimeError(f"--server {args.server!r} is not HOST:PORT (e.g. 127.0.0.1:9000)")
     result = run_split_session(
         args.run, host=host, port=int(port), device_profile=args.device_profile, server_profile=args.server_profile,
-        link=Link(args.bandwidth_mbps, args.rtt_ms), deadline_ms=args.deadline_ms, quantile=args.quantile,
+        link=Link(args.bandwidth_mbps, args.rtt_ms, args.overhead_ms), deadline_ms=args.deadline_ms,
+        quantile=args.quantile,
         codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions, split=args.data_split,
         requests=args.requests,
         schedule=schedule, delay_ms=args.rtt_ms if args.shape_delay_ms is None else args.shape_delay_ms,
         slowdown=args.emulate_slowdown, adapt=not args.fixed, timeout_ms=args.timeout_ms, threads=args.threads,
-        out=args.out,
+        link_samples=args.link_samples, out=args.out,
     )  # fmt: skip
     summary = result.summary()
     if args.json:

@@ -12,7 +12,9 @@ with its suffixes (the stages after each partition point timed from a stored act
 For every link, three sessions answer the same REQUESTS test images one at a time against one deadline (DEADLINE
 times the device's own p99 through every exit, so the device alone cannot answer everything in time): the planner's
 choice over every partition, codec and threshold (`split-run`), the best device-only plan (`--partitions device`)
-and the best server-only plan (`--partitions server`). Reported per session: the plan, its predicted p99 and the
+and the best server-only plan (`--partitions server`). Each session first measures its link with LINK_SAMPLES
+exchanges (`--link-samples`: the bandwidth it gets, and the p99 of what an exchange takes beyond the round trip and
+its bytes) and plans for what it measured. Reported per session: the plan, its predicted p99 and the
 measured end-to-end p99, the miss rate, test accuracy, and where the answers came from. Then one adaptive session and
 one fixed session on a link that drops from FAST to SLOW Mbit/s halfway: the miss rate of each half.
 Ratio: the largest |measured / predicted p99 - 1| of the planner's sessions (target <= 0.15); the run also fails if
@@ -42,6 +44,7 @@ LINKS = [(1.0, 5.0), (10.0, 5.0), (100.0, 5.0), (10.0, 20.0)]  # (Mbit/s, round 
 DEADLINE = 0.7  # deadline = this x the device's p99 through every exit
 QUANTILE = 0.99
 REQUESTS = 1000  # test images per session (--quick: 40)
+LINK_SAMPLES = 100  # exchanges that measure the link before a session plans
 PROFILE_REPEATS = 500  # batch-1 repetitions of each profile (--quick: 100)
 FAST, SLOW = 100.0, 0.3  # the adaptive sessions' link before and after the drop (Mbit/s), at ADAPT_RTT ms
 ADAPT_RTT = 5.0
@@ -114,13 +117,15 @@ def _session(run_dir: Path, port: int, dev: Path, srv: Path, mbps: float, rtt: f
     out = _call(["split-run", str(run_dir), "--server", f"127.0.0.1:{port}", "--device-profile", str(dev),
                  "--server-profile", str(srv), "--bandwidth-mbps", str(mbps), "--rtt-ms", str(rtt), "--deadline-ms",
                  f"{deadline:.4f}", "--quantile", str(QUANTILE), "--requests", str(requests),
-                 "--emulate-slowdown", str(SLOWDOWN), "--json", *extra], DEVICE_CORE)  # fmt: skip
+                 "--emulate-slowdown", str(SLOWDOWN), "--link-samples", str(LINK_SAMPLES), "--json", *extra],
+                DEVICE_CORE)  # fmt: skip
     return json.loads(out)
 
 
 def _row(summary: dict) -> dict:
     plan = summary["plan"]
     return {"plan": plan["name"], "fits": plan["fits"], "planned_val_acc": plan["accuracy"],
+            "link_overhead_ms": plan["link_overhead_ms"], "link_mbps": plan["bandwidth_mbps"],
             "predicted_p99_ms": summary["planned_ms"], "measured_p99_ms": summary["p99_ms"],
             "p99_error": summary["p99_ms"] / summary["planned_ms"] - 1, "p50_ms": summary["p50_ms"],
             "miss_rate": summary["miss_rate"], "test_acc": summary["accuracy"], "device_share": summary["device_share"],
@@ -160,7 +165,8 @@ def main() -> int:
             worst = max(worst, abs(planned["p99_error"]))
             missed |= bool(planned["fits"] and planned["miss_rate"] > TARGET_MISS)
             rows.append(entry)
-            print(f"{mbps:g} Mbit/s, {rtt:g} ms: {planned['plan']} predicted p99 {planned['predicted_p99_ms']:.2f} ms, "
+            print(f"{mbps:g} Mbit/s, {rtt:g} ms (measured {planned['link_mbps']:.3g} Mbit/s, overhead "
+                  f"{planned['link_overhead_ms']:.2f} ms): {planned['plan']} predicted p99 {planned['predicted_p99_ms']:.2f} ms, "
                   f"measured {planned['measured_p99_ms']:.2f} ms ({100 * planned['p99_error']:+.1f}%), misses "
                   f"{100 * planned['miss_rate']:.1f}%, test {100 * planned['test_acc']:.1f}% | device only "
                   f"{100 * entry['device_only']['test_acc']:.1f}% ({100 * entry['device_only']['miss_rate']:.1f}% "

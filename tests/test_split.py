@@ -107,7 +107,8 @@ def test_the_shaper_adds_its_delay_and_paces_the_payload():
 
 def test_link_refuses_nonsense_and_prices_bytes():
     assert Link(8.0, 2.0).transfer_ms(1000) == pytest.approx(3.0)
-    for bad in ((0, 1), (float("nan"), 1), (1, -1), (1, float("inf"))):
+    assert Link(8.0, 2.0, 0.5).transfer_ms(1000) == pytest.approx(3.5)
+    for bad in ((0, 1), (float("nan"), 1), (1, -1), (1, float("inf")), (1, 1, -0.1), (1, 1, float("nan"))):
         with pytest.raises(AnytimeError):
             Link(*bad)
 
@@ -115,14 +116,33 @@ def test_link_refuses_nonsense_and_prices_bytes():
 def test_the_estimator_follows_a_slower_link_faster_than_a_faster_one():
     est = LinkEstimator(Link(100.0, 1.0))
     est.ping(1.0)
-    est.transfer(10_000, 1.0 + 8 * 10_000 / 1000 / 1.0, 0.0)  # a 1 Mbit/s transfer
+    for _ in range(2):
+        est.transfer(10_000, 1.0 + 8 * 10_000 / 1000 / 1.0, 0.0)  # 1 Mbit/s transfers
     slowed = est.link.bandwidth_mbps
     assert slowed < 3
-    for _ in range(3):
+    for _ in range(4):
         est.transfer(10_000, 1.0 + 8 * 10_000 / 1000 / 100.0, 0.0)  # back at 100 Mbit/s
     assert slowed < est.link.bandwidth_mbps < 100 / 1.5
     est.transfer(10, 0.5, 0.0)  # faster than the round trip: no information
-    assert est.observed == 4
+    assert est.observed == 6
+
+
+def test_the_estimator_prices_a_stall_as_overhead_not_as_a_slower_link():
+    est = LinkEstimator(Link(8.0, 1.0, 0.25), quantile=0.95, window=50, min_observations=10)
+    est.ping(1.0)
+    for i in range(9):
+        est.transfer(1000, 1.0 + 1.0 + 0.5, 0.0)  # 1 byte = 1 us, and 0.5 ms beyond the bytes
+    assert est.overhead_ms == 0.25  # the assumed overhead, until 10 exchanges are in
+    for i in range(100):
+        est.transfer(1000, 2.5 + (3.0 if i % 10 == 9 else 0.0), 0.0)  # one in ten stalls 3 ms
+    link = est.link
+    assert link.bandwidth_mbps == pytest.approx(8 / 1.5, rel=0.01)  # the 0.5 ms spread over the bytes: the mean
+    assert link.overhead_ms == pytest.approx(3.0, abs=0.01)  # the p95 exchange stalled
+    assert link.transfer_ms(1000) == pytest.approx(5.5, abs=0.01)  # what a p95 exchange of these bytes took
+    quiet = LinkEstimator(Link(8.0, 1.0), window=50, min_observations=10)
+    for _ in range(60):
+        quiet.transfer(1000, 2.5, 0.0)
+    assert quiet.overhead_ms < 1e-3 and quiet.link.transfer_ms(1000) == pytest.approx(2.5, abs=1e-3)
 
 
 def test_bandwidth_schedules_parse_and_refuse():
@@ -220,14 +240,20 @@ def test_profiles_of_different_models_are_refused_naming_both():
 
 
 class _FakeLinkClient:
-    """Answers every request as a server behind a link of ``mbps`` would, in time only (fake clock)."""
+    """Answers every request as a server behind a link of ``mbps`` would, in time only (fake clock); every
+    ``stall_every``-th exchange stalls ``stall_ms`` more."""
 
-    def __init__(self, clock: FakeClock, mbps: float) -> None:
+    def __init__(self, clock: FakeClock, mbps: float, *, stall_every: int = 0, stall_ms: float = 0.0) -> None:
         self.clock, self.mbps = clock, mbps
+        self.stall_every, self.stall_ms = stall_every, stall_ms
+        self.sent: list[dict] = []
 
     def request(self, header, payload=b""):
+        self.sent.append(header)
         nbytes = len(frame(header, payload)) + 60
         wire = 1.0 + 8 * nbytes / (1000 * self.mbps)
+        if self.stall_every and len(self.sent) % self.stall_every == 0:
+            wire += self.stall_ms
         self.clock.now += wire / 1000
         return Reply({"ok": True, "prediction": [0], "exit": [2], "compute_ms": 0.0, "type": "pong"}, wire, nbytes - 60, 60)
 
@@ -251,6 +277,19 @@ def test_a_link_that_slows_down_moves_the_answer_toward_the_device():
         device.answer(torch.zeros(1, 4))
     assert device.plan.option.device_share == 1.0 and device.replans
     assert device.estimator.link.bandwidth_mbps < 0.1
+
+
+def test_the_device_measures_the_links_stalls_before_it_plans():
+    clock = FakeClock()
+    client = _FakeLinkClient(clock, 1000.0, stall_every=10, stall_ms=3.0)
+    device = SplitDevice(_Toy(), _planner(), client, deadline_ms=4.5, link=Link(1000.0, 1.0), clock=clock)
+    device.ping()
+    assert device.plan.option.partition == -1  # priced without stalls, sending the input fits (about 2.5 ms)
+    link = device.measure_link(torch.zeros(1, 4), 50)
+    assert len(client.sent) == 3 + 50 and all(h["partition"] == -1 for h in client.sent[3:])
+    assert link.overhead_ms == pytest.approx(3.0, abs=0.05)  # one exchange in ten stalls: at p99, every plan pays
+    assert device.plan.link == link and device.plan.option.partition == 2  # the device's own path (4 ms) now fits
+    assert device.plan.fits and device.plan.to_dict()["link_overhead_ms"] == link.overhead_ms
 
 
 # ---------------------------------------------------------------- two real endpoints over 127.0.0.1
@@ -391,6 +430,15 @@ def test_split_command_answers_json_and_refuses_a_foreign_profile(split_setup, t
     assert doc["fits"] and {"partition", "codec", "thresholds", "device_share", "bytes_per_request"} <= set(doc)
     partitions = {o["partition"] for o in doc["frontier"]}
     assert partitions <= {-1, 0, 1, 2}
+    fastest = []
+    for overhead in ("0", "5"):
+        assert main(["split", str(run_dir), "--device-profile", str(dev), "--server-profile", str(srv),
+                     "--bandwidth-mbps", "10", "--rtt-ms", "2", "--overhead-ms", overhead, "--deadline-ms", "10000",
+                     "--quantile", "0.9", "--partitions", "server", "--json"]) == 0  # fmt: skip
+        sent = json.loads(capsys.readouterr().out)
+        assert sent["link_overhead_ms"] == float(overhead)
+        fastest.append(sent["frontier"][0]["latency_ms"])
+    assert fastest[1] == pytest.approx(fastest[0] + 5.0, abs=0.05)  # every exchange pays the overhead
     foreign = json.loads(dev.read_text())
     foreign["model_fingerprint"] = "0" * 16
     (tmp_path / "foreign.json").write_text(json.dumps(foreign))
@@ -398,6 +446,8 @@ def test_split_command_answers_json_and_refuses_a_foreign_profile(split_setup, t
                "--bandwidth-mbps", "10", "--deadline-ms", "50", "--quantile", "0.9"], "another model")  # fmt: skip
     cli_error(["split", str(run_dir), "--device-profile", str(dev), "--server-profile", str(srv),
                "--bandwidth-mbps", "0", "--deadline-ms", "50"], "bandwidth")  # fmt: skip
+    cli_error(["split", str(run_dir), "--device-profile", str(dev), "--server-profile", str(srv),
+               "--bandwidth-mbps", "1", "--overhead-ms", "-1", "--deadline-ms", "50"], "overhead")  # fmt: skip
     cli_error(["split-run", str(run_dir), "--server", "127.0.0.1:1", "--device-profile", str(dev), "--server-profile",
                str(srv), "--bandwidth-mbps", "10", "--deadline-ms", "50", "--emulate-slowdown", "3"],
               "emulate-slowdown")  # fmt: skip
@@ -417,6 +467,8 @@ def test_split_run_over_a_real_server(split_setup, server, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["requests"] == 12 and summary["fallback_share"] == 0
     assert [p["bandwidth_mbps"] for p in summary["phases"]] == [50.0, 20.0]
+    first = summary["replans"][0]  # planned after 100 exchanges that measured the link
+    assert first["link_overhead_ms"] >= 0 and first["bandwidth_mbps"] > 0
     saved = json.loads(out.read_text())
     assert len(saved["answers"]) == 12 and all("label" in a for a in saved["answers"])
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
-from anytime.split.codec import encode
+from anytime.split.codec import encode, payload_bytes
 from anytime.split.link import LinkError, LinkEstimator, SplitClient
 from anytime.split.plan import Link, SplitPlan, SplitPlanner
 
@@ -65,7 +65,7 @@ class SplitDevice:
         self.replan_change = replan_change
         self.probe_every = probe_every
         self._clock = clock
-        self.estimator = LinkEstimator(link)
+        self.estimator = LinkEstimator(link, quantile=quantile)
         self.plan: SplitPlan = planner.plan(link, deadline_ms, quantile)
         self.policy: ExitPolicy = self.plan.option.policy
         self.replans: list[tuple[int, SplitPlan]] = []
@@ -81,10 +81,32 @@ class SplitDevice:
         self._replan_if_moved(force=True)
         return self.estimator.rtt_ms
 
+    def measure_link(self, x: Any, count: int) -> Link:
+        """Send ``x`` to the server ``count`` times (the input, as a server-only plan sends it, in the smallest
+        codec planned) and learn the link's overhead and bandwidth from the exchanges; then plan again. Raises
+        LinkError when the server cannot be used."""
+        import torch
+
+        codec = min(self.planner.codecs, key=lambda c: payload_bytes(tuple(x.shape[1:]), c))
+        thresholds = [None] * (len(self.segments) - 1)
+        for _ in range(count):
+            begin = self._clock()
+            with torch.inference_mode():
+                fields, payload = encode(x, codec)
+            header = {"type": "infer", "id": -1, "partition": -1, **fields, "criterion": self.policy.criterion,
+                      "thresholds": thresholds}  # fmt: skip
+            reply = self.client.request(header, payload)
+            exchange_ms = (self._clock() - begin) * 1000
+            self.estimator.transfer(reply.sent_bytes + reply.received_bytes, exchange_ms,
+                                    float(reply.header.get("compute_ms", 0.0)))  # fmt: skip
+        self._replan_if_moved(force=True)
+        return self.estimator.link
+
     def _replan_if_moved(self, *, force: bool = False) -> None:
         seen, planned = self.estimator.link, self.plan.link
         ratio = seen.bandwidth_mbps / planned.bandwidth_mbps
-        moved = abs(ratio - 1) > self.replan_change or abs(seen.rtt_ms - planned.rtt_ms) > 0.2 * max(planned.rtt_ms, 1)
+        moved = (abs(ratio - 1) > self.replan_change or abs(seen.rtt_ms - planned.rtt_ms) > 0.2 * max(planned.rtt_ms, 1)
+                 or abs(seen.overhead_ms - planned.overhead_ms) > self.replan_change * max(planned.overhead_ms, 1))
         if force or (self.adapt and moved):
             before = self.plan.option
             self.plan = self.planner.plan(seen, self.deadline_ms, self.quantile)
@@ -120,11 +142,13 @@ class SplitDevice:
                 reply = self.client.request(header, payload)
             except LinkError as exc:
                 return self._fallback(h, k, start, str(exc))
+            end = self._clock()
             server_ms = float(reply.header.get("compute_ms", 0.0))
+            exchange_ms = (end - local_done) * 1000
             self._since_sent = 0
-            self.estimator.transfer(reply.sent_bytes + reply.received_bytes, reply.round_trip_ms, server_ms)
+            self.estimator.transfer(reply.sent_bytes + reply.received_bytes, exchange_ms, server_ms)
             done = self._done(int(reply.header["prediction"][0]), int(reply.header["exit"][0]), "server",
-                              reply.sent_bytes, start, self._clock(), reply.round_trip_ms - server_ms, server_ms,
+                              reply.sent_bytes, start, end, exchange_ms - server_ms, server_ms,
                               device_ms=(local_done - start) * 1000)  # fmt: skip
         self._replan_if_moved()
         return done

@@ -17,6 +17,7 @@ import math
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -219,21 +220,44 @@ class SplitClient:
 
 class LinkEstimator:
     """What the device learns of its link from its own exchanges: the round trip from pings (the lowest seen,
-    slowly forgotten) and the bandwidth from transfers (the time beyond the round trip and the server's compute,
-    an exponential average of milliseconds per byte). The average follows a slower link faster (``slowing``)
-    than a faster one (``speeding``): a deadline is missed by trusting a link that has slowed, not the reverse."""
+    slowly forgotten), the bandwidth from transfers (the time beyond the round trip and the server's compute,
+    an exponential average of milliseconds per byte) and the overhead: the ``quantile`` of what the last
+    ``window`` exchanges took beyond the round trip and their bytes at that average (encoding, framing, the
+    waits of the OS and of a shaped link; a deadline at p99 is missed in that tail, not in the average). The
+    overhead counts once ``min_observations`` exchanges are in. The average moves toward the median of the last
+    three transfers, so that one stall shows in the overhead and not as a slower link; it follows a slower link
+    faster (``slowing``) than a faster one (``speeding``): a deadline is missed by trusting a link that has slowed,
+    not the reverse."""
 
-    def __init__(self, assumed: Link, *, slowing: float = 0.6, speeding: float = 0.15) -> None:
+    def __init__(self, assumed: Link, *, slowing: float = 0.6, speeding: float = 0.15, quantile: float = 0.99,
+                 window: int = 200, min_observations: int = 20) -> None:  # fmt: skip
+        if not 0 < quantile < 1 or window < 1 or not 1 <= min_observations <= window:
+            raise AnytimeError(f"need 0 < quantile < 1 and 1 <= min_observations <= window (got {quantile}, "
+                               f"{min_observations}, {window})")  # fmt: skip
         self.rtt_ms = float(assumed.rtt_ms)
         self._ms_per_byte = 8 / (1000 * assumed.bandwidth_mbps)
+        self._assumed_overhead = float(assumed.overhead_ms)
         self.slowing, self.speeding = slowing, speeding
+        self.quantile, self.min_observations = quantile, min_observations
+        self._residuals: deque[float] = deque(maxlen=window)
+        self._recent: deque[float] = deque(maxlen=3)  # the average follows their median: one stall is not a slower link
         self.observed = 0
         self._pinged = False
 
     @property
+    def overhead_ms(self) -> float:
+        """The exchange's time beyond the round trip and its bytes, at the quantile (the assumed link's until enough
+        exchanges are in)."""
+        if len(self._residuals) < self.min_observations:
+            return self._assumed_overhead
+        ordered = sorted(self._residuals)
+        rank = min(len(ordered), max(1, math.ceil(self.quantile * len(ordered) - 1e-9)))
+        return max(0.0, ordered[rank - 1])
+
+    @property
     def link(self) -> Link:
         """The current estimate."""
-        return Link(8 / (1000 * self._ms_per_byte), self.rtt_ms)
+        return Link(8 / (1000 * self._ms_per_byte), self.rtt_ms, self.overhead_ms)
 
     def ping(self, round_trip_ms: float, nbytes: int = 0) -> None:
         """A ping's round trip, ``nbytes`` on the wire both ways (their time at the bandwidth believed now is not
@@ -243,10 +267,15 @@ class LinkEstimator:
         self._pinged = True
 
     def transfer(self, nbytes: int, round_trip_ms: float, server_ms: float) -> None:
-        """A request that carried ``nbytes`` (both ways), took ``round_trip_ms`` and ``server_ms`` of it computing."""
+        """A request that carried ``nbytes`` (both ways) and took ``round_trip_ms`` from the end of the device's
+        compute to the answer, ``server_ms`` of it computing on the server."""
         wire = round_trip_ms - server_ms - self.rtt_ms
-        if nbytes <= 0 or wire <= 0:
+        if nbytes <= 0 or not math.isfinite(wire):
             return
-        seen = wire / nbytes
+        self._residuals.append(wire - nbytes * self._ms_per_byte)
+        if wire <= 0:
+            return
+        self._recent.append(wire / nbytes)
+        seen = sorted(self._recent)[len(self._recent) // 2]
         self._ms_per_byte += (self.slowing if seen > self._ms_per_byte else self.speeding) * (seen - self._ms_per_byte)
         self.observed += 1

@@ -6,10 +6,10 @@ activation after segment ``k`` to the server, which runs the rest (and may leave
 sends the input (server only); ``k = K-1`` sends nothing (device only). A sample that leaves at exit ``j`` costs
 
 - ``j <= k``: the device's path to exit j (its profile's cumulative stages, per repetition);
-- ``j > k``: the device's path to exit k, the link (round trip plus bytes over bandwidth), and the server's stages
-  k+1..j: timed from a stored activation where the server's profile has them (``anytime profile --suffixes``),
-  else read off its full passes. The two machines' samples are independent, so every pair of repetitions is one
-  possible request.
+- ``j > k``: the device's path to exit k, the link (round trip, bytes over bandwidth and the exchange's
+  overhead: :class:`Link`), and the server's stages k+1..j: timed from a stored activation where the server's
+  profile has them (``anytime profile --suffixes``), else read off its full passes. The two machines' samples are
+  independent, so every pair of repetitions is one possible request.
 
 A request's latency is then a mixture over exits, weighted by where the validation samples leave under the
 option's thresholds (computed from the validation logits, with exits after ``k`` recomputed from the compressed
@@ -46,20 +46,26 @@ MAX_SUBSETS = 128  # beyond this many subsets of early exits, only all, single a
 
 @dataclass(frozen=True)
 class Link:
-    """The network between device and server: bandwidth (Mbit/s, both ways) and round-trip time (ms)."""
+    """The network between device and server: bandwidth (Mbit/s, both ways), round-trip time (ms) and
+    ``overhead_ms``, what one exchange takes beyond those two at the planning quantile: encoding and decoding
+    the activation, framing, and the waits of the operating system and of a shaped link (``anytime split-run``
+    measures it before it plans)."""
 
     bandwidth_mbps: float
     rtt_ms: float
+    overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.bandwidth_mbps, bool) or not (0 < float(self.bandwidth_mbps) < math.inf):
             raise AnytimeError(f"bandwidth {self.bandwidth_mbps!r} Mbit/s is not a positive number")
         if isinstance(self.rtt_ms, bool) or not (0 <= float(self.rtt_ms) < math.inf):
             raise AnytimeError(f"round-trip time {self.rtt_ms!r} ms is not a number of milliseconds >= 0")
+        if isinstance(self.overhead_ms, bool) or not (0 <= float(self.overhead_ms) < math.inf):
+            raise AnytimeError(f"link overhead {self.overhead_ms!r} ms is not a number of milliseconds >= 0")
 
     def transfer_ms(self, nbytes: float) -> float:
-        """One request's time on the link: the round trip plus ``nbytes`` at the bandwidth."""
-        return float(self.rtt_ms) + 8 * float(nbytes) / (1000 * float(self.bandwidth_mbps))
+        """One request's time on the link: the round trip, ``nbytes`` at the bandwidth and the overhead."""
+        return float(self.rtt_ms) + 8 * float(nbytes) / (1000 * float(self.bandwidth_mbps)) + float(self.overhead_ms)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class SplitPlan:
         """JSON-able: the choice first, then the frontier (cheapest first)."""
         return {**self.option.to_dict(self.num_steps), "fits": self.fits, "deadline_ms": self.deadline_ms,
                 "quantile": self.quantile, "bandwidth_mbps": self.link.bandwidth_mbps, "rtt_ms": self.link.rtt_ms,
+                "link_overhead_ms": self.link.overhead_ms,
                 "note": self.note, "frontier": [o.to_dict(self.num_steps) for o in self.frontier]}  # fmt: skip
 
 

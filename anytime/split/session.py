@@ -20,6 +20,7 @@ from anytime.split.plan import Link, SplitPlan
 from anytime.utils.collector import collect_due, serving_gc
 
 WARMUP = 5  # answers before the timed ones, on images not counted
+LINK_SAMPLES = 100  # exchanges that measure the link before the first plan (its overhead's p99 needs about 100)
 
 
 def parse_bandwidth_schedule(text: str | None, default_mbps: float, requests: int) -> list[tuple[float, int]]:
@@ -138,15 +139,20 @@ class SessionResult:
                 "fallback_share": where.count("fallback") / n,
                 "mean_sent_bytes": float(np.mean([a.sent_bytes for a in self.answers])),
                 "replans": [{"at": i, "option": p.option.name(p.num_steps), "bandwidth_mbps": p.link.bandwidth_mbps,
-                             "rtt_ms": p.link.rtt_ms, "planned_ms": p.option.latency_ms} for i, p in self.plans],
+                             "rtt_ms": p.link.rtt_ms, "link_overhead_ms": p.link.overhead_ms,
+                             "planned_ms": p.option.latency_ms} for i, p in self.plans],
                 "phases": [p.to_dict() for p in self.phases()], "start_note": self.start_note}  # fmt: skip
 
     def notes(self) -> list[str]:
         """Lines for the terminal: how the session started, each re-plan, each distinct fallback reason."""
+        first = self.plans[0][1]
         lines = [] if self.start_note is None else [self.start_note]
+        lines.append(f"planned for a link of {first.link.bandwidth_mbps:.3g} Mbit/s, {first.link.rtt_ms:.3g} ms round "
+                     f"trip, {first.link.overhead_ms:.3g} ms overhead per exchange: {first.option.name(first.num_steps)}")  # fmt: skip
         for i, plan in self.plans[1:]:
             lines.append(f"after {i} answers: link seen at {plan.link.bandwidth_mbps:.3g} Mbit/s, "
-                         f"{plan.link.rtt_ms:.3g} ms: now {plan.option.name(plan.num_steps)}")  # fmt: skip
+                         f"{plan.link.rtt_ms:.3g} ms, {plan.link.overhead_ms:.3g} ms overhead: now "
+                         f"{plan.option.name(plan.num_steps)}")  # fmt: skip
         seen: set[str] = set()
         for a in self.answers:
             if a.note and a.note not in seen:
@@ -169,10 +175,11 @@ def run_split_session(
     deadline_ms: float, quantile: float = 0.99, codecs: tuple[str, ...] = ("fp32", "fp16", "int8"),
     criterion: str = "entropy", partitions: str | None = None, split: str = "test", requests: int = 200, schedule: list[tuple[float, int]] | None = None,
     delay_ms: float | None = None, slowdown: float = 1.0, adapt: bool = True, timeout_ms: float = 2000.0,
-    threads: int | str | None = 1, out: str | Path | None = None,
+    threads: int | str | None = 1, link_samples: int = LINK_SAMPLES, out: str | Path | None = None,
 ) -> SessionResult:  # fmt: skip
-    """Answer ``requests`` images of ``split`` as the device: plan, ping the server, then one image at a time
-    (after :data:`WARMUP` untimed ones), the link shaped per ``schedule``; the result holds every answer."""
+    """Answer ``requests`` images of ``split`` as the device: ping the server, measure the link with
+    ``link_samples`` exchanges (none: plan with ``link`` as given, overhead included), plan, then answer one image at
+    a time (after :data:`WARMUP` untimed ones), the link shaped per ``schedule``; the result holds every answer."""
     import torch
 
     from anytime.data.augment import normalize
@@ -186,6 +193,8 @@ def run_split_session(
     from anytime.utils.threads import set_threads
 
     deadline_ms = check_deadline(deadline_ms)
+    if isinstance(link_samples, bool) or not isinstance(link_samples, int) or link_samples < 0:
+        raise AnytimeError(f"--link-samples is a number of exchanges >= 0 (got {link_samples!r})")
     if not (math.isfinite(timeout_ms) and timeout_ms > 0):
         raise AnytimeError(f"--timeout-ms must be a positive number (got {timeout_ms})")
     target = None if out is None else check_output_file(out, what="split-run result", example="split.json")
@@ -214,6 +223,8 @@ def run_split_session(
     start_note = None
     try:
         device.ping()
+        if link_samples:
+            device.measure_link(images[:1], link_samples)
         device.replans.clear()
     except LinkError as exc:
         start_note = f"{exc}: answering on the device until it is back"
