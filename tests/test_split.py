@@ -145,6 +145,25 @@ def test_the_estimator_prices_a_stall_as_overhead_not_as_a_slower_link():
     assert quiet.overhead_ms < 1e-3 and quiet.link.transfer_ms(1000) == pytest.approx(2.5, abs=1e-3)
 
 
+def test_calibration_tells_the_fixed_cost_of_an_exchange_from_its_cost_per_byte():
+    est = LinkEstimator(Link(100.0, 1.0), quantile=0.95, window=100, min_observations=10)
+    est.ping(1.0)
+    exchanges = []
+    for i in range(40):  # 1 byte = 1 us, 0.8 ms fixed per exchange, one in ten stalls 2 ms
+        nbytes = 1000 if i % 2 else 4000
+        exchanges.append((nbytes, 1.0 + 0.25 + 0.8 + nbytes / 1000 + (2.0 if i % 10 == 9 else 0.0), 0.25))
+    est.calibrate(exchanges)
+    link = est.link
+    assert link.bandwidth_mbps == pytest.approx(8.0, rel=0.01) and est.fixed_ms == pytest.approx(0.8, abs=0.01)
+    assert link.overhead_ms == pytest.approx(0.8 + 2.0, abs=0.01)  # the fixed cost and the p95 stall
+    for nbytes in (1000, 16_000):  # a p95 exchange of either size, the server's compute aside
+        assert link.transfer_ms(nbytes) == pytest.approx(1.0 + nbytes / 1000 + 2.8, abs=0.05)
+    spread = LinkEstimator(Link(100.0, 1.0), quantile=0.95, window=100, min_observations=10)
+    spread.ping(1.0)
+    spread.calibrate([(1000, 2.8, 0.0)] * 20)  # one size: the fixed cost cannot be told apart, and is spread
+    assert spread.fixed_ms == 0.0 and spread.link.transfer_ms(1000) == pytest.approx(2.8, abs=0.01)
+
+
 def test_bandwidth_schedules_parse_and_refuse():
     assert parse_bandwidth_schedule(None, 5.0, 10) == [(5.0, 10)]
     assert parse_bandwidth_schedule("100:4,1", 5.0, 10) == [(100.0, 4), (1.0, 6)]

@@ -82,23 +82,26 @@ class SplitDevice:
         return self.estimator.rtt_ms
 
     def measure_link(self, x: Any, count: int) -> Link:
-        """Send ``x`` to the server ``count`` times (the input, as a server-only plan sends it, in the smallest
-        codec planned) and learn the link's overhead and bandwidth from the exchanges; then plan again. Raises
-        LinkError when the server cannot be used."""
+        """Send ``x`` to the server ``count`` times (the input, as a server-only plan sends it, in turn in the
+        smallest and the largest codec planned, so that the fixed cost of an exchange and its cost per byte can be
+        told apart) and learn the link from the exchanges; then plan again. Raises LinkError when the server cannot
+        be used."""
         import torch
 
-        codec = min(self.planner.codecs, key=lambda c: payload_bytes(tuple(x.shape[1:]), c))
+        by_size = sorted(self.planner.codecs, key=lambda c: payload_bytes(tuple(x.shape[1:]), c))
+        codecs = (by_size[0], by_size[-1])
         thresholds = [None] * (len(self.segments) - 1)
-        for _ in range(count):
+        exchanges = []
+        for i in range(count):
             begin = self._clock()
             with torch.inference_mode():
-                fields, payload = encode(x, codec)
+                fields, payload = encode(x, codecs[i % 2])
             header = {"type": "infer", "id": -1, "partition": -1, **fields, "criterion": self.policy.criterion,
                       "thresholds": thresholds}  # fmt: skip
             reply = self.client.request(header, payload)
-            exchange_ms = (self._clock() - begin) * 1000
-            self.estimator.transfer(reply.sent_bytes + reply.received_bytes, exchange_ms,
-                                    float(reply.header.get("compute_ms", 0.0)))  # fmt: skip
+            exchanges.append((reply.sent_bytes + reply.received_bytes, (self._clock() - begin) * 1000,
+                              float(reply.header.get("compute_ms", 0.0))))  # fmt: skip
+        self.estimator.calibrate(exchanges)
         self._replan_if_moved(force=True)
         return self.estimator.link
 

@@ -18,7 +18,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,14 +220,15 @@ class SplitClient:
 
 class LinkEstimator:
     """What the device learns of its link from its own exchanges: the round trip from pings (the lowest seen,
-    slowly forgotten), the bandwidth from transfers (the time beyond the round trip and the server's compute,
-    an exponential average of milliseconds per byte) and the overhead: the ``quantile`` of what the last
-    ``window`` exchanges took beyond the round trip and their bytes at that average (encoding, framing, the
-    waits of the OS and of a shaped link; a deadline at p99 is missed in that tail, not in the average). The
-    overhead counts once ``min_observations`` exchanges are in. The average moves toward the median of the last
-    three transfers, so that one stall shows in the overhead and not as a slower link; it follows a slower link
-    faster (``slowing``) than a faster one (``speeding``): a deadline is missed by trusting a link that has slowed,
-    not the reverse."""
+    slowly forgotten); the bandwidth from transfers (the time beyond the round trip, the server's compute and a
+    fixed cost per exchange, an exponential average of milliseconds per byte); and the overhead: the fixed cost
+    plus the ``quantile`` of what the last ``window`` exchanges took beyond all that (encoding, framing, the waits of
+    the OS and of a shaped link: a deadline at p99 is missed in that tail, not in the average). The fixed cost is
+    fit by :meth:`calibrate` from exchanges of two sizes; without it, it is spread over the bytes. The overhead
+    counts once ``min_observations`` exchanges are in. The average moves toward the median of the last three
+    transfers, so that one stall shows in the overhead and not as a slower link; it follows a slower link faster
+    (``slowing``) than a faster one (``speeding``): a deadline is missed by trusting a link that has slowed, not the
+    reverse."""
 
     def __init__(self, assumed: Link, *, slowing: float = 0.6, speeding: float = 0.15, quantile: float = 0.99,
                  window: int = 200, min_observations: int = 20) -> None:  # fmt: skip
@@ -237,6 +238,7 @@ class LinkEstimator:
         self.rtt_ms = float(assumed.rtt_ms)
         self._ms_per_byte = 8 / (1000 * assumed.bandwidth_mbps)
         self._assumed_overhead = float(assumed.overhead_ms)
+        self.fixed_ms = 0.0
         self.slowing, self.speeding = slowing, speeding
         self.quantile, self.min_observations = quantile, min_observations
         self._residuals: deque[float] = deque(maxlen=window)
@@ -246,13 +248,13 @@ class LinkEstimator:
 
     @property
     def overhead_ms(self) -> float:
-        """The exchange's time beyond the round trip and its bytes, at the quantile (the assumed link's until enough
-        exchanges are in)."""
+        """The exchange's time beyond the round trip and its bytes at the quantile: the fixed cost and the tail (the
+        assumed link's until enough exchanges are in)."""
         if len(self._residuals) < self.min_observations:
             return self._assumed_overhead
         ordered = sorted(self._residuals)
         rank = min(len(ordered), max(1, math.ceil(self.quantile * len(ordered) - 1e-9)))
-        return max(0.0, ordered[rank - 1])
+        return self.fixed_ms + max(0.0, ordered[rank - 1])
 
     @property
     def link(self) -> Link:
@@ -266,10 +268,32 @@ class LinkEstimator:
         self.rtt_ms = round_trip_ms if not self._pinged else min(round_trip_ms, 0.9 * self.rtt_ms + 0.1 * round_trip_ms)
         self._pinged = True
 
+    def calibrate(self, exchanges: Sequence[tuple[int, float, float]]) -> None:
+        """Learn the link from ``(bytes, round_trip_ms, server_ms)`` of exchanges in a row: with two or more sizes,
+        the fixed cost and the cost per byte through the medians of the smallest and the largest size; with one
+        size (or a fit that is not a positive cost per byte), the median cost per byte and no fixed cost. Then
+        every exchange is counted as a transfer, its residual against that fit."""
+        wires = [(n, rt - srv - self.rtt_ms) for n, rt, srv in exchanges if n > 0 and math.isfinite(rt - srv)]
+        sizes = sorted({n for n, _ in wires})
+        if not wires:
+            return
+        fitted = False
+        if len(sizes) >= 2:
+            small = _median([w for n, w in wires if n == sizes[0]])
+            per_byte = (_median([w for n, w in wires if n == sizes[-1]]) - small) / (sizes[-1] - sizes[0])
+            if per_byte > 0:
+                self._ms_per_byte, self.fixed_ms, fitted = per_byte, max(0.0, small - per_byte * sizes[0]), True
+        if not fitted:
+            per_byte = _median([w / n for n, w in wires if w > 0] or [self._ms_per_byte])
+            self._ms_per_byte, self.fixed_ms = per_byte, 0.0
+        self._recent.clear()
+        for nbytes, round_trip_ms, server_ms in exchanges:
+            self.transfer(nbytes, round_trip_ms, server_ms)
+
     def transfer(self, nbytes: int, round_trip_ms: float, server_ms: float) -> None:
         """A request that carried ``nbytes`` (both ways) and took ``round_trip_ms`` from the end of the device's
         compute to the answer, ``server_ms`` of it computing on the server."""
-        wire = round_trip_ms - server_ms - self.rtt_ms
+        wire = round_trip_ms - server_ms - self.rtt_ms - self.fixed_ms
         if nbytes <= 0 or not math.isfinite(wire):
             return
         self._residuals.append(wire - nbytes * self._ms_per_byte)
@@ -279,3 +303,8 @@ class LinkEstimator:
         seen = sorted(self._recent)[len(self._recent) // 2]
         self._ms_per_byte += (self.slowing if seen > self._ms_per_byte else self.speeding) * (seen - self._ms_per_byte)
         self.observed += 1
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
