@@ -1495,10 +1495,8 @@ def _cmd_split_run(args: argparse.Namespace) -> int:
     result = run_split_session(
         args.run, host=host, port=int(port), device_profile=args.device_profile, server_profile=args.server_profile,
         link=Link(args.bandwidth_mbps, args.rtt_ms, args.overhead_ms), deadline_ms=args.deadline_ms,
-        quantile=args.quantile,
-        codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions, split=args.data_split,
-        requests=args.requests,
-        schedule=schedule, delay_ms=args.rtt_ms if args.shape_delay_ms is None else args.shape_delay_ms,
+        quantile=args.quantile, codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions,
+        split=args.data_split, requests=args.requests, schedule=schedule, delay_ms=args.rtt_ms if args.shape_delay_ms is None else args.shape_delay_ms,
         slowdown=args.emulate_slowdown, adapt=not args.fixed, timeout_ms=args.timeout_ms, threads=args.threads,
         link_samples=args.link_samples, out=args.out,
     )  # fmt: skip

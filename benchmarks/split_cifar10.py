@@ -166,7 +166,8 @@ def main() -> int:
             missed |= bool(planned["fits"] and planned["miss_rate"] > TARGET_MISS)
             rows.append(entry)
             print(f"{mbps:g} Mbit/s, {rtt:g} ms (measured {planned['link_mbps']:.3g} Mbit/s, overhead "
-                  f"{planned['link_overhead_ms']:.2f} ms): {planned['plan']} predicted p99 {planned['predicted_p99_ms']:.2f} ms, "
+                  f"{planned['link_overhead_ms']:.2f} ms): {planned['plan']} predicted p99 "
+                  f"{planned['predicted_p99_ms']:.2f} ms, "
                   f"measured {planned['measured_p99_ms']:.2f} ms ({100 * planned['p99_error']:+.1f}%), misses "
                   f"{100 * planned['miss_rate']:.1f}%, test {100 * planned['test_acc']:.1f}% | device only "
                   f"{100 * entry['device_only']['test_acc']:.1f}% ({100 * entry['device_only']['miss_rate']:.1f}% "

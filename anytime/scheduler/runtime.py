@@ -5,8 +5,7 @@ confident (the calibrated policy) or if the next stage's latency at the quantile
 current drift, and the runner's own time to return an answer after its last stage no longer fit in the time left
 (or, given an energy budget, if reaching the next exit would cost more energy per inference than the budget, by
 the profile's exit-path energies); otherwise it goes on. The first step always runs, so a prediction always comes
-back. A non-incremental model (each step a separate forward) gets
-one step chosen up front by the scheduler.
+back. A non-incremental model (each step a separate forward) gets one step chosen up front by the scheduler.
 """
 
 from __future__ import annotations
@@ -61,9 +60,9 @@ class AnytimeRunner:
     measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows
     down, and the runner times what it does after its last stage (the answer's bookkeeping, which the profile
     does not time) and keeps that time's quantile free: a request that goes on with a few microseconds to spare
-    would otherwise miss by them. ``margin_ms`` is kept free at the end as well, for returning the answer. A non-incremental model's step is
-    chosen by ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits
-    (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
+    would otherwise miss by them. ``margin_ms`` is kept free at the end as well, for returning the answer. A
+    non-incremental model's step is chosen by ``scheduler``, else by one built from ``step_accuracy``, else the
+    deepest step that fits (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
     the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
     ``clock`` (seconds, monotonic; default :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests
     inject a fake one. ``length_profiles`` (a text model's profiles by sentence length in tokens) price each request

@@ -274,9 +274,9 @@ class LinkEstimator:
         size (or a fit that is not a positive cost per byte), the median cost per byte and no fixed cost. Then
         every exchange is counted as a transfer, its residual against that fit."""
         wires = [(n, rt - srv - self.rtt_ms) for n, rt, srv in exchanges if n > 0 and math.isfinite(rt - srv)]
-        sizes = sorted({n for n, _ in wires})
         if not wires:
             return
+        sizes = sorted({n for n, _ in wires})
         fitted = False
         if len(sizes) >= 2:
             small = _median([w for n, w in wires if n == sizes[0]])

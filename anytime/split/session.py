@@ -148,7 +148,8 @@ class SessionResult:
         first = self.plans[0][1]
         lines = [] if self.start_note is None else [self.start_note]
         lines.append(f"planned for a link of {first.link.bandwidth_mbps:.3g} Mbit/s, {first.link.rtt_ms:.3g} ms round "
-                     f"trip, {first.link.overhead_ms:.3g} ms overhead per exchange: {first.option.name(first.num_steps)}")  # fmt: skip
+                     f"trip, {first.link.overhead_ms:.3g} ms overhead per exchange: "
+                     f"{first.option.name(first.num_steps)}")  # fmt: skip
         for i, plan in self.plans[1:]:
             lines.append(f"after {i} answers: link seen at {plan.link.bandwidth_mbps:.3g} Mbit/s, "
                          f"{plan.link.rtt_ms:.3g} ms, {plan.link.overhead_ms:.3g} ms overhead: now "
