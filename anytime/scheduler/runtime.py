@@ -113,7 +113,6 @@ class AnytimeRunner:
         if self.incremental:
             self.drift = DriftEstimator(window=window, min_observations=min_observations)
             self._finish = SortedWindow(window)
-            self._min_observations = min_observations
             self.scheduler = None
         else:
             accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
@@ -187,7 +186,7 @@ class AnytimeRunner:
         last = self._num_steps - 1
         policy = self.policy
         budget = deadline_ms - self.margin_ms
-        if self.adapt and len(self._finish) >= self._min_observations:
+        if self.adapt and len(self._finish) >= self.drift.min_observations:
             budget -= self._finish.quantile(self.quantile)
         batch = x.shape[0]
         decided: Tensor | None = None  # which samples have already left at a confident exit

@@ -22,7 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from anytime.errors import AnytimeError
+from anytime.profile.stats import quantile_of
+from anytime.scheduler.online import SortedWindow
 from anytime.split.plan import Link
 
 PREFIX = struct.Struct(">II")
@@ -241,7 +245,7 @@ class LinkEstimator:
         self.fixed_ms = 0.0
         self.slowing, self.speeding = slowing, speeding
         self.quantile, self.min_observations = quantile, min_observations
-        self._residuals: deque[float] = deque(maxlen=window)
+        self._residuals = SortedWindow(window)
         self._recent: deque[float] = deque(maxlen=3)  # the average follows their median: one stall is not a slower link
         self.observed = 0
         self._pinged = False
@@ -252,9 +256,7 @@ class LinkEstimator:
         assumed link's until enough exchanges are in)."""
         if len(self._residuals) < self.min_observations:
             return self._assumed_overhead
-        ordered = sorted(self._residuals)
-        rank = min(len(ordered), max(1, math.ceil(self.quantile * len(ordered) - 1e-9)))
-        return self.fixed_ms + max(0.0, ordered[rank - 1])
+        return self.fixed_ms + max(0.0, self._residuals.quantile(self.quantile))
 
     @property
     def link(self) -> Link:
@@ -296,7 +298,7 @@ class LinkEstimator:
         wire = round_trip_ms - server_ms - self.rtt_ms - self.fixed_ms
         if nbytes <= 0 or not math.isfinite(wire):
             return
-        self._residuals.append(wire - nbytes * self._ms_per_byte)
+        self._residuals.add(wire - nbytes * self._ms_per_byte)
         if wire <= 0:
             return
         self._recent.append(wire / nbytes)
@@ -306,5 +308,4 @@ class LinkEstimator:
 
 
 def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return quantile_of(np.asarray(values), 0.5)
