@@ -89,6 +89,14 @@ _CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience"
 _non_negative_int = _int_at_least(0)
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names, none empty."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected NAME,NAME,... without empty names (got '{text}')")
+    return names
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -486,6 +494,15 @@ def build_parser() -> argparse.ArgumentParser:
                                "the summary shows every step after PTQ and after QAT")
     quantize.add_argument("--qat-lr", type=_finite_float, default=1e-3, metavar="LR",
                           help="QAT's initial learning rate (SGD, cosine; default 0.001)")
+    quantize.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
+                          help="int8: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float")
+    quantize.add_argument("--min-agreement", type=_finite_float, metavar="A",
+                          help="int8: keep the layers int8 hurts most in float, fewest first, until every step agrees "
+                               "with the float run on at least this share of validation images (e.g. 0.99)")
+    quantize.add_argument("--max-float-layers", type=_int_at_least(0), default=8, metavar="N",
+                          help="--min-agreement keeps at most N layers in float (default 8)")
+    quantize.add_argument("--agreement-images", type=_positive_int, default=1000, metavar="N",
+                          help="--min-agreement measures on N validation images, labels unread (default 1000)")
     quantize.add_argument("--no-compile", action="store_true",
                           help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
     quantize.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -503,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
     export.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
                         help="int8 from a float run: training images that calibrate it (default 512)")
+    export.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
+                        help="int8 from a float run: layers kept in float (a quantized run keeps its own)")
     export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
                         help="test images the parity table compares on (default 1000; 0: no table)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
@@ -1588,7 +1607,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
                            compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
-                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=_progress_printer(args))  # fmt: skip
+                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=_progress_printer(args),
+                           float_layers=args.float_layers, min_agreement=args.min_agreement,
+                           max_float_layers=args.max_float_layers, agreement_images=args.agreement_images)  # fmt: skip
     if args.json:
         return _print_json(summary)
     record = summary["precision"]
@@ -1596,6 +1617,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
           f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
     if record["calibration_images"]:
         print(f"calibrated on {record['calibration_images']} training images")
+    tuning = record.get("agreement_tuning")
+    if tuning:
+        lowest = 100 * min(tuning["agreement"])
+        print(f"agreement with the float run on {tuning['images']} validation images: lowest step {lowest:.2f}% "
+              f"(target {100 * tuning['target']:.2f}%{'' if tuning['met'] else ': not met'})")  # fmt: skip
+    if record.get("float_layers"):
+        print(f"kept in float: {', '.join(record['float_layers'])}")
     qat = bool(record.get("qat_epochs"))
     if qat:
         print(f"fine-tuned by {record['qat_epochs']} epochs of quantization-aware training (lr {record['qat_lr']})")
@@ -1660,12 +1688,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from anytime.export import export_run
 
     report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
-                        calibration_images=args.calibration_images, parity_images=args.parity_images)  # fmt: skip
+                        calibration_images=args.calibration_images, parity_images=args.parity_images,
+                        float_layers=args.float_layers)  # fmt: skip
     if args.json:
         return _print_json(report)
     manifest = report.manifest
     print(f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
           f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else ""))
+    if manifest.float_layers:
+        print(f"kept in float: {', '.join(manifest.float_layers)}")
     for part in manifest.parts:
         print(f"  {part.file:<16} {part.role:<8} step {part.step}  in {'x'.join(map(str, part.input_shape)):<10} "
               f"out {'x'.join(map(str, part.output_shape)):<10} {part.bytes / 1e6:8.3f} MB")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -104,9 +105,11 @@ def parity_table(
 def export_run(
     run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
     calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
+    float_layers: Sequence[str] = (),
 ) -> ExportReport:  # fmt: skip
     """Export a run's steps as ``fmt`` artifacts into ``out`` with a manifest and (unless ``parity_images`` is
-    0) the parity table, written as ``parity.csv`` and ``parity.json``."""
+    0) the parity table, written as ``parity.csv`` and ``parity.json``. int8 keeps ``float_layers`` in float;
+    a run quantized by ``anytime quantize`` keeps the layers it kept."""
     source = Path(run_dir)
     run_config(source)  # a clear error for a folder that is not a run
     record = precision_record(source)
@@ -123,6 +126,11 @@ def export_run(
     if qat and fmt == "onnx":
         raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
                            "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
+    if float_layers and (precision != "int8" or record is not None):
+        raise AnytimeError("--float-layers is for int8 from a float run; a quantized run exports with the layers it "
+                           "kept in float")  # fmt: skip
+    if record is not None and precision == "int8":
+        float_layers = tuple(record.get("float_layers") or ())
     run = load_run(source, "cpu", converted=False)
     require_images(run, "anytime export")
     shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
@@ -143,6 +151,7 @@ def export_run(
             name=run.config.model, calibration=calibration, state=state, qat=qat, parent_run=str(source),
             parent_fingerprint=run_weights_fingerprint(source), calibration_images=calibrated,
             backend=record.get("backend") if record is not None and precision == "int8" else None,
+            float_layers=float_layers,
         )  # fmt: skip
         rows: list[ParityRow] = []
         if images is not None:

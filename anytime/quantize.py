@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
 from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
+from anytime.precision.tuning import tune_int8
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
 from anytime.train.trainer import evaluate_exits
@@ -34,6 +35,21 @@ from anytime.utils.machine import describe_machine, device_label, git_sha, resol
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
 
 DEFAULT_CALIBRATION_IMAGES = 512
+DEFAULT_AGREEMENT_IMAGES = 1000  # validation images accuracy-aware int8 measures agreement on
+
+
+def check_float_layer_options(precision: str, float_layers: Sequence[str], min_agreement: float | None,
+                              max_float_layers: int, agreement_images: int) -> None:  # fmt: skip
+    """One-line errors for the options that keep int8 layers in float, before any work."""
+    if (float_layers or min_agreement is not None) and precision != "int8":
+        raise AnytimeError(f"--float-layers and --min-agreement are int8 options (got --precision {precision})")
+    if float_layers and min_agreement is not None:
+        raise AnytimeError("--float-layers names the layers kept in float and --min-agreement chooses them; give one")
+    if min_agreement is not None and not (math.isfinite(min_agreement) and 0.0 < min_agreement <= 1.0):
+        raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1], e.g. 0.99 (got {min_agreement})")
+    if max_float_layers < 0 or agreement_images < 1:
+        raise AnytimeError(f"--max-float-layers must be at least 0 and --agreement-images at least 1 "
+                           f"(got {max_float_layers} and {agreement_images})")  # fmt: skip
 _BATCH = 64
 
 
@@ -65,9 +81,18 @@ def calibration_batches(run: LoadedRun, count: int) -> Iterator[Tensor]:
     return (x for x, _ in make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=run.config.seed))
 
 
+def tuning_images(run: LoadedRun, count: int) -> Tensor:
+    """``count`` validation images of the run's data (seeded), on which accuracy-aware int8 measures each step's
+    agreement with the float model; their labels are not read, and calibration never sees them."""
+    splits = _splits_of(run)
+    chosen = splits.val.sample(min(count, len(splits.val)), run.config.seed)
+    loader = make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=run.config.seed)
+    return torch.cat([x for x, _ in loader])
+
+
 def fine_tune_int8(
     run: LoadedRun, shape: tuple[int, ...], *, epochs: int, lr: float, calibration_images: int,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, float_layers: Sequence[str] = (),
 ) -> dict[str, Tensor]:  # fmt: skip
     """Quantization-aware training: the run's parts as PT2E QAT graphs (fake-quantized weights and activations,
     batch norm folded into the convolutions), their ranges first set on ``calibration_images`` training images,
@@ -80,7 +105,7 @@ def fine_tune_int8(
     with quiet_torchao():
         from torchao.quantization.pt2e import disable_observer
     layout = layout_of(run.model)
-    prepared = prepare_qat(run.model, shape)
+    prepared = prepare_qat(run.model, shape, float_layers=float_layers)
     with torch.no_grad():
         for x in calibration_batches(run, calibration_images):
             run_parts(layout, prepared, x)
@@ -114,11 +139,17 @@ def quantize_run(
     run_dir: str | Path, precision: str, *, calibration_images: int = DEFAULT_CALIBRATION_IMAGES,
     out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
     qat_epochs: int = 0, qat_lr: float = 1e-3, progress: Callable[[str], None] | None = None,
+    float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
+    agreement_images: int = DEFAULT_AGREEMENT_IMAGES,
 ) -> dict[str, Any]:  # fmt: skip
     """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, and return
     its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test);
     with ``qat_epochs`` it is then fine-tuned by quantization-aware training (:func:`fine_tune_int8`), and
-    the summary reports every step after post-training quantization (``ptq_*``) and after QAT."""
+    the summary reports every step after post-training quantization (``ptq_*``) and after QAT.
+
+    int8 keeps ``float_layers`` in float; or, with ``min_agreement``, chooses them (:func:`tune_int8`: at most
+    ``max_float_layers``) so that every step agrees with the float run on that share of ``agreement_images``
+    validation images."""
     parent = Path(run_dir)
     run_config(parent)  # a clear error for a folder that is not a run
     if precision_record(parent) is not None:
@@ -135,6 +166,7 @@ def quantize_run(
         raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
     if not (math.isfinite(qat_lr) and qat_lr > 0):
         raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
+    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images)
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
@@ -150,18 +182,26 @@ def quantize_run(
     parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
     splits = _splits_of(run)
     seed = run.config.seed
-    calibration = calibration_batches(run, calibration_images) if precision == "int8" else None
-    model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
-                           device=target_device)  # fmt: skip
+    calibration = list(calibration_batches(run, calibration_images)) if precision == "int8" else None
+    tuning = None
+    if min_agreement is not None:
+        model, state, tuning = tune_int8(run.model, input_shape=shape, calibration=calibration or [],
+                                         images=tuning_images(run, agreement_images), min_agreement=min_agreement,
+                                         max_float_layers=max_float_layers, compile=compile, progress=progress)  # fmt: skip
+    else:
+        model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
+                               device=target_device, float_layers=float_layers)  # fmt: skip
     model = model.to(target_device)
     loader_kw = {"batch_size": 256, "train": False, "seed": seed}
     _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
     _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
     ptq_val, ptq_test = val_accs, test_accs
     if qat_epochs:
+        layers = model.spec.float_layers
         state = fine_tune_int8(run, shape, epochs=qat_epochs, lr=qat_lr, calibration_images=calibration_images,
-                               progress=progress)  # fmt: skip
-        model, _ = convert(run.model, "int8", input_shape=shape, state=state, compile=compile, qat=True)
+                               progress=progress, float_layers=layers)  # fmt: skip
+        model, _ = convert(run.model, "int8", input_shape=shape, state=state, compile=compile, qat=True,
+                           float_layers=layers)  # fmt: skip
         _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
         _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -170,6 +210,7 @@ def quantize_run(
         "calibration_images": min(calibration_images, len(splits.train)) if precision == "int8" else None,
         "calibration_split": "train" if precision == "int8" else None,
         "qat_epochs": qat_epochs or None, "qat_lr": qat_lr if qat_epochs else None,
+        "agreement_tuning": tuning.to_dict() if tuning is not None else None,
         "torch": torch.__version__, "torchao": _version("torchao"),
     }  # fmt: skip
     qat = {"ptq_val_acc": ptq_val[-1], "ptq_test_acc": ptq_test[-1]} if qat_epochs else {}

@@ -288,3 +288,27 @@ def test_int8_ranges_are_7_bit_only_on_an_x86_cpu_without_vnni(monkeypatch):
     monkeypatch.setattr(model.platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     assert not model.x86_without_vnni()
+
+
+def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
+    import onnx
+
+    from anytime.precision.model import quantizable_layers
+
+    model = _families()["plain"].eval()
+    first = quantizable_layers(model)[0]
+    calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(6)) for _ in range(2)]
+    for name, layers in (("all", ()), ("kept", (first,))):
+        folder = tmp_path / name
+        folder.mkdir()
+        manifest = export_model(model, "onnx", "int8", folder, input_shape=SHAPE, num_classes=10, name="resnet20",
+                                calibration=calibration, float_layers=layers)  # fmt: skip
+        assert manifest.float_layers == layers and read_manifest(folder).float_layers == layers
+        graph = onnx.load(str(folder / manifest.parts[0].file)).graph
+        made_by = {output: node for node in graph.node for output in node.output}
+        first_conv = next(node for node in graph.node if node.op_type == "Conv")
+        weight_from = made_by.get(first_conv.input[1])
+        assert (weight_from is not None and weight_from.op_type == "DequantizeLinear") == (name == "all")
+    with pytest.raises(AnytimeError, match="no convolution or linear layer named"):
+        export_model(model, "onnx", "int8", tmp_path / "all", input_shape=SHAPE, num_classes=10, name="resnet20",
+                     calibration=calibration, float_layers=("nope",))  # fmt: skip

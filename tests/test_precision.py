@@ -304,3 +304,97 @@ def test_int8_dynamic_runs_fbgemm_kernels_on_an_x86_cpu_and_torchao_elsewhere(mo
     with torch.no_grad():  # the two forms quantize alike
         agree = (converted(x).argmax(-1) == elsewhere(x).argmax(-1)).float().mean().item()
     assert agree >= 0.75
+
+
+def _weights_quantized(converted) -> int:
+    """How many convolutions and linear layers of a converted model's reference graphs take int8 weights."""
+    count = 0
+    for part in converted.parts:
+        for node in part.graph.nodes:
+            if node.op == "call_function" and node.target in (torch.ops.aten.conv2d.default, torch.ops.aten.linear.default):
+                weight = node.args[1]
+                count += getattr(weight, "op", "") == "call_function" and "dequantize" in str(weight.target)
+    return count
+
+
+def test_layers_kept_in_float_are_left_out_of_the_int8_graphs(calibration):
+    from anytime.precision.model import quantizable_layers
+
+    model = _families()["exits"].eval()
+    first = quantizable_layers(model)[0]
+    plain, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    kept, state = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False, float_layers=[first])
+    assert _weights_quantized(kept) == _weights_quantized(plain) - 1 and kept.spec.float_layers == (first,)
+    again, _ = convert(model, "int8", input_shape=SHAPE, state=state, compile=False, float_layers=[first])
+    x = torch.randn(4, *SHAPE)
+    with torch.no_grad():
+        assert torch.equal(kept(x), again(x)) and not torch.equal(kept(x), plain(x))
+    with pytest.raises(AnytimeError, match="no convolution or linear layer named 'stem'"):
+        convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False, float_layers=["stem"])
+    with pytest.raises(AnytimeError, match="int8 option"):
+        convert(model, "bf16", input_shape=SHAPE, float_layers=[first])
+
+
+class _Outliers(torch.nn.Module):
+    """A small linear CNN whose first convolution is calibrated on images with rare huge pixels in a channel it
+    ignores: quantizing its input wipes out the ordinary pixels, while the layers after it never see the outliers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        with torch.no_grad():
+            self.first.weight[:, 0] = 0.0
+        self.second = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.fc = torch.nn.Linear(16 * 4 * 4, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.second(self.first(x))  # linear, so the class follows the image rather than the biases
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(h, 4).flatten(1))
+
+
+def test_accuracy_aware_int8_keeps_the_layer_int8_hurts_most_in_float():
+    from anytime.precision.tuning import layer_sensitivity, step_agreement, tune_int8
+
+    torch.manual_seed(0)
+    model = _Outliers().eval()
+    generator = torch.Generator().manual_seed(4)
+    calibration = [torch.randn(16, *SHAPE, generator=generator) for _ in range(2)]
+    calibration[0][0, 0, 0, 0] = 500.0  # one pixel, in a channel the network ignores, sets the first input range
+    images = torch.randn(200, *SHAPE, generator=generator)
+    ranking = layer_sensitivity(model, calibration, images)
+    assert [r.name for r in ranking][0] == "first" and ranking[0].agreement < 0.9 <= ranking[1].agreement
+    plain, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    assert min(step_agreement(model, plain, images)) < 0.9  # all int8: the ordinary pixels are gone
+    converted, _, tuning = tune_int8(model, input_shape=SHAPE, calibration=calibration, images=images,
+                                     min_agreement=0.9, compile=False)  # fmt: skip
+    assert tuning.float_layers == ("first",) and tuning.met and converted.spec.float_layers == ("first",)
+    assert [layers for layers, _ in tuning.tried] == [("first",)]  # the simulation said where to start
+    assert min(tuning.agreement) >= 0.9 and tuning.to_dict()["met"]
+    _, _, missed = tune_int8(model, input_shape=SHAPE, calibration=calibration, images=images, min_agreement=1.0,
+                             max_float_layers=0, compile=False)  # fmt: skip
+    assert not missed.met and missed.float_layers == () and len(missed.tried) == 1
+
+
+def test_quantize_chooses_layers_kept_in_float_and_the_run_rebuilds_with_them(exit_run, tmp_path, capsys, cli_error):
+    parent = tmp_path / "run"
+    shutil.copytree(exit_run, parent)
+    qrun = tmp_path / "q"
+    assert main(["quantize", str(parent), "--precision", "int8", "--no-compile", "--calibration-images", "64",
+                 "--min-agreement", "1.0", "--max-float-layers", "1", "--agreement-images", "100",
+                 "--out", str(qrun)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "agreement with the float run on 100 validation images" in out
+    record = json.loads((qrun / "config.json").read_text())["precision"]
+    tuning = record["agreement_tuning"]
+    assert 1 <= len(tuning["tried"]) <= 2 and tuning["images"] == 100
+    assert record["float_layers"] == tuning["float_layers"] == tuning["tried"][-1]["float_layers"] or not tuning["met"]
+    assert main(["collect", str(qrun)]) == 0  # the run rebuilds from its record, with the same layers in float
+    capsys.readouterr()
+    cli_error(["quantize", str(parent), "--precision", "bf16", "--min-agreement", "0.99"], "int8 options")
+    cli_error(["quantize", str(parent), "--precision", "int8", "--min-agreement", "1.5", "--out", str(tmp_path / "x")],
+              "(0, 1]")  # fmt: skip
+    cli_error(["quantize", str(parent), "--precision", "int8", "--min-agreement", "0.9", "--float-layers", "a",
+               "--out", str(tmp_path / "x")], "give one")  # fmt: skip
+    cli_error(["quantize", str(parent), "--precision", "int8", "--float-layers", "nope", "--out", str(tmp_path / "x")],
+              "no convolution or linear layer named 'nope'")  # fmt: skip
+    assert not (tmp_path / "x").exists()

@@ -10,6 +10,7 @@ training images, and run through ONNX Runtime's execution providers.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import hashlib
@@ -85,6 +86,7 @@ class ExportManifest:
     quantizer: str | None = None
     calibration_images: int | None = None
     versions: dict[str, str | None] = field(default_factory=dict)
+    float_layers: tuple[str, ...] = ()  # int8: layers left in float
 
     @property
     def num_steps(self) -> int:
@@ -113,6 +115,7 @@ class ExportManifest:
             "parent_run": self.parent_run, "parent_fingerprint": self.parent_fingerprint,
             "fingerprint": self.fingerprint, "bytes": self.bytes, "created": self.created,
             "quantizer": self.quantizer, "calibration_images": self.calibration_images, "versions": self.versions,
+            "float_layers": list(self.float_layers),
         }  # fmt: skip
 
     @classmethod
@@ -127,6 +130,7 @@ class ExportManifest:
                 tuple(int(v) for v in doc["step_flops"]), tuple(ArtifactPart.from_dict(p) for p in doc["parts"]),
                 str(doc["parent_run"]), str(doc["parent_fingerprint"]), str(doc["created"]),
                 doc.get("quantizer"), doc.get("calibration_images"), dict(doc.get("versions") or {}),
+                tuple(str(name) for name in doc.get("float_layers") or ()),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError):
             raise AnytimeError(f"{where} is missing fields or has malformed ones; was it edited? Export the run again") from None
@@ -227,7 +231,7 @@ def _onnx_modules() -> tuple[Any, Any]:
     return onnx, onnxruntime
 
 
-def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str) -> None:
+def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str, *, keep_debug_info: bool = False) -> None:
     _onnx_modules()
     try:
         # the exporter reports its progress on stdout; a library stays quiet
@@ -240,7 +244,47 @@ def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str) -> Non
         raise AnytimeError(f"ONNX export needs {exc.name or 'onnxscript'}; {DEPLOY_HINT}") from None
     except Exception as exc:  # noqa: BLE001
         raise AnytimeError(f"{what} cannot be exported as an ONNX graph ({_first_line(exc)})") from None
-    _without_debug_info(path)
+    if not keep_debug_info:
+        _without_debug_info(path)
+
+
+def _normalised_by(part: nn.Module, example: Tensor) -> dict[str, str]:
+    """For each batch norm that directly follows a convolution in ``part``, its module path and the
+    convolution's: the ONNX exporter folds the two into one Conv node named after the batch norm."""
+    with torch.no_grad():
+        graph = torch.export.export(part, (example,), strict=False).graph
+    convs = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default)
+
+    def path(node: torch.fx.Node) -> str:
+        stack = node.meta.get("nn_module_stack") or {}
+        return str(list(stack.values())[-1][0]) if stack else ""
+
+    found = {}
+    for node in graph.nodes:
+        users = list(node.users)
+        if node.target in convs and len(users) == 1 and "batch_norm" in str(users[0].target):
+            found[path(users[0])] = path(node)
+    return found
+
+
+def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str] | None = None) -> list[str]:
+    """The names of the nodes an exported ONNX graph computes inside ``modules`` (module paths in the exported
+    part), read from the exporter's name scopes (a node named after a batch norm computes the convolution
+    ``folded`` into it): what ONNX Runtime's quantizer is told to leave in float."""
+    if not modules:
+        return []
+    onnx, _ = _onnx_modules()
+    wanted, found = set(modules), []
+    wanted |= {bn for bn, conv in (folded or {}).items() if conv in wanted}
+    for node in onnx.load(str(path)).graph.node:
+        scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), "")
+        try:
+            paths = ast.literal_eval(scopes) if scopes else []
+        except (ValueError, SyntaxError):
+            paths = []
+        if any(isinstance(scope, str) and scope in wanted for scope in paths):
+            found.append(node.name)
+    return found
 
 
 def _without_debug_info(path: Path) -> None:
@@ -279,7 +323,8 @@ def _compact_names(graph: Any) -> None:
     del graph.value_info[:]
 
 
-def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str) -> None:
+def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str,
+                   float_modules: Sequence[str] = (), folded: dict[str, str] | None = None) -> None:  # fmt: skip
     _onnx_modules()
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -295,10 +340,12 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
     reader = Reader()
     prepared = path.with_name(path.stem + ".pre.onnx")
     try:
+        excluded = _nodes_of_modules(float_path, float_modules, folded)
         quant_pre_process(str(float_path), str(prepared))
         quantize_static(
             str(prepared), str(path), reader, quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=x86_without_vnni(),
+            nodes_to_exclude=excluded,
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         raise AnytimeError(f"ONNX Runtime could not quantize {what} ({_first_line(exc)})") from None
@@ -311,11 +358,12 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
 
 def _write_artifacts(
     parts: Sequence[nn.Module], examples: Sequence[Tensor], *, layout: str, fmt: str, folder: Path,
-    calibration: Sequence[Sequence[Tensor]] | None = None,
+    calibration: Sequence[Sequence[Tensor]] | None = None, float_names: Sequence[Sequence[str]] = (),
 ) -> list[ArtifactPart]:  # fmt: skip
     """Write one artifact per part into ``folder`` and describe them. ``examples`` are each part's input
-    (a small batch, in the part's dtype); for int8 ONNX artifacts ``parts`` are float and ``calibration`` holds
-    each part's inputs on the calibration images (training images only)."""
+    (a small batch, in the part's dtype); for int8 ONNX artifacts ``parts`` are float, ``calibration`` holds
+    each part's inputs on the calibration images (training images only) and ``float_names`` each part's
+    modules left in float."""
     written = []
     roles = _roles(layout, len(parts))
     for i, (part, example, (role, step)) in enumerate(zip(parts, examples, roles)):
@@ -330,8 +378,10 @@ def _write_artifacts(
             _export_onnx(part, example, path, what)
         else:
             float_path = path.with_name(path.stem + ".float.onnx")
-            _export_onnx(part, example, float_path, what)
-            _quantize_onnx(float_path, path, [b.detach().float().numpy() for b in calibration[i]], what)
+            _export_onnx(part, example, float_path, what, keep_debug_info=True)
+            kept = float_names[i] if float_names else ()
+            _quantize_onnx(float_path, path, [b.detach().float().numpy() for b in calibration[i]], what, kept,
+                           _normalised_by(part, example) if kept else None)  # fmt: skip
         with torch.no_grad():
             output = part(example)
         written.append(ArtifactPart(name, role, step, tuple(example.shape[1:]), tuple(output.shape[1:]),
@@ -355,12 +405,13 @@ def export_model(
     model: nn.Module, fmt: str, precision: str, folder: Path, *, input_shape: tuple[int, ...], num_classes: int,
     name: str, calibration: Sequence[Tensor] | None = None, state: dict[str, Tensor] | None = None,
     qat: bool = False, parent_run: str = "", parent_fingerprint: str = "", calibration_images: int | None = None,
-    backend: str | None = None,
+    backend: str | None = None, float_layers: Sequence[str] = (),
 ) -> ExportManifest:  # fmt: skip
     """Write a float model's steps (eval mode, on the CPU) as ``fmt`` artifacts at ``precision`` into the existing
     ``folder``, with the manifest; return it. int8 needs ``calibration`` batches (training images) or, for
-    ``.pt2``, the ``state`` of an earlier conversion (``qat``: of quantization-aware training)."""
-    from anytime.precision.model import convert, float_flops, float_parts, layout_of, part_inputs
+    ``.pt2``, the ``state`` of an earlier conversion (``qat``: of quantization-aware training); it keeps
+    ``float_layers`` (names in ``model``) in float."""
+    from anytime.precision.model import convert, float_flops, float_parts, layers_per_part, layout_of, part_inputs
 
     check_exportable(fmt, precision)
     model = model.eval()
@@ -375,7 +426,7 @@ def export_model(
         parts = [copy.deepcopy(part).to(dtype) for part in floats]
     elif precision == "int8" and fmt == "pt2":
         converted, _ = convert(model, "int8", input_shape=input_shape, calibration=calibration, state=state,
-                               compile=False, qat=qat, backend=backend)  # fmt: skip
+                               compile=False, qat=qat, backend=backend, float_layers=float_layers)  # fmt: skip
         parts = list(converted.parts)
         backend = converted.spec.backend
     elif precision == "int8":
@@ -389,7 +440,9 @@ def export_model(
                     per_part[i].append(inputs)
         if not per_part[0]:
             raise AnytimeError("int8 ONNX artifacts need calibration images from the training split")
-    written = _write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part)
+    float_names = layers_per_part(model, floats, float_layers) if precision == "int8" else []
+    written = _write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part,
+                               float_names=float_names)  # fmt: skip
     quantizer = None
     if precision == "int8" and fmt == "pt2":
         quantizer = "X86InductorQuantizer (PT2E" + (", 7-bit activations: for CPUs without VNNI)" if backend == X86_7BIT
@@ -404,6 +457,7 @@ def export_model(
         float_flops(model, tuple(input_shape), step_count(model)), tuple(written), parent_run,
         parent_fingerprint, datetime.now(timezone.utc).isoformat(timespec="seconds"), quantizer,
         calibration_images if precision == "int8" else None, _versions(),
+        tuple(float_layers) if precision == "int8" else (),
     )  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2))
     return manifest

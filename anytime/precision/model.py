@@ -26,17 +26,20 @@ PRECISIONS: tuple[str, ...] = ("int8", "int8-dynamic", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES_PER_PART = 16  # input shapes (batch sizes, sentence lengths) each compiled part may meet and stay compiled
 _OBSERVER = "activation_post_process"
+_QUANTIZED_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)  # what X86InductorQuantizer quantizes with weights
 
 
 @dataclass(frozen=True)
 class PrecisionSpec:
     """How a run's steps were converted: the precision, the backend that runs it, and whether the graphs are
     compiled (``torch.compile`` is what makes int8 run as int8 kernels on a CPU; uncompiled int8 graphs run
-    quantize/dequantize reference arithmetic, right in value but not in speed)."""
+    quantize/dequantize reference arithmetic, right in value but not in speed). ``float_layers``: int8 only, the
+    convolutions and linear layers (module names in the float model) kept in float inside the int8 graphs."""
 
     precision: str
     backend: str
     compile: bool
+    float_layers: tuple[str, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -48,14 +51,18 @@ class PrecisionSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record."""
-        return {"precision": self.precision, "backend": self.backend, "compile": self.compile, "mode": self.mode}
+        return {"precision": self.precision, "backend": self.backend, "compile": self.compile, "mode": self.mode,
+                "float_layers": list(self.float_layers)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, doc: Any, *, where: str = "precision record") -> PrecisionSpec:
         """Rebuild from :meth:`to_dict`; a malformed record is a one-line error."""
         try:
-            spec = cls(str(doc["precision"]), str(doc["backend"]), bool(doc["compile"]))
-        except (KeyError, TypeError):
+            layers = doc.get("float_layers") or []
+            if not isinstance(layers, list) or not all(isinstance(name, str) for name in layers):
+                raise TypeError
+            spec = cls(str(doc["precision"]), str(doc["backend"]), bool(doc["compile"]), tuple(layers))
+        except (KeyError, TypeError, AttributeError):
             raise AnytimeError(f"{where} does not say which precision the run is in; was it edited?") from None
         if spec.precision not in PRECISIONS:
             raise AnytimeError(f"{where}: unknown precision '{spec.precision}'; one of {', '.join(PRECISIONS)}")
@@ -350,10 +357,30 @@ def _export_for_quantization(part: nn.Module, sample: Tensor) -> torch.fx.GraphM
     raise AnytimeError(f"{type(part).__name__} cannot be exported for int8 quantization ({first})") from None
 
 
-def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = False,
-                  reduce_range: bool = False) -> list[nn.Module]:  # fmt: skip
+def quantizable_layers(model: nn.Module) -> list[str]:
+    """The names of the layers int8 quantizes in ``model`` (its convolutions and linear layers, in the order of
+    ``named_modules``): what ``float_layers`` may name."""
+    return [name for name, module in model.named_modules() if isinstance(module, _QUANTIZED_TYPES)]
+
+
+def layers_per_part(model: nn.Module, parts: Sequence[nn.Module], float_layers: Sequence[str]) -> list[list[str]]:
+    """``float_layers`` (names in ``model``) as each part's own module names, found by identity (a multi-exit
+    model's segments are containers of its modules under other names); an unknown name is a one-line error."""
+    known = quantizable_layers(model)
+    unknown = [name for name in float_layers if name not in known]
+    if unknown:
+        raise AnytimeError(f"no convolution or linear layer named '{unknown[0]}' in this model; name one of "
+                           f"{', '.join(known[:6])}{', ...' if len(known) > 6 else ''}")  # fmt: skip
+    modules = dict(model.named_modules())
+    wanted = {id(modules[name]) for name in float_layers}
+    return [[name for name, module in part.named_modules() if id(module) in wanted] for part in parts]
+
+
+def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = False, reduce_range: bool = False,
+                  float_names: Sequence[Sequence[str]] = ()) -> list[nn.Module]:  # fmt: skip
     """Each part exported and prepared for int8: observers (post-training) or fake quantization (``qat``: the
-    parts are exported in training mode, so batch norm keeps training and folds into the convolution)."""
+    parts are exported in training mode, so batch norm keeps training and folds into the convolution).
+    ``float_names``: per part, the names of its modules left in float."""
     with quiet_torchao():
         from torchao.quantization.pt2e.constant_fold import constant_fold
         from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
@@ -362,7 +389,7 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
             get_default_x86_inductor_quantization_config,
         )
     prepared = []
-    for part, example in zip(parts, inputs):
+    for i, (part, example) in enumerate(zip(parts, inputs)):
         sample = example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
         part.train(qat)
         try:
@@ -374,6 +401,8 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
             _folded_as_parameters(exported)
         quantizer = X86InductorQuantizer()
         quantizer.set_global(get_default_x86_inductor_quantization_config(is_qat=qat, reduce_range=reduce_range))
+        for name in float_names[i] if float_names else ():
+            quantizer.set_module_name_qconfig(name, None)
         try:
             prepared.append(prepare_qat_pt2e(exported, quantizer) if qat else prepare_pt2e(exported, quantizer))
         except Exception as exc:  # noqa: BLE001  the quantizer's pattern matching fails with plain ValueErrors
@@ -382,18 +411,20 @@ def _prepare_int8(parts: list[nn.Module], inputs: list[Tensor], *, qat: bool = F
     return prepared
 
 
-def prepare_qat(model: nn.Module, input_shape: tuple[int, ...], *, reduce_range: bool | None = None) -> list[nn.Module]:
+def prepare_qat(model: nn.Module, input_shape: tuple[int, ...], *, reduce_range: bool | None = None,
+                float_layers: Sequence[str] = ()) -> list[nn.Module]:  # fmt: skip
     """Quantization-aware training graphs of a float model's parts (a copy: the model is left as it was), in
     training mode, with fake quantization of weights and activations (7-bit activations with ``reduce_range``,
-    by default where this CPU has no VNNI); train them, then pass :func:`graph_state` of them to
-    :func:`convert` with ``qat=True``."""
+    by default where this CPU has no VNNI; ``float_layers`` left in float); train them, then pass
+    :func:`graph_state` of them to :func:`convert` with ``qat=True``."""
     if reduce_range is None:
         reduce_range = x86_without_vnni()
     copied = copy.deepcopy(model).eval()
     parts = float_parts(copied)
     with torch.no_grad():
         inputs = part_inputs(layout_of(copied), parts, _example(model, input_shape, 2))
-    prepared = _prepare_int8(parts, inputs, qat=True, reduce_range=reduce_range)
+    names = layers_per_part(copied, parts, float_layers)
+    prepared = _prepare_int8(parts, inputs, qat=True, reduce_range=reduce_range, float_names=names)
     with quiet_torchao():
         from torchao.quantization.pt2e import move_exported_model_to_train
     for part in prepared:
@@ -482,6 +513,7 @@ def convert(
     model: nn.Module, precision: str, *, input_shape: tuple[int, ...], calibration: Iterable[Tensor] | None = None,
     state: dict[str, Tensor] | None = None, compile: bool = True, device: torch.device | None = None,
     qat: bool = False, step_flops: Sequence[int] | None = None, backend: str | None = None,
+    float_layers: Sequence[str] = (),
 ) -> tuple[PrecisionModel, dict[str, Tensor]]:  # fmt: skip
     """Convert a float model (on the CPU, eval mode) to ``precision``; return it and the state that rebuilds it.
 
@@ -490,10 +522,13 @@ def convert(
     graphs from :func:`prepare_qat` after training. The other precisions need neither. ``step_flops``: the
     float model's FLOPs per step as counted when the run was made (counted here when not given). ``backend``:
     the one a recorded conversion used (int8: full or 7-bit activations), default the one this device runs.
+    ``float_layers``: int8 only, layers (names in ``model``, see :func:`quantizable_layers`) kept in float.
     """
     target = device or torch.device("cpu")
     here = backend_for(precision, target)
-    spec = PrecisionSpec(precision, backend or here, compile)
+    if float_layers and precision != "int8":
+        raise AnytimeError(f"layers kept in float are an int8 option; a {precision} model has every layer at {precision}")
+    spec = PrecisionSpec(precision, backend or here, compile, tuple(float_layers))
     reduce_range = spec.backend == X86_7BIT
     if precision == "int8" and compile and here == X86_7BIT and not reduce_range:
         raise AnytimeError("this int8 run was quantized for a CPU with VNNI (8-bit activations); this CPU has none, so "
@@ -512,14 +547,16 @@ def convert(
     if precision == "int8" and qat:
         if state is None:
             raise AnytimeError("a quantization-aware int8 model is rebuilt from its trained graphs' state")
-        prepared = prepare_qat(model, input_shape, reduce_range=reduce_range)
+        prepared = prepare_qat(model, input_shape, reduce_range=reduce_range, float_layers=float_layers)
         _load_observers(prepared, state, everything=True)
         with quiet_torchao():
             from torchao.quantization.pt2e import move_exported_model_to_eval
         for part in prepared:
             move_exported_model_to_eval(part)
     elif precision == "int8":
-        prepared = _prepare_int8(float_parts(model), inputs, reduce_range=reduce_range)
+        parts = float_parts(model)
+        prepared = _prepare_int8(parts, inputs, reduce_range=reduce_range,
+                                 float_names=layers_per_part(model, parts, float_layers))  # fmt: skip
         if state is None:
             if calibration is None or _calibrate(layout, prepared, calibration) == 0:
                 raise AnytimeError("int8 static quantization needs calibration images from the training split")

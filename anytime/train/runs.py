@@ -158,7 +158,8 @@ def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple
         state = read_weights(run / QUANT_STATE)
     converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device,
                            qat=bool(record.get("qat_epochs")), step_flops=_recorded_flops(run),
-                           backend=spec.backend if spec.precision == "int8" else None)  # fmt: skip
+                           backend=spec.backend if spec.precision == "int8" else None,
+                           float_layers=spec.float_layers)  # fmt: skip
     return converted
 
 

@@ -1,0 +1,214 @@
+"""Accuracy-aware int8: keep the layers that int8 hurts most in float until every step agrees with the float model.
+
+Post-training int8 loses most of its agreement in a few layers, usually the ones that see the input image or a
+large activation map (on a CPU without VNNI, activations have 7 bits, so the image's 256 levels become 128). Ranking
+the layers by what int8 costs each of them, alone, and keeping the worst in float is the usual remedy (Intel Neural
+Compressor's accuracy-driven fallback, NVIDIA's sensitivity analysis). Here the ranking is simulated (each layer's
+input and weights fake-quantized as X86InductorQuantizer quantizes them, the rest of the network left in float), and
+every choice is then checked on the real converted graphs, so what is reported is what the int8 model does.
+
+Agreement is top-1 agreement with the float model, per step, on images that are neither the calibration images nor
+test images (validation images; their labels are not read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from anytime.errors import AnytimeError
+from anytime.precision.model import (
+    PrecisionModel,
+    X86_7BIT,
+    backend_for,
+    convert,
+    float_parts,
+    layout_of,
+    quantizable_layers,
+    run_parts,
+)
+
+_BATCH = 256
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """What int8 costs one layer alone: the lowest per-step top-1 agreement with the float model when only this
+    layer's input and weights are quantized (simulated)."""
+
+    name: str
+    agreement: float
+
+
+@dataclass(frozen=True)
+class Int8Tuning:
+    """The outcome of :func:`tune_int8`: the layers kept in float, each step's agreement with the float model on
+    the tuning images (measured on the converted graphs), every candidate tried, and the simulated ranking."""
+
+    float_layers: tuple[str, ...]
+    agreement: tuple[float, ...]
+    target: float
+    images: int
+    tried: tuple[tuple[tuple[str, ...], float], ...]
+    ranking: tuple[LayerSensitivity, ...]
+
+    @property
+    def met(self) -> bool:
+        """Whether every step reached the target."""
+        return min(self.agreement) >= self.target
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready record."""
+        return {"float_layers": list(self.float_layers), "agreement": list(self.agreement), "target": self.target,
+                "images": self.images, "met": self.met,
+                "tried": [{"float_layers": list(layers), "min_agreement": a} for layers, a in self.tried],
+                "ranking": [{"layer": r.name, "agreement": r.agreement} for r in self.ranking]}  # fmt: skip
+
+
+def _predictions(layout: str, parts: Sequence[nn.Module], images: Tensor) -> list[Tensor]:
+    """Each step's top-1 class on ``images``, in batches."""
+    chunks: list[list[Tensor]] = []
+    with torch.no_grad():
+        for start in range(0, images.shape[0], _BATCH):
+            outputs = run_parts(layout, parts, images[start:start + _BATCH])
+            chunks.append([o.float().argmax(1) for o in outputs])
+    return [torch.cat([c[k] for c in chunks]) for k in range(len(chunks[0]))]
+
+
+def step_agreement(model: nn.Module, converted: PrecisionModel, images: Tensor) -> tuple[float, ...]:
+    """Each step's top-1 agreement between a float model and its converted form on ``images``."""
+    layout = layout_of(model)
+    reference = _predictions(layout, float_parts(model.eval()), images)
+    mine = _predictions(converted.layout, list(converted.parts), images)
+    return tuple(float((a == b).float().mean()) for a, b in zip(reference, mine))
+
+
+def _fake_quantize(x: Tensor, low: float, high: float, levels: int) -> Tensor:
+    """Affine per-tensor quantization to ``levels`` levels over [low, high] (zero kept exact), then back to float."""
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = max((high - low) / (levels - 1), 1e-12)
+    zero = round(-low / scale)
+    return (torch.clamp(torch.round(x / scale) + zero, 0, levels - 1) - zero) * scale
+
+
+def _fake_quantize_weight(w: Tensor) -> Tensor:
+    """Symmetric per-output-channel int8 weights, as X86InductorQuantizer stores them, back in float."""
+    amax = w.detach().abs().flatten(1).amax(1).clamp_min(1e-12)
+    scale = (amax / 127.5).view(-1, *([1] * (w.dim() - 1)))
+    return torch.clamp(torch.round(w / scale), -128, 127) * scale
+
+
+def _input_ranges(model: nn.Module, names: Sequence[str], calibration: Sequence[Tensor]) -> dict[str, tuple[float, float]]:
+    """The smallest and largest input each named layer sees on the calibration batches (float model)."""
+    layout, parts, modules = layout_of(model), float_parts(model), dict(model.named_modules())
+    ranges: dict[str, list[float]] = {name: [math.inf, -math.inf] for name in names}
+
+    def observe(name: str) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
+        def hook(_: nn.Module, args: tuple[Tensor, ...]) -> None:
+            seen = ranges[name]
+            seen[0], seen[1] = min(seen[0], float(args[0].min())), max(seen[1], float(args[0].max()))
+
+        return hook
+
+    handles = [modules[name].register_forward_pre_hook(observe(name)) for name in names]
+    try:
+        with torch.no_grad():
+            for x in calibration:
+                run_parts(layout, parts, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: (low, high) for name, (low, high) in ranges.items() if math.isfinite(low)}  # layers the steps reach
+
+
+def _simulated_agreement(model: nn.Module, quantized: Sequence[str], ranges: dict[str, tuple[float, float]],
+                         levels: int, images: Tensor, reference: list[Tensor]) -> float:  # fmt: skip
+    """The lowest per-step agreement with ``reference`` when the ``quantized`` layers' inputs and weights are
+    fake-quantized and everything else stays float."""
+    layout, parts, modules = layout_of(model), float_parts(model), dict(model.named_modules())
+    saved, handles = {}, []
+    try:
+        for name in quantized:
+            module, (low, high) = modules[name], ranges[name]
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, args, lo=low, hi=high: (_fake_quantize(args[0], lo, hi, levels), *args[1:])))  # fmt: skip
+            saved[name] = module.weight.data
+            module.weight.data = _fake_quantize_weight(module.weight.data)
+        predicted = _predictions(layout, parts, images)
+    finally:
+        for name, weight in saved.items():
+            modules[name].weight.data = weight
+        for handle in handles:
+            handle.remove()
+    return min(float((a == b).float().mean()) for a, b in zip(reference, predicted))
+
+
+def layer_sensitivity(model: nn.Module, calibration: Sequence[Tensor], images: Tensor, *,
+                      activation_levels: int = 256) -> tuple[LayerSensitivity, ...]:  # fmt: skip
+    """Every quantizable layer of a float model ranked by what int8 costs it alone, worst first: its input range
+    measured on ``calibration`` batches, then, one layer at a time, its input and weights fake-quantized while the
+    rest stays float, and the lowest per-step top-1 agreement with the float model on ``images``."""
+    model = model.eval()
+    ranges = _input_ranges(model, quantizable_layers(model), calibration)
+    reference = _predictions(layout_of(model), float_parts(model), images)
+    return _ranked(model, ranges, activation_levels, images, reference)
+
+
+def _ranked(model: nn.Module, ranges: dict[str, tuple[float, float]], levels: int, images: Tensor,
+            reference: list[Tensor]) -> tuple[LayerSensitivity, ...]:  # fmt: skip
+    ranked = [LayerSensitivity(name, _simulated_agreement(model, [name], ranges, levels, images, reference))
+              for name in ranges]  # fmt: skip
+    return tuple(sorted(ranked, key=lambda r: r.agreement))
+
+
+def tune_int8(
+    model: nn.Module, *, input_shape: tuple[int, ...], calibration: Sequence[Tensor], images: Tensor,
+    min_agreement: float, max_float_layers: int = 8, compile: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
+    """int8 of a float model (PT2E, calibrated on ``calibration``, training images) whose every step agrees with
+    the float model on at least ``min_agreement`` of ``images`` (not calibration, not test), keeping as few
+    layers in float as it takes: the layers ranked by :func:`layer_sensitivity`; the search starts at the fewest
+    worst layers whose simulation meets the target, and keeps one more in float at a time, each choice
+    converted and measured, until the target is met or ``max_float_layers`` are float. Returns the converted
+    model, its state and the :class:`Int8Tuning`; the target not met is not an error (the tuning says so),
+    since a user may accept the closest."""
+    if not 0.0 < min_agreement <= 1.0:
+        raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1] (got {min_agreement})")
+    if max_float_layers < 0:
+        raise AnytimeError(f"--max-float-layers must be at least 0 (got {max_float_layers})")
+    if images.shape[0] == 0:
+        raise AnytimeError("accuracy-aware int8 needs images to measure agreement on")
+    levels = 128 if backend_for("int8", torch.device("cpu")) == X86_7BIT else 256
+    model = model.eval()
+    ranges = _input_ranges(model, quantizable_layers(model), calibration)
+    reference = _predictions(layout_of(model), float_parts(model), images)
+    ranking = _ranked(model, ranges, levels, images, reference)
+    # Where to start: the fewest float layers whose simulation (every other layer fake-quantized) meets the target;
+    # each real conversion costs a calibration and a lowering, so the search starts there, not at none.
+    limit = min(max_float_layers, len(ranking))
+    start = next((k for k in range(limit + 1) if _simulated_agreement(
+        model, [r.name for r in ranking[k:]], ranges, levels, images, reference) >= min_agreement), limit)  # fmt: skip
+    tried: list[tuple[tuple[str, ...], float]] = []
+    best: tuple[PrecisionModel, dict[str, Tensor], tuple[float, ...], tuple[str, ...]] | None = None
+    for count in range(start, limit + 1):
+        layers = tuple(r.name for r in ranking[:count])
+        converted, state = convert(model, "int8", input_shape=input_shape, calibration=calibration, compile=compile,
+                                   float_layers=layers)  # fmt: skip
+        agreement = step_agreement(model, converted, images)
+        tried.append((layers, min(agreement)))
+        if progress is not None:
+            shown = ", ".join(layers) if layers else "none"
+            progress(f"int8 with {count} layer(s) in float ({shown}): lowest step agreement {100 * min(agreement):.2f}%")
+        if best is None or min(agreement) > min(best[2]):
+            best = (converted, state, agreement, layers)
+        if min(agreement) >= min_agreement:
+            break
+    assert best is not None
+    converted, state, agreement, layers = best
+    tuning = Int8Tuning(layers, agreement, min_agreement, int(images.shape[0]), tuple(tried), ranking)
+    return converted, state, tuning
