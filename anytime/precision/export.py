@@ -341,7 +341,10 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
     prepared = path.with_name(path.stem + ".pre.onnx")
     try:
         excluded = _nodes_of_modules(float_path, float_modules, folded)
-        quant_pre_process(str(float_path), str(prepared))
+        try:
+            quant_pre_process(str(float_path), str(prepared))
+        except Exception:  # noqa: BLE001  its symbolic shape inference knows no ReduceMax with axes as an input
+            quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=True)
         quantize_static(
             str(prepared), str(path), reader, quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=x86_without_vnni(),
