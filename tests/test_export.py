@@ -309,6 +309,9 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
         first_conv = next(node for node in graph.node if node.op_type == "Conv")
         weight_from = made_by.get(first_conv.input[1])
         assert (weight_from is not None and weight_from.op_type == "DequantizeLinear") == (name == "all")
+        # as in PT2E, the float layer's output stays float (through its ReLU) until a quantized layer reads it
+        after = [node.op_type for node in graph.node if first_conv.output[0] in node.input]
+        assert after == (["QuantizeLinear"] if name == "all" else ["Relu"])
     with pytest.raises(AnytimeError, match="no convolution or linear layer named"):
         export_model(model, "onnx", "int8", tmp_path / "all", input_shape=SHAPE, num_classes=10, name="resnet20",
                      calibration=calibration, float_layers=("nope",))  # fmt: skip

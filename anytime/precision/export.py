@@ -248,6 +248,9 @@ def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str, *, kee
         _without_debug_info(path)
 
 
+_WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # what ONNX Runtime quantizes with int8 weights
+
+
 def _normalised_by(part: nn.Module, example: Tensor) -> dict[str, str]:
     """For each batch norm that directly follows a convolution in ``part``, its module path and the
     convolution's: the ONNX exporter folds the two into one Conv node named after the batch norm."""
@@ -270,20 +273,29 @@ def _normalised_by(part: nn.Module, example: Tensor) -> dict[str, str]:
 def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str] | None = None) -> list[str]:
     """The names of the nodes an exported ONNX graph computes inside ``modules`` (module paths in the exported
     part), read from the exporter's name scopes (a node named after a batch norm computes the convolution
-    ``folded`` into it): what ONNX Runtime's quantizer is told to leave in float."""
+    ``folded`` into it), and of the weightless nodes (pooling, normalisation, activations) that only those feed,
+    up to the next layer with weights: what ONNX Runtime's quantizer is told to leave in float, so that, as in
+    PT2E, a float layer's output stays float until a quantized layer reads it."""
     if not modules:
         return []
     onnx, _ = _onnx_modules()
+    graph = onnx.load(str(path)).graph
     wanted, found = set(modules), []
     wanted |= {bn for bn, conv in (folded or {}).items() if conv in wanted}
-    for node in onnx.load(str(path)).graph.node:
+    constant = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    float_tensors: set[str] = set()
+    for node in graph.node:
         scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), "")
         try:
             paths = ast.literal_eval(scopes) if scopes else []
         except (ValueError, SyntaxError):
             paths = []
-        if any(isinstance(scope, str) and scope in wanted for scope in paths):
+        inside = any(isinstance(scope, str) and scope in wanted for scope in paths)
+        dynamic = [name for name in node.input if name and name not in constant]
+        fed_by_float = bool(dynamic) and all(name in float_tensors for name in dynamic)
+        if inside or (fed_by_float and node.op_type not in _WEIGHTED_OPS):
             found.append(node.name)
+            float_tensors.update(node.output)
     return found
 
 
