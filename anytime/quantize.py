@@ -50,6 +50,8 @@ def check_float_layer_options(precision: str, float_layers: Sequence[str], min_a
     if max_float_layers < 0 or agreement_images < 1:
         raise AnytimeError(f"--max-float-layers must be at least 0 and --agreement-images at least 1 "
                            f"(got {max_float_layers} and {agreement_images})")  # fmt: skip
+
+
 _BATCH = 64
 
 
