@@ -6,6 +6,10 @@
 #   3. pipeline: the demo's card on the digits trained on the GPU, its fp16 and bf16 runs, a profile of each,
 #                real early exit, schedules across precisions, and a profile with NVML energy
 #   4. study:    `anytime experiment precision --quick --device cuda`
+#   5. cards:    train the CIFAR-10 cards named in CARDS ("CARD:EPOCHS:RUN[:keep] ...", cards from models/) on the GPU,
+#                from the images in $ANYTIME_CIFAR10 or CIFAR10_TAR (a tar of the cifar10 folder); the runs marked
+#                keep come back as runs-part-* (a tar without checkpoints, in 15 MiB pieces: cat them to unpack),
+#                the others as their summaries in results.tar.gz
 # Logs and a tarball of the results go to $OUT (default results/gpu); each step has its own time limit, so a slow
 # step costs only itself, and BUDGET_S (default 3600) caps the whole run: a step gets at most what is left. The
 # script exits 1 when a step failed. Usage:
@@ -28,7 +32,7 @@ step() {  # step NAME SECONDS FUNCTION: run it with a time limit, log it, pack w
     echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
     ((rc == 0)) || failed+=("$name")
     tail -n 5 "$OUT/$name.log"
-    tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
+    tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude=cache --exclude=data --exclude='*.safetensors' --exclude='*.pt' \
         --exclude='*.pt2' --exclude='*.onnx' --exclude=outputs . 2>/dev/null
 }
 
@@ -82,6 +86,26 @@ study_step() {
     anytime experiment precision --quick --device "$DEVICE" --out "$WORK/precision" --overwrite
 }
 
+cards_step() {
+    set -e
+    if [ -n "${CIFAR10_TAR:-}" ]; then
+        mkdir -p "$WORK/data" && tar -xf "$CIFAR10_TAR" -C "$WORK/data" && export ANYTIME_CIFAR10="$WORK/data/cifar10"
+    fi
+    local spec card epochs name keep kept=()
+    mkdir -p "$WORK/runs"
+    for spec in $CARDS; do
+        IFS=: read -r card epochs name keep <<<"$spec"
+        anytime train --card "models/$card.toml" --epochs "$epochs" --device "$DEVICE" --workers "${WORKERS:-8}" \
+            --pin-memory --out "$WORK/runs/$name" --no-progress --overwrite
+        [ "$keep" = keep ] && kept+=("$name")
+        if ((${#kept[@]})); then  # packed after every run, so a step cut short still returns what finished
+            rm -f "$OUT"/runs-part-*
+            tar -cf - -C "$WORK/runs" --exclude=checkpoint.pt --exclude=outputs "${kept[@]}" \
+                | split -b 15M -d - "$OUT/runs-part-"
+        fi
+    done
+}
+
 steps=("$@") failed=()
 [ ${#steps[@]} -eq 0 ] && steps=(env tests pipeline study)
 for s in "${steps[@]}"; do
@@ -90,7 +114,8 @@ for s in "${steps[@]}"; do
         tests) step tests 200 tests_step ;;
         pipeline) step pipeline 420 pipeline_step ;;
         study) step study 240 study_step ;;
-        *) echo "unknown step '$s': env, tests, pipeline or study" >&2; exit 2 ;;
+        cards) step cards "${CARDS_S:-3000}" cards_step ;;
+        *) echo "unknown step '$s': env, tests, pipeline, study or cards" >&2; exit 2 ;;
     esac
 done
 ((${#failed[@]} == 0)) || { echo "failed: ${failed[*]}" | tee -a "$OUT/steps.txt"; exit 1; }
