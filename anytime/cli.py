@@ -89,6 +89,19 @@ _CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience"
 _non_negative_int = _int_at_least(0)
 
 
+def _add_float_layer_options(command: argparse.ArgumentParser, scope: str) -> None:
+    """The options of accuracy-aware int8, shared by quantize and export."""
+    command.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
+                         help=f"{scope}: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float")
+    command.add_argument("--min-agreement", type=_finite_float, metavar="A",
+                         help=f"{scope}: keep the layers int8 hurts most in float, fewest first, until every step agrees "
+                              "with the float run on at least this share of validation images (e.g. 0.99)")
+    command.add_argument("--max-float-layers", type=_int_at_least(0), default=8, metavar="N",
+                         help="--min-agreement keeps at most N layers in float (default 8)")
+    command.add_argument("--agreement-images", type=_positive_int, default=1000, metavar="N",
+                         help="--min-agreement measures on N validation images, labels unread (default 1000)")
+
+
 def _name_list(text: str) -> tuple[str, ...]:
     """A comma-separated list of names, none empty."""
     names = tuple(name.strip() for name in text.split(","))
@@ -494,15 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "the summary shows every step after PTQ and after QAT")
     quantize.add_argument("--qat-lr", type=_finite_float, default=1e-3, metavar="LR",
                           help="QAT's initial learning rate (SGD, cosine; default 0.001)")
-    quantize.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
-                          help="int8: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float")
-    quantize.add_argument("--min-agreement", type=_finite_float, metavar="A",
-                          help="int8: keep the layers int8 hurts most in float, fewest first, until every step agrees "
-                               "with the float run on at least this share of validation images (e.g. 0.99)")
-    quantize.add_argument("--max-float-layers", type=_int_at_least(0), default=8, metavar="N",
-                          help="--min-agreement keeps at most N layers in float (default 8)")
-    quantize.add_argument("--agreement-images", type=_positive_int, default=1000, metavar="N",
-                          help="--min-agreement measures on N validation images, labels unread (default 1000)")
+    _add_float_layer_options(quantize, "int8")
     quantize.add_argument("--no-compile", action="store_true",
                           help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
     quantize.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -520,8 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
     export.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
                         help="int8 from a float run: training images that calibrate it (default 512)")
-    export.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
-                        help="int8 from a float run: layers kept in float (a quantized run keeps its own)")
+    _add_float_layer_options(export, "int8 from a float run (a quantized run keeps its own)")
     export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
                         help="test images the parity table compares on (default 1000; 0: no table)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
@@ -1689,12 +1693,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
                         calibration_images=args.calibration_images, parity_images=args.parity_images,
-                        float_layers=args.float_layers)  # fmt: skip
+                        float_layers=args.float_layers, min_agreement=args.min_agreement,
+                        max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
+                        progress=_progress_printer(args))  # fmt: skip
     if args.json:
         return _print_json(report)
     manifest = report.manifest
     print(f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
           f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else ""))
+    if report.tuning is not None:
+        tuning = report.tuning
+        print(f"agreement with the float run on {tuning.images} validation images: lowest step "
+              f"{100 * min(tuning.agreement):.2f}% (target {100 * tuning.target:.2f}%{'' if tuning.met else ': not met'})")
     if manifest.float_layers:
         print(f"kept in float: {', '.join(manifest.float_layers)}")
     for part in manifest.parts:

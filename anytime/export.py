@@ -9,9 +9,10 @@ compute what the quantized run computes.
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,17 +26,25 @@ from anytime.precision import backend_for
 from anytime.precision.export import EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, export_model, load_export
 from anytime.profile.latency import per_sample_latency
 from anytime.profile.stats import quantile_of
-from anytime.quantize import DEFAULT_CALIBRATION_IMAGES, calibration_batches
+from anytime.precision.tuning import Int8Tuning, search_float_layers
+from anytime.quantize import (
+    DEFAULT_AGREEMENT_IMAGES,
+    DEFAULT_CALIBRATION_IMAGES,
+    calibration_batches,
+    check_float_layer_options,
+    tuning_images,
+)
 from anytime.train.records import QUANT_STATE, precision_record, run_weights_fingerprint
 from anytime.train.runs import LoadedRun, load_run, require_images, run_config
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.outputs import staged_dir
+from anytime.utils.outputs import check_replaceable, staged_dir
 
 PARITY_COLUMNS = (
     "step", "dtype", "input_shape", "images", "max_abs_err", "top1_agreement", "eager_p50_ms", "artifact_p50_ms",
     "eager_images_per_s", "artifact_images_per_s",
 )  # fmt: skip
 THROUGHPUT_BATCH = 32
+TUNING = "tuning.json"
 
 
 @dataclass(frozen=True)
@@ -66,10 +75,24 @@ class ExportReport:
     out: Path
     manifest: ExportManifest
     parity: tuple[ParityRow, ...]
+    tuning: Int8Tuning | None = None
 
 
 def _step_logits(model: nn.Module, x: Tensor, k: int) -> Tensor:
     return model.forward_until(x, k) if step_count(model) > 1 else model(x)  # type: ignore[operator]
+
+
+@torch.inference_mode()
+def _compare(float_model: nn.Module, exported: ExportedModel, images: Tensor, k: int) -> tuple[float, float]:
+    """Step ``k`` of an artifact against the eager float model on ``images``: the largest absolute logit
+    difference and the share of images whose top-1 class agrees."""
+    errors, agree = [], 0
+    for start in range(0, images.shape[0], 256):
+        x = images[start : start + 256]
+        reference, answer = _step_logits(float_model, x, k).float(), exported.forward_until(x, k).float()
+        errors.append(float((answer - reference).abs().max()))
+        agree += int((answer.argmax(1) == reference.argmax(1)).sum())
+    return max(errors), agree / images.shape[0]
 
 
 @torch.inference_mode()
@@ -83,19 +106,14 @@ def parity_table(
     manifest = exported.manifest
     rows = []
     for k in range(manifest.num_steps):
-        errors, agree = [], 0
-        for start in range(0, images.shape[0], 256):
-            x = images[start : start + 256]
-            reference, answer = _step_logits(float_model, x, k).float(), exported.forward_until(x, k).float()
-            errors.append(float((answer - reference).abs().max()))
-            agree += int((answer.argmax(1) == reference.argmax(1)).sum())
+        error, agreement = _compare(float_model, exported, images, k)
         functions = {"eager": lambda x, k=k: _step_logits(float_model, x, k), "artifact": lambda x, k=k: exported.forward_until(x, k)}
         single = per_sample_latency(functions, images[: latency_images + 5], warmup=5)
         count = min(images.shape[0], THROUGHPUT_BATCH * (batches + 1))
         batched = per_sample_latency(functions, images[:count], warmup=1, batch_size=THROUGHPUT_BATCH)
         rows.append(ParityRow(
             k, manifest.precision, "x".join(str(v) for v in manifest.input_shape), int(images.shape[0]),
-            max(errors), agree / images.shape[0], 1000 * quantile_of(single["eager"], 0.5),
+            error, agreement, 1000 * quantile_of(single["eager"], 0.5),
             1000 * quantile_of(single["artifact"], 0.5), THROUGHPUT_BATCH / float(np.median(batched["eager"])),
             THROUGHPUT_BATCH / float(np.median(batched["artifact"])),
         ))  # fmt: skip
@@ -105,11 +123,16 @@ def parity_table(
 def export_run(
     run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
     calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
-    float_layers: Sequence[str] = (),
+    float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
+    agreement_images: int = DEFAULT_AGREEMENT_IMAGES, progress: Callable[[str], None] | None = None,
 ) -> ExportReport:  # fmt: skip
     """Export a run's steps as ``fmt`` artifacts into ``out`` with a manifest and (unless ``parity_images`` is
     0) the parity table, written as ``parity.csv`` and ``parity.json``. int8 keeps ``float_layers`` in float;
-    a run quantized by ``anytime quantize`` keeps the layers it kept."""
+    a run quantized by ``anytime quantize`` keeps the layers it kept. int8 from a float run with
+    ``min_agreement`` chooses the layers instead, for this format's own quantizer: each choice is exported and
+    its every step compared with the float model on ``agreement_images`` validation images (labels unread),
+    keeping as few layers in float as reach the target (at most ``max_float_layers``); the search is written as
+    ``tuning.json``."""
     source = Path(run_dir)
     run_config(source)  # a clear error for a folder that is not a run
     record = precision_record(source)
@@ -126,9 +149,10 @@ def export_run(
     if qat and fmt == "onnx":
         raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
                            "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
-    if float_layers and (precision != "int8" or record is not None):
-        raise AnytimeError("--float-layers is for int8 from a float run; a quantized run exports with the layers it "
-                           "kept in float")  # fmt: skip
+    if (float_layers or min_agreement is not None) and (precision != "int8" or record is not None):
+        raise AnytimeError("--float-layers and --min-agreement are for int8 from a float run; a quantized run exports "
+                           "with the layers it kept in float")  # fmt: skip
+    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images)
     if record is not None and precision == "int8":
         float_layers = tuple(record.get("float_layers") or ())
     run = load_run(source, "cpu", converted=False)
@@ -144,15 +168,37 @@ def export_run(
         calibrated = sum(int(x.shape[0]) for x in calibration)
     float_model = run.model.eval()
     images = _test_images(run, parity_images) if parity_images else None
-    entries = (MANIFEST, "parity.csv", "parity.json", f"*.{fmt}", "profile-*.json")
-    with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
-        manifest = export_model(
-            float_model, fmt, precision, work, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
+    fingerprint = run_weights_fingerprint(source)
+
+    def write(folder: Path, layers: Sequence[str]) -> ExportManifest:
+        return export_model(
+            float_model, fmt, precision, folder, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
             name=run.config.model, calibration=calibration, state=state, qat=qat, parent_run=str(source),
-            parent_fingerprint=run_weights_fingerprint(source), calibration_images=calibrated,
+            parent_fingerprint=fingerprint, calibration_images=calibrated,
             backend=record.get("backend") if record is not None and precision == "int8" else None,
-            float_layers=float_layers,
+            float_layers=layers,
         )  # fmt: skip
+
+    tuning = None
+    if min_agreement is not None:
+        check_replaceable(Path(out), EXPORT, overwrite=overwrite, create_parents=False)  # before minutes of search
+        agreement_on = tuning_images(run, agreement_images)
+
+        def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], None]:
+            with tempfile.TemporaryDirectory() as trial:
+                manifest = write(Path(trial), layers)
+                exported = load_export(trial)
+                return tuple(_compare(float_model, exported, agreement_on, k)[1] for k in range(manifest.num_steps)), None
+
+        _, tuning = search_float_layers(
+            float_model, measure, calibration=calibration or [], images=agreement_on, min_agreement=min_agreement,
+            max_float_layers=max_float_layers, activation_levels=_activation_levels(fmt), progress=progress)  # fmt: skip
+        float_layers = tuning.float_layers
+    entries = (MANIFEST, "parity.csv", "parity.json", TUNING, f"*.{fmt}", "profile-*.json")
+    with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
+        manifest = write(work, float_layers)
+        if tuning is not None:
+            write_json(work / TUNING, tuning.to_dict())
         rows: list[ParityRow] = []
         if images is not None:
             exported = load_export(work)
@@ -160,7 +206,15 @@ def export_run(
             write_csv(work / "parity.csv", [r.to_dict() for r in rows], PARITY_COLUMNS)
             write_json(work / "parity.json", {"export": manifest.to_dict(), "backend": exported.backend,
                                               "threads": torch.get_num_threads(), "rows": [r.to_dict() for r in rows]})  # fmt: skip
-    return ExportReport(Path(out), manifest, tuple(rows))
+    return ExportReport(Path(out), manifest, tuple(rows), tuning)
+
+
+def _activation_levels(fmt: str) -> int:
+    """The activation levels the format's int8 quantizer uses on this CPU: PT2E's X86 quantizer keeps 7 bits
+    where there is no VNNI; ONNX Runtime keeps 8-bit activations (it narrows the weights instead)."""
+    from anytime.precision.model import X86_7BIT
+
+    return 128 if fmt == "pt2" and backend_for("int8", torch.device("cpu")) == X86_7BIT else 256
 
 
 def _test_images(run: LoadedRun, count: int) -> Tensor:

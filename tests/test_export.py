@@ -317,6 +317,34 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
                      calibration=calibration, float_layers=("nope",))  # fmt: skip
 
 
+def test_int8_export_chooses_the_layers_kept_in_float_for_its_own_quantizer(exit_run, tmp_path, capsys, cli_error):
+    from anytime.export import TUNING, _compare
+    from anytime.quantize import tuning_images
+    from anytime.train.runs import load_run
+
+    out = tmp_path / "tuned"
+    assert main(["export", str(exit_run), "--format", "onnx", "--precision", "int8", "--calibration-images", "64",
+                 "--min-agreement", "1.0", "--max-float-layers", "1", "--agreement-images", "100",
+                 "--parity-images", "0", "--out", str(out)]) == 0  # fmt: skip
+    assert "agreement with the float run on 100 validation images" in capsys.readouterr().out
+    tuning = json.loads((out / TUNING).read_text())
+    assert tuning["images"] == 100 and 1 <= len(tuning["tried"]) <= 2 and len(tuning["ranking"]) > 1
+    best = max(tuning["tried"], key=lambda t: t["min_agreement"])
+    assert read_manifest(out).float_layers == tuple(tuning["float_layers"]) == tuple(best["float_layers"])
+    # what was measured is what was written: the artifacts agree with the float run as the search recorded
+    run = load_run(exit_run, "cpu", converted=False)
+    images, exported = tuning_images(run, 100), load_export(out)
+    measured = [_compare(run.model.eval(), exported, images, k)[1] for k in range(exported.manifest.num_steps)]
+    assert measured == pytest.approx(tuning["agreement"]) and min(measured) == pytest.approx(best["min_agreement"])
+    for argv, message in (
+        (["--precision", "fp32", "--min-agreement", "0.99"], "for int8 from a float run"),
+        (["--precision", "int8", "--min-agreement", "1.5"], "(0, 1]"),
+        (["--precision", "int8", "--min-agreement", "0.9", "--float-layers", "a"], "give one"),
+    ):  # fmt: skip
+        cli_error(["export", str(exit_run), "--format", "onnx", *argv, "--out", str(tmp_path / "e")], message)
+    assert not (tmp_path / "e").exists()
+
+
 def test_a_network_ending_in_a_global_max_pool_quantizes_to_int8_onnx(tmp_path):
     # The exporter writes the pool as ReduceMax with its axes as an input, which ONNX Runtime's symbolic shape
     # inference cannot follow into the Reshape after it; the fast CIFAR card ends this way.

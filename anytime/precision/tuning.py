@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,7 @@ from anytime.precision.model import (
 )
 
 _BATCH = 256
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -165,50 +167,71 @@ def _ranked(model: nn.Module, ranges: dict[str, tuple[float, float]], levels: in
     return tuple(sorted(ranked, key=lambda r: r.agreement))
 
 
-def tune_int8(
-    model: nn.Module, *, input_shape: tuple[int, ...], calibration: Sequence[Tensor], images: Tensor,
-    min_agreement: float, max_float_layers: int = 8, compile: bool = True,
-    progress: Callable[[str], None] | None = None,
-) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
-    """int8 of a float model (PT2E, calibrated on ``calibration``, training images) whose every step agrees with
-    the float model on at least ``min_agreement`` of ``images`` (not calibration, not test), keeping as few
-    layers in float as it takes: the layers ranked by :func:`layer_sensitivity`; the search starts at the fewest
-    worst layers whose simulation meets the target, and keeps one more in float at a time, each choice
-    converted and measured, until the target is met or ``max_float_layers`` are float. Returns the converted
-    model, its state and the :class:`Int8Tuning`; the target not met is not an error (the tuning says so),
-    since a user may accept the closest."""
+def search_float_layers(
+    model: nn.Module, measure: Callable[[tuple[str, ...]], tuple[tuple[float, ...], T]], *,
+    calibration: Sequence[Tensor], images: Tensor, min_agreement: float, max_float_layers: int = 8,
+    activation_levels: int = 256, progress: Callable[[str], None] | None = None,
+) -> tuple[T, Int8Tuning]:  # fmt: skip
+    """Keep as few layers of a float model in float as it takes for every step of its int8 form to agree with it
+    on at least ``min_agreement`` of ``images`` (not calibration, not test): the layers ranked by
+    :func:`layer_sensitivity` (inputs fake-quantized to ``activation_levels`` levels); the search starts at the
+    fewest worst layers whose simulation meets the target, and keeps one more in float at a time until the target
+    is met or ``max_float_layers`` are float. ``measure(layers)`` builds the real int8 form with ``layers`` in float
+    and returns each step's agreement and whatever the caller keeps of it; the best one's comes back with the
+    :class:`Int8Tuning`. The target not met is not an error (the tuning says so), since a user may accept the
+    closest."""
     if not 0.0 < min_agreement <= 1.0:
         raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1] (got {min_agreement})")
     if max_float_layers < 0:
         raise AnytimeError(f"--max-float-layers must be at least 0 (got {max_float_layers})")
     if images.shape[0] == 0:
         raise AnytimeError("accuracy-aware int8 needs images to measure agreement on")
-    levels = 128 if backend_for("int8", torch.device("cpu")) == X86_7BIT else 256
     model = model.eval()
     ranges = _input_ranges(model, quantizable_layers(model), calibration)
     reference = _predictions(layout_of(model), float_parts(model), images)
-    ranking = _ranked(model, ranges, levels, images, reference)
+    ranking = _ranked(model, ranges, activation_levels, images, reference)
     # Where to start: the fewest float layers whose simulation (every other layer fake-quantized) meets the target;
     # each real conversion costs a calibration and a lowering, so the search starts there, not at none.
     limit = min(max_float_layers, len(ranking))
     start = next((k for k in range(limit + 1) if _simulated_agreement(
-        model, [r.name for r in ranking[k:]], ranges, levels, images, reference) >= min_agreement), limit)  # fmt: skip
+        model, [r.name for r in ranking[k:]], ranges, activation_levels, images, reference) >= min_agreement),
+        limit)  # fmt: skip
     tried: list[tuple[tuple[str, ...], float]] = []
-    best: tuple[PrecisionModel, dict[str, Tensor], tuple[float, ...], tuple[str, ...]] | None = None
+    best: tuple[T, tuple[float, ...], tuple[str, ...]] | None = None
     for count in range(start, limit + 1):
         layers = tuple(r.name for r in ranking[:count])
-        converted, state = convert(model, "int8", input_shape=input_shape, calibration=calibration, compile=compile,
-                                   float_layers=layers)  # fmt: skip
-        agreement = step_agreement(model, converted, images)
+        agreement, kept = measure(layers)
         tried.append((layers, min(agreement)))
         if progress is not None:
             shown = ", ".join(layers) if layers else "none"
             progress(f"int8 with {count} layer(s) in float ({shown}): lowest step agreement {100 * min(agreement):.2f}%")
-        if best is None or min(agreement) > min(best[2]):
-            best = (converted, state, agreement, layers)
+        if best is None or min(agreement) > min(best[1]):
+            best = (kept, agreement, layers)
         if min(agreement) >= min_agreement:
             break
     assert best is not None
-    converted, state, agreement, layers = best
-    tuning = Int8Tuning(layers, agreement, min_agreement, int(images.shape[0]), tuple(tried), ranking)
+    kept, agreement, layers = best
+    return kept, Int8Tuning(layers, agreement, min_agreement, int(images.shape[0]), tuple(tried), ranking)
+
+
+def tune_int8(
+    model: nn.Module, *, input_shape: tuple[int, ...], calibration: Sequence[Tensor], images: Tensor,
+    min_agreement: float, max_float_layers: int = 8, compile: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
+    """int8 of a float model (PT2E, calibrated on ``calibration``, training images) whose every step agrees with
+    the float model on at least ``min_agreement`` of ``images``, keeping as few layers in float as it takes
+    (:func:`search_float_layers`, each choice converted and measured). Returns the converted model, its state and
+    the :class:`Int8Tuning`."""
+    levels = 128 if backend_for("int8", torch.device("cpu")) == X86_7BIT else 256
+    model = model.eval()
+
+    def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[PrecisionModel, dict[str, Tensor]]]:
+        converted, state = convert(model, "int8", input_shape=input_shape, calibration=calibration, compile=compile,
+                                   float_layers=layers)  # fmt: skip
+        return step_agreement(model, converted, images), (converted, state)
+
+    (converted, state), tuning = search_float_layers(
+        model, measure, calibration=calibration, images=images, min_agreement=min_agreement,
+        max_float_layers=max_float_layers, activation_levels=levels, progress=progress)  # fmt: skip
     return converted, state, tuning
