@@ -8,19 +8,22 @@ eager fp32 model on the whole test split: top-1 agreement and the largest logit 
 batch 1 and throughput at batch 32, interleaved with eager. Also the artifacts' bytes on disk, int8 against fp32.
 
 Then accuracy-aware int8 (``--min-agreement``, default MIN_AGREEMENT): ``anytime quantize --min-agreement`` keeps
-the layers int8 hurts most in float until every step agrees with fp32 on that share of 1,000 validation images;
-the quantized run is exported as .pt2, and ONNX int8 is exported from the float run with the same layers in float
-(rows ``int8-tuned``). Plain int8 rows are reported beside them.
+the layers int8 hurts most in float until every step agrees with fp32 on that share of 1,000 validation images
+(rows ``int8-tuned``). The quantized run is exported as .pt2; the ONNX artifact runs the same search with
+ONNX Runtime's quantizer (``anytime export --min-agreement``), since that quantizer rounds more of the graph. Plain
+int8 rows are reported beside them.
 
 Targets (issue 11): every fp32 artifact agrees with eager on >= 99.9% of the test images (top-1), every int8
 artifact on >= 99% (judged on the accuracy-aware rows when they are made, on plain int8 otherwise); the int8
-artifact >= 3.5x smaller than the fp32 one. Ratio: the smallest agreement over its target (>= 1 passes).
+artifact >= 3.5x smaller than the fp32 one (judged on the same rows). Ratio: the smallest agreement over its
+target; the benchmark passes when it is >= 1 and every judged int8 artifact meets the size target.
 """
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from common import REPO, parser, report, run
 
@@ -49,11 +52,11 @@ def main() -> int:
         print(f"no trained run found ({', '.join(RUNS)}); train a card first or pass --runs")
         return 2
     images = 500 if args.quick else PARITY_IMAGES
-    rows, sizes, tunings, worst = [], [], [], float("inf")
+    rows, sizes, tunings, worst, smallest_size = [], [], [], float("inf"), float("inf")
     with tempfile.TemporaryDirectory() as scratch:
         for run_dir in runs:
             size_of = {}
-            exports = [(fmt, precision, run_dir, ()) for fmt, precision in EXPORTS]
+            exports: list[tuple[str, str, Path, dict[str, Any]]] = [(f, p, run_dir, {}) for f, p in EXPORTS]
             if args.min_agreement > 0:
                 tuned_run = Path(scratch) / f"{run_dir.name}-int8-tuned"
                 print(f"accuracy-aware int8 of {run_dir} (every step >= {100 * args.min_agreement:.1f}% on "
@@ -61,16 +64,19 @@ def main() -> int:
                 summary = quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=tuned_run,
                                        min_agreement=args.min_agreement, max_float_layers=MAX_FLOAT_LAYERS,
                                        progress=lambda line: print(f"  {line}", flush=True))  # fmt: skip
-                tuning = summary["precision"]["agreement_tuning"]
-                tunings.append({"run": run_dir.name, **tuning})
-                layers = tuple(tuning["float_layers"])
-                exports += [("pt2", "int8-tuned", tuned_run, ()), ("onnx", "int8-tuned", run_dir, layers)]
-            for fmt, precision, source, layers in exports:
+                tunings.append({"run": run_dir.name, "format": "pt2", **summary["precision"]["agreement_tuning"]})
+                # ONNX Runtime quantizes more of the graph than PT2E does: its artifact searches on its own
+                exports += [("pt2", "int8-tuned", tuned_run, {}), ("onnx", "int8-tuned", run_dir, {
+                    "min_agreement": args.min_agreement, "max_float_layers": MAX_FLOAT_LAYERS,
+                    "progress": lambda line: print(f"  {line}", flush=True)})]  # fmt: skip
+            for fmt, precision, source, options in exports:
                 out = Path(scratch) / f"{run_dir.name}-{fmt}-{precision}"
                 print(f"exporting {source} as {fmt} {precision}...", flush=True)
                 result = export_run(source, fmt, out=out, precision=precision.split("-")[0],
                                     calibration_images=CALIBRATION_IMAGES, parity_images=images,
-                                    latency_images=20 if args.quick else LATENCY_IMAGES, float_layers=layers)  # fmt: skip
+                                    latency_images=20 if args.quick else LATENCY_IMAGES, **options)  # fmt: skip
+                if result.tuning is not None:
+                    tunings.append({"run": run_dir.name, "format": fmt, **result.tuning.to_dict()})
                 size_of[(fmt, precision)] = result.manifest.bytes
                 judged = precision != "int8" or args.min_agreement <= 0
                 for r in result.parity:
@@ -82,13 +88,19 @@ def main() -> int:
                           f"{r.eager_images_per_s:.0f} -> {r.artifact_images_per_s:.0f} img/s")  # fmt: skip
             for fmt, variant in ((f, v) for f in ("pt2", "onnx") for v in ("int8", "int8-tuned") if (f, v) in size_of):
                 ratio = size_of[(fmt, "fp32")] / size_of[(fmt, variant)]
+                judged = (variant == "int8-tuned") == (args.min_agreement > 0)
                 sizes.append({"run": run_dir.name, "format": fmt, "variant": variant, "fp32_bytes": size_of[(fmt, "fp32")],
-                              "int8_bytes": size_of[(fmt, variant)], "ratio": ratio, "pass": ratio >= TARGETS["size"]})  # fmt: skip
+                              "int8_bytes": size_of[(fmt, variant)], "ratio": ratio, "pass": ratio >= TARGETS["size"],
+                              "judged": judged})  # fmt: skip
+                if judged:
+                    smallest_size = min(smallest_size, ratio / TARGETS["size"])
                 print(f"{run_dir.name} {fmt}: fp32 {size_of[(fmt, 'fp32')]:,} B, {variant} {size_of[(fmt, variant)]:,} B: "
                       f"{ratio:.2f}x smaller")  # fmt: skip
     figures = {"rows": rows, "sizes": sizes, "tunings": tunings, "images": images, "targets": TARGETS,
                "min_agreement": args.min_agreement}  # fmt: skip
-    return report("export_parity", args, figures, worst, ">= 1 (agreement / target)", worst >= 1)
+    passed = worst >= 1 and smallest_size >= 1
+    return report("export_parity", args, figures, worst, ">= 1 (agreement / target), and every judged int8 artifact "
+                  f"3.5x smaller (lowest size ratio / target: {smallest_size:.3f})", passed)
 
 
 if __name__ == "__main__":
