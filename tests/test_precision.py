@@ -375,6 +375,20 @@ def test_accuracy_aware_int8_keeps_the_layer_int8_hurts_most_in_float():
     assert not missed.met and missed.float_layers == () and len(missed.tried) == 1
 
 
+def test_layers_go_back_to_float_by_agreement_bought_per_weight(monkeypatch):
+    from anytime.precision import tuning
+
+    model = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 2), torch.nn.Linear(2, 2))  # 1600, 80, 4
+    # simulated agreement: layer 0 in float buys the most, layer 1 less but for 20x fewer weights, layer 2 nothing
+    worth = {"0": 0.05, "1": 0.04, "2": 0.0}
+    monkeypatch.setattr(tuning, "_simulated_agreement",
+                        lambda _m, quantized, *_: 0.9 + sum(v for n, v in worth.items() if n not in quantized))
+    ranking = [tuning.LayerSensitivity(n, a) for n, a in (("0", 0.9), ("1", 0.91), ("2", 1.0))]
+    order, simulated = tuning._cheapest_order(model, {}, 256, torch.zeros(1), [], ranking, 3)
+    assert order == ["1", "0", "2"]  # the small layer first; the useless one last, by the single-layer ranking
+    assert simulated == pytest.approx([0.9, 0.94, 0.99, 0.99])
+
+
 def test_quantize_chooses_layers_kept_in_float_and_the_run_rebuilds_with_them(exit_run, tmp_path, capsys, cli_error):
     parent = tmp_path / "run"
     shutil.copytree(exit_run, parent)

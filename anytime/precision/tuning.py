@@ -4,8 +4,10 @@ Post-training int8 loses most of its agreement in a few layers, usually the ones
 large activation map (on a CPU without VNNI, activations have 7 bits, so the image's 256 levels become 128). Ranking
 the layers by what int8 costs each of them, alone, and keeping the worst in float is the usual remedy (Intel Neural
 Compressor's accuracy-driven fallback, NVIDIA's sensitivity analysis). Here the ranking is simulated (each layer's
-input and weights fake-quantized as X86InductorQuantizer quantizes them, the rest of the network left in float), and
-every choice is then checked on the real converted graphs, so what is reported is what the int8 model does.
+input and weights fake-quantized as X86InductorQuantizer quantizes them, the rest of the network left in float); the
+layers then go back to float in the order that buys the most simulated agreement per weight kept in float, since a
+large layer in float undoes much of int8's size; and every choice is checked on the real converted graphs, so what
+is reported is what the int8 model does.
 
 Agreement is top-1 agreement with the float model, per step, on images that are neither the calibration images nor
 test images (validation images; their labels are not read).
@@ -167,6 +169,32 @@ def _ranked(model: nn.Module, ranges: dict[str, tuple[float, float]], levels: in
     return tuple(sorted(ranked, key=lambda r: r.agreement))
 
 
+def _cheapest_order(model: nn.Module, ranges: dict[str, tuple[float, float]], levels: int, images: Tensor,
+                    reference: list[Tensor], ranking: Sequence[LayerSensitivity], limit: int,
+                    ) -> tuple[list[str], list[float]]:  # fmt: skip
+    """The order in which layers go back to float: each time the one whose return to float raises the simulated
+    agreement most per weight it keeps in float (a float weight costs 4 bytes instead of 1, so a large layer must
+    earn its place), the single-layer ranking breaking ties; and the simulated agreement with the first 0, 1, ...,
+    ``limit`` layers of that order in float."""
+    modules = dict(model.named_modules())
+    names = [r.name for r in ranking]
+
+    def simulate(floats: Sequence[str]) -> float:
+        return _simulated_agreement(model, [n for n in names if n not in floats], ranges, levels, images, reference)
+
+    order: list[str] = []
+    simulated = [simulate(order)]
+    while len(order) < limit:
+        left = [n for n in names if n not in order]
+        gains = {n: simulate([*order, n]) for n in left}
+        chosen = max(left, key=lambda n: ((gains[n] - simulated[-1]) / modules[n].weight.numel(), -names.index(n)))
+        if gains[chosen] <= simulated[-1]:  # no layer helps alone: fall back on the single-layer ranking
+            chosen = left[0]
+        order.append(chosen)
+        simulated.append(gains[chosen])
+    return order, simulated
+
+
 def search_float_layers(
     model: nn.Module, measure: Callable[[tuple[str, ...]], tuple[tuple[float, ...], T]], *,
     calibration: Sequence[Tensor], images: Tensor, min_agreement: float, max_float_layers: int = 8,
@@ -174,9 +202,10 @@ def search_float_layers(
 ) -> tuple[T, Int8Tuning]:  # fmt: skip
     """Keep as few layers of a float model in float as it takes for every step of its int8 form to agree with it
     on at least ``min_agreement`` of ``images`` (not calibration, not test): the layers ranked by
-    :func:`layer_sensitivity` (inputs fake-quantized to ``activation_levels`` levels); the search starts at the
-    fewest worst layers whose simulation meets the target, and keeps one more in float at a time until the target
-    is met or ``max_float_layers`` are float. ``measure(layers)`` builds the real int8 form with ``layers`` in float
+    :func:`layer_sensitivity` (inputs fake-quantized to ``activation_levels`` levels), then put in the order that
+    buys the most simulated agreement per weight kept in float, so that the int8 artifact stays small; the search
+    starts at the fewest layers of that order whose simulation meets the target, and keeps one more in float at a
+    time until the target is met or ``max_float_layers`` are float. ``measure(layers)`` builds the real int8 form with ``layers`` in float
     and returns each step's agreement and whatever the caller keeps of it; the best one's comes back with the
     :class:`Int8Tuning`. The target not met is not an error (the tuning says so), since a user may accept the
     closest."""
@@ -190,16 +219,15 @@ def search_float_layers(
     ranges = _input_ranges(model, quantizable_layers(model), calibration)
     reference = _predictions(layout_of(model), float_parts(model), images)
     ranking = _ranked(model, ranges, activation_levels, images, reference)
+    limit = min(max_float_layers, len(ranking))
+    order, simulated = _cheapest_order(model, ranges, activation_levels, images, reference, ranking, limit)
     # Where to start: the fewest float layers whose simulation (every other layer fake-quantized) meets the target;
     # each real conversion costs a calibration and a lowering, so the search starts there, not at none.
-    limit = min(max_float_layers, len(ranking))
-    start = next((k for k in range(limit + 1) if _simulated_agreement(
-        model, [r.name for r in ranking[k:]], ranges, activation_levels, images, reference) >= min_agreement),
-        limit)  # fmt: skip
+    start = next((k for k, agreement in enumerate(simulated) if agreement >= min_agreement), limit)
     tried: list[tuple[tuple[str, ...], float]] = []
     best: tuple[T, tuple[float, ...], tuple[str, ...]] | None = None
     for count in range(start, limit + 1):
-        layers = tuple(r.name for r in ranking[:count])
+        layers = tuple(order[:count])
         agreement, kept = measure(layers)
         tried.append((layers, min(agreement)))
         if progress is not None:
