@@ -317,6 +317,26 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
                      calibration=calibration, float_layers=("nope",))  # fmt: skip
 
 
+def test_the_pooling_that_only_a_float_layer_reads_stays_float_in_int8_onnx(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                          nn.Linear(32, 10)).eval()  # fmt: skip
+    calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(8))]
+    for layers in ((), ("4",)):
+        folder = tmp_path / ("kept" if layers else "all")
+        folder.mkdir()
+        manifest = export_model(model, "onnx", "int8", folder, input_shape=SHAPE, num_classes=10, name="head",
+                                calibration=calibration, float_layers=layers)  # fmt: skip
+        graph = onnx.load(str(folder / manifest.parts[0].file)).graph
+        made_by = {output: node.op_type for node in graph.node for output in node.output}
+        pool = next(n for n in graph.node if n.op_type in ("AveragePool", "GlobalAveragePool", "ReduceMean"))
+        gemm = next(n for n in graph.node if n.op_type in ("Gemm", "MatMul"))
+        rounded = [made_by.get(pool.input[0]) == "DequantizeLinear", made_by.get(gemm.input[0]) == "DequantizeLinear"]
+        assert rounded == ([True, True] if not layers else [False, False])
+
+
 def test_int8_export_chooses_the_layers_kept_in_float_for_its_own_quantizer(exit_run, tmp_path, capsys, cli_error):
     from anytime.export import TUNING, _compare
     from anytime.quantize import tuning_images

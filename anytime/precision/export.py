@@ -273,9 +273,10 @@ def _normalised_by(part: nn.Module, example: Tensor) -> dict[str, str]:
 def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str] | None = None) -> list[str]:
     """The names of the nodes an exported ONNX graph computes inside ``modules`` (module paths in the exported
     part), read from the exporter's name scopes (a node named after a batch norm computes the convolution
-    ``folded`` into it), and of the weightless nodes (pooling, normalisation, activations) that only those feed,
-    up to the next layer with weights: what ONNX Runtime's quantizer is told to leave in float, so that, as in
-    PT2E, a float layer's output stays float until a quantized layer reads it."""
+    ``folded`` into it), of the weightless nodes (pooling, normalisation, activations) that only those feed, up to
+    the next layer with weights, and of the weightless nodes that only those read: what ONNX Runtime's quantizer is
+    told to leave in float, so that, as in PT2E, a float layer's output stays float until a quantized layer reads
+    it, and its input is not rounded on its way from float layers or the graph's input."""
     if not modules:
         return []
     onnx, _ = _onnx_modules()
@@ -296,6 +297,20 @@ def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str]
         if inside or (fed_by_float and node.op_type not in _WEIGHTED_OPS):
             found.append(node.name)
             float_tensors.update(node.output)
+    # and the weightless nodes whose every reader is float (an exit head's pooling before its float linear layer):
+    # quantizing their input would round what only float layers read
+    readers: dict[str, list[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.name)
+    outputs, excluded = {v.name for v in graph.output}, set(found)
+    for node in reversed(graph.node):
+        if node.name in excluded or node.op_type in _WEIGHTED_OPS or any(o in outputs for o in node.output):
+            continue
+        read_by = [r for o in node.output for r in readers.get(o, [])]
+        if read_by and all(r in excluded for r in read_by):
+            found.append(node.name)
+            excluded.add(node.name)
     return found
 
 
