@@ -24,9 +24,9 @@ from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for
 from anytime.precision.export import EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, export_model, load_export
+from anytime.precision.tuning import Int8Tuning, search_float_layers
 from anytime.profile.latency import per_sample_latency
 from anytime.profile.stats import quantile_of
-from anytime.precision.tuning import Int8Tuning, search_float_layers
 from anytime.quantize import (
     DEFAULT_AGREEMENT_IMAGES,
     DEFAULT_CALIBRATION_IMAGES,

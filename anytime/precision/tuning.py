@@ -205,9 +205,9 @@ def search_float_layers(
     :func:`layer_sensitivity` (inputs fake-quantized to ``activation_levels`` levels), then put in the order that
     buys the most simulated agreement per weight kept in float, so that the int8 artifact stays small; the search
     starts at the fewest layers of that order whose simulation meets the target, and keeps one more in float at a
-    time until the target is met or ``max_float_layers`` are float. ``measure(layers)`` builds the real int8 form with ``layers`` in float
-    and returns each step's agreement and whatever the caller keeps of it; the best one's comes back with the
-    :class:`Int8Tuning`. The target not met is not an error (the tuning says so), since a user may accept the
+    time until the target is met or ``max_float_layers`` are float. ``measure(layers)`` builds the real int8 form
+    with ``layers`` in float and returns each step's agreement and whatever the caller keeps of it; the best one's
+    comes back with the :class:`Int8Tuning`. The target not met is not an error (the tuning says so), since a user may accept the
     closest."""
     if not 0.0 < min_agreement <= 1.0:
         raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1] (got {min_agreement})")
