@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--rule", choices=["search", "msdnet"],
                            help="with --budget-flops: direct search (default) or MSDNet's shares proportional to q^k")
     calibrate.add_argument("--temperature", action="store_true", help="fit a temperature per exit first")
+    calibrate.add_argument("--combine-exits", action="store_true",
+                           help="every exit answers with a weighted ensemble of itself and the earlier exits "
+                           "(Zero Time Waste), weights fit on validation; the heads it weighs always run")
     calibrate.add_argument("--select-exits", action="store_true",
                            help="with --max-drop: also choose which exits to keep, every subset costed in the time the "
                                 "run's profile measured at batch 1 (dropped exits' heads never run)")
@@ -1153,7 +1156,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     report = calibrate_run(
         args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion,
         rule=args.rule or "search", temperature=args.temperature, out=args.out, select=args.select_exits,
-        profile=args.profile,
+        profile=args.profile, combine=args.combine_exits,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
@@ -1170,7 +1173,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     policy = report["policy"]
     print(f"{report['rule']} {report['target']} with {policy['criterion']}: thresholds "
           f"{[None if t is None else round(t, 4) for t in policy['thresholds']]}"
-          + (f", temperatures {[round(t, 3) for t in policy['temperatures']]}" if policy["temperatures"] else ""))  # fmt: skip
+          + (f", temperatures {[round(t, 3) for t in policy['temperatures']]}" if policy["temperatures"] else "")
+          + (f", combining exits with weights {[[round(w, 3) for w in row] for row in policy['combine']]}"
+             if policy.get("combine") else ""))  # fmt: skip
     _print_policy_figures("validation", report["validation"])
     _print_policy_figures("test", report["test"])
     oracle_test = report["oracle"]["test"] or report["oracle"]["validation"]

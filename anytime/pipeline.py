@@ -26,7 +26,6 @@ from anytime.calibrate import (
     select_exits,
     sweep,
 )
-from anytime.calibrate.sweeps import exit_costs
 from anytime.data import DatasetSplits, make_loader
 from anytime.data.text import TOKENIZER_FILE
 from anytime.ensembles import EnsembleModel
@@ -173,13 +172,15 @@ def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], setting
 def calibrate_run(
     run_dir: str | Path, *, max_drop: float | None = None, budget: float | None = None, criterion: str = "entropy",
     rule: str = "search", temperature: bool = False, out: str | Path | None = None, select: bool = False,
-    profile: str | Path | None = None,
+    profile: str | Path | None = None, combine: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Fit thresholds on the validation cache; report validation and (if collected) test side by side.
 
     The test cache is opened only after the thresholds are fixed, to report them. With ``select`` (and
     ``max_drop``), exits are also selected: every subset of the early exits is costed in the time the run's
-    device ``profile`` measured at batch 1 (:func:`~anytime.calibrate.select_exits`).
+    device ``profile`` measured at batch 1 (:func:`~anytime.calibrate.select_exits`). With ``combine``, every
+    exit answers with a weighted ensemble of itself and the earlier exits, weights fit on validation
+    (:mod:`anytime.calibrate.combine`).
     """
     if (max_drop is None) == (budget is None):
         raise AnytimeError("give exactly one target: --max-drop POINTS or --budget-flops FRACTION")
@@ -190,7 +191,7 @@ def calibrate_run(
                                format_tag=CALIBRATION_FORMAT, create_parents=out is None, example=CALIBRATION)  # fmt: skip
     timed = _measured_costs(run_dir, profile, fingerprint) if select else None
     with output_lock(target):
-        report = _calibrate(run_dir, fingerprint, max_drop, budget, criterion, rule, temperature, timed)
+        report = _calibrate(run_dir, fingerprint, max_drop, budget, criterion, rule, temperature, timed, combine)
         write_json(target, report)
     return report
 
@@ -211,7 +212,7 @@ def _measured_costs(
 
 def _calibrate(
     run_dir: str | Path, fingerprint: str, max_drop: float | None, budget: float | None, criterion: str, rule: str,
-    temperature: bool, timed: tuple[Path, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    temperature: bool, timed: tuple[Path, tuple[torch.Tensor, torch.Tensor]] | None = None, combine: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     val = load_cache(run_dir, "val", fingerprint=fingerprint)
     calibration: Calibration
@@ -220,7 +221,7 @@ def _calibrate(
         assert max_drop is not None
         path, costs = timed
         calibration, tried = select_exits(val, max_drop=max_drop, costs=costs, criterion=criterion,
-                                          temperature=temperature)  # fmt: skip
+                                          temperature=temperature, combine=combine)  # fmt: skip
         backbone_ms = float(costs[0][-1])
         kept = [k for k, t in enumerate(calibration.policy.thresholds) if t is not None]
         extra["selection"] = {
@@ -229,20 +230,23 @@ def _calibrate(
                          "val_speedup": backbone_ms / t.mean_ms, "reaches_target": t.reaches_target} for t in tried],
         }  # fmt: skip
     elif max_drop is not None:
-        calibration = calibrate_max_drop(val, max_drop=max_drop, criterion=criterion, temperature=temperature)
+        calibration = calibrate_max_drop(val, max_drop=max_drop, criterion=criterion, temperature=temperature,
+                                         combine=combine)  # fmt: skip
     else:
         assert budget is not None
-        calibration = calibrate_budget(val, budget=budget, criterion=criterion, rule=rule, temperature=temperature)
+        calibration = calibrate_budget(val, budget=budget, criterion=criterion, rule=rule, temperature=temperature,
+                                       combine=combine)  # fmt: skip
         other = "msdnet" if rule == "search" else "search"
-        alt = calibrate_budget(val, budget=budget, criterion=criterion, rule=other, temperature=temperature)
+        alt = calibrate_budget(val, budget=budget, criterion=criterion, rule=other, temperature=temperature,
+                               combine=combine)  # fmt: skip
         extra["alternative"] = {"rule": alt.rule, "policy": alt.policy.to_dict(), "validation": alt.fit.to_dict()}
     test_path = cache_path(run_dir, "test")
     test = load_cache(run_dir, "test", fingerprint=fingerprint) if test_path.is_file() else None
     if test is not None and timed is not None:
         step_ms, cost_ms = timed[1]
-        enabled = torch.tensor([[t is not None for t in calibration.policy.thresholds]])
-        share = torch.tensor([calibration.policy.evaluate(test).exit_share], dtype=torch.float64)
-        test_ms = float((share * exit_costs(step_ms, cost_ms, enabled)).sum())
+        policy = calibration.policy
+        share = torch.tensor([policy.evaluate(test).exit_share], dtype=torch.float64)
+        test_ms = float((share * policy.leave_costs(step_ms, cost_ms)).sum())
         extra["selection"].update(test_mean_ms=test_ms, test_speedup=float(step_ms[-1]) / test_ms)
     if test is not None and "alternative" in extra:
         alt_policy = ExitPolicy.from_dict(extra["alternative"]["policy"])
@@ -257,6 +261,9 @@ def _calibrate(
         "oracle": {"validation": _oracle_dict(val), "test": None if test is None else _oracle_dict(test)},
         "steps": _steps_table({"val": val, "test": test}), **extra,
     }  # fmt: skip
+    if calibration.policy.combine is not None:
+        report["combined_steps"] = _steps_table({
+            "val": calibration.policy.seen_by(val), "test": None if test is None else calibration.policy.seen_by(test)})
     return report
 
 
@@ -308,9 +315,8 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
     exit_of = torch.cat(exits).numpy()
     truth = torch.cat(labels).numpy()
     info = run.model.exit_info  # type: ignore[union-attr]
-    enabled = torch.tensor([[t is not None for t in policy.thresholds]])
-    cost = exit_costs(torch.tensor([e.flops for e in info], dtype=torch.float64),
-                      torch.tensor([e.cost_flops for e in info], dtype=torch.float64), enabled)[0].numpy()  # fmt: skip
+    cost = policy.leave_costs(torch.tensor([e.flops for e in info], dtype=torch.float64),
+                              torch.tensor([e.cost_flops for e in info], dtype=torch.float64)).numpy()  # fmt: skip
     base = int(run.model.backbone_flops)  # type: ignore[union-attr]
     report: dict[str, Any] = {
         "run": str(run_dir), "split": split, "policy": policy.to_dict(), "samples": int(truth.size),
@@ -322,6 +328,7 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
     if cache_path(run_dir, split).is_file():
         cache = load_cache(run_dir, split, fingerprint=run.fingerprint)
         cached_exit = policy.assign(cache)
+        cache = policy.seen_by(cache)
         cached_pred = cache.logits[cached_exit, np.arange(cache.num_samples)].argmax(axis=1)
         report["agreement_with_cache"] = {"exits": float((cached_exit == exit_of).mean()),
                                           "predictions": float((cached_pred == pred).mean())}  # fmt: skip

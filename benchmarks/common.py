@@ -95,13 +95,14 @@ def train_card(run_dir: Path, quick: bool, card_path: Path) -> dict[str, Any]:
 
 
 def prepare_exit_run(
-    run_dir: Path, quick: bool, *, max_drop: float, card_path: Path = EXITS_CARD
+    run_dir: Path, quick: bool, *, max_drop: float, card_path: Path = EXITS_CARD, combine: bool = False
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """Train the card ``card_path`` (default models/cifar10-resnet32-exits.toml) into ``run_dir`` if it is not there (resuming an
     interrupted run), cache both splits' exit outputs, and calibrate every criterion on validation for at
-    most ``max_drop`` points below the last exit; the criterion with the fewest validation FLOPs becomes
-    ``RUN/calibration.json``. Quick mode trains 1 epoch on 2000 images: a smoke run, not figures."""
-    from anytime.calibrate import CRITERIA
+    most ``max_drop`` points below the last exit (with ``combine``, every criterion that scores combined exits);
+    the criterion with the fewest validation FLOPs becomes ``RUN/calibration.json``. Quick mode trains 1 epoch
+    on 2000 images: a smoke run, not figures."""
+    from anytime.calibrate import CRITERIA, get_criterion
     from anytime.outputs import load_cache
     from anytime.pipeline import calibrate_run, collect_run, run_fingerprint
 
@@ -112,10 +113,11 @@ def prepare_exit_run(
             load_cache(run_dir, split, fingerprint=fingerprint)
         except AnytimeError:  # missing, or from other weights
             collect_run(run_dir, split)
-    candidates = {c: calibrate_run(run_dir, max_drop=max_drop, criterion=c, out=run_dir / f"calibration-{c}.json")
-                  for c in CRITERIA}  # fmt: skip
+    criteria = [c for c in CRITERIA if not (combine and get_criterion(c).stateful)]
+    candidates = {c: calibrate_run(run_dir, max_drop=max_drop, criterion=c, out=run_dir / f"calibration-{c}.json",
+                                   combine=combine) for c in criteria}  # fmt: skip
     best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
-    return candidates, best, calibrate_run(run_dir, max_drop=max_drop, criterion=best)
+    return candidates, best, calibrate_run(run_dir, max_drop=max_drop, criterion=best, combine=combine)
 
 
 def member_runs(members: str) -> tuple[list[Path], list[Path]]:

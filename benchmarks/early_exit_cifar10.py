@@ -27,17 +27,22 @@ def main() -> int:
     p.add_argument("--latency-samples", type=int, default=10_000, help="test images timed at batch 1")
     p.add_argument("--select-exits", action="store_true",
                    help="also choose the exits to keep, costed in time measured at batch 1 (calibrate --select-exits)")
+    p.add_argument("--combine-exits", action="store_true",
+                   help="every exit answers with a weighted ensemble of itself and the earlier exits (calibrate "
+                   "--combine-exits)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     run_dir = exit_run_dir(args.run, args.quick, args.card)
     latency_samples = 100 if args.quick else args.latency_samples
-    candidates, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
+    candidates, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card,
+                                                combine=args.combine_exits)  # fmt: skip
     if args.select_exits:
         profile_path = run_dir / "profile-for-selection.json"
         profile_run(run_dir, batch_sizes=[1], repeats=50 if args.quick else 500, memory=False, form=args.form,
                     out=profile_path)  # fmt: skip
-        chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best, select=True, profile=profile_path)
+        chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best, select=True, profile=profile_path,
+                               combine=args.combine_exits)  # fmt: skip
         selection = chosen["selection"]
         print(f"exit selection ({best}, costed by {profile_path.name}): kept exits {selection['exits']}, "
               f"predicted {selection['test_speedup']:.2f}x on test from the profile's times")  # fmt: skip
@@ -61,7 +66,8 @@ def main() -> int:
           f"{lat['early_exit']['mean_ms']:.3f} ms (p99 {lat['early_exit']['p99_ms']:.3f}), backbone "
           f"{lat['backbone']['mean_ms']:.3f} ms (p99 {lat['backbone']['p99_ms']:.3f}) -> {lat['speedup']:.2f}x")  # fmt: skip
     figures = {
-        "run": str(run_dir), "form": args.form, "threads": torch.get_num_threads(), "selection": chosen.get("selection"), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
+        "run": str(run_dir), "form": args.form, "combine_exits": chosen["policy"].get("combine"),
+        "threads": torch.get_num_threads(), "selection": chosen.get("selection"), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
         "last_exit_test_acc": test["last_exit_accuracy"], "test_acc": evaluation["accuracy"],
         "val_acc": val["accuracy"], "last_exit_val_acc": val["last_exit_accuracy"],
         "flops_ratio": evaluation["flops_ratio"], "oracle_flops_ratio": oracle["flops_ratio"],

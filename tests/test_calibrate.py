@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -255,3 +257,73 @@ def test_selecting_exits_needs_an_accuracy_target_and_matching_latencies():
 
     with pytest.raises(AnytimeError, match="profile this run again"):
         select_exits(random_cache(k=4), max_drop=1.0, costs=measured_costs([1.0, 2.0], [1.0, 1.0]))
+
+
+def test_combined_exits_are_the_weighted_sum_of_log_probabilities():
+    from anytime.calibrate.combine import combine_logits
+
+    cache = random_cache(k=3, n=20)
+    weights = ((1.0,), (0.5, 2.0), (0.0, 0.25, 1.5))
+    got = combine_logits(torch.from_numpy(cache.logits), weights)
+    lp = torch.log_softmax(torch.from_numpy(cache.logits).double(), dim=-1)
+    expected = torch.stack([lp[0], 0.5 * lp[0] + 2.0 * lp[1], 0.25 * lp[1] + 1.5 * lp[2]]).float()
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_fitted_combination_weights_lower_each_exits_nll_and_respect_members():
+    from anytime.calibrate.combine import combine_logits, fit_weights
+
+    cache = random_cache(seed=3, k=4, n=2000)
+    logits, labels = torch.from_numpy(cache.logits), torch.from_numpy(cache.labels)
+    weights = fit_weights(logits, labels)
+    assert [len(row) for row in weights] == [1, 2, 3, 4] and all(w >= 0 for row in weights for w in row)
+    combined = combine_logits(logits, weights).double()
+    nll = torch.nn.functional.cross_entropy
+    for k in range(4):
+        assert nll(combined[k], labels) <= nll(logits[k].double(), labels) + 1e-9
+    # independent noise per exit: an ensemble of exits is better than the last alone
+    assert nll(combined[3], labels) < nll(logits[3].double(), labels) - 0.01
+    only = fit_weights(logits, labels, members=[1])
+    assert only[0] == (0.0,) and only[2] == (0.0, 0.0, 0.0) and only[3][0] == only[3][2] == 0
+    assert only[1][1] > 0 and only[3][1] > 0 and only[3][3] > 0
+
+
+def test_combined_calibration_meets_the_plain_last_exits_target_and_pays_every_weighed_head():
+    cache = random_cache(seed=5, k=4, n=2000)
+    cache = dataclasses.replace(cache, step_flops=np.array([10, 20, 30, 40]), cost_flops=np.array([10, 22, 34, 46]),
+                                base_flops=40)  # every head costs 2  # fmt: skip
+    plain_last = float(cache.step_accuracy()[-1])
+    result = calibrate_max_drop(cache, max_drop=2.0, combine=True)
+    assert result.policy.combine is not None and result.policy.temperatures is None
+    assert result.fit.accuracy >= plain_last - 0.02 - 1e-12
+    assert result.fit.flops_ratio < calibrate_max_drop(cache, max_drop=0.0, combine=True).fit.flops_ratio
+    seen = result.policy.seen_by(cache)
+    assert np.array_equal(seen.step_flops, seen.cost_flops)
+    assert seen.step_flops.tolist() == (cache.cost_flops).tolist()  # every head weighs in here, so every one is paid
+    budget = calibrate_budget(cache, budget=0.6, combine=True)
+    assert budget.policy.combine is not None and budget.fit.flops_ratio <= 0.6 + 1e-9
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ExitPolicy("entropy", (0.1,), combine=((1.0,),)), "rows for 2 exits"),
+        (lambda: ExitPolicy("entropy", (0.1,), combine=((1.0,), (1.0,))), "needs 2"),
+        (lambda: ExitPolicy("entropy", (0.1,), combine=((1.0,), (-1.0, 1.0))), ">= 0"),
+        (lambda: ExitPolicy("entropy", (0.1,), combine=((1.0,), (1.0, 0.0))), "must be positive"),
+        (lambda: ExitPolicy("entropy", (0.1, None), combine=((1.0,), (1.0, 0.0), (1.0, 1.0, 1.0))), "must be positive"),
+        (lambda: ExitPolicy("entropy", (0.1,), combine=((0.0,), (1.0, 1.0))), "no combination weights"),
+        (lambda: ExitPolicy("entropy", (0.1,), (1.0, 1.0), combine=((1.0,), (1.0, 1.0))), "no temperatures"),
+        (lambda: ExitPolicy("patience", (1.0,), combine=((1.0,), (1.0, 1.0))), "does not combine"),
+        (lambda: calibrate_max_drop(random_cache(), max_drop=1, temperature=True, combine=True), "--temperature"),
+    ],
+)
+def test_malformed_combinations_are_refused(make, message):
+    with pytest.raises(AnytimeError, match=message):
+        make()
+
+
+def test_a_combining_policy_round_trips_through_json_values():
+    policy = ExitPolicy("margin", (0.3, None), combine=((1.0,), (0.5, 1.0), (0.1, 0.2, 1.3)))
+    assert ExitPolicy.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
+    assert ExitPolicy.from_dict(ExitPolicy("margin", (0.3, None)).to_dict()).combine is None

@@ -68,6 +68,19 @@ def _threshold_splitting(cache: OutputCache) -> ExitPolicy:
     return ExitPolicy("entropy", tuple(thresholds))
 
 
+def _early_exit_on_test(run_dir: Path, policy: ExitPolicy, batch_size: int) -> tuple[np.ndarray, ...]:
+    """Real early exit on the test split (the first 120 images at batch 1): exits, predictions, logits."""
+    run = load_run(run_dir)
+    splits = load_splits(run.config)
+    loader = make_loader(splits.test, splits.info, batch_size=batch_size, train=False, seed=0)
+    outs = []
+    for x, _ in loader:
+        outs.append(policy.run(run.model, x))
+        if batch_size == 1 and len(outs) == 120:
+            break
+    return tuple(torch.cat([getattr(o, name) for o in outs]).numpy() for name in ("exits", "predictions", "logits"))
+
+
 @pytest.mark.parametrize("batch_size", [1, 7, 128])
 def test_real_early_exit_equals_the_cached_sweep(collected, batch_size):
     cache = load_cache(collected, "test")
@@ -75,17 +88,7 @@ def test_real_early_exit_equals_the_cached_sweep(collected, batch_size):
     expected_exits = policy.assign(cache)
     assert len(set(expected_exits.tolist())) == 3  # every exit is used
     expected_pred = cache.logits[expected_exits, np.arange(cache.num_samples)].argmax(axis=1)
-    run = load_run(collected)
-    splits = load_splits(run.config)
-    loader = make_loader(splits.test, splits.info, batch_size=batch_size, train=False, seed=0)
-    exits, preds = [], []
-    for x, _ in loader:
-        out = policy.run(run.model, x)
-        exits.append(out.exits)
-        preds.append(out.predictions)
-        if batch_size == 1 and len(exits) == 120:
-            break
-    exits_t, preds_t = torch.cat(exits).numpy(), torch.cat(preds).numpy()
+    exits_t, preds_t, _ = _early_exit_on_test(collected, policy, batch_size)
     assert np.array_equal(exits_t, expected_exits[: len(exits_t)])
     assert np.array_equal(preds_t, expected_pred[: len(preds_t)])
 
@@ -325,3 +328,68 @@ def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, caps
     code, _, err = _run(capsys, "calibrate", collected, "--budget-flops", "0.5", "--select-exits", "--out",
                         tmp_path / "c3.json")  # fmt: skip
     _one_line_error(code, err, "--select-exits", "--max-drop")
+
+
+def _combining(val: OutputCache, test: OutputCache, members=None) -> ExitPolicy:
+    from anytime.calibrate.combine import fit_weights
+
+    weights = fit_weights(torch.from_numpy(val.logits), torch.from_numpy(val.labels), members=members)
+    thresholds = _threshold_splitting(ExitPolicy("entropy", (None, None), combine=weights).seen_by(test)).thresholds
+    return ExitPolicy("entropy", thresholds, combine=weights)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 128])
+def test_real_early_exit_with_combined_exits_equals_the_cached_sweep(collected, batch_size):
+    cache = load_cache(collected, "test")
+    policy = _combining(load_cache(collected, "val"), cache)
+    assert policy.combine[1][0] > 0 and policy.combine[2][1] > 0  # the fit did weigh earlier exits
+    expected_exits = policy.assign(cache)
+    assert len(set(expected_exits.tolist())) == 3
+    seen = policy.seen_by(cache)
+    expected_pred = seen.logits[expected_exits, np.arange(cache.num_samples)].argmax(axis=1)
+    assert not np.array_equal(expected_pred, cache.logits[expected_exits, np.arange(cache.num_samples)].argmax(axis=1))
+    exits_t, preds_t, logits_t = _early_exit_on_test(collected, policy, batch_size)
+    assert np.array_equal(exits_t, expected_exits[: len(exits_t)])
+    assert np.array_equal(preds_t, expected_pred[: len(preds_t)])
+    answered = seen.logits[expected_exits, np.arange(cache.num_samples)][: len(exits_t)]
+    assert np.allclose(logits_t, answered, atol=1e-4)  # the combined answer, not the exit's own
+
+
+def _head_calls(model, policy, x):
+    calls = []
+    handles = [h.register_forward_hook(lambda m, i, o, k=k: calls.append(k)) for k, h in enumerate(model.heads)]
+    try:
+        policy.run(model, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def test_a_combined_head_runs_where_nobody_leaves_and_an_unweighted_one_does_not(collected):
+    run = load_run(collected)
+    x = torch.randn(4, 1, 32, 32)
+    weighed = ExitPolicy("entropy", (None, None), combine=((1.0,), (0.5, 1.0), (0.3, 0.2, 1.0)))
+    assert weighed.runs_head(0) and _head_calls(run.model, weighed, x) == [0, 1]
+    assert _head_calls(run.model, weighed, x[:1]) == [0, 1]
+    unweighed = ExitPolicy("entropy", (None, None), combine=((0.0,), (0.0, 0.0), (0.0, 0.0, 1.0)))
+    assert not unweighed.runs_head(0) and _head_calls(run.model, unweighed, x) == []
+    step, cost = torch.tensor([10.0, 20.0, 30.0]), torch.tensor([10.0, 22.0, 35.0])  # heads 2 and 3
+    assert weighed.leave_costs(step, cost).tolist() == [10.0, 22.0, 35.0]
+    assert unweighed.leave_costs(step, cost).tolist() == [8.0, 17.0, 30.0]  # the backbone alone
+
+
+def test_calibrate_combine_exits_from_the_cli_then_evaluate(collected, capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(collected, run)
+    code, out, err = _run(capsys, "calibrate", run, "--max-drop", "1", "--combine-exits")
+    assert code == 0, err
+    assert "combining exits with weights" in out
+    report = json.loads((run / "calibration.json").read_text())
+    assert report["policy"]["combine"] is not None and len(report["combined_steps"]) == 3
+    assert report["validation"]["accuracy"] >= report["validation"]["last_exit_accuracy"] - 0.01 - 1e-12
+    evaluation = evaluate_run(run, latency_samples=0)
+    assert evaluation["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
+    assert evaluation["accuracy"] == pytest.approx(report["test"]["accuracy"])
+    code, out, err = _run(capsys, "calibrate", run, "--max-drop", "1", "--combine-exits", "--temperature")
+    _one_line_error(code, err, "--combine-exits", "--temperature")

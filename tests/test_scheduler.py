@@ -314,6 +314,23 @@ def test_the_runtime_leaves_early_on_confident_inputs(sleepy):
     assert out.exits.tolist() == [0, 2] and out.predictions[0] == 0
 
 
+def test_the_runtime_answers_and_decides_on_combined_exits(sleepy):
+    model, profile = sleepy
+    # Exit 0 says class 0 and nobody may leave there, exit 1 alone says class 1; weighing exit 0 twice, the
+    # combined exit 1 says class 0, confidently, and the sample leaves there with that answer.
+    weights = ((1.0,), (2.0, 1.0), (2.0, 0.0, 1.0))
+    runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (None, 0.9), combine=weights), adapt=False,
+                           quantile=0.9, clock=model.clock)  # fmt: skip
+    plain = AnytimeRunner(model, profile, ExitPolicy("confidence", (None, 0.9)), adapt=False, quantile=0.9,
+                          clock=model.clock)  # fmt: skip
+    for x in (torch.ones(1, 3), torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]])):
+        out = runner.predict(x, 1000.0)
+        assert out.exits[0] == 1 and out.predictions[0] == 0
+        assert out.logits[0].argmax() == 0 and out.logits[0, 0] > out.logits[0, 1] + 10
+        assert plain.predict(x, 1000.0).predictions[0] == 1
+    assert runner.predict(torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]]), 1000.0).exits.tolist() == [1, 2]
+
+
 def test_adaptation_keeps_deadlines_when_the_device_slows_down(sleepy):
     model, profile = sleepy
     # The whole ladder fits as profiled; 2x slower, it takes longer than the deadline (56 vs 47 ms), but the first

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from anytime.calibrate.combine import Weights, combined_cache, combined_costs, fit_weights, running_exits
 from anytime.calibrate.criteria import fit_temperatures, get_criterion
 from anytime.calibrate.policy import ExitPolicy, PolicyResult
 from anytime.calibrate.sweeps import Scores, evaluate_settings, scores_of, shared_grid
@@ -47,7 +48,9 @@ def _candidates(signed: Tensor, per_exit: int) -> list[Tensor]:
     return out
 
 
-def _to_policy(scores: Scores, signed: Tensor, temperatures: list[float] | None, num_classes: int) -> ExitPolicy:
+def _to_policy(
+    scores: Scores, signed: Tensor, temperatures: list[float] | None, num_classes: int, combine: Weights | None = None
+) -> ExitPolicy:
     crit = scores.criterion
     lo, hi = crit.bounds(num_classes)
     floor = scores.signed.min(dim=1).values
@@ -58,7 +61,7 @@ def _to_policy(scores: Scores, signed: Tensor, temperatures: list[float] | None,
         else:
             natural = t if crit.low_is_confident else -t
             thresholds.append(min(max(natural, lo), hi))
-    return ExitPolicy(crit.name, tuple(thresholds), None if temperatures is None else tuple(temperatures))
+    return ExitPolicy(crit.name, tuple(thresholds), None if temperatures is None else tuple(temperatures), combine)
 
 
 def _search(
@@ -114,27 +117,43 @@ def _max_acc_within(budget: float) -> Callable[[Tensor, Tensor], int | None]:
     return pick
 
 
-def _prepare(cache: OutputCache, criterion: str, temperature: bool) -> tuple[Scores, list[float] | None]:
-    get_criterion(criterion)
-    temps = None
+@dataclass(frozen=True)
+class _Prepared:
+    scores: Scores
+    temperatures: list[float] | None
+    combine: Weights | None
+    last_accuracy: float  # the plain last exit's: the reference of every accuracy target
+
+
+def _prepare(cache: OutputCache, criterion: str, temperature: bool, combine: bool = False) -> _Prepared:
+    crit = get_criterion(criterion)
+    if combine and (temperature or crit.stateful):
+        raise AnytimeError("--combine-exits fits each exit's scale itself and scores combined answers: drop "
+                           f"{'--temperature' if temperature else f'the {criterion} criterion'} to use it")  # fmt: skip
+    temps, weights = None, None
     if temperature:
         temps = fit_temperatures(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels))
-    return scores_of(cache, criterion, temps), temps
+    last = float(cache.step_accuracy()[-1])
+    if combine:
+        weights = fit_weights(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels))
+        cache = combined_cache(cache, weights)
+    return _Prepared(scores_of(cache, criterion, temps), temps, weights, last)
 
 
 def calibrate_max_drop(
-    val: OutputCache, *, max_drop: float, criterion: str = "entropy", temperature: bool = False
+    val: OutputCache, *, max_drop: float, criterion: str = "entropy", temperature: bool = False, combine: bool = False
 ) -> Calibration:
-    """The cheapest thresholds whose validation accuracy is at most ``max_drop`` points below the last exit's."""
+    """The cheapest thresholds whose validation accuracy is at most ``max_drop`` points below the last exit's
+    (the plain last exit's, also when ``combine`` makes every exit answer with the ones before it)."""
     if not math.isfinite(max_drop) or not 0 <= max_drop <= 100:
         raise AnytimeError(f"--max-drop is in accuracy points, between 0 and 100 (got {max_drop})")
-    scores, temps = _prepare(val, criterion, temperature)
-    last_acc = float(scores.correct[-1].double().mean())
-    target = last_acc - max_drop / 100
-    best = _search(scores, _min_cost_reaching(target))
-    if best is None:  # cannot happen: sending everybody to the last exit reaches the target
-        raise AnytimeError("no threshold setting reaches the target accuracy")
-    policy = _to_policy(scores, best, temps, val.num_classes)
+    prep = _prepare(val, criterion, temperature, combine)
+    target = prep.last_accuracy - max_drop / 100
+    best = _search(prep.scores, _min_cost_reaching(target))
+    if best is None:  # only a combined last exit can fall below the plain one's target
+        raise AnytimeError(f"no threshold setting reaches {100 * target:.2f}% on validation; the combined last exit "
+                           "is below it: calibrate without --combine-exits")  # fmt: skip
+    policy = _to_policy(prep.scores, best, prep.temperatures, val.num_classes, prep.combine)
     return Calibration(policy, "max-drop", {"max_drop_points": max_drop, "target_accuracy": target},
                        policy.evaluate(val))  # fmt: skip
 
@@ -162,32 +181,43 @@ def measured_costs(steps_ms: Sequence[float], stages_ms: Sequence[float]) -> tup
 
 def select_exits(
     val: OutputCache, *, max_drop: float, costs: tuple[Tensor, Tensor], criterion: str = "entropy",
-    temperature: bool = False,
+    temperature: bool = False, combine: bool = False,
 ) -> tuple[Calibration, list[SubsetChoice]]:  # fmt: skip
     """Exit selection: every subset of the early exits (the last always answers), each with its cheapest
     thresholds within ``max_drop`` points of the last exit on validation, costed in measured time
     (``costs`` from :func:`measured_costs`), since an exit nobody leaves at only adds its head; the subset with
-    the lowest mean time wins. Dropped exits get no threshold (their heads never run)."""
+    the lowest mean time wins. Dropped exits get no threshold (their heads never run). With ``combine``, each
+    subset gets its own combination weights over the exits it keeps, and pays every kept head."""
     if not math.isfinite(max_drop) or not 0 <= max_drop <= 100:
         raise AnytimeError(f"--max-drop is in accuracy points, between 0 and 100 (got {max_drop})")
-    scores, temps = _prepare(val, criterion, temperature)
+    prep = _prepare(val, criterion, temperature)
     step_ms, cost_ms = costs
-    if len(step_ms) != scores.num_steps or len(cost_ms) != scores.num_steps:
-        raise AnytimeError(f"the latencies are for {len(step_ms)} steps but the outputs have {scores.num_steps}; "
+    if len(step_ms) != prep.scores.num_steps or len(cost_ms) != prep.scores.num_steps:
+        raise AnytimeError(f"the latencies are for {len(step_ms)} steps but the outputs have {prep.scores.num_steps}; "
                            "profile this run again")  # fmt: skip
-    timed = replace(scores, step_flops=step_ms, cost_flops=cost_ms)
-    target = float(scores.correct[-1].double().mean()) - max_drop / 100
-    early = range(scores.num_steps - 1)
-    tried: list[tuple[SubsetChoice, Tensor]] = []
+    if combine:
+        _prepare(val, criterion, temperature, combine)  # refuses what combining cannot take, before the search
+    target = prep.last_accuracy - max_drop / 100
+    early = range(prep.scores.num_steps - 1)
+    tried: list[tuple[SubsetChoice, Tensor, Scores, Weights | None]] = []
     for size in range(len(early) + 1):
         for kept in itertools.combinations(early, size):
+            timed, weights = replace(prep.scores, step_flops=step_ms, cost_flops=cost_ms), None
+            if combine:
+                weights = fit_weights(torch.from_numpy(val.logits), torch.from_numpy(val.labels), members=kept)
+                paid = combined_costs(step_ms, cost_ms, running_exits(weights))
+                timed = replace(scores_of(combined_cache(val, weights), criterion), step_flops=paid, cost_flops=paid)
             best = _search(timed, _min_cost_reaching(target), off=frozenset(early) - frozenset(kept))
             if best is None:
                 continue
             acc, ms, _ = evaluate_settings(timed, best.view(1, -1))
-            tried.append((SubsetChoice(kept, float(acc[0]), float(ms[0]), bool(acc[0] >= target - 1e-12)), best))
-    _, best = min(tried, key=lambda t: (t[0].mean_ms, -t[0].accuracy))
-    policy = _to_policy(scores, best, temps, val.num_classes)
+            choice = SubsetChoice(kept, float(acc[0]), float(ms[0]), bool(acc[0] >= target - 1e-12))
+            tried.append((choice, best, timed, weights))
+    if not tried:
+        raise AnytimeError(f"no subset of exits reaches {100 * target:.2f}% on validation; the combined last exit "
+                           "is below it: calibrate without --combine-exits")  # fmt: skip
+    _, best, scores, weights = min(tried, key=lambda t: (t[0].mean_ms, -t[0].accuracy))
+    policy = _to_policy(scores, best, prep.temperatures, val.num_classes, weights)
     calibration = Calibration(policy, "max-drop-select", {"max_drop_points": max_drop, "target_accuracy": target},
                               policy.evaluate(val))  # fmt: skip
     return calibration, [t[0] for t in tried]
@@ -207,7 +237,8 @@ def _check_budget(scores: Scores, fraction: float) -> float:
 
 
 def calibrate_budget(
-    val: OutputCache, *, budget: float, criterion: str = "entropy", rule: str = "search", temperature: bool = False
+    val: OutputCache, *, budget: float, criterion: str = "entropy", rule: str = "search", temperature: bool = False,
+    combine: bool = False,
 ) -> Calibration:
     """Thresholds for a mean cost of ``budget`` times the backbone's FLOPs on validation, by ``rule``:
     ``search``, the most accurate setting whose cost is at most the budget (a direct search), or ``msdnet``,
@@ -215,7 +246,8 @@ def calibrate_budget(
     the rounding of the shares to whole samples and ties between scores; its cost is reported as found."""
     if rule not in RULES:
         raise AnytimeError(f"unknown budget rule '{rule}'; choose one of {', '.join(RULES)}")
-    scores, temps = _prepare(val, criterion, temperature)
+    prep = _prepare(val, criterion, temperature, combine)
+    scores = prep.scores
     limit = _check_budget(scores, budget)
     if rule == "msdnet":
         best = msdnet_thresholds(scores, limit)
@@ -223,7 +255,7 @@ def calibrate_budget(
         found = _search(scores, _max_acc_within(limit))
         assert found is not None  # everybody at the first exit fits, as _check_budget made sure
         best = found
-    policy = _to_policy(scores, best, temps, val.num_classes)
+    policy = _to_policy(scores, best, prep.temperatures, val.num_classes, prep.combine)
     return Calibration(policy, f"budget-{rule}", {"budget_flops_fraction": budget}, policy.evaluate(val))
 
 

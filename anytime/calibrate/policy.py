@@ -12,6 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from anytime.calibrate.combine import (
+    Weights,
+    check_weights,
+    combine_step,
+    combined_cache,
+    combined_costs,
+    log_probs,
+    running_exits,
+)
 from anytime.calibrate.criteria import get_criterion
 from anytime.errors import AnytimeError
 
@@ -20,6 +29,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from anytime.calibrate.sweeps import Scores
     from anytime.outputs import OutputCache
 
 
@@ -48,20 +58,45 @@ class EarlyExitOutput:
     logits: Tensor
 
 
+@dataclass
+class ExitAnswers:
+    """Each exit's answer to one batch under a policy: the exit's own logits, or under a combining policy its
+    weighted ensemble with the earlier exits (:mod:`anytime.calibrate.combine`). Feed it every exit whose
+    head runs, in order."""
+
+    weights: Weights | None
+    _seen: dict[int, Tensor] = field(default_factory=dict)
+
+    def answer(self, k: int, logits: Tensor) -> Tensor:
+        """Exit ``k``'s answer given its logits."""
+        if self.weights is None:
+            return logits
+        self._seen[k] = log_probs(logits)
+        return combine_step(self._seen, self.weights[k])
+
+    def keep(self, stay: Tensor) -> None:
+        """Forget the samples that have left (``stay``: a mask over the rows seen so far)."""
+        self._seen = {j: lp[stay] for j, lp in self._seen.items()}
+
+
 @dataclass(frozen=True)
 class ExitPolicy:
     """Leave at the first exit whose criterion passes its threshold; the last exit answers the rest.
 
     ``thresholds`` holds one value per early exit in the criterion's units; ``None`` means nobody leaves at
     that exit. ``temperatures`` (one per exit, optional) divide the logits before scoring; they never change
-    an exit's predicted class.
+    an exit's predicted class. ``combine`` (optional, row k holding k + 1 weights) makes every exit answer
+    with the weighted geometric ensemble of itself and the earlier exits (:mod:`anytime.calibrate.combine`);
+    the heads it weighs run even where nobody leaves.
     """
 
     criterion: str
     thresholds: tuple[float | None, ...]
     temperatures: tuple[float, ...] | None = None
+    combine: Weights | None = None
     _limits: list[float] = field(init=False, repr=False, compare=False)
     _temps: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _heads: tuple[bool, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         crit = get_criterion(self.criterion)
@@ -73,10 +108,22 @@ class ExitPolicy:
                 raise AnytimeError(f"{len(self.temperatures)} temperatures for {len(self.thresholds) + 1} exits")
             if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
                 raise AnytimeError(f"temperatures must be positive numbers (got {list(self.temperatures)})")
+        if self.combine is not None:
+            check_weights(self.combine, len(self.thresholds) + 1)
+            if self.temperatures is not None:
+                raise AnytimeError("a policy that combines exits scales them with its weights; give it no temperatures")
+            if crit.stateful:
+                raise AnytimeError(f"the {self.criterion} criterion compares exits' classes; it does not combine exits")
+            outside = [k for k, t in enumerate(self.thresholds) if t is not None and not any(self.combine[k])]
+            if outside:
+                raise AnytimeError(f"exit {outside[0]} has a threshold but no combination weights; give it weights "
+                                   "or no threshold")  # fmt: skip
         signed = [-math.inf if t is None else (t if crit.low_is_confident else -t) for t in self.thresholds]
         # Plain floats, computed once: the batch-1 path compares against them with no tensor work.
         object.__setattr__(self, "_limits", signed)
         object.__setattr__(self, "_temps", tuple(self.temperatures or (1.0,) * (len(self.thresholds) + 1)))
+        heads = running_exits(self.combine) if self.combine is not None else (False,) * (len(self.thresholds) + 1)
+        object.__setattr__(self, "_heads", tuple(h or t is not None for h, t in zip(heads, self.thresholds)) + (True,))
 
     @property
     def num_steps(self) -> int:
@@ -92,6 +139,27 @@ class ExitPolicy:
             )
         get_criterion(self.criterion).check_thresholds(self.thresholds, num_classes, num_steps)
 
+    def runs_head(self, k: int) -> bool:
+        """Whether exit ``k``'s head runs under this policy: samples may leave there, or a combination weighs it."""
+        return self._heads[k]
+
+    def leave_costs(self, step: Tensor, cost: Tensor) -> Tensor:
+        """Per exit, what a sample spends when it leaves there under this policy, ``[K]``: the backbone so far
+        and every head that runs on the way (``step`` and ``cost`` per exit as the outputs cache holds them,
+        in FLOPs or in measured ms)."""
+        import torch
+
+        from anytime.calibrate.sweeps import exit_costs
+
+        if self.combine is not None:
+            return combined_costs(step, cost, self._heads)
+        return exit_costs(step, cost, torch.tensor([[t is not None for t in self.thresholds]]))[0]
+
+    def answers(self) -> ExitAnswers:
+        """A fresh :class:`ExitAnswers` for one batch: pass each exit's logits through it before
+        :meth:`confident` or :meth:`leaves`, and answer with what it returns."""
+        return ExitAnswers(self.combine)
+
     def signed_thresholds(self) -> Tensor:
         """Thresholds turned so that a sample leaves when its signed score is at most them; -inf: never."""
         import torch
@@ -105,7 +173,7 @@ class ExitPolicy:
                                "`anytime evaluate` for real early exit with patience")  # fmt: skip
 
     def confident(self, k: int, logits: Tensor) -> Tensor | None:
-        """Which samples may leave at early exit ``k`` given its logits (``None`` if nobody leaves there)."""
+        """Which samples may leave at early exit ``k`` given its answer (``None`` if nobody leaves there)."""
         self._per_exit()
         limit = self._limits[k]
         if limit == -math.inf:
@@ -114,8 +182,8 @@ class ExitPolicy:
         return crit.signed(crit.score(logits, self._temps[k])) <= limit
 
     def leaves(self, k: int, logits: Tensor) -> bool:
-        """Whether the one sample of ``logits`` (``[1, C]``) leaves at early exit ``k``: a scalar decision, no
-        per-sample bookkeeping (the batch-1 latency path)."""
+        """Whether the one sample whose answer at early exit ``k`` is ``logits`` (``[1, C]``) leaves: a scalar
+        decision, no per-sample bookkeeping (the batch-1 latency path)."""
         self._per_exit()
         limit = self._limits[k]
         if limit == -math.inf:
@@ -126,22 +194,33 @@ class ExitPolicy:
 
     def evaluate(self, cache: OutputCache) -> PolicyResult:
         """Accuracy, cost and exit shares of this policy on a cache (offline)."""
-        from anytime.calibrate.sweeps import evaluate_settings, scores_of
+        from anytime.calibrate.sweeps import evaluate_settings
 
         self.check(cache.num_steps, cache.num_classes)
-        scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
+        scores = self._scores(cache)
         acc, cost, share = evaluate_settings(scores, self.signed_thresholds().view(1, -1), floor_disables=False)
         return PolicyResult(
             accuracy=float(acc[0]), mean_flops=float(cost[0]), flops_ratio=float(cost[0]) / cache.base_flops,
             exit_share=tuple(float(s) for s in share[0]),
         )  # fmt: skip
 
+    def _scores(self, cache: OutputCache) -> Scores:
+        from anytime.calibrate.sweeps import scores_of
+
+        temps = None if self.temperatures is None else list(self.temperatures)
+        return scores_of(self.seen_by(cache), self.criterion, temps)
+
+    def seen_by(self, cache: OutputCache) -> OutputCache:
+        """The cache as this policy answers it: unchanged, or every exit's combined answer and the cost with
+        the combined heads paid."""
+        return cache if self.combine is None else combined_cache(cache, self.combine)
+
     def assign(self, cache: OutputCache) -> np.ndarray:
         """The exit every cached sample leaves at."""
-        from anytime.calibrate.sweeps import assign_exits, scores_of
+        from anytime.calibrate.sweeps import assign_exits
 
         self.check(cache.num_steps, cache.num_classes)
-        scores = scores_of(cache, self.criterion, None if self.temperatures is None else list(self.temperatures))
+        scores = self._scores(cache)
         return assign_exits(scores.signed, self.signed_thresholds().view(1, -1))[0].numpy()
 
     def run(self, model: torch.nn.Module, x: Tensor) -> EarlyExitOutput:
@@ -183,14 +262,17 @@ class ExitPolicy:
         exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
         out_logits: Tensor | None = None
         index = torch.arange(batch, device=x.device)
+        answers = self.answers()
         h = x
         for k, segment in enumerate(segments):
             h = segment(h)
-            if k < last and limits[k] == -math.inf:
+            if not self._heads[k]:
                 continue
-            logits = h if k == last else heads[k](h)
+            logits = answers.answer(k, h if k == last else heads[k](h))
             if out_logits is None:
                 out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
+            if k < last and limits[k] == -math.inf:
+                continue  # a combined head that nobody leaves at
             leave = None if k == last else crit.signed(crit.score(logits, temps[k])) <= limits[k]
             if leave is None or bool(leave.all()):
                 predictions[index] = logits.argmax(dim=1)
@@ -204,6 +286,7 @@ class ExitPolicy:
                 out_logits[gone] = logits[leave].float()
                 stay = ~leave
                 index, h = index[stay], h[stay]
+                answers.keep(stay)
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
@@ -245,23 +328,25 @@ class ExitPolicy:
         import torch
 
         last = len(segments) - 1
+        answers = self.answers() if self.combine is not None else None
         h = x
         for k, segment in enumerate(segments):
             h = segment(h)
             if k == last:
-                logits = h
+                logits = h if answers is None else answers.answer(k, h)
                 break
-            if self._limits[k] == -math.inf:
+            if not self._heads[k]:
                 continue
-            logits = heads[k](h)
-            if self.leaves(k, logits):
+            logits = heads[k](h) if answers is None else answers.answer(k, heads[k](h))
+            if self._limits[k] != -math.inf and self.leaves(k, logits):
                 break
         return EarlyExitOutput(logits.argmax(dim=1), torch.tensor([k], device=x.device), logits.float())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able."""
         return {"criterion": self.criterion, "thresholds": list(self.thresholds),
-                "temperatures": None if self.temperatures is None else list(self.temperatures)}  # fmt: skip
+                "temperatures": None if self.temperatures is None else list(self.temperatures),
+                "combine": None if self.combine is None else [list(row) for row in self.combine]}  # fmt: skip
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, where: str = "policy") -> ExitPolicy:
@@ -269,9 +354,11 @@ class ExitPolicy:
         try:
             thresholds = tuple(None if t is None else float(t) for t in values["thresholds"])
             temps = values.get("temperatures")
+            combine = values.get("combine")
             return cls(
                 criterion=str(values["criterion"]), thresholds=thresholds,
                 temperatures=None if temps is None else tuple(float(t) for t in temps),
+                combine=None if combine is None else tuple(tuple(float(w) for w in row) for row in combine),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError):
             raise AnytimeError(f"{where}: not a valid exit policy (needs criterion and thresholds)") from None

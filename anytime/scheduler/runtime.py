@@ -194,11 +194,14 @@ class AnytimeRunner:
         answer: Tensor | None = None
         before = start
         steps = self.model.steps(x)  # type: ignore[operator]
+        answers = None if policy is None or policy.combine is None else policy.answers()
         reason = "last"
         k = -1
         logits = x
         try:
             for k, logits in enumerate(steps):
+                if answers is not None:  # every head runs here, so each exit's combined answer is at hand
+                    logits = answers.answer(k, logits)
                 self._sync()
                 now = self.clock()
                 if self.adapt:
