@@ -59,7 +59,10 @@ def small_network(samples: int, form: str) -> dict[str, float]:
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--form", default="eager", help="inference form timed (eager, fold, fold+channels-last...)")
+    p.add_argument("--threads", type=int, help="torch threads for the timing (default torch's: one per core)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = inference_form(attach_exits(create_model("resnet32"), POINTS).eval(), InferenceForm.parse(args.form))
     policy = ExitPolicy("entropy", (0.0,) * (model.num_steps - 1))
@@ -81,6 +84,7 @@ def main() -> int:
               f"(mean; p50 {plain['p50_ms']:.3f} vs {exits['p50_ms']:.3f}) -> {ratio:.3f}x")  # fmt: skip
     small = small_network(200 if args.quick else 3000, args.form)
     figures["form"] = args.form  # type: ignore[assignment]
+    figures["threads"] = torch.get_num_threads()  # type: ignore[assignment]
     figures["small_network"] = small
     passed = worst <= TARGET and small["fraction_of_promise"] >= SMALL_TARGET
     return report("exit_overhead", args, figures, worst,
