@@ -314,6 +314,43 @@ def test_the_runtime_leaves_early_on_confident_inputs(sleepy):
     assert out.exits.tolist() == [0, 2] and out.predictions[0] == 0
 
 
+class HeadedLadder(TimedLadder):
+    """A TimedLadder whose early exits' heads take ``head_ms`` each: the way to exit k through every earlier head
+    costs more than exit k alone (``forward_until``)."""
+
+    def __init__(self, delays_ms: list[float], head_ms: float) -> None:
+        super().__init__(delays_ms)
+        self.head_ms = head_ms
+
+    def steps(self, x: Tensor) -> Iterator[Tensor]:
+        for k, logits in enumerate(super().steps(x)):
+            yield logits
+            if k < self.num_steps - 1:
+                self.clock.advance(self.head_ms)  # charged when the runtime goes on past this exit's answer
+
+    def forward_until(self, x: Tensor, k: int) -> Tensor:
+        self.clock.advance(self.head_ms if k < self.num_steps - 1 else 0.0)
+        return super().forward_until(x, k)
+
+
+def test_the_runtime_goes_straight_to_an_exit_that_fits_alone_but_not_through_the_heads():
+    model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
+    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    policy = ExitPolicy("confidence", (0.9, 0.9))
+    runner = AnytimeRunner(model, profile, policy, adapt=False, quantile=0.9, clock=model.clock)
+    unsure = -torch.ones(1, 3)
+    step_tail = [profile.step_quantile(k, 0.9) for k in range(3)]
+    assert step_tail[2] < sum(profile.stage_quantile(k, 0.9) for k in range(3))
+    out = runner.predict(unsure, step_tail[2] + 0.5)  # the last exit alone fits; through both heads it would not
+    assert out.step == 2 and out.reason == "direct" and not out.missed and out.exits.tolist() == [2]
+    out = runner.predict(unsure, 100.0)  # the whole way through the heads fits: confident exits stay possible
+    assert out.reason == "last" and out.step == 2
+    out = runner.predict(torch.ones(1, 3), 100.0)
+    assert out.reason == "confident" and out.step == 0
+    out = runner.predict(unsure, step_tail[0] + 0.5)  # only the first exit fits either way: no shortcut to take
+    assert out.step == 0 and out.reason == "deadline"
+
+
 def test_the_runtime_answers_and_decides_on_combined_exits(sleepy):
     model, profile = sleepy
     # Exit 0 says class 0 and nobody may leave there, exit 1 alone says class 1; weighing exit 0 twice, the

@@ -30,13 +30,24 @@ from anytime.utils.timer import Clock, monotonic
 
 
 @dataclass(frozen=True)
+class _Estimates:
+    """A profile's latencies (ms) at the runtime's quantile and median: per stage, and per step run alone."""
+
+    tail: list[float]
+    median: list[float]
+    step_tail: list[float]
+    step_median: list[float]
+
+
+@dataclass(frozen=True)
 class AnytimePrediction:
     """One answered request.
 
     ``exits[i]`` is the step that answered sample i; ``step`` the deepest step that ran. ``reason``:
     ``confident`` (every sample passed its exit's threshold), ``deadline`` (the next stage would not fit),
-    ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran) or ``chosen`` (a
-    non-incremental step picked up front).
+    ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran), ``direct`` (the
+    deadline let one exit fit alone but not the way to it through every earlier head, so the runtime went
+    straight to it, no earlier head run) or ``chosen`` (a non-incremental step picked up front).
     """
 
     predictions: Tensor
@@ -142,20 +153,35 @@ class AnytimeRunner:
                                f"({max(self.length_profiles)}); cut it, or profile that length")  # fmt: skip
         return holding[0]
 
-    def _stage_estimates(self, batch_size: int, length: int | None = None) -> tuple[list[float], list[float]]:
-        """Per stage: its latency at the quantile and its median (ms), at the nearest profiled batch size
-        at or above ``batch_size`` (and, with length profiles, the length bucket of ``length`` tokens)."""
+    def _stage_estimates(self, batch_size: int, length: int | None = None) -> _Estimates:
+        """Per stage and per step alone: latency at the quantile and median (ms), at the nearest profiled batch
+        size at or above ``batch_size`` (and, with length profiles, the length bucket of ``length`` tokens)."""
         bucket = None if length is None else self.bucket_of(length)
         key = (batch_size, bucket)
         found = self._estimates.get(key)
         if found is not None:
             return found
         profile = self.profile if bucket is None else self.length_profiles[bucket]
-        stages = profile.at(self._profiled_batch(batch_size)).stages or ()
-        found = self._estimates[key] = (
+        latency = profile.at(self._profiled_batch(batch_size))
+        stages = latency.stages or ()
+        found = self._estimates[key] = _Estimates(
             [quantile_of(s, self.quantile) for s in stages], [max(quantile_of(s, 0.5), 1e-9) for s in stages],
+            [quantile_of(s, self.quantile) for s in latency.steps], [max(quantile_of(s, 0.5), 1e-9) for s in latency.steps],
         )  # fmt: skip
         return found
+
+    def _direct_step(self, estimates: _Estimates, budget: float) -> int | None:
+        """The exit to go straight to, skipping the heads on the way, when the deadline lets that exit alone fit
+        but not the path through every earlier head to it; None when the path through the heads reaches as far."""
+        adjust = self.drift.estimate if self.adapt else (lambda t, q: t)
+        through, reach = 0.0, -1
+        for k, tail in enumerate(estimates.tail):
+            through += adjust(tail, self.quantile)
+            if through > budget:
+                break
+            reach = k
+        direct = max((k for k, t in enumerate(estimates.step_tail) if adjust(t, self.quantile) <= budget), default=-1)
+        return direct if direct > max(reach, 0) else None
 
     def _path_energies(self, batch_size: int) -> list[float]:
         """Per exit, the mean millijoules per inference of one pass through exits 0..k (profiled batch at or above)."""
@@ -181,13 +207,17 @@ class AnytimeRunner:
             return self._predict_incremental(x, deadline_ms, start, energy_mj)
 
     def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
-        tail, median = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
+        estimates = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
+        tail, median = estimates.tail, estimates.median
         path_mj = None if energy_mj is None else self._path_energies(x.shape[0])
         last = self._num_steps - 1
         policy = self.policy
         budget = deadline_ms - self.margin_ms
         if self.adapt and len(self._finish) >= self.drift.min_observations:
             budget -= self._finish.quantile(self.quantile)
+        direct = None if energy_mj is not None else self._direct_step(estimates, budget - 1000.0 * (self.clock() - start))
+        if direct is not None:
+            return self._predict_direct(x, direct, estimates, deadline_ms, start)
         batch = x.shape[0]
         decided: Tensor | None = None  # which samples have already left at a confident exit
         exits: Tensor | None = None
@@ -257,6 +287,16 @@ class AnytimeRunner:
         if self.adapt:
             self._finish.add(1000.0 * (end - before))
         return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
+
+    def _predict_direct(self, x: Tensor, k: int, estimates: _Estimates, deadline_ms: float, start: float) -> AnytimePrediction:
+        begun = self.clock()
+        logits = run_step(self.model, x, k)  # a combining policy's weights need earlier exits: exit k answers alone
+        self._sync()
+        end = self.clock()
+        if self.adapt:
+            self.drift.observe(1000.0 * (end - begun), estimates.step_median[k], estimates.step_tail[k])
+        exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
+        return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "direct", 1000.0 * (end - start), float(deadline_ms))
 
     def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
         assert self.scheduler is not None
