@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 #: Reasons an answer gives for where it stopped: the runtime's own, plus ``expired`` (the deadline had passed
 #: while the request queued, so no step was run for it unless the cheapest answer was asked for).
-REASONS = ("confident", "deadline", "energy", "last", "chosen", "expired")
+REASONS = ("confident", "deadline", "energy", "last", "direct", "chosen", "expired")
 
 
 class BadRequest(AnytimeError):
