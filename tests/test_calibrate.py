@@ -327,3 +327,31 @@ def test_a_combining_policy_round_trips_through_json_values():
     policy = ExitPolicy("margin", (0.3, None), combine=((1.0,), (0.5, 1.0), (0.1, 0.2, 1.3)))
     assert ExitPolicy.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
     assert ExitPolicy.from_dict(ExitPolicy("margin", (0.3, None)).to_dict()).combine is None
+
+
+def test_exit_selection_with_combined_exits_weighs_only_the_kept_exits_and_pays_their_heads():
+    from anytime.calibrate import measured_costs, select_exits
+
+    cache = random_cache(seed=3, k=4, n=600)
+    steep_head = measured_costs([1.0, 2.0, 3.0, 4.0], [1.0, 1.05, 3.05, 1.05])  # exit 1's head: 2 ms
+    calibration, tried = select_exits(cache, max_drop=1.0, costs=steep_head, combine=True)
+    assert len(tried) == 8
+    policy = calibration.policy
+    kept = min(tried, key=lambda t: t.mean_ms).exits
+    for k in range(3):  # a dropped exit has no threshold, no weight anywhere and no head run
+        dropped = k not in kept
+        assert (policy.thresholds[k] is None) >= dropped
+        assert policy.runs_head(k) is not dropped
+        assert all(policy.combine[row][k] == 0 for row in range(k, 4)) is dropped
+    nothing = next(t for t in tried if t.exits == ())
+    assert nothing.mean_ms == pytest.approx(4.0)  # no early head: the backbone alone
+    assert calibration.fit.accuracy >= float(cache.step_accuracy()[-1]) - 0.01 - 1e-12
+
+
+def test_combination_weights_stay_finite_and_bounded():
+    from anytime.calibrate.combine import fit_weights
+
+    cache = random_cache(seed=3, k=4, n=600)  # unbounded, the line search's steps overflowed to NaN on exit 1 here
+    weights = fit_weights(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels), members=(0, 1))
+    assert all(math.isfinite(w) and 0 <= w <= math.exp(4) + 1e-6 for row in weights for w in row)
+    assert weights[1][0] > 0 and weights[1][1] > 0

@@ -99,19 +99,27 @@ def fit_weights(logits: Tensor, labels: Tensor, *, members: Iterable[int] | None
 
         def closure() -> Tensor:
             opt.zero_grad()
-            combined = torch.einsum("j,jnc->nc", u.exp(), stacked)
+            combined = torch.einsum("j,jnc->nc", _weights_of(u), stacked)
             loss = torch.nn.functional.cross_entropy(combined, target)
             loss.backward()
             return loss
 
         opt.step(closure)
-        fitted = u.detach().exp().tolist()
+        fitted = _weights_of(u.detach()).tolist()
+        if not all(math.isfinite(w) for w in fitted):  # a failed search: the exit alone, as before combining
+            fitted = [1.0 if j == k else 0.0 for j in use]
         row = [0.0] * (k + 1)
         for j, value in zip(use, fitted):
             row[j] = round(float(value), 6)
         row[k] = max(row[k], 1e-6)
         rows.append(tuple(row))
     return tuple(rows)
+
+
+def _weights_of(u: Tensor) -> Tensor:
+    # Bounded (at most e^4 = 55): on an exit whose answers are all right, a growing weight keeps lowering the
+    # log-loss and would run off to infinity.
+    return u.clamp(-12.0, 4.0).exp()
 
 
 def combined_costs(step: Tensor, cost: Tensor, running: Sequence[bool]) -> Tensor:

@@ -125,11 +125,16 @@ class _Prepared:
     last_accuracy: float  # the plain last exit's: the reference of every accuracy target
 
 
-def _prepare(cache: OutputCache, criterion: str, temperature: bool, combine: bool = False) -> _Prepared:
-    crit = get_criterion(criterion)
-    if combine and (temperature or crit.stateful):
+def _check_combine(criterion: str, temperature: bool) -> None:
+    if temperature or get_criterion(criterion).stateful:
         raise AnytimeError("--combine-exits fits each exit's scale itself and scores combined answers: drop "
                            f"{'--temperature' if temperature else f'the {criterion} criterion'} to use it")  # fmt: skip
+
+
+def _prepare(cache: OutputCache, criterion: str, temperature: bool, combine: bool = False) -> _Prepared:
+    get_criterion(criterion)
+    if combine:
+        _check_combine(criterion, temperature)
     temps, weights = None, None
     if temperature:
         temps = fit_temperatures(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels))
@@ -196,7 +201,7 @@ def select_exits(
         raise AnytimeError(f"the latencies are for {len(step_ms)} steps but the outputs have {prep.scores.num_steps}; "
                            "profile this run again")  # fmt: skip
     if combine:
-        _prepare(val, criterion, temperature, combine)  # refuses what combining cannot take, before the search
+        _check_combine(criterion, temperature)
     target = prep.last_accuracy - max_drop / 100
     early = range(prep.scores.num_steps - 1)
     tried: list[tuple[SubsetChoice, Tensor, Scores, Weights | None]] = []
