@@ -123,14 +123,13 @@ def _weights_of(u: Tensor) -> Tensor:
 
 
 def combined_costs(step: Tensor, cost: Tensor, running: Sequence[bool]) -> Tensor:
-    """Per exit, the cost of leaving there when every running head on the way runs (``step``: the backbone
-    up to exit k and its head; ``cost``: the same plus every earlier head, as the outputs cache holds them)."""
+    """Per exit, the cost of leaving there when every running head on the way runs (``step`` and ``cost`` as
+    the outputs cache holds them): :func:`~anytime.calibrate.sweeps.exit_costs` with the running heads enabled."""
     import torch
 
-    heads = torch.diff(cost - step)  # head k for k < K-1
-    backbone = step - torch.cat([heads, heads.new_zeros(1)])
-    paid = torch.cumsum(torch.tensor(list(running[:-1]), dtype=step.dtype) * heads, dim=0)
-    return backbone + torch.cat([paid, paid[-1:]]) if len(paid) else backbone
+    from anytime.calibrate.sweeps import exit_costs
+
+    return exit_costs(step, cost, torch.tensor([list(running[:-1])]))[0]
 
 
 def combined_cache(cache: OutputCache, weights: Weights) -> OutputCache:

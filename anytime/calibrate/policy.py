@@ -145,15 +145,9 @@ class ExitPolicy:
 
     def leave_costs(self, step: Tensor, cost: Tensor) -> Tensor:
         """Per exit, what a sample spends when it leaves there under this policy, ``[K]``: the backbone so far
-        and every head that runs on the way (``step`` and ``cost`` per exit as the outputs cache holds them,
-        in FLOPs or in measured ms)."""
-        import torch
-
-        from anytime.calibrate.sweeps import exit_costs
-
-        if self.combine is not None:
-            return combined_costs(step, cost, self._heads)
-        return exit_costs(step, cost, torch.tensor([[t is not None for t in self.thresholds]]))[0]
+        and every head on the way that :meth:`runs_head` (``step`` and ``cost`` per exit as the outputs cache
+        holds them, in FLOPs or in measured ms)."""
+        return combined_costs(step, cost, self._heads)
 
     def answers(self) -> ExitAnswers:
         """A fresh :class:`ExitAnswers` for one batch: pass each exit's logits through it before
