@@ -89,7 +89,7 @@ _CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience"
 _non_negative_int = _int_at_least(0)
 
 
-def _add_float_layer_options(command: argparse.ArgumentParser, scope: str) -> None:
+def _add_float_layer_options(command: argparse.ArgumentParser, scope: str, artifact: str) -> None:
     """The options of accuracy-aware int8, shared by quantize and export."""
     command.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
                          help=f"{scope}: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float")
@@ -100,6 +100,9 @@ def _add_float_layer_options(command: argparse.ArgumentParser, scope: str) -> No
                          help="--min-agreement keeps at most N layers in float (default 8)")
     command.add_argument("--agreement-images", type=_positive_int, default=1000, metavar="N",
                          help="--min-agreement measures on N validation images, labels unread (default 1000)")
+    command.add_argument("--min-size-ratio", type=_finite_float, metavar="R",
+                         help=f"--min-agreement keeps no more weights in float than leave the int8 {artifact} at least "
+                              "R times smaller than the fp32 one (e.g. 3.5; default: no limit)")
 
 
 def _name_list(text: str) -> tuple[str, ...]:
@@ -510,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "the summary shows every step after PTQ and after QAT")
     quantize.add_argument("--qat-lr", type=_finite_float, default=1e-3, metavar="LR",
                           help="QAT's initial learning rate (SGD, cosine; default 0.001)")
-    _add_float_layer_options(quantize, "int8")
+    _add_float_layer_options(quantize, "int8", "artifact (.pt2, as `anytime export` writes it)")
     quantize.add_argument("--no-compile", action="store_true",
                           help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
     quantize.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -528,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
     export.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
                         help="int8 from a float run: training images that calibrate it (default 512)")
-    _add_float_layer_options(export, "int8 from a float run (a quantized run keeps its own)")
+    _add_float_layer_options(export, "int8 from a float run (a quantized run keeps its own)", "artifact")
     export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
                         help="test images the parity table compares on (default 1000; 0: no table)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
@@ -1618,7 +1621,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                            compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
                            qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=_progress_printer(args),
                            float_layers=args.float_layers, min_agreement=args.min_agreement,
-                           max_float_layers=args.max_float_layers, agreement_images=args.agreement_images)  # fmt: skip
+                           max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
+                           min_size_ratio=args.min_size_ratio)  # fmt: skip
     if args.json:
         return _print_json(summary)
     record = summary["precision"]
@@ -1631,6 +1635,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         lowest = 100 * min(tuning["agreement"])
         print(f"agreement with the float run on {tuning['images']} validation images: lowest step {lowest:.2f}% "
               f"(target {100 * tuning['target']:.2f}%{'' if tuning['met'] else ': not met'})")  # fmt: skip
+        if tuning.get("max_float_weights") is not None:
+            print(f"weights kept in float: {tuning['float_weights']:,} of the {tuning['max_float_weights']:,} "
+                  "--min-size-ratio allows")  # fmt: skip
     if record.get("float_layers"):
         print(f"kept in float: {', '.join(record['float_layers'])}")
     qat = bool(record.get("qat_epochs"))
@@ -1700,7 +1707,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
                         calibration_images=args.calibration_images, parity_images=args.parity_images,
                         float_layers=args.float_layers, min_agreement=args.min_agreement,
                         max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
-                        progress=_progress_printer(args))  # fmt: skip
+                        min_size_ratio=args.min_size_ratio, progress=_progress_printer(args))  # fmt: skip
     if args.json:
         return _print_json(report)
     manifest = report.manifest
@@ -1710,6 +1717,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         tuning = report.tuning
         print(f"agreement with the float run on {tuning.images} validation images: lowest step "
               f"{100 * min(tuning.agreement):.2f}% (target {100 * tuning.target:.2f}%{'' if tuning.met else ': not met'})")
+        if tuning.max_float_weights is not None:
+            print(f"weights kept in float: {tuning.float_weights:,} of the {tuning.max_float_weights:,} --min-size-ratio allows")
     if manifest.float_layers:
         print(f"kept in float: {', '.join(manifest.float_layers)}")
     for part in manifest.parts:

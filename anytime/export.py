@@ -23,7 +23,16 @@ from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.pipeline import _splits_of
 from anytime.precision import backend_for
-from anytime.precision.export import EXPORT, MANIFEST, ExportedModel, ExportManifest, check_exportable, export_model, load_export
+from anytime.precision.export import (
+    EXPORT,
+    MANIFEST,
+    ExportedModel,
+    ExportManifest,
+    check_exportable,
+    export_model,
+    float_weight_budget,
+    load_export,
+)
 from anytime.precision.tuning import Int8Tuning, search_float_layers
 from anytime.profile.latency import per_sample_latency
 from anytime.profile.stats import quantile_of
@@ -124,14 +133,16 @@ def export_run(
     run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
     calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
     float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
-    agreement_images: int = DEFAULT_AGREEMENT_IMAGES, progress: Callable[[str], None] | None = None,
+    agreement_images: int = DEFAULT_AGREEMENT_IMAGES, min_size_ratio: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ExportReport:  # fmt: skip
     """Export a run's steps as ``fmt`` artifacts into ``out`` with a manifest and (unless ``parity_images`` is
     0) the parity table, written as ``parity.csv`` and ``parity.json``. int8 keeps ``float_layers`` in float;
     a run quantized by ``anytime quantize`` keeps the layers it kept. int8 from a float run with
     ``min_agreement`` chooses the layers instead, for this format's own quantizer: each choice is exported and
     its every step compared with the float model on ``agreement_images`` validation images (labels unread),
-    keeping as few layers in float as reach the target (at most ``max_float_layers``); the search is written as
+    keeping as few layers in float as reach the target (at most ``max_float_layers``, and no more weights than
+    leave the artifact ``min_size_ratio`` times smaller than the fp32 one, when given); the search is written as
     ``tuning.json``."""
     source = Path(run_dir)
     run_config(source)  # a clear error for a folder that is not a run
@@ -152,7 +163,7 @@ def export_run(
     if (float_layers or min_agreement is not None) and (precision != "int8" or record is not None):
         raise AnytimeError("--float-layers and --min-agreement are for int8 from a float run; a quantized run exports "
                            "with the layers it kept in float")  # fmt: skip
-    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images)
+    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio)
     if record is not None and precision == "int8":
         float_layers = tuple(record.get("float_layers") or ())
     run = load_run(source, "cpu", converted=False)
@@ -183,6 +194,11 @@ def export_run(
     if min_agreement is not None:
         check_replaceable(Path(out), EXPORT, overwrite=overwrite, create_parents=False)  # before minutes of search
         agreement_on = tuning_images(run, agreement_images)
+        budget = None
+        if min_size_ratio is not None:
+            budget = float_weight_budget(float_model, fmt, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
+                                         name=run.config.model, calibration=calibration or [],
+                                         min_size_ratio=min_size_ratio)  # fmt: skip
 
         def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], None]:
             with tempfile.TemporaryDirectory() as trial:
@@ -192,7 +208,8 @@ def export_run(
 
         _, tuning = search_float_layers(
             float_model, measure, calibration=calibration or [], images=agreement_on, min_agreement=min_agreement,
-            max_float_layers=max_float_layers, activation_levels=_activation_levels(fmt), progress=progress)  # fmt: skip
+            max_float_layers=max_float_layers, max_float_weights=budget, activation_levels=_activation_levels(fmt),
+            progress=progress)  # fmt: skip
         float_layers = tuning.float_layers
     entries = (MANIFEST, "parity.csv", "parity.json", TUNING, f"*.{fmt}", "profile-*.json")
     with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:

@@ -39,7 +39,8 @@ DEFAULT_AGREEMENT_IMAGES = 1000  # validation images accuracy-aware int8 measure
 
 
 def check_float_layer_options(precision: str, float_layers: Sequence[str], min_agreement: float | None,
-                              max_float_layers: int, agreement_images: int) -> None:  # fmt: skip
+                              max_float_layers: int, agreement_images: int,
+                              min_size_ratio: float | None = None) -> None:  # fmt: skip
     """One-line errors for the options that keep int8 layers in float, before any work."""
     if (float_layers or min_agreement is not None) and precision != "int8":
         raise AnytimeError(f"--float-layers and --min-agreement are int8 options (got --precision {precision})")
@@ -47,6 +48,11 @@ def check_float_layer_options(precision: str, float_layers: Sequence[str], min_a
         raise AnytimeError("--float-layers names the layers kept in float and --min-agreement chooses them; give one")
     if min_agreement is not None and not (math.isfinite(min_agreement) and 0.0 < min_agreement <= 1.0):
         raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1], e.g. 0.99 (got {min_agreement})")
+    if min_size_ratio is not None and min_agreement is None:
+        raise AnytimeError("--min-size-ratio bounds the layers --min-agreement keeps in float; give --min-agreement too")
+    if min_size_ratio is not None and not (math.isfinite(min_size_ratio) and min_size_ratio > 1.0):
+        raise AnytimeError(f"--min-size-ratio is how many times smaller than fp32 the int8 artifact must stay, above 1 "
+                           f"(e.g. 3.5; got {min_size_ratio})")  # fmt: skip
     if max_float_layers < 0 or agreement_images < 1:
         raise AnytimeError(f"--max-float-layers must be at least 0 and --agreement-images at least 1 "
                            f"(got {max_float_layers} and {agreement_images})")  # fmt: skip
@@ -142,7 +148,7 @@ def quantize_run(
     out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
     qat_epochs: int = 0, qat_lr: float = 1e-3, progress: Callable[[str], None] | None = None,
     float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
-    agreement_images: int = DEFAULT_AGREEMENT_IMAGES,
+    agreement_images: int = DEFAULT_AGREEMENT_IMAGES, min_size_ratio: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, and return
     its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test);
@@ -151,7 +157,8 @@ def quantize_run(
 
     int8 keeps ``float_layers`` in float; or, with ``min_agreement``, chooses them (:func:`tune_int8`: at most
     ``max_float_layers``) so that every step agrees with the float run on that share of ``agreement_images``
-    validation images."""
+    validation images, keeping no more weights in float than leave the run's .pt2 int8 artifact
+    ``min_size_ratio`` times smaller than the fp32 one (when given)."""
     parent = Path(run_dir)
     run_config(parent)  # a clear error for a folder that is not a run
     if precision_record(parent) is not None:
@@ -168,7 +175,7 @@ def quantize_run(
         raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
     if not (math.isfinite(qat_lr) and qat_lr > 0):
         raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
-    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images)
+    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio)
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
@@ -187,9 +194,17 @@ def quantize_run(
     calibration = list(calibration_batches(run, calibration_images)) if precision == "int8" else None
     tuning = None
     if min_agreement is not None:
+        budget = None
+        if min_size_ratio is not None:
+            from anytime.precision.export import float_weight_budget
+
+            budget = float_weight_budget(run.model.eval(), "pt2", input_shape=shape, name=run.config.model,
+                                         num_classes=int(run.dataset["num_classes"]), calibration=calibration or [],
+                                         min_size_ratio=min_size_ratio)  # fmt: skip
         model, state, tuning = tune_int8(run.model, input_shape=shape, calibration=calibration or [],
                                          images=tuning_images(run, agreement_images), min_agreement=min_agreement,
-                                         max_float_layers=max_float_layers, compile=compile, progress=progress)  # fmt: skip
+                                         max_float_layers=max_float_layers, max_float_weights=budget, compile=compile,
+                                         progress=progress)  # fmt: skip
     else:
         model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
                                device=target_device, float_layers=float_layers)  # fmt: skip

@@ -8,10 +8,12 @@ eager fp32 model on the whole test split: top-1 agreement and the largest logit 
 batch 1 and throughput at batch 32, interleaved with eager. Also the artifacts' bytes on disk, int8 against fp32.
 
 Then accuracy-aware int8 (``--min-agreement``, default MIN_AGREEMENT): ``anytime quantize --min-agreement`` keeps
-the layers int8 hurts most in float until every step agrees with fp32 on that share of 1,000 validation images
-(rows ``int8-tuned``). The quantized run is exported as .pt2; the ONNX artifact runs the same search with
+the layers int8 hurts most in float until every step agrees with fp32 on that share of the validation images
+(rows ``int8-tuned``), keeping no more weights in float than leave the artifact 3.5x smaller than fp32
+(``--min-size-ratio``). The quantized run is exported as .pt2; the ONNX artifact runs the same search with
 ONNX Runtime's quantizer (``anytime export --min-agreement``), since that quantizer rounds more of the graph. Plain
-int8 rows are reported beside them.
+int8 rows are reported beside them. The search aims above the judged 99% because it measures on validation
+images and the verdict is on test images.
 
 Targets (issue 11): every fp32 artifact agrees with eager on >= 99.9% of the test images (top-1), every int8
 artifact on >= 99% (judged on the accuracy-aware rows when they are made, on plain int8 otherwise); the int8
@@ -36,7 +38,8 @@ EXPORTS = (("pt2", "fp32"), ("pt2", "int8"), ("onnx", "fp32"), ("onnx", "int8"))
 CALIBRATION_IMAGES = 512  # training images for int8
 PARITY_IMAGES = 10_000  # the whole CIFAR-10 test split
 LATENCY_IMAGES = 100  # batch-1 timings per step (p50)
-MIN_AGREEMENT = 0.99  # accuracy-aware int8: the share of validation images every step must agree on (0: skip)
+MIN_AGREEMENT = 0.992  # accuracy-aware int8: the share of validation images every step must agree on (0: skip)
+AGREEMENT_IMAGES = 5000  # the whole CIFAR-10 validation split: 1,000 images left a 0.35-point standard error
 MAX_FLOAT_LAYERS = 8
 TARGETS = {"fp32": 0.999, "int8": 0.99, "size": 3.5}
 
@@ -63,11 +66,13 @@ def main() -> int:
                       f"validation images)...", flush=True)  # fmt: skip
                 summary = quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=tuned_run,
                                        min_agreement=args.min_agreement, max_float_layers=MAX_FLOAT_LAYERS,
+                                       agreement_images=AGREEMENT_IMAGES, min_size_ratio=TARGETS["size"],
                                        progress=lambda line: print(f"  {line}", flush=True))  # fmt: skip
                 tunings.append({"run": run_dir.name, "format": "pt2", **summary["precision"]["agreement_tuning"]})
                 # ONNX Runtime quantizes more of the graph than PT2E does: its artifact searches on its own
                 exports += [("pt2", "int8-tuned", tuned_run, {}), ("onnx", "int8-tuned", run_dir, {
                     "min_agreement": args.min_agreement, "max_float_layers": MAX_FLOAT_LAYERS,
+                    "agreement_images": AGREEMENT_IMAGES, "min_size_ratio": TARGETS["size"],
                     "progress": lambda line: print(f"  {line}", flush=True)})]  # fmt: skip
             for fmt, precision, source, options in exports:
                 out = Path(scratch) / f"{run_dir.name}-{fmt}-{precision}"

@@ -365,6 +365,39 @@ def test_int8_export_chooses_the_layers_kept_in_float_for_its_own_quantizer(exit
     assert not (tmp_path / "e").exists()
 
 
+def test_a_size_ratio_bounds_the_weights_the_search_keeps_in_float(exit_run, tmp_path, cli_error):
+    from anytime.export import TUNING
+    from anytime.precision.model import quantizable_layers
+    from anytime.train.runs import load_run
+
+    model = load_run(exit_run, "cpu", converted=False).model.eval()
+    modules = dict(model.named_modules())
+    sizes = {name: modules[name].weight.numel() for name in quantizable_layers(model)}
+    largest = max(sizes, key=sizes.__getitem__)
+    common = ["--format", "pt2", "--precision", "int8", "--calibration-images", "64", "--parity-images", "0"]
+    plain = tmp_path / "plain"
+    assert main(["export", str(exit_run), *common, "--out", str(plain)]) == 0
+    assert main(["export", str(exit_run), *common[:3], "fp32", "--parity-images", "0", "--out", str(tmp_path / "fp32")]) == 0
+    fp32_bytes, int8_bytes = read_manifest(tmp_path / "fp32").bytes, read_manifest(plain).bytes
+    # a ratio whose budget leaves every layer but the largest free to stay float
+    ratio = fp32_bytes / (int8_bytes + 3 * (sizes[largest] - 1))
+    out = tmp_path / "tuned"
+    assert main(["export", str(exit_run), *common, "--min-agreement", "1.0", "--max-float-layers", "2",
+                 "--agreement-images", "50", "--min-size-ratio", f"{ratio:.6f}", "--out", str(out)]) == 0  # fmt: skip
+    tuning = json.loads((out / TUNING).read_text())
+    assert tuning["max_float_weights"] == pytest.approx(sizes[largest] - 1, abs=1)
+    assert largest not in tuning["float_layers"]
+    assert tuning["float_weights"] == sum(sizes[name] for name in tuning["float_layers"]) <= tuning["max_float_weights"]
+    assert fp32_bytes / read_manifest(out).bytes >= ratio
+    tuned = ["--precision", "int8", "--min-agreement", "0.9", "--out", str(tmp_path / "e")]
+    cli_error(["export", str(exit_run), *common[:2], *tuned, "--min-size-ratio", "1"], "above 1")
+    cli_error(["export", str(exit_run), *common[:2], *tuned[:2], "--min-size-ratio", "3", "--out", str(tmp_path / "e")],
+              "give --min-agreement too")  # fmt: skip
+    cli_error(["export", str(exit_run), *common, "--min-agreement", "0.9", "--min-size-ratio", "4.5",
+               "--out", str(tmp_path / "e")], "below --min-size-ratio 4.5")  # fmt: skip
+    assert not (tmp_path / "e").exists()
+
+
 def test_a_network_ending_in_a_global_max_pool_quantizes_to_int8_onnx(tmp_path):
     # The exporter writes the pool as ReduceMax with its axes as an input, which ONNX Runtime's symbolic shape
     # inference cannot follow into the Reshape after it; the fast CIFAR card ends this way.

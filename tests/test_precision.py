@@ -387,6 +387,10 @@ def test_layers_go_back_to_float_by_agreement_bought_per_weight(monkeypatch):
     order, simulated = tuning._cheapest_order(model, {}, 256, torch.zeros(1), [], ranking, 3)
     assert order == ["1", "0", "2"]  # the small layer first; the useless one last, by the single-layer ranking
     assert simulated == pytest.approx([0.9, 0.94, 0.99, 0.99])
+    # with room for 100 weights in float, layer 0 (1,600) never goes back, and the order ends when nothing fits
+    order, simulated = tuning._cheapest_order(model, {}, 256, torch.zeros(1), [], ranking, 3, max_float_weights=100)
+    assert order == ["1", "2"] and simulated == pytest.approx([0.9, 0.94, 0.94])
+    assert tuning._cheapest_order(model, {}, 256, torch.zeros(1), [], ranking, 3, max_float_weights=3) == ([], [0.9])
 
 
 def test_quantize_chooses_layers_kept_in_float_and_the_run_rebuilds_with_them(exit_run, tmp_path, capsys, cli_error):

@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import tempfile
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -491,6 +492,29 @@ def export_model(
     )  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2))
     return manifest
+
+
+def float_weight_budget(
+    model: nn.Module, fmt: str, *, input_shape: tuple[int, ...], num_classes: int, name: str,
+    calibration: Sequence[Tensor], min_size_ratio: float,
+) -> int:  # fmt: skip
+    """The most weights an int8 ``fmt`` artifact of a float model may keep in float and still be at least
+    ``min_size_ratio`` times smaller than its fp32 artifact. Both artifacts are written to a scratch folder
+    and weighed, so the graphs' descriptions count too; each weight kept in float then costs 3 bytes more (4
+    against 1). The quantization parameters a float layer no longer needs are not credited, so the budget errs
+    small. A model whose plain int8 artifact already misses the ratio is a one-line error."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sizes = []
+        for precision in ("fp32", "int8"):
+            folder = Path(scratch) / precision
+            folder.mkdir()
+            sizes.append(export_model(model, fmt, precision, folder, input_shape=input_shape, num_classes=num_classes,
+                                      name=name, calibration=calibration).bytes)  # fmt: skip
+    fp32, int8 = sizes
+    if fp32 / int8 < min_size_ratio:
+        raise AnytimeError(f"with every layer in int8 the {fmt} artifact is {fp32 / int8:.2f}x smaller than fp32, "
+                           f"below --min-size-ratio {min_size_ratio:g}: lower it or leave it out")  # fmt: skip
+    return int((fp32 / min_size_ratio - int8) // 3)
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> ExportManifest:

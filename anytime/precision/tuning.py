@@ -36,6 +36,9 @@ from anytime.precision.model import (
 )
 
 _BATCH = 256
+# Images the simulations rank and order the layers on: some hundred simulations of the whole network decide only
+# the order, while every real conversion is measured on all the images the caller gives.
+_SIMULATION_IMAGES = 1000
 T = TypeVar("T")
 
 
@@ -51,7 +54,8 @@ class LayerSensitivity:
 @dataclass(frozen=True)
 class Int8Tuning:
     """The outcome of :func:`tune_int8`: the layers kept in float, each step's agreement with the float model on
-    the tuning images (measured on the converted graphs), every candidate tried, and the simulated ranking."""
+    the tuning images (measured on the converted graphs), every candidate tried, the simulated ranking, and the
+    weights kept in float against the budget the size target allowed (``None``: no budget)."""
 
     float_layers: tuple[str, ...]
     agreement: tuple[float, ...]
@@ -59,6 +63,8 @@ class Int8Tuning:
     images: int
     tried: tuple[tuple[tuple[str, ...], float], ...]
     ranking: tuple[LayerSensitivity, ...]
+    float_weights: int = 0
+    max_float_weights: int | None = None
 
     @property
     def met(self) -> bool:
@@ -68,7 +74,8 @@ class Int8Tuning:
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready record."""
         return {"float_layers": list(self.float_layers), "agreement": list(self.agreement), "target": self.target,
-                "images": self.images, "met": self.met,
+                "images": self.images, "met": self.met, "float_weights": self.float_weights,
+                "max_float_weights": self.max_float_weights,
                 "tried": [{"float_layers": list(layers), "min_agreement": a} for layers, a in self.tried],
                 "ranking": [{"layer": r.name, "agreement": r.agreement} for r in self.ranking]}  # fmt: skip
 
@@ -171,11 +178,12 @@ def _ranked(model: nn.Module, ranges: dict[str, tuple[float, float]], levels: in
 
 def _cheapest_order(model: nn.Module, ranges: dict[str, tuple[float, float]], levels: int, images: Tensor,
                     reference: list[Tensor], ranking: Sequence[LayerSensitivity], limit: int,
-                    ) -> tuple[list[str], list[float]]:  # fmt: skip
+                    max_float_weights: int | None = None) -> tuple[list[str], list[float]]:  # fmt: skip
     """The order in which layers go back to float: each time the one whose return to float raises the simulated
     agreement most per weight it keeps in float (a float weight costs 4 bytes instead of 1, so a large layer must
-    earn its place), the single-layer ranking breaking ties; and the simulated agreement with the first 0, 1, ...,
-    ``limit`` layers of that order in float."""
+    earn its place), the single-layer ranking breaking ties, among the layers that still fit in
+    ``max_float_weights``; and the simulated agreement with the first 0, 1, ... layers of that order in float (at
+    most ``limit``; fewer when no layer left fits)."""
     modules = dict(model.named_modules())
     names = [r.name for r in ranking]
 
@@ -184,43 +192,55 @@ def _cheapest_order(model: nn.Module, ranges: dict[str, tuple[float, float]], le
 
     order: list[str] = []
     simulated = [simulate(order)]
+    spare = math.inf if max_float_weights is None else max_float_weights
     while len(order) < limit:
-        left = [n for n in names if n not in order]
+        left = [n for n in names if n not in order and modules[n].weight.numel() <= spare]
+        if not left:
+            break
         gains = {n: simulate([*order, n]) for n in left}
         chosen = max(left, key=lambda n: ((gains[n] - simulated[-1]) / modules[n].weight.numel(), -names.index(n)))
         if gains[chosen] <= simulated[-1]:  # no layer helps alone: fall back on the single-layer ranking
             chosen = left[0]
         order.append(chosen)
         simulated.append(gains[chosen])
+        spare -= modules[chosen].weight.numel()
     return order, simulated
 
 
 def search_float_layers(
     model: nn.Module, measure: Callable[[tuple[str, ...]], tuple[tuple[float, ...], T]], *,
     calibration: Sequence[Tensor], images: Tensor, min_agreement: float, max_float_layers: int = 8,
-    activation_levels: int = 256, progress: Callable[[str], None] | None = None,
+    max_float_weights: int | None = None, activation_levels: int = 256, progress: Callable[[str], None] | None = None,
 ) -> tuple[T, Int8Tuning]:  # fmt: skip
     """Keep as few layers of a float model in float as it takes for every step of its int8 form to agree with it
-    on at least ``min_agreement`` of ``images`` (not calibration, not test): the layers ranked by
-    :func:`layer_sensitivity` (inputs fake-quantized to ``activation_levels`` levels), then put in the order that
-    buys the most simulated agreement per weight kept in float, so that the int8 artifact stays small; the search
-    starts at the fewest layers of that order whose simulation meets the target, and keeps one more in float at a
-    time until the target is met or ``max_float_layers`` are float. ``measure(layers)`` builds the real int8 form
-    with ``layers`` in float and returns each step's agreement and whatever the caller keeps of it; the best one's
-    comes back with the :class:`Int8Tuning`. The target not met is not an error (the tuning says so), since a user may accept the
-    closest."""
+    on at least ``min_agreement`` of ``images`` (not calibration, not test).
+
+    The layers are ranked by :func:`layer_sensitivity` on the first 1,000 of the images (inputs fake-quantized to
+    ``activation_levels`` levels), then put in the order that buys the most simulated agreement per weight kept
+    in float, so that the int8 artifact stays small. The search starts at the fewest layers of that order whose
+    simulation meets the target, and keeps one more in float at a time until the target is met,
+    ``max_float_layers`` are float, or no layer left fits in ``max_float_weights`` (the size budget: see
+    :func:`anytime.precision.export.float_weight_budget`).
+
+    ``measure(layers)`` builds the real int8 form with ``layers`` in float and returns each step's agreement on
+    all the images and whatever the caller keeps of it; the best one's comes back with the :class:`Int8Tuning`.
+    The target not met is not an error (the tuning says so), since a user may accept the closest."""
     if not 0.0 < min_agreement <= 1.0:
         raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1] (got {min_agreement})")
-    if max_float_layers < 0:
-        raise AnytimeError(f"--max-float-layers must be at least 0 (got {max_float_layers})")
+    if max_float_layers < 0 or (max_float_weights is not None and max_float_weights < 0):
+        raise AnytimeError(f"--max-float-layers and the float weight budget must be at least 0 "
+                           f"(got {max_float_layers} and {max_float_weights})")  # fmt: skip
     if images.shape[0] == 0:
         raise AnytimeError("accuracy-aware int8 needs images to measure agreement on")
     model = model.eval()
     ranges = _input_ranges(model, quantizable_layers(model), calibration)
-    reference = _predictions(layout_of(model), float_parts(model), images)
-    ranking = _ranked(model, ranges, activation_levels, images, reference)
+    simulated_on = images[:_SIMULATION_IMAGES]
+    reference = _predictions(layout_of(model), float_parts(model), simulated_on)
+    ranking = _ranked(model, ranges, activation_levels, simulated_on, reference)
     limit = min(max_float_layers, len(ranking))
-    order, simulated = _cheapest_order(model, ranges, activation_levels, images, reference, ranking, limit)
+    order, simulated = _cheapest_order(model, ranges, activation_levels, simulated_on, reference, ranking, limit,
+                                       max_float_weights)  # fmt: skip
+    limit = len(order)
     # Where to start: the fewest float layers whose simulation (every other layer fake-quantized) meets the target;
     # each real conversion costs a calibration and a lowering, so the search starts there, not at none.
     start = next((k for k, agreement in enumerate(simulated) if agreement >= min_agreement), limit)
@@ -239,12 +259,15 @@ def search_float_layers(
             break
     assert best is not None
     kept, agreement, layers = best
-    return kept, Int8Tuning(layers, agreement, min_agreement, int(images.shape[0]), tuple(tried), ranking)
+    modules = dict(model.named_modules())
+    weights = sum(modules[name].weight.numel() for name in layers)
+    return kept, Int8Tuning(layers, agreement, min_agreement, int(images.shape[0]), tuple(tried), ranking, weights,
+                            max_float_weights)  # fmt: skip
 
 
 def tune_int8(
     model: nn.Module, *, input_shape: tuple[int, ...], calibration: Sequence[Tensor], images: Tensor,
-    min_agreement: float, max_float_layers: int = 8, compile: bool = True,
+    min_agreement: float, max_float_layers: int = 8, max_float_weights: int | None = None, compile: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
     """int8 of a float model (PT2E, calibrated on ``calibration``, training images) whose every step agrees with
@@ -261,5 +284,6 @@ def tune_int8(
 
     (converted, state), tuning = search_float_layers(
         model, measure, calibration=calibration, images=images, min_agreement=min_agreement,
-        max_float_layers=max_float_layers, activation_levels=levels, progress=progress)  # fmt: skip
+        max_float_layers=max_float_layers, max_float_weights=max_float_weights, activation_levels=levels,
+        progress=progress)  # fmt: skip
     return converted, state, tuning
