@@ -337,6 +337,42 @@ def test_the_pooling_that_only_a_float_layer_reads_stays_float_in_int8_onnx(tmp_
         assert rounded == ([True, True] if not layers else [False, False])
 
 
+class _Scaled(nn.Module):
+    """A classifier whose logits are scaled after the linear layer, as the fast CIFAR card's are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                                  nn.Linear(32, 10))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * 0.125
+
+
+def test_int8_onnx_answers_with_logits_that_are_not_rounded(tmp_path):
+    # Rounding the logits to 256 levels swaps near-tied classes; the linear layer keeps int8 weights.
+    import onnx
+
+    torch.manual_seed(0)
+    model = _Scaled().eval()
+    calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(9))]
+    int8 = _export(model, "onnx", tmp_path / "int8", precision="int8", calibration=calibration)
+    graph = onnx.load(str(tmp_path / "int8" / int8.manifest.parts[0].file)).graph
+    made_by = {output: node for node in graph.node for output in node.output}
+    gemm = next(n for n in graph.node if n.op_type in ("Gemm", "MatMul"))
+    assert made_by[graph.output[0].name].op_type == "Mul" and made_by[gemm.output[0]].op_type in ("Gemm", "MatMul")
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] in gemm.output for n in graph.node)
+    weight = made_by[gemm.input[1]]
+    assert weight.op_type == "DequantizeLinear"
+    assert any(t.name == weight.input[0] and t.data_type == onnx.TensorProto.INT8 for t in graph.initializer)
+    x = torch.randn(64, *SHAPE, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        reference = model(x)
+    logits = int8.forward_until(x, 0)
+    # unrounded logits take (nearly) as many values as the batch has entries; 256 levels could not
+    assert logits.unique().numel() > 256 and torch.allclose(logits, reference, atol=0.2)
+
+
 def test_int8_export_chooses_the_layers_kept_in_float_for_its_own_quantizer(exit_run, tmp_path, capsys, cli_error):
     from anytime.export import TUNING, _compare
     from anytime.quantize import tuning_images

@@ -315,6 +315,26 @@ def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str]
     return found
 
 
+def _logits_tail(path: Path) -> list[str]:
+    """The weightless nodes (scaling, flattening, pooling) between a graph's last layers with weights and its
+    output, when that output is logits (``[N, C]``): left in float, with the linear layers' outputs, so that the
+    answer is not rounded to 256 levels, where near-tied classes swap (PT2E leaves a linear layer's output
+    float too). Empty for a segment whose output is a feature map."""
+    onnx, _ = _onnx_modules()
+    graph = onnx.load(str(path)).graph
+    if any(len(v.type.tensor_type.shape.dim) != 2 for v in graph.output):
+        return []
+    made_by = {o: node for node in graph.node for o in node.output}
+    found, waiting = [], [v.name for v in graph.output]
+    while waiting:
+        node = made_by.get(waiting.pop())
+        if node is None or node.op_type in _WEIGHTED_OPS or node.name in found:
+            continue
+        found.append(node.name)
+        waiting.extend(name for name in node.input if name)
+    return found
+
+
 def _without_debug_info(path: Path) -> None:
     """The exporter annotates every node with its Python stack and module path; a deployed graph needs neither."""
     onnx, _ = _onnx_modules()
@@ -369,6 +389,7 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
     prepared = path.with_name(path.stem + ".pre.onnx")
     try:
         excluded = _nodes_of_modules(float_path, float_modules, folded)
+        excluded += [name for name in _logits_tail(float_path) if name not in excluded]
         try:
             quant_pre_process(str(float_path), str(prepared))
         except Exception:  # noqa: BLE001  its symbolic shape inference knows no ReduceMax with axes as an input
@@ -376,7 +397,7 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
         quantize_static(
             str(prepared), str(path), reader, quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=x86_without_vnni(),
-            nodes_to_exclude=excluded,
+            nodes_to_exclude=excluded, extra_options={"OpTypesToExcludeOutputQuantization": ["Gemm", "MatMul"]},
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         raise AnytimeError(f"ONNX Runtime could not quantize {what} ({_first_line(exc)})") from None
