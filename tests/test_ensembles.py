@@ -59,9 +59,36 @@ def test_mean_and_weighted_fusers_average_probabilities():
     assert torch.allclose(w.sum(), torch.tensor(1.0)) and w[1] > 0.8
 
 
-def test_an_unfitted_mlp_fuser_is_mean_fusion():
+def test_an_unfitted_mlp_fuser_is_the_geometric_mean():
     answers = torch.randn(3, 5, 10).log_softmax(-1)
-    assert torch.allclose(make_fuser("mlp", 3, 10)(answers), make_fuser("mean", 3, 10)(answers), atol=1e-6)
+    assert torch.allclose(make_fuser("mlp", 3, 10)(answers), answers.mean(dim=0), atol=1e-6)
+
+
+def test_the_mlp_fuser_gives_a_right_but_soft_member_its_say():
+    """A member right on 90% of samples that never says more than 0.4 (as after label smoothing), beside one right
+    on 60% at 0.97: a mean of probabilities follows the confident one; the fitted pool follows the right one."""
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (2000,), generator=generator)
+
+    def member(right: float, top: float) -> torch.Tensor:
+        wrong = torch.rand(2000, generator=generator) > right
+        said = torch.where(wrong, (labels + torch.randint(1, 4, (2000,), generator=generator)) % 4, labels)
+        probs = torch.full((2000, 4), (1 - top) / 3)
+        probs[torch.arange(2000), said] = top
+        return probs.log()
+
+    logps = torch.stack([member(0.9, 0.4), member(0.6, 0.97)])
+    fit, test = slice(0, 1000), slice(1000, 2000)
+    fused = fit_fuser(make_fuser("mlp", 2, 4), logps[:, fit], labels[fit], FAST)
+
+    def accuracy(logits: torch.Tensor) -> float:
+        return float((logits.argmax(1) == labels[test]).float().mean())
+
+    soft_alone = accuracy(logps[0, test])
+    with torch.no_grad():
+        assert accuracy(make_fuser("mean", 2, 4)(logps[:, test])) < soft_alone - 0.2
+        assert accuracy(fused(logps[:, test])) >= soft_alone - 0.01
+    assert fused.weights[0] > 5 * fused.weights[1]
 
 
 def test_cross_fitting_answers_each_sample_with_the_fuser_that_did_not_see_it():
