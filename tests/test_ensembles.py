@@ -350,3 +350,14 @@ def test_an_ensemble_moved_with_its_members_still_loads(members, tmp_path):
     moved = shutil.move(str(tree), str(tmp_path / "moved"))
     run = load_run(Path(moved) / "E")
     assert run.num_steps == 2
+
+
+def test_an_mlp_ensemble_from_before_the_pool_is_refused_in_one_line(ensemble_run, tmp_path, cli_error):
+    from anytime.train.checkpoint import read_weights
+    from safetensors.torch import save_file
+
+    old = tmp_path / "old"
+    shutil.copytree(ensemble_run[0], old)
+    weights = {k: v for k, v in read_weights(old / "model.safetensors").items() if not k.endswith("log_weights")}
+    save_file(weights, str(old / "model.safetensors"))
+    cli_error(["collect", str(old), "--split", "test"], "build the ensemble again", "pool")

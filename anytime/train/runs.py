@@ -190,7 +190,13 @@ def _ensemble(run: Path, record: dict[str, Any], num_classes: int, device: torch
                 f"ensemble was fit on {entry.get('fingerprint')}); build the ensemble again with `anytime ensemble`"
             )  # fmt: skip
         members.append(loaded.model)
-    load_weights(bank, run / WEIGHTS)
+    try:
+        load_weights(bank, run / WEIGHTS)
+    except AnytimeError as exc:
+        if record["fuser"] != "mlp":
+            raise
+        raise AnytimeError(f"{exc}; MLP fusers built before 2026-11-27 lack their pool's weights: build the "
+                           f"ensemble again with `anytime ensemble`") from None
     label = f"ensemble {record['fuser']}({' + '.join(i.name for i in infos)})"
     return EnsembleModel(members, infos, bank).to(device), label
 
