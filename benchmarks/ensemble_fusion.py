@@ -22,7 +22,8 @@ from common import REPO, fuser_share, member_runs, parser, report, run
 from anytime.ensemble import build_ensemble
 
 # Hyper-parameters
-MEMBERS = ("cifar10-resnet20-5ep", "cifar10-resnet32-exits-12ep", "cifar10-resnet18-2ep", "cifar10-vgg11-10ep")  # in runs/
+# in runs/: trained on a lent H200 (BENCHMARKS.md, 2026-11-27), four architectures of comparable accuracy
+MEMBERS = ("cifar10-resnet20-30ep", "cifar10-resnet32-exits-16ep", "cifar10-vgg11-30ep", "cifar10-resnet18-12ep")
 FOLDS = 5  # cross-fitting folds of the validation split
 TIMED = 300  # batch-1 timings of the fuser and of the whole ensemble
 GAIN_POINTS = 2.0
@@ -33,7 +34,7 @@ FUSER_SHARE = 0.02
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--members", default=",".join(str(REPO / "runs" / m) for m in MEMBERS),
-                   help="trained float runs, comma-separated (default: the three CIFAR-10 runs in runs/)")
+                   help="trained float runs, comma-separated (default: the four CIFAR-10 runs of MEMBERS in runs/)")
     args = p.parse_args()
     members, quantized = member_runs(args.members)
     rows = {}
