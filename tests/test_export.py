@@ -59,6 +59,40 @@ def test_an_exported_early_exit_does_not_run_later_stages(tmp_path):
     assert called == [0, 1]  # segment 0 and head 0 only
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_onnx_early_exit_of_one_sample_runs_each_segment_and_its_head_as_one_graph(precision, tmp_path):
+    from anytime.calibrate import ExitPolicy
+
+    model = _families()["exits"].eval()
+    calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(1))]
+    exported = _export(model, "onnx", tmp_path / "export", precision=precision, calibration=calibration)
+    samples = torch.randn(12, *SHAPE, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        scores = torch.stack([torch.special.entr(exported.forward_until(samples, k).softmax(1)).sum(1)
+                              for k in range(exported.num_steps - 1)])  # fmt: skip
+    policy = ExitPolicy("entropy", tuple(float(row.median()) for row in scores))
+    called: list[int] = []  # the separate artifacts: only the last segment, for samples that reach it
+    for i, part in enumerate(exported.parts):
+        part.register_forward_hook(lambda *args, i=i: called.append(i))
+    joined = [policy.run(exported, samples[i : i + 1]) for i in range(12)]
+    assert called == [2 * (exported.num_steps - 1)] * sum(int(o.exits) == exported.num_steps - 1 for o in joined)
+    apart = [policy._run_one(exported.segments, exported.heads, samples[i : i + 1]) for i in range(12)]
+    assert 0 < sum(int(o.exits) < exported.num_steps - 1 for o in joined) < 12
+    for a, b in zip(joined, apart):
+        assert torch.equal(a.exits, b.exits) and torch.equal(a.predictions, b.predictions)
+        assert torch.allclose(a.logits, b.logits, atol=1e-5)
+    assert exported.segment_and_head(exported.num_steps - 1, samples[:1]) is None
+    pt2 = _export(model, "pt2", tmp_path / "pt2")
+    assert pt2.segment_and_head(0, samples[:1]) is None
+
+
+def test_converted_parts_wrap_their_segments_and_heads_once(tmp_path):
+    exported = _export(_families()["exits"], "pt2", tmp_path / "export")
+    keys = set(exported.state_dict())
+    assert exported.segments[0] is exported.segments[0] and exported.heads[0] is exported.heads[0]
+    assert set(exported.state_dict()) == keys  # the wrappers are not registered as more modules
+
+
 class _Wide(nn.Module):
     """Weights dominate the file: two 1024x1024 layers."""
 

@@ -211,12 +211,21 @@ class PartsModel(nn.Module):
     @property
     def segments(self) -> tuple[nn.Module, ...]:
         """Multi-exit models: the converted backbone segments (with the input cast of the first)."""
-        return tuple(_Cast(p, self._dtype) if i == 0 else p for i, p in enumerate(self.parts[0::2]))
+        return self._wrapped()[0]
 
     @property
     def heads(self) -> list[nn.Module]:
         """Multi-exit models: the converted exit heads (logits returned in float32)."""
-        return [_Float(p) for p in self.parts[1::2]]
+        return list(self._wrapped()[1])
+
+    def _wrapped(self) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+        # Made once: building the wrapper modules on every early-exit call cost 30 us at batch 1 (LeNet: 110 us
+        # in all). Kept in a plain attribute, so the parts are not registered twice.
+        wrapped = self.__dict__.get("_wrappers")
+        if wrapped is None:
+            segments = tuple(_Cast(p, self._dtype) if i == 0 else p for i, p in enumerate(self.parts[0::2]))
+            wrapped = self.__dict__["_wrappers"] = (segments, tuple(_Float(p) for p in self.parts[1::2]))
+        return wrapped
 
     def backbone(self, x: Tensor) -> Tensor:
         """The whole converted network to its last exit (what the plain backbone computes)."""
