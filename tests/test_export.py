@@ -86,6 +86,22 @@ def test_onnx_early_exit_of_one_sample_runs_each_segment_and_its_head_as_one_gra
     assert pt2.segment_and_head(0, samples[:1]) is None
 
 
+def test_onnx_exits_that_cannot_be_joined_run_apart_and_a_changed_artifact_is_refused(tmp_path, monkeypatch):
+    exported = _export(_families()["exits"], "onnx", tmp_path / "export")
+    x = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(5))
+
+    def refuse(*args: object) -> bytes:
+        raise ValueError("other IR versions")
+
+    monkeypatch.setattr("anytime.precision.export._fused_exit_graph", refuse)
+    assert exported.segment_and_head(0, x) is None
+    monkeypatch.undo()
+    head = tmp_path / "export" / exported.manifest.parts[3].file
+    head.write_bytes(head.read_bytes() + b"\0")
+    with pytest.raises(AnytimeError, match="changed since the export was loaded"):
+        exported.segment_and_head(1, x)
+
+
 def test_converted_parts_wrap_their_segments_and_heads_once(tmp_path):
     exported = _export(_families()["exits"], "pt2", tmp_path / "export")
     keys = set(exported.state_dict())

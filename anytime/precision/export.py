@@ -658,7 +658,7 @@ def _ort_session(path: Path, provider: str, threads: int, graph: bytes | None = 
 def _fused_exit_graph(segment: Path, head: Path) -> bytes:
     """One ONNX graph computing a segment and its exit head: outputs the segment's features and the head's
     logits. At batch 1 on a small network every ONNX Runtime call costs about 10-15 us whatever it computes
-    (an exit head alone: 17 us of LeNet's 110), so early exit calls one graph per exit instead of two."""
+    (LeNet's exit head alone: 17 us), so early exit calls one graph per exit instead of two."""
     onnx, _ = _onnx_modules()
     from onnx import compose
 
@@ -680,25 +680,38 @@ class ExportedModel(PartsModel):
         self.manifest = manifest
         self.backend = backend
         self._onnx = onnx  # (folder, provider, threads) of ONNX artifacts
-        self._fused: dict[int, tuple[Any, str]] = {}
+        self._fused: dict[int, tuple[Any, str] | None] = {}  # None: this pair could not be joined
 
     def segment_and_head(self, k: int, h: Tensor) -> tuple[Tensor, Tensor] | None:
         """Segment ``k`` and exit head ``k`` of a multi-exit ONNX export in one ONNX Runtime call: (the segment's
         features, the head's float32 logits); ``None`` where the export has no such pair (then call
-        :attr:`segments` and :attr:`heads`). The joined graph is built from the two artifacts on first use."""
+        :attr:`segments` and :attr:`heads`). The joined graph is built from the two artifacts on first use, after
+        checking them against the manifest again; a pair ONNX cannot join runs as two calls."""
         if self._onnx is None or self.layout != "exits" or not 0 <= k < self.num_steps - 1:
             return None
-        fused = self._fused.get(k)
+        if k not in self._fused:
+            self._fused[k] = self._join(k)
+        fused = self._fused[k]
         if fused is None:
-            folder, provider, threads = self._onnx
-            segment, head = self.manifest.parts[2 * k], self.manifest.parts[2 * k + 1]
-            graph = _fused_exit_graph(folder / segment.file, folder / head.file)
-            session = _ort_session(folder / segment.file, provider, threads, graph)
-            fused = self._fused[k] = (session, session.get_inputs()[0].name)
+            return None
         session, name = fused
         array = np.ascontiguousarray(h.detach().cpu().numpy(), dtype=np.float32)
         features, logits = session.run(None, {name: array})
         return torch.from_numpy(features), torch.from_numpy(logits).float()
+
+    def _join(self, k: int) -> tuple[Any, str] | None:
+        assert self._onnx is not None
+        folder, provider, threads = self._onnx
+        pair = self.manifest.parts[2 * k : 2 * k + 2]
+        for part in pair:
+            if sha256_of(folder / part.file) != part.sha256:
+                raise AnytimeError(f"{folder / part.file} changed since the export was loaded; load the export again")
+        try:
+            graph = _fused_exit_graph(folder / pair[0].file, folder / pair[1].file)
+        except Exception:  # noqa: BLE001 - onnx.compose refuses some pairs (e.g. other IR versions): run them apart
+            return None
+        session = _ort_session(folder / pair[0].file, provider, threads, graph)
+        return session, session.get_inputs()[0].name
 
     @property
     def artifact_bytes(self) -> int:
