@@ -32,8 +32,10 @@ from anytime.utils.progress import StudyProgress
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
-MEMBERS = ("runs/cifar10-resnet20-5ep", "runs/cifar10-resnet32-exits-12ep", "runs/cifar10-vgg11-10ep")  # float runs
-EXIT_RUN = "runs/cifar10-resnet32-exits-12ep"  # the early-exit ladder compared at matched latency
+# float runs, trained on a lent H200 (BENCHMARKS.md, 2026-11-27)
+MEMBERS = ("runs/cifar10-resnet20-30ep", "runs/cifar10-resnet32-exits-16ep", "runs/cifar10-vgg11-30ep",
+           "runs/cifar10-resnet18-12ep")  # fmt: skip
+EXIT_RUN = "runs/cifar10-resnet32-exits-16ep"  # the early-exit ladder compared at matched latency
 QUICK_MEMBERS = {"lenet": None, "resnet20": "auto"}  # digits members trained in quick mode: model -> exits
 QUICK_EPOCHS = 3
 FOLDS = 5  # cross-fitting folds of the validation split
