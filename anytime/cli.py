@@ -1675,6 +1675,9 @@ def _cmd_ensemble(args: argparse.Namespace) -> int:
     for kind in FUSERS:
         cells = [f"{100 * t:6.2f}% ({100 * v:5.2f}%)" for t, v in zip(report.test_acc[kind], report.val_acc[kind])]
         print(f"{kind + (' *' if kind == report.fuser else ''):<9} " + " ".join(f"{c:>16}" for c in cells))
+    if report.stacking is not None:
+        val, test = report.stacking
+        print(f"scikit-learn cross-check, LogisticRegression on all members: test {100 * test:.2f}% ({100 * val:.2f}%)")
     best = report.best_member
     print(f"best single member (by validation): {best.name}, test {100 * best.test_acc:.2f}%")
     print(f"next: anytime profile {report.out}; anytime calibrate {report.out} ...; anytime schedule {report.out} --deadline-ms D")

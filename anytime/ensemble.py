@@ -70,6 +70,7 @@ class EnsembleReport:
     val_acc: dict[str, tuple[float, ...]]
     test_acc: dict[str, tuple[float, ...]]
     cost_source: str
+    stacking: tuple[float, float] | None = None  # scikit-learn's cross-check, all members: (validation, test)
 
     @property
     def best_member(self) -> MemberReport:
@@ -192,6 +193,27 @@ def _accuracy(logits: Tensor | np.ndarray, labels: Tensor) -> float:
     return float((predicted == labels).float().mean())
 
 
+def stacking_check(val_logps: Tensor, val_labels: Tensor, test_logps: Tensor, test_labels: Tensor, *,
+                   folds: int, seed: int) -> tuple[float, float]:  # fmt: skip
+    """scikit-learn's cross-check of the learned fusers: a multinomial ``LogisticRegression`` on every member's
+    log-probabilities (a stacking meta-learner over members trained already, which ``StackingClassifier`` would
+    retrain). Its validation accuracy is cross-fitted over the same number of folds (``cross_val_predict``); its
+    test accuracy comes from the fit on the whole validation split."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import KFold, StratifiedKFold, cross_val_predict
+
+    def features(logps: Tensor) -> np.ndarray:
+        return logps.permute(1, 0, 2).reshape(logps.shape[1], -1).numpy()
+
+    x, y = features(val_logps), val_labels.numpy()
+    learner = LogisticRegression(max_iter=1000)
+    splitter = StratifiedKFold if np.bincount(y).min() >= folds else KFold  # a rare class: folds need not hold it
+    cv = splitter(n_splits=folds, shuffle=True, random_state=seed)
+    heldout = cross_val_predict(learner, x, y, cv=cv)
+    learner.fit(x, y)
+    return float((heldout == y).mean()), float((learner.predict(features(test_logps)) == test_labels.numpy()).mean())
+
+
 def greedy_order(logps: Tensor, labels: Tensor, costs: Sequence[float]) -> list[int]:
     """Members in the order that adds the most validation accuracy per millisecond at each step (accuracy of the
     prefix fused by the mean of probabilities; a first member is measured against chance)."""
@@ -283,7 +305,8 @@ def build_ensemble(
                      "precision": precision, "step": info.step, "flops": info.flops, "params": info.params,
                      "cost_ms": rep.cost_ms} for r, (info, precision), rep in zip(runs, described, reports)],
     }  # fmt: skip
-    report = EnsembleReport(target, fuser, order, reports, val_acc, test_acc, cost_source)
+    stacking = stacking_check(val_logps, val_labels, test_logps, test_labels, folds=folds, seed=settings.seed)
+    report = EnsembleReport(target, fuser, order, reports, val_acc, test_acc, cost_source, stacking)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as work:
         write_json(work / "config.json", {
@@ -334,6 +357,9 @@ def _summary(report: EnsembleReport, model: EnsembleModel, target: Path, first: 
         "exits": [{**e.to_dict(), "val_acc": report.val_acc[fuser][e.index], "test_acc": report.test_acc[fuser][e.index]}
                   for e in model.exit_info],
         "fusers": {k: {"val_acc": list(report.val_acc[k]), "test_acc": list(report.test_acc[k])} for k in FUSERS},
+        "stacking_check": None if report.stacking is None else {
+            "learner": "sklearn LogisticRegression on all members' log-probabilities",
+            "val_acc": report.stacking[0], "test_acc": report.stacking[1]},
         "validation": "cross-fitted: each validation image answered by fusers fit without its fold",
         "backbone_flops": model.backbone_flops, "cost_source": report.cost_source,
         "device": device_label(device), "created": now,

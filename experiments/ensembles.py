@@ -4,7 +4,8 @@ For trained CIFAR-10 runs of different architectures (and their int8 forms, `any
 fp32 and the int8 ensemble (`anytime ensemble`: cost order, every fuser fit on validation, cross-fitted), profiles
 both ladders, every member alone and the multi-exit member's own exits at batch 1 on this machine, and reports each
 option's test accuracy against its p99 latency: every member alone, every fuser at every prefix, the int8 ensemble
-vs the fp32 ensemble, and the early-exit ladder of the same machine at matched latency. Without the CIFAR-10 runs
+vs the fp32 ensemble, scikit-learn's cross-check (a LogisticRegression stacking the members' log-probabilities),
+and the early-exit ladder of the same machine at matched latency. Without the CIFAR-10 runs
 (or with --quick) it trains small digits members first (a smoke test, not figures).
 
 Run: `anytime experiment ensembles [--quick] [--out DIR] [--overwrite]` (full: about 15 minutes on 2 CPU cores with
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                 for k, acc in enumerate(report.test_acc[kind]):
                     rows.append({"kind": f"ensemble {kind}", "precision": precision, "step": profile.step_names[k],
                                  "p99_ms": latency[k], "test_acc": acc, "val_acc": report.val_acc[kind][k]})  # fmt: skip
+            if report.stacking is not None:  # scikit-learn's fuser, all members: about the cost of the last step
+                rows.append({"kind": "sklearn stacking", "precision": precision, "step": profile.step_names[-1],
+                             "p99_ms": latency[-1], "test_acc": report.stacking[1], "val_acc": report.stacking[0]})  # fmt: skip
             for member in report.members:
                 alone, _ = profile_run(member.run, batch_sizes=[1], repeats=repeats, memory=False,
                                        out=out / "profiles" / f"{Path(member.run).name}.json")  # fmt: skip

@@ -89,6 +89,10 @@ def test_the_mlp_fuser_gives_a_right_but_soft_member_its_say():
         assert accuracy(make_fuser("mean", 2, 4)(logps[:, test])) < soft_alone - 0.2
         assert accuracy(fused(logps[:, test])) >= soft_alone - 0.01
     assert fused.weights[0] > 5 * fused.weights[1]
+    from anytime.ensemble import stacking_check
+
+    val, test_acc = stacking_check(logps[:, fit], labels[fit], logps[:, test], labels[test], folds=5, seed=0)
+    assert test_acc >= soft_alone - 0.02 and abs(val - soft_alone) < 0.05  # scikit-learn's stacking agrees
 
 
 def test_cross_fitting_answers_each_sample_with_the_fuser_that_did_not_see_it():
@@ -220,6 +224,9 @@ def test_an_ensemble_run_records_members_fusers_and_caches(ensemble_run, members
     costs = [m.cost_ms for m in report.members]
     assert costs == sorted(costs)
     assert set(report.test_acc) == {"mlp", "mean", "vote", "weighted"}
+    assert report.stacking is not None and all(0 <= a <= 1 for a in report.stacking)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stacking_check"]["test_acc"] == report.stacking[1]
     record = json.loads((out / "config.json").read_text())["ensemble"]
     assert [m["name"] for m in record["members"]] == [m.name for m in report.members]
     resnet = next(m for m in record["members"] if m["name"] == "resnet20")
@@ -361,3 +368,12 @@ def test_an_mlp_ensemble_from_before_the_pool_is_refused_in_one_line(ensemble_ru
     weights = {k: v for k, v in read_weights(old / "model.safetensors").items() if not k.endswith("log_weights")}
     save_file(weights, str(old / "model.safetensors"))
     cli_error(["collect", str(old), "--split", "test"], "build the ensemble again", "pool")
+
+
+def test_the_ensemble_command_prints_every_fuser_and_the_scikit_learn_cross_check(members, tmp_path, capsys):
+    out = tmp_path / "E"
+    assert main(["ensemble", "--members", f"{members[0]},{members[1]}", "--order", "given", "--fuser", "mean",
+                 "--folds", "2", "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert all(f"\n{kind}" in printed for kind in ("mlp", "vote", "weighted")) and "mean *" in printed
+    assert "scikit-learn cross-check, LogisticRegression on all members: test" in printed

@@ -239,7 +239,8 @@ def test_ensembles_study_quick(tmp_path):
     assert main(["experiment", "ensembles", "--quick", "--out", str(out)]) == 0
     rows = _rows(out / "results.csv")
     kinds = {(r["kind"], r["precision"]) for r in rows}
-    assert {("ensemble mlp", "fp32"), ("ensemble mlp", "int8"), ("member alone", "int8"), ("early exits", "fp32")} <= kinds
+    assert {("ensemble mlp", "fp32"), ("ensemble mlp", "int8"), ("member alone", "int8"), ("early exits", "fp32"),
+            ("sklearn stacking", "fp32")} <= kinds  # fmt: skip
     assert all(float(r["p99_ms"]) > 0 and 0 <= float(r["test_acc"]) <= 1 for r in rows)
     assert (out / "ensembles.png").is_file()
     from anytime.train.runs import load_run
