@@ -201,12 +201,15 @@ def stacking_check(val_logps: Tensor, val_labels: Tensor, test_logps: Tensor, te
     test accuracy comes from the fit on the whole validation split."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import KFold, StratifiedKFold, cross_val_predict
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
 
     def features(logps: Tensor) -> np.ndarray:
         return logps.permute(1, 0, 2).reshape(logps.shape[1], -1).numpy()
 
     x, y = features(val_logps), val_labels.numpy()
-    learner = LogisticRegression(max_iter=1000)
+    # standardised: log-probabilities reach -20, and unscaled they left L-BFGS unconverged after 1,000 iterations
+    learner = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
     splitter = StratifiedKFold if np.bincount(y).min() >= folds else KFold  # a rare class: folds need not hold it
     cv = splitter(n_splits=folds, shuffle=True, random_state=seed)
     heldout = cross_val_predict(learner, x, y, cv=cv)
