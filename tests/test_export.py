@@ -59,47 +59,92 @@ def test_an_exported_early_exit_does_not_run_later_stages(tmp_path):
     assert called == [0, 1]  # segment 0 and head 0 only
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_onnx_early_exit_of_one_sample_runs_each_segment_and_its_head_as_one_graph(precision, tmp_path):
-    from anytime.calibrate import ExitPolicy
+def _policy_at_medians(exported: ExportedModel, samples: torch.Tensor, criterion: str, temperatures=None):
+    """A policy whose thresholds let about half of ``samples`` leave at every early exit (each between two
+    samples' scores, so that rounding cannot tip a decision)."""
+    from anytime.calibrate import ExitPolicy, get_criterion
 
+    crit = get_criterion(criterion)
+    temps = temperatures or (1.0,) * exported.num_steps
+    with torch.no_grad():
+        scores = [crit.score(exported.forward_until(samples, k), temps[k]) for k in range(exported.num_steps - 1)]
+    return ExitPolicy(criterion, tuple(float(torch.quantile(s, 0.5)) for s in scores), temperatures)
+
+
+@pytest.mark.parametrize(("precision", "criterion", "temperatures"), [
+    ("fp32", "entropy", None), ("int8", "entropy", None), ("fp32", "normalized-entropy", (0.7, 1.3, 2.0)),
+    ("fp32", "confidence", None), ("fp32", "margin", (1.5, 0.8, 1.0)),
+])  # fmt: skip
+def test_a_policy_compiled_into_onnx_graphs_answers_as_the_policy_does(precision, criterion, temperatures, tmp_path):
     model = _families()["exits"].eval()
     calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(1))]
     exported = _export(model, "onnx", tmp_path / "export", precision=precision, calibration=calibration)
-    samples = torch.randn(12, *SHAPE, generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        scores = torch.stack([torch.special.entr(exported.forward_until(samples, k).softmax(1)).sum(1)
-                              for k in range(exported.num_steps - 1)])  # fmt: skip
-    policy = ExitPolicy("entropy", tuple(float(row.median()) for row in scores))
-    called: list[int] = []  # the separate artifacts: only the last segment, for samples that reach it
+    samples = torch.randn(24, *SHAPE, generator=torch.Generator().manual_seed(4))
+    policy = _policy_at_medians(exported, samples, criterion, temperatures)
+    program = exported.exit_program(policy)
+    assert program is not None and exported.exit_program(policy) is program  # compiled once
+    called: list[int] = []  # the artifacts' own sessions: the compiled graphs replace them
     for i, part in enumerate(exported.parts):
         part.register_forward_hook(lambda *args, i=i: called.append(i))
-    joined = [policy.run(exported, samples[i : i + 1]) for i in range(12)]
-    assert called == [2 * (exported.num_steps - 1)] * sum(int(o.exits) == exported.num_steps - 1 for o in joined)
-    apart = [policy._run_one(exported.segments, exported.heads, samples[i : i + 1]) for i in range(12)]
-    assert 0 < sum(int(o.exits) < exported.num_steps - 1 for o in joined) < 12
-    for a, b in zip(joined, apart):
-        assert torch.equal(a.exits, b.exits) and torch.equal(a.predictions, b.predictions)
-        assert torch.allclose(a.logits, b.logits, atol=1e-5)
-    assert exported.segment_and_head(exported.num_steps - 1, samples[:1]) is None
-    pt2 = _export(model, "pt2", tmp_path / "pt2")
-    assert pt2.segment_and_head(0, samples[:1]) is None
+    with torch.inference_mode():
+        expected = policy._run(exported, samples)  # the tensor path, artifact by artifact
+    called.clear()
+    whole = policy.run(exported, samples)
+    ones = [policy.run(exported, samples[i : i + 1]) for i in range(len(samples))]
+    assert called == []
+    assert len(set(expected.exits.tolist())) >= 3  # samples leave at several exits
+    assert torch.equal(whole.exits, expected.exits) and torch.equal(whole.predictions, expected.predictions)
+    assert whole.logits.dtype == torch.float32 and torch.allclose(whole.logits, expected.logits, atol=1e-5)
+    assert torch.equal(torch.cat([o.exits for o in ones]), expected.exits)
+    assert torch.equal(torch.cat([o.predictions for o in ones]), expected.predictions)
+    assert torch.allclose(torch.cat([o.logits for o in ones]), expected.logits, atol=1e-5)
+    arrays = program(samples.numpy().astype("float64"))  # any float array: cast to the graph's input type
+    assert arrays.exits.tolist() == expected.exits.tolist()
 
 
-def test_onnx_exits_that_cannot_be_joined_run_apart_and_a_changed_artifact_is_refused(tmp_path, monkeypatch):
+def test_a_compiled_policy_skips_heads_nobody_leaves_at_and_leaves_other_policies_to_the_tensor_path(tmp_path):
+    from anytime.calibrate import ExitPolicy
+
+    model = _families()["exits"].eval()
+    exported = _export(model, "onnx", tmp_path / "export")
+    samples = torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(6))
+    policy = _policy_at_medians(exported, samples, "entropy")
+    gaps = ExitPolicy("entropy", (None, policy.thresholds[1]))
+    with torch.inference_mode():
+        expected = gaps._run(exported, samples)
+    out = gaps.run(exported, samples)
+    assert set(out.exits.tolist()) == {1, 2} and torch.equal(out.exits, expected.exits)
+    assert exported.exit_program(ExitPolicy("patience", (1.0, 1.0))) is None
+    combining = ExitPolicy("entropy", (0.5, 0.5), combine=((1.0,), (0.5, 0.5), (0.3, 0.3, 0.4)))
+    assert exported.exit_program(combining) is None
+    assert _export(model, "pt2", tmp_path / "pt2").exit_program(policy) is None
+    plain = _export(_families()["plain"].eval(), "onnx", tmp_path / "plain")
+    alone = plain.exit_program(ExitPolicy("entropy", ()))
+    assert alone is not None
+    with torch.no_grad():
+        assert alone(samples.numpy()).predictions.tolist() == plain(samples).argmax(1).tolist()
+    with pytest.raises(AnytimeError, match="thresholds for 2 exits but the model has 3"):
+        exported.exit_program(ExitPolicy("entropy", (0.5,)))
+
+
+def test_a_policy_onnx_cannot_take_runs_apart_and_a_changed_artifact_is_refused(tmp_path, monkeypatch):
     exported = _export(_families()["exits"], "onnx", tmp_path / "export")
-    x = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(5))
+    samples = torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(5))
+    policy = _policy_at_medians(exported, samples, "entropy")
 
     def refuse(*args: object) -> bytes:
         raise ValueError("other IR versions")
 
-    monkeypatch.setattr("anytime.precision.export._fused_exit_graph", refuse)
-    assert exported.segment_and_head(0, x) is None
+    monkeypatch.setattr("anytime.precision.exit_program._answering", refuse)
+    assert exported.exit_program(policy) is None
+    with torch.inference_mode():
+        expected = policy._run(exported, samples)
+    assert torch.equal(policy.run(exported, samples).exits, expected.exits)
     monkeypatch.undo()
     head = tmp_path / "export" / exported.manifest.parts[3].file
     head.write_bytes(head.read_bytes() + b"\0")
     with pytest.raises(AnytimeError, match="changed since the export was loaded"):
-        exported.segment_and_head(1, x)
+        exported.exit_program(policy.__class__("confidence", (0.5, 0.5)))
 
 
 def test_converted_parts_wrap_their_segments_and_heads_once(tmp_path):

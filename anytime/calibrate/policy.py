@@ -8,7 +8,7 @@ samples still in, so no work is spent on a sample that has already left.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +223,12 @@ class ExitPolicy:
         step computes in: a converted model's heads answer in float32, its last segment in its own precision."""
         import torch
 
+        compiled = getattr(model, "exit_program", None)
+        program = compiled(self) if compiled is not None and x.device.type == "cpu" else None
+        if program is not None:  # an ONNX export: the policy runs inside its graphs, on arrays
+            answer = program(x.detach().numpy())
+            return EarlyExitOutput(torch.from_numpy(answer.predictions), torch.from_numpy(answer.exits),
+                                   torch.from_numpy(answer.logits))  # fmt: skip
         with torch.inference_mode():
             return self._run(model, x)
 
@@ -248,7 +254,7 @@ class ExitPolicy:
         if crit.stateful:
             return self._run_patience(segments, heads, x)
         if x.shape[0] == 1:
-            return self._run_one(segments, heads, x, getattr(model, "segment_and_head", None))
+            return self._run_one(segments, heads, x)
         limits, temps = self._limits, self._temps
         batch = x.shape[0]
         last = self.num_steps - 1
@@ -317,27 +323,21 @@ class ExitPolicy:
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
-    def _run_one(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor,
-                 joint: Callable[[int, Tensor], tuple[Tensor, Tensor] | None] | None = None) -> EarlyExitOutput:  # fmt: skip
-        # One sample: no bookkeeping of who is still in, one scalar decision per exit (the latency path). ``joint``
-        # (a model's ``segment_and_head``) computes a segment and its head in one call where the model can.
+    def _run_one(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
+        # One sample: no bookkeeping of who is still in, one scalar decision per exit (the latency path).
         import torch
 
         last = len(segments) - 1
         answers = self.answers() if self.combine is not None else None
         h = x
         for k, segment in enumerate(segments):
-            both = joint(k, h) if joint is not None and k < last and self._heads[k] else None
-            if both is not None:
-                h, raw = both
-            else:
-                h = segment(h)
-                if k == last:
-                    logits = h if answers is None else answers.answer(k, h)
-                    break
-                if not self._heads[k]:
-                    continue
-                raw = heads[k](h)
+            h = segment(h)
+            if k == last:
+                logits = h if answers is None else answers.answer(k, h)
+                break
+            if not self._heads[k]:
+                continue
+            raw = heads[k](h)
             logits = raw if answers is None else answers.answer(k, raw)
             if self._limits[k] != -math.inf and self.leaves(k, logits):
                 break

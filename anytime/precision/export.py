@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ from torch import Tensor, nn
 from anytime.contract import step_count
 from anytime.errors import AnytimeError
 from anytime.precision.model import X86_7BIT, PartsModel, lower_int8, quiet_torchao, x86_without_vnni
+
+if TYPE_CHECKING:
+    from anytime.calibrate.policy import ExitPolicy
+    from anytime.precision.exit_program import ExitProgram
 
 FORMATS: tuple[str, ...] = ("pt2", "onnx")
 EXPORTABLE: dict[str, tuple[str, ...]] = {"pt2": ("fp32", "int8", "bf16", "fp16"), "onnx": ("fp32", "int8")}
@@ -655,21 +659,6 @@ def _ort_session(path: Path, provider: str, threads: int, graph: bytes | None = 
         raise AnytimeError(f"ONNX Runtime could not load {path} ({_first_line(exc)}); export the run again") from None
 
 
-def _fused_exit_graph(segment: Path, head: Path) -> bytes:
-    """One ONNX graph computing a segment and its exit head: outputs the segment's features and the head's
-    logits. At batch 1 on a small network every ONNX Runtime call costs about 10-15 us whatever it computes
-    (LeNet's exit head alone: 17 us), so early exit calls one graph per exit instead of two."""
-    onnx, _ = _onnx_modules()
-    from onnx import compose
-
-    first = onnx.load(str(segment))
-    second = compose.add_prefix(onnx.load(str(head)), "exit_head/")
-    features, logits = first.graph.output[0].name, second.graph.output[0].name
-    merged = compose.merge_models(first, second, io_map=[(features, second.graph.input[0].name)],
-                                  outputs=[features, logits])  # fmt: skip
-    return merged.SerializeToString()
-
-
 class ExportedModel(PartsModel):
     """An export's artifacts under the step contract: ``.pt2`` programs (int8 lowered to oneDNN kernels unless
     ``lower=False``) or ONNX graphs run by ONNX Runtime. ``manifest`` says what they are."""
@@ -680,38 +669,21 @@ class ExportedModel(PartsModel):
         self.manifest = manifest
         self.backend = backend
         self._onnx = onnx  # (folder, provider, threads) of ONNX artifacts
-        self._fused: dict[int, tuple[Any, str] | None] = {}  # None: this pair could not be joined
+        self._programs: dict[ExitPolicy, ExitProgram | None] = {}
 
-    def segment_and_head(self, k: int, h: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Segment ``k`` and exit head ``k`` of a multi-exit ONNX export in one ONNX Runtime call: (the segment's
-        features, the head's float32 logits); ``None`` where the export has no such pair (then call
-        :attr:`segments` and :attr:`heads`). The joined graph is built from the two artifacts on first use, after
-        checking them against the manifest again; a pair ONNX cannot join runs as two calls."""
-        if self._onnx is None or self.layout != "exits" or not 0 <= k < self.num_steps - 1:
-            return None
-        if k not in self._fused:
-            self._fused[k] = self._join(k)
-        fused = self._fused[k]
-        if fused is None:
-            return None
-        session, name = fused
-        array = np.ascontiguousarray(h.detach().cpu().numpy(), dtype=np.float32)
-        features, logits = session.run(None, {name: array})
-        return torch.from_numpy(features), torch.from_numpy(logits).float()
+    @property
+    def onnx_location(self) -> tuple[Path, str, int] | None:
+        """Where ONNX artifacts are loaded from and how they run: (folder, provider, threads); ``None`` for .pt2."""
+        return self._onnx
 
-    def _join(self, k: int) -> tuple[Any, str] | None:
-        assert self._onnx is not None
-        folder, provider, threads = self._onnx
-        pair = self.manifest.parts[2 * k : 2 * k + 2]
-        for part in pair:
-            if sha256_of(folder / part.file) != part.sha256:
-                raise AnytimeError(f"{folder / part.file} changed since the export was loaded; load the export again")
-        try:
-            graph = _fused_exit_graph(folder / pair[0].file, folder / pair[1].file)
-        except Exception:  # noqa: BLE001 - onnx.compose refuses some pairs (e.g. other IR versions): run them apart
-            return None
-        session = _ort_session(folder / pair[0].file, provider, threads, graph)
-        return session, session.get_inputs()[0].name
+    def exit_program(self, policy: ExitPolicy) -> ExitProgram | None:
+        """``policy`` compiled into this export's ONNX graphs (made on first use, then kept): what
+        ``policy.run(self, x)`` runs; ``None`` where it cannot be compiled (see :func:`compile_policy`)."""
+        if policy not in self._programs:
+            from anytime.precision.exit_program import compile_policy
+
+            self._programs[policy] = compile_policy(self, policy)
+        return self._programs[policy]
 
     @property
     def artifact_bytes(self) -> int:
