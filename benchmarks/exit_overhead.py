@@ -13,7 +13,9 @@ exit pays at all: LeNet (under 0.5 ms per image here) with one exit after its fi
 least half the saving the FLOPs promise. ``--form`` times both models in an inference form (e.g. fold);
 ``--small-onnx`` times the small network's two models as ONNX exports run by ONNX Runtime instead: early exit
 is the policy compiled into the multi-exit export's graphs (``ExportedModel.exit_program``), the backbone the plain
-network's one-graph export, both on arrays (the verdict), and both again through the tensor API.
+network's one-graph export, both on arrays (the verdict), and both again through the tensor API. ``--onnx``
+times the ResNet-32 that way too (the compiled policy against the plain export, on arrays), and the small network
+as with ``--small-onnx``.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def main() -> int:
     p.add_argument("--form", default="eager", help="inference form timed (eager, fold, fold+channels-last...)")
     p.add_argument("--threads", type=int, help="torch threads for the timing (default torch's: one per core)")
     p.add_argument("--small-onnx", action="store_true", help="time the small network as ONNX Runtime exports")
+    p.add_argument("--onnx", action="store_true", help="time both networks as ONNX Runtime exports (the policy "
+                   "compiled into the multi-exit export's graphs, on arrays)")  # fmt: skip
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,22 +114,31 @@ def main() -> int:
     policy = ExitPolicy("entropy", (0.0,) * (model.num_steps - 1))
     figures: dict[str, dict[str, float]] = {}
     worst = 0.0
-    for batch_size, batches in ((1, 60 if args.quick else 600), (32, 8 if args.quick else 80)):
-        inputs = torch.randn(batch_size * batches, 3, 32, 32)
-        times = per_sample_latency(
-            {"backbone": lambda x: model.backbone(x), "exits": lambda x: policy.run(model, x)},
-            inputs, warmup=10, batch_size=batch_size,
-        )  # fmt: skip
-        plain, exits = latency_summary(times["backbone"]), latency_summary(times["exits"])
-        ratio = exits["mean_ms"] / plain["mean_ms"]
-        worst = max(worst, ratio)
-        figures[f"batch{batch_size}"] = {"backbone_mean_ms": plain["mean_ms"], "exits_mean_ms": exits["mean_ms"],
-                                         "backbone_p50_ms": plain["p50_ms"], "exits_p50_ms": exits["p50_ms"],
-                                         "ratio_mean": ratio, "ratio_p50": exits["p50_ms"] / plain["p50_ms"]}  # fmt: skip
-        print(f"batch {batch_size:>2}: backbone {plain['mean_ms']:.3f} ms, with exits {exits['mean_ms']:.3f} ms "
-              f"(mean; p50 {plain['p50_ms']:.3f} vs {exits['p50_ms']:.3f}) -> {ratio:.3f}x")  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.onnx:
+            exported, plain_export = _onnx_pair(model, Path(scratch))
+            program, plain_program = exported.exit_program(policy), plain_export.exit_program(ExitPolicy("entropy", ()))
+            if program is None or plain_program is None:
+                raise SystemExit("the ONNX exports could not take the policy into their graphs; see compile_policy")
+            functions = {"backbone": lambda x: plain_program(x.numpy()), "exits": lambda x: program(x.numpy())}
+        else:
+            functions = {"backbone": lambda x: model.backbone(x), "exits": lambda x: policy.run(model, x)}
+        for batch_size, batches in ((1, 60 if args.quick else 600), (32, 8 if args.quick else 80)):
+            inputs = torch.randn(batch_size * batches, 3, 32, 32)
+            times = per_sample_latency(functions, inputs, warmup=10, batch_size=batch_size)
+            plain, exits = latency_summary(times["backbone"]), latency_summary(times["exits"])
+            ratio = exits["mean_ms"] / plain["mean_ms"]
+            worst = max(worst, ratio)
+            figures[f"batch{batch_size}"] = {"backbone_mean_ms": plain["mean_ms"], "exits_mean_ms": exits["mean_ms"],
+                                             "backbone_p50_ms": plain["p50_ms"], "exits_p50_ms": exits["p50_ms"],
+                                             "ratio_mean": ratio, "ratio_p50": exits["p50_ms"] / plain["p50_ms"]}  # fmt: skip
+            print(f"batch {batch_size:>2}{' (ONNX Runtime)' if args.onnx else ''}: backbone {plain['mean_ms']:.3f} ms, "
+                  f"with exits {exits['mean_ms']:.3f} ms (mean; p50 {plain['p50_ms']:.3f} vs {exits['p50_ms']:.3f}) "
+                  f"-> {ratio:.3f}x")  # fmt: skip
+    args.small_onnx = args.small_onnx or args.onnx
     small = small_network(200 if args.quick else 3000, args.form, args.small_onnx)
     figures["form"] = args.form  # type: ignore[assignment]
+    figures["runtime"] = "onnxruntime" if args.onnx else "torch"  # type: ignore[assignment]
     figures["small_network_runtime"] = "onnxruntime" if args.small_onnx else "torch"  # type: ignore[assignment]
     figures["threads"] = torch.get_num_threads()  # type: ignore[assignment]
     figures["small_network"] = small

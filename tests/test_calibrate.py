@@ -122,6 +122,31 @@ def test_criteria_values():
     )
 
 
+@pytest.mark.parametrize("criterion", ["entropy", "normalized-entropy", "confidence", "margin"])
+def test_one_sample_scored_in_python_floats_agrees_with_the_tensor_score(criterion):
+    crit = get_criterion(criterion)
+    generator = torch.Generator().manual_seed(7)
+    for i, classes in enumerate([2, 10, 100, 10, 128]):
+        logits = torch.randn(1, classes, generator=generator) * (1 + 10 * i)  # up to peaked: probabilities of 0
+        for temperature in (1.0, 0.3, 2.5):
+            expected = float(crit.score(logits, temperature))
+            assert crit.score_row(logits[0].tolist(), temperature) == pytest.approx(expected, rel=1e-12, abs=1e-14)
+    with pytest.raises(AnytimeError, match="patience compares exits"):
+        get_criterion("patience").score_row([0.0, 1.0])
+
+
+def test_the_one_sample_decision_agrees_with_the_batch_decision():
+    generator = torch.Generator().manual_seed(8)
+    logits = torch.randn(400, 10, generator=generator) * 3
+    for criterion in ("entropy", "confidence", "margin"):
+        scores = get_criterion(criterion).score(logits, 1.7)
+        threshold = float(torch.quantile(scores, 0.4))
+        policy = ExitPolicy(criterion, (threshold,), temperatures=(1.7, 1.0))
+        batch = policy.confident(0, logits)
+        assert batch is not None and 0 < int(batch.sum()) < 400
+        assert [policy.leaves(0, row[None]) for row in logits] == batch.tolist()
+
+
 def test_max_drop_calibration_meets_its_target_and_saves():
     cache = random_cache(n=2000)
     last = cache.step_accuracy()[-1]

@@ -55,6 +55,26 @@ class Criterion:
         top = p.topk(2, dim=-1).values
         return top[..., 0] - top[..., 1]
 
+    def score_row(self, logits: Sequence[float], temperature: float = 1.0) -> float:
+        """:meth:`score` of one sample's logits given as Python floats, in Python's float64 arithmetic. At batch 1
+        with few classes this is the cheap way: a handful of PyTorch operators on a 10-value tensor cost 7 us
+        measured alone, and about 35 us each when they run between a network's convolutions (ResNet-32 at batch 1:
+        its four exits' criterion added 3.6% to the whole network)."""
+        if self.stateful:
+            raise AnytimeError("patience compares exits with each other; score it with score() on every exit's logits")
+        z = [v / temperature for v in logits] if temperature != 1.0 else list(logits)
+        top = max(z)
+        e = [math.exp(v - top) for v in z]
+        total = math.fsum(e)
+        if self.name in ("entropy", "normalized-entropy"):
+            entropy = -math.fsum(v / total * math.log(v / total) for v in e if v > 0.0)
+            return entropy / math.log(len(z)) if self.name == "normalized-entropy" else entropy
+        first = max(e)
+        if self.name == "confidence":
+            return first / total
+        e.remove(first)
+        return (first - max(e)) / total
+
     def signed(self, scores: Tensor) -> Tensor:
         """Scores turned so that lower is always more confident (a sample leaves when signed <= signed threshold)."""
         return scores if self.low_is_confident else -scores

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from anytime.outputs import OutputCache
 
 
+_ROW_CLASSES = 128  # up to this many classes, one sample is scored in Python floats (Criterion.score_row)
+
+
 @dataclass(frozen=True)
 class PolicyResult:
     """How a policy does on a split: accuracy, mean FLOPs per sample and where samples leave."""
@@ -183,7 +186,10 @@ class ExitPolicy:
         if limit == -math.inf:
             return False
         crit = get_criterion(self.criterion)
-        score = float(crit.score(logits, self._temps[k]))
+        if not logits.is_cuda and logits.shape[-1] <= _ROW_CLASSES:
+            score = crit.score_row(logits.tolist()[0], self._temps[k])
+        else:
+            score = float(crit.score(logits, self._temps[k]))
         return (score if crit.low_is_confident else -score) <= limit
 
     def evaluate(self, cache: OutputCache) -> PolicyResult:
@@ -223,12 +229,14 @@ class ExitPolicy:
         step computes in: a converted model's heads answer in float32, its last segment in its own precision."""
         import torch
 
-        compiled = getattr(model, "exit_program", None)
-        program = compiled(self) if compiled is not None and x.device.type == "cpu" else None
+        # Looked up on the class: a missing attribute of a module raises inside nn.Module.__getattr__, a few us.
+        program = model.exit_program(self) if hasattr(type(model), "exit_program") and not x.is_cuda else None
         if program is not None:  # an ONNX export: the policy runs inside its graphs, on arrays
             answer = program(x.detach().numpy())
             return EarlyExitOutput(torch.from_numpy(answer.predictions), torch.from_numpy(answer.exits),
                                    torch.from_numpy(answer.logits))  # fmt: skip
+        if torch.is_inference_mode_enabled():  # entering it again costs about 9 us, a share of a small network
+            return self._run(model, x)
         with torch.inference_mode():
             return self._run(model, x)
 
