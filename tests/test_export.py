@@ -123,8 +123,47 @@ def test_a_compiled_policy_skips_heads_nobody_leaves_at_and_leaves_other_policie
     assert alone is not None
     with torch.no_grad():
         assert alone(samples.numpy()).predictions.tolist() == plain(samples).argmax(1).tolist()
-    with pytest.raises(AnytimeError, match="thresholds for 2 exits but the model has 3"):
+    with pytest.raises(AnytimeError, match="this policy is for 2 exits; the model has 3 exits"):
         exported.exit_program(ExitPolicy("entropy", (0.5,)))
+
+
+@pytest.mark.parametrize("alone_is_faster", [True, False])
+def test_a_batch_of_one_runs_each_graph_on_one_thread_where_that_measured_faster(alone_is_faster, tmp_path, monkeypatch):
+    from anytime.calibrate import ExitPolicy
+
+    _export(_families()["exits"], "onnx", tmp_path / "export")
+    exported = load_export(tmp_path / "export", threads=2)
+    monkeypatch.setattr("anytime.precision.exit_program._faster_alone", lambda *args: alone_is_faster)
+    samples = torch.randn(10, *SHAPE, generator=torch.Generator().manual_seed(9))
+    policy = _policy_at_medians(exported, samples, "confidence")
+    program = exported.exit_program(policy)
+    assert program is not None
+    for graph in program._graphs:
+        assert (graph.one is not graph.session) == alone_is_faster
+    with torch.inference_mode():
+        expected = policy._run(exported, samples)
+    assert [int(policy.run(exported, samples[i : i + 1]).exits) for i in range(10)] == expected.exits.tolist()
+    single = load_export(tmp_path / "export", threads=1).exit_program(ExitPolicy("entropy", (None, None)))
+    assert single is not None and all(graph.one is graph.session for graph in single._graphs)  # nothing to choose
+
+
+def test_the_thread_choice_compares_medians_of_interleaved_runs():
+    from anytime.precision.exit_program import _TRIALS, _faster_alone
+
+    class Session:
+        def __init__(self, cost: float) -> None:
+            self.cost, self.calls = cost, 0
+
+        def run(self, outputs: object, feed: dict) -> None:
+            assert feed["x"].shape == (1, 3, 8, 8)
+            self.calls += 1
+            now[0] += self.cost
+
+    now = [0.0]
+    for threaded_cost, single_cost, expected in ((2.0, 1.0, True), (1.0, 2.0, False)):
+        threaded, single = Session(threaded_cost), Session(single_cost)
+        assert _faster_alone(threaded, single, "x", (3, 8, 8), float, clock=lambda: now[0]) is expected
+        assert threaded.calls == single.calls == _TRIALS + 2  # two warm-up runs each
 
 
 def test_a_policy_onnx_cannot_take_runs_apart_and_a_changed_artifact_is_refused(tmp_path, monkeypatch):

@@ -4,12 +4,15 @@ segment, the exit head, the policy's criterion and its decision, run on NumPy ar
 On a small network every framework operation around the graphs costs about as much as a layer: at batch 1 a
 LeNet answers in 88 us in ONNX Runtime, while scoring its logits with PyTorch operators, turning arrays into tensors
 and entering inference mode cost 35 us more per answer. Here the decision is made inside the graph (in float64,
-as :mod:`anytime.calibrate.criteria` makes it) and Python only reads one boolean per exit.
+as :mod:`anytime.calibrate.criteria` makes it) and Python only reads one boolean per exit. With more than one
+thread, a batch of 1 runs each graph on one thread where that measured faster when the policy was compiled.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from anytime.precision.export import ExportedModel
 
 _MIN_OPSET = 13  # ReduceSum takes its axes as an input from here on
-_NUMPY_OF_ONNX = {1: np.float32, 10: np.float16, 11: np.float64}  # ONNX TensorProto element types
+_NUMPY_OF_ONNX = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,34 @@ class ArrayAnswer:
 
 @dataclass(frozen=True)
 class _Graph:
-    """One exit's ONNX Runtime session. ``decides``: it outputs (features, logits, leave, prediction); ``last``: it
+    """One exit's ONNX Runtime sessions. ``decides``: it outputs (features, logits, leave, prediction); ``last``: it
     is the last exit's and outputs (logits, prediction); neither: a segment whose head nobody leaves at (features)."""
 
     session: Any
+    one: Any  # the session for a batch of 1: ``session`` or, where it measured faster, a one-thread copy
     input_name: str
     decides: bool
     last: bool
+
+
+_TRIALS = 15  # timed batch-1 runs of each thread count when choosing
+
+
+def _faster_alone(threaded: Any, single: Any, name: str, shape: tuple[int, ...], dtype: type,
+                  clock: Callable[[], float] = time.perf_counter) -> bool:  # fmt: skip
+    """Whether ``single`` (one thread) answers a batch of 1 faster than ``threaded``: median of interleaved runs.
+    On a small graph waking a second thread for every operator costs more than the thread saves (a LeNet in
+    ONNX Runtime at batch 1: about 0.185 ms with 2 threads, 0.127 ms with 1), on a large one it pays."""
+    x = np.zeros((1, *shape), dtype=dtype)
+    for session in (threaded, single, threaded, single):
+        session.run(None, {name: x})
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(2 * _TRIALS):
+        session = (threaded, single)[i % 2]
+        start = clock()
+        session.run(None, {name: x})
+        times[i % 2].append(clock() - start)
+    return float(np.median(times[1])) < float(np.median(times[0]))
 
 
 class ExitProgram:
@@ -67,7 +91,7 @@ class ExitProgram:
         # One sample: one boolean read per exit, nothing else (the latency path).
         h = x
         for k, graph in enumerate(self._graphs):
-            outputs = graph.session.run(None, {graph.input_name: h})
+            outputs = graph.one.run(None, {graph.input_name: h})
             if graph.last:
                 logits, prediction = outputs
                 break
@@ -118,7 +142,8 @@ def compile_policy(model: ExportedModel, policy: ExitPolicy) -> ExitProgram | No
     crit = get_criterion(policy.criterion)
     if location is None or model.layout not in ("exits", "plain") or crit.stateful or policy.combine is not None:
         return None
-    policy.check(model.num_steps, model.manifest.num_classes)
+    if policy.num_steps != model.num_steps:
+        raise AnytimeError(f"this policy is for {policy.num_steps} exits; the model has {model.num_steps} exits")
     folder, provider, threads = location
     parts = [folder / part.file for part in model.manifest.parts]
     for path, part in zip(parts, model.manifest.parts):
@@ -128,11 +153,10 @@ def compile_policy(model: ExportedModel, policy: ExitPolicy) -> ExitProgram | No
     temps = policy.temperatures or (1.0,) * policy.num_steps
     classes = model.manifest.num_classes
     graphs: list[_Graph] = []
+    first: type = np.float32
     try:
         for k in range(model.num_steps):
             segment = onnx.load(str(parts[2 * k]))
-            if k == 0:
-                dtype = _NUMPY_OF_ONNX.get(segment.graph.input[0].type.tensor_type.elem_type, np.float32)
             if k == model.num_steps - 1:
                 graph = _answering(segment, None, policy.criterion, 1.0, None, classes)
             elif policy.thresholds[k] is None:
@@ -143,11 +167,20 @@ def compile_policy(model: ExportedModel, policy: ExitPolicy) -> ExitProgram | No
             if graph is not None and not graph:
                 return None
             session = _ort_session(parts[2 * k], provider, threads, graph)
-            graphs.append(_Graph(session, session.get_inputs()[0].name, graph is not None and k < model.num_steps - 1,
+            name, kind = session.get_inputs()[0].name, session.get_inputs()[0].type
+            dtype = _NUMPY_OF_ONNX.get(kind, np.float32)
+            one = session
+            if threads > 1 and provider == "cpu":
+                single = _ort_session(parts[2 * k], provider, 1, graph)
+                shape = model.manifest.parts[2 * k].input_shape
+                one = single if _faster_alone(session, single, name, shape, dtype) else session
+            graphs.append(_Graph(session, one, name, graph is not None and k < model.num_steps - 1,
                                  k == model.num_steps - 1))  # fmt: skip
+            if k == 0:
+                first = dtype
     except Exception:  # noqa: BLE001 - ONNX cannot extend some graphs (e.g. other IR versions): the tensor path runs them
         return None
-    return ExitProgram(graphs, dtype)
+    return ExitProgram(graphs, first)
 
 
 def _opset(model: Any) -> int:
