@@ -230,7 +230,7 @@ class ExitPolicy:
         import torch
 
         # Looked up on the class: a missing attribute of a module raises inside nn.Module.__getattr__, a few us.
-        program = model.exit_program(self) if hasattr(type(model), "exit_program") and not x.is_cuda else None
+        program = model.exit_program(self) if hasattr(type(model), "exit_program") and x.device.type == "cpu" else None
         if program is not None:  # an ONNX export: the policy runs inside its graphs, on arrays
             answer = program(x.detach().numpy())
             return EarlyExitOutput(torch.from_numpy(answer.predictions), torch.from_numpy(answer.exits),
