@@ -186,6 +186,37 @@ def test_a_policy_onnx_cannot_take_runs_apart_and_a_changed_artifact_is_refused(
         exported.exit_program(policy.__class__("confidence", (0.5, 0.5)))
 
 
+def test_adaptive_poolings_export_as_plain_poolings_or_two_products_and_answer_the_same(tmp_path):
+    import onnx
+
+    class Pools(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.odd = nn.AdaptiveAvgPool2d(4)  # on 15x15: windows of 4, 5, 5 and 4, overlapping
+            self.even = nn.AdaptiveAvgPool2d((2, None))  # on 8x8 -> 2x8: plain 4x1 windows
+            self.head = nn.Linear(8 * 16 + 8 * 16, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.stem(x)
+            odd = self.odd(h[..., :15, :15])
+            even = self.even(h[..., :8, :8])
+            return self.head(torch.cat([odd.flatten(1), even.flatten(1)], dim=1))
+
+    model = Pools().eval()
+    exported = _export(model, "onnx", tmp_path / "export", (3, 16, 16))
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "export" / exported.manifest.parts[0].file)).graph.node]
+    assert "Gather" not in ops and ops.count("AveragePool") == 1 and ops.count("MatMul") == 2
+    x = torch.randn(6, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(exported(x), model(x), atol=1e-5)
+    assert isinstance(model.odd, nn.AdaptiveAvgPool2d)  # the model itself is untouched
+    calibration = [torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(1))]
+    quantized = _export(model, "onnx", tmp_path / "int8", (3, 16, 16), precision="int8", calibration=calibration)
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "int8" / quantized.manifest.parts[0].file)).graph.node]
+    assert ops.count("AveragePool") == 1 and ops.count("MatMul") == 0  # no pooling matrices for the quantizer to round
+
+
 def test_converted_parts_wrap_their_segments_and_heads_once(tmp_path):
     exported = _export(_families()["exits"], "pt2", tmp_path / "export")
     keys = set(exported.state_dict())
