@@ -160,10 +160,13 @@ def test_the_thread_choice_compares_medians_of_interleaved_runs():
             now[0] += self.cost
 
     now = [0.0]
-    for threaded_cost, single_cost, expected in ((2.0, 1.0, True), (1.0, 2.0, False)):
+    for threaded_cost, single_cost, expected in ((2e-4, 1e-4, True), (1e-4, 2e-4, False)):
         threaded, single = Session(threaded_cost), Session(single_cost)
         assert _faster_alone(threaded, single, "x", (3, 8, 8), float, clock=lambda: now[0]) is expected
         assert threaded.calls == single.calls == _TRIALS + 2  # two warm-up runs each
+    threaded, single = Session(2.5e-3), Session(4e-3)  # a large graph: threads kept, no trials
+    assert _faster_alone(threaded, single, "x", (3, 8, 8), float, clock=lambda: now[0]) is False
+    assert threaded.calls == single.calls == 2
 
 
 def test_a_policy_onnx_cannot_take_runs_apart_and_a_changed_artifact_is_refused(tmp_path, monkeypatch):

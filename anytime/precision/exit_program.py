@@ -52,6 +52,7 @@ class _Graph:
 
 
 _TRIALS = 15  # timed batch-1 runs of each thread count when choosing
+_LARGE_S = 0.002  # a graph whose one-thread run at batch 1 takes longer keeps its threads untried
 
 
 def _faster_alone(threaded: Any, single: Any, name: str, shape: tuple[int, ...], dtype: type,
@@ -60,8 +61,12 @@ def _faster_alone(threaded: Any, single: Any, name: str, shape: tuple[int, ...],
     On a small graph waking a second thread for every operator costs more than the thread saves (a LeNet in
     ONNX Runtime at batch 1: about 0.185 ms with 2 threads, 0.127 ms with 1), on a large one it pays."""
     x = np.zeros((1, *shape), dtype=dtype)
-    for session in (threaded, single, threaded, single):
+    for session in (threaded, single, threaded):
         session.run(None, {name: x})
+    start = clock()
+    single.run(None, {name: x})
+    if clock() - start > _LARGE_S:
+        return False  # a graph this long gains from threads: no trials (30 runs of a large graph take seconds)
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(2 * _TRIALS):
         session = (threaded, single)[i % 2]
