@@ -151,3 +151,24 @@ def fuser_share(ensemble_dir: Path, samples: int) -> tuple[float, float]:
         times = per_sample_latency({"fuser": lambda x: fuser(answers), "ladder": lambda x: model.forward_until(x, last)},
                                    inputs, warmup=20)  # fmt: skip
     return float(np.median(times["fuser"]) * 1000), float(np.median(times["ladder"]) * 1000)
+
+
+def onnx_programs(model: Any, policy: Any, folder: Path, *, input_shape: tuple[int, ...], num_classes: int) -> tuple[Any, ...]:
+    """The multi-exit ``model`` and its plain backbone exported as fp32 ONNX into ``folder`` and loaded back (as many
+    ONNX Runtime threads as torch has), ``policy`` compiled into the first and the plain network's argmax into the
+    second: (early exit's program, the backbone's program, the multi-exit export, the plain export)."""
+    import torch
+
+    from anytime.calibrate import ExitPolicy
+    from anytime.precision.export import export_model, load_export
+
+    exports = []
+    for name, part in (("exits", model), ("plain", model.backbone)):
+        (folder / name).mkdir()
+        export_model(part, "onnx", "fp32", folder / name, input_shape=input_shape, num_classes=num_classes, name=name)
+        exports.append(load_export(folder / name, threads=torch.get_num_threads()))
+    program, plain = exports[0].exit_program(policy), exports[1].exit_program(ExitPolicy(policy.criterion, ()))
+    if program is None or plain is None:
+        raise AnytimeError("this policy cannot be compiled into ONNX graphs (a combining or patience policy); "
+                           "time it through policy.run instead")  # fmt: skip
+    return program, plain, exports[0], exports[1]

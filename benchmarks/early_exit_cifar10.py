@@ -24,12 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
+from common import add_exit_run_options, exit_run_dir, onnx_programs, parser, prepare_exit_run, report, run
 
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.pipeline import calibrate_run, evaluate_run, plot_run, profile_run
-from anytime.precision.export import export_model, load_export
 from anytime.profile import latency_summary, per_sample_latency
 from anytime.train import load_splits
 from anytime.train.runs import load_run
@@ -43,20 +42,12 @@ def onnx_early_exit(run_dir: Path, policy: ExitPolicy, latency_samples: int) -> 
     whole test split, and batch-1 latency of the compiled policy against the plain export on a seeded sample."""
     loaded = load_run(run_dir, "cpu")
     splits = load_splits(loaded.config)
-    test = [batch for batch in make_loader(splits.test, splits.info, batch_size=500, train=False, seed=0)]
+    test = list(make_loader(splits.test, splits.info, batch_size=500, train=False, seed=0))
     images, labels = torch.cat([x for x, _ in test]), torch.cat([y for _, y in test])
     shape = (int(loaded.dataset["in_channels"]), *(int(v) for v in (loaded.dataset.get("image_size") or [32, 32])))
     classes = int(loaded.dataset["num_classes"])
     with tempfile.TemporaryDirectory() as scratch:
-        exports = []
-        for name, part in (("exits", loaded.model), ("plain", loaded.model.backbone)):
-            (Path(scratch) / name).mkdir()
-            export_model(part, "onnx", "fp32", Path(scratch) / name, input_shape=shape, num_classes=classes, name=name)
-            exports.append(load_export(Path(scratch) / name))
-        program = exports[0].exit_program(policy)
-        plain = exports[1].exit_program(ExitPolicy(policy.criterion, ()))
-        if program is None or plain is None:
-            raise SystemExit("this policy cannot be compiled into ONNX graphs (a combining or patience policy)")
+        program, plain, _, _ = onnx_programs(loaded.model, policy, Path(scratch), input_shape=shape, num_classes=classes)
         answered = [program(x.numpy()) for x, _ in test]
         eager = torch.cat([policy.run(loaded.model, x).exits for x, _ in test])
         predictions = torch.from_numpy(np.concatenate([a.predictions for a in answered]))

@@ -24,32 +24,21 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import parser, report, run
+from common import onnx_programs, parser, report, run
 
 from anytime.backbones import create_model
 from anytime.calibrate import ExitPolicy, get_criterion
 from anytime.inference import InferenceForm, inference_form
-from anytime.precision.export import export_model, load_export
 from anytime.profile import latency_summary, per_sample_latency
 from anytime.wrappers import attach_exits
 
 TARGET = 1.05
+SHAPE = (3, 32, 32)  # one CIFAR image
 POINTS = "0.15,0.35,0.55,0.75"
 
 
 SMALL_SHARE = 0.8  # of the inputs leave at the small network's first exit
 SMALL_TARGET = 0.5  # of the FLOPs' promised saving, at least, measured
-
-
-def _onnx_pair(model: torch.nn.Module, folder: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The multi-exit model and its plain backbone exported as fp32 ONNX and loaded back (ONNX Runtime, as many
-    threads as torch has)."""
-    exported = []
-    for name, part in (("exits", model), ("plain", model.backbone)):
-        (folder / name).mkdir()
-        export_model(part, "onnx", "fp32", folder / name, input_shape=(3, 32, 32), num_classes=10, name=name)
-        exported.append(load_export(folder / name, threads=torch.get_num_threads()))
-    return exported[0], exported[1]
 
 
 def small_network(samples: int, form: str, onnx: bool = False) -> dict[str, float]:
@@ -69,10 +58,8 @@ def small_network(samples: int, form: str, onnx: bool = False) -> dict[str, floa
             times = per_sample_latency({"backbone": lambda x: model.backbone(x), "early exit": lambda x: policy.run(model, x)},
                                        inputs, warmup=20)  # fmt: skip
         else:
-            early, plain_model = _onnx_pair(model, Path(scratch))
-            program, plain_program = early.exit_program(policy), plain_model.exit_program(ExitPolicy("entropy", ()))
-            if program is None or plain_program is None:
-                raise SystemExit("the ONNX exports could not take the policy into their graphs; see compile_policy")
+            program, plain_program, early, plain_model = onnx_programs(model, policy, Path(scratch), input_shape=SHAPE,
+                                                                       num_classes=10)  # fmt: skip
             times = per_sample_latency({"backbone": lambda x: plain_program(x.numpy()),
                                         "early exit": lambda x: program(x.numpy()),
                                         "backbone (tensors)": lambda x: plain_model(x),
@@ -116,10 +103,7 @@ def main() -> int:
     worst = 0.0
     with tempfile.TemporaryDirectory() as scratch:
         if args.onnx:
-            exported, plain_export = _onnx_pair(model, Path(scratch))
-            program, plain_program = exported.exit_program(policy), plain_export.exit_program(ExitPolicy("entropy", ()))
-            if program is None or plain_program is None:
-                raise SystemExit("the ONNX exports could not take the policy into their graphs; see compile_policy")
+            program, plain_program, _, _ = onnx_programs(model, policy, Path(scratch), input_shape=SHAPE, num_classes=10)
             functions = {"backbone": lambda x: plain_program(x.numpy()), "exits": lambda x: program(x.numpy())}
         else:
             functions = {"backbone": lambda x: model.backbone(x), "exits": lambda x: policy.run(model, x)}

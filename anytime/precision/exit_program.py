@@ -230,9 +230,8 @@ def _decision(criterion: str, temperature: float, threshold: float, num_classes:
     from onnx import TensorProto, helper
 
     def const(name: str, value: float | list[int], dtype: int = TensorProto.DOUBLE) -> str:
-        values = value if isinstance(value, list) else [value]
-        g.initializer.append(helper.make_tensor(f"policy/{name}", dtype, [len(values)] if isinstance(value, list)
-                                                else [], values))  # fmt: skip
+        dims, values = ([len(value)], value) if isinstance(value, list) else ([], [value])  # a list: 1-D, else a scalar
+        g.initializer.append(helper.make_tensor(f"policy/{name}", dtype, dims, values))
         return f"policy/{name}"
 
     nodes = [helper.make_node("Cast", ["policy/logits"], ["policy/z64"], to=TensorProto.DOUBLE)]
