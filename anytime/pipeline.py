@@ -273,7 +273,8 @@ def evaluate_run(
 ) -> dict[str, Any]:  # fmt: skip
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
-    backbone (interleaved, same samples), both in the inference ``form``. Written to ``RUN/evaluation-SPLIT.json``
+    backbone (the same samples, in alternating turns of 50), both in the inference ``form``. Written to
+    ``RUN/evaluation-SPLIT.json``
     (a progress bar on stderr with ``progress``)."""
     _check_split(split)
     run = load_run(run_dir, device, form=form)
@@ -348,6 +349,7 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
 
 
 _LATENCY_CHUNK = 100  # samples timed between two moves of the progress bar
+_LATENCY_TURN = 50  # samples each way of answering runs in a row (see per_sample_latency): two turns per chunk
 
 
 def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor],
@@ -363,14 +365,14 @@ def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor | list[tor
         for start in range(0, len(images), _LATENCY_CHUNK):
             chunk = images[start : start + _LATENCY_CHUNK]
             warmup = min(20, len(chunk)) if start == 0 else 0
-            for name, values in per_sample_latency(functions, chunk, warmup=warmup).items():
+            for name, values in per_sample_latency(functions, chunk, warmup=warmup, turn=_LATENCY_TURN).items():
                 chunks[name].append(values)
             bar.update(len(chunk))
     finally:
         bar.close()
     times = {name: np.concatenate(values) for name, values in chunks.items()}
     early, plain = latency_summary(times["early_exit"]), latency_summary(times["backbone"])
-    return {"batch_size": 1, "early_exit": early, "backbone": plain,
+    return {"batch_size": 1, "turn": _LATENCY_TURN, "early_exit": early, "backbone": plain,
             "mean_ratio": early["mean_ms"] / plain["mean_ms"],
             "speedup": plain["mean_ms"] / early["mean_ms"] if early["mean_ms"] > 0 else math.nan}  # fmt: skip
 

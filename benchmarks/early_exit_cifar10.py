@@ -6,8 +6,8 @@ so it is checkpointed every epoch and resumed when the benchmark (or `anytime tr
 again. Then: every exit's outputs are cached on the validation and test splits; thresholds are fit on
 validation only, for at most 1 accuracy point below the last exit, for each criterion, and the
 criterion with the fewest validation FLOPs is kept; the test split is run with real early exit, and
-every test image is timed one at a time (batch 1) with early exit and with the plain backbone,
-interleaved. Ratio: the backbone's mean latency / early exit's. Target: at least 2x, measured, with test accuracy at
+every test image is timed one at a time (batch 1) with early exit and with the plain backbone, in
+alternating turns of 50 images. Ratio: the backbone's mean latency / early exit's. Target: at least 2x, measured, with test accuracy at
 most 1 point below the last exit's.
 
 ``--onnx`` then does the same as deployed: the run's multi-exit model and its plain backbone exported as fp32 ONNX
@@ -54,7 +54,7 @@ def onnx_early_exit(run_dir: Path, policy: ExitPolicy, latency_samples: int) -> 
         exits = torch.from_numpy(np.concatenate([a.exits for a in answered]))
         timed = images[torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:latency_samples]]
         times = per_sample_latency({"early_exit": lambda x: program(x.numpy()), "backbone": lambda x: plain(x.numpy())},
-                                   timed, warmup=20)  # fmt: skip
+                                   timed, warmup=20, turn=50)  # fmt: skip
     early, backbone = latency_summary(times["early_exit"]), latency_summary(times["backbone"])
     return {"accuracy": float((predictions == labels).double().mean()),
             "exit_share": [float((exits == k).double().mean()) for k in range(policy.num_steps)],
