@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--latency-samples", type=_non_negative_int, default=1000, metavar="N",
                           help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
     evaluate.add_argument("--form", type=_form, default="eager", help=FORM_HELP)
+    evaluate.add_argument("--export", metavar="DIR", help="an export of RUN (anytime export): early exit as deployed, on "
+                          "the CPU (ONNX: the policy compiled into its graphs), timed against the export's segments "
+                          "run in turn; written to DIR/evaluation-SPLIT.json")  # fmt: skip
     evaluate.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
@@ -1196,11 +1199,15 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from anytime.pipeline import evaluate_run
 
     report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
-                          latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty())  # fmt: skip
+                          latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty(),
+                          export=args.export)  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     shares = " ".join(f"{100 * s:.1f}" for s in report["exit_share"])
+    if args.export:
+        compiled = "the policy compiled into its graphs" if report["compiled_policy"] else "the policy in PyTorch"
+        print(f"{args.export} ({report['form'].removeprefix('export: ')}), {compiled}")
     print(f"real early exit on {report['samples']} {args.split} samples: accuracy {100 * report['accuracy']:.2f}%, "
           f"FLOPs {report['flops_ratio']:.3f}x of the backbone, exits % [{shares}]")  # fmt: skip
     if "agreement_with_cache" in report:
@@ -1211,9 +1218,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         e, b = lat["early_exit"], lat["backbone"]
         print(f"latency per sample at batch 1 ({e['count']} samples, {report['torch_threads']} threads, {report['device']}):")
         print(f"  early exit {e['mean_ms']:.3f} ms mean, p50 {e['p50_ms']:.3f}, p99 {e['p99_ms']:.3f}")
-        print(f"  backbone   {b['mean_ms']:.3f} ms mean, p50 {b['p50_ms']:.3f}, p99 {b['p99_ms']:.3f}")
+        backbone = "segments " if args.export else "backbone "  # an export's plain network is its segments in turn
+        print(f"  {backbone}  {b['mean_ms']:.3f} ms mean, p50 {b['p50_ms']:.3f}, p99 {b['p99_ms']:.3f}")
         print(f"  speed-up   {lat['speedup']:.2f}x (mean latency)")
-    print(f"saved to {Path(args.run) / f'evaluation-{args.split}.json'}")
+    print(f"saved to {Path(args.export or args.run) / f'evaluation-{args.split}.json'}")
     return 0
 
 

@@ -211,7 +211,7 @@ def export_run(
             max_float_layers=max_float_layers, max_float_weights=budget, activation_levels=_activation_levels(fmt),
             progress=progress)  # fmt: skip
         float_layers = tuning.float_layers
-    entries = (MANIFEST, "parity.csv", "parity.json", TUNING, f"*.{fmt}", "profile-*.json")
+    entries = (MANIFEST, "parity.csv", "parity.json", TUNING, f"*.{fmt}", "profile-*.json", "evaluation-*.json")
     with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
         manifest = write(work, float_layers)
         if tuning is not None:

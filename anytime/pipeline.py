@@ -270,13 +270,25 @@ def _calibrate(
 def evaluate_run(
     run_dir: str | Path, *, calibration: str | Path | None = None, split: str = "test", device: str = "cpu",
     latency_samples: int = 1000, batch_size: int = 256, form: str = "eager", progress: bool = False,
+    export: str | Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
     backbone (the same samples, in alternating turns of 50), both in the inference ``form``. Written to
-    ``RUN/evaluation-SPLIT.json``
-    (a progress bar on stderr with ``progress``)."""
+    ``RUN/evaluation-SPLIT.json`` (a progress bar on stderr with ``progress``).
+
+    ``export``: a folder ``anytime export`` wrote from this run. Early exit then runs as deployed, on the CPU: an
+    ONNX export with the policy compiled into its graphs (:meth:`~anytime.precision.export.ExportedModel.exit_program`),
+    a ``.pt2`` one through its programs; the backbone it is timed against is the export's segments run in turn
+    (no heads). Written to ``EXPORT/evaluation-SPLIT.json``."""
     _check_split(split)
+    if export is not None:
+        if form != "eager":
+            raise AnytimeError("an export runs as it was exported; --form applies to the run's own PyTorch model")
+        device = "cpu" if device == "auto" else device
+        if resolve_device(device).type != "cpu":
+            raise AnytimeError(f"{export} is evaluated on the CPU here (ONNX Runtime, or the .pt2 programs); "
+                               "pass --device cpu")  # fmt: skip
     run = load_run(run_dir, device, form=form)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; there is no early exit to evaluate")
@@ -285,16 +297,35 @@ def evaluate_run(
     )
     num_classes = int(run.dataset["num_classes"])
     policy.check(run.num_steps, num_classes)
-    target = check_output_file(Path(run_dir) / f"evaluation-{split}.json", what="evaluation", flag="")
+    model = run.model if export is None else _export_of(run, Path(export))
+    folder = Path(run_dir) if export is None else Path(export)
+    target = check_output_file(folder / f"evaluation-{split}.json", what="evaluation", flag="")
     with output_lock(target):
-        report = _evaluate(run, policy, split, latency_samples, batch_size, progress)
-        report["form"] = run.form
+        report = _evaluate(run, model, policy, split, latency_samples, batch_size, progress)
+        if export is None:
+            report["form"] = run.form
+        else:
+            manifest = model.manifest  # type: ignore[union-attr]
+            report["form"] = f"export: {manifest.format} {manifest.precision} ({model.backend})"  # type: ignore[union-attr]
+            report["export"] = str(export)
+            report["compiled_policy"] = model.exit_program(policy) is not None  # type: ignore[union-attr,operator]
         write_json(target, report)
     return report
 
 
-def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: int, batch_size: int,
-              progress: bool = False) -> dict[str, Any]:  # fmt: skip
+def _export_of(run: LoadedRun, folder: Path) -> torch.nn.Module:
+    """The export in ``folder``, refused unless it was exported from ``run`` as it is now."""
+    from anytime.precision.export import load_export
+
+    exported = load_export(folder, threads=torch.get_num_threads())
+    if exported.manifest.parent_fingerprint != run.fingerprint:
+        raise AnytimeError(f"{folder} was not exported from {run.run_dir} as it is now (another run, or the run "
+                           f"changed since); export it again: anytime export {run.run_dir} --format onnx --out DIR")  # fmt: skip
+    return exported
+
+
+def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, split: str, latency_samples: int,
+              batch_size: int, progress: bool = False) -> dict[str, Any]:  # fmt: skip
     from anytime.utils.progress import progress_bar
 
     run_dir = run.run_dir
@@ -305,7 +336,7 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
     bar = progress_bar(len(data), f"evaluate {split}", enabled=progress, unit="sample")
     try:
         for x, y in loader:
-            out = policy.run(run.model, x.to(run.device))
+            out = policy.run(model, x.to(run.device))
             predictions.append(out.predictions.cpu())
             exits.append(out.exits.cpu())
             labels.append(y)
@@ -337,10 +368,10 @@ def _evaluate(run: LoadedRun, policy: ExitPolicy, split: str, latency_samples: i
         chosen = data.sample(latency_samples, seed=run.config.seed)
         if splits.info.modality == "text":  # every sentence timed at its own length, unpadded
             timed = make_loader(chosen, splits.info, batch_size=1, train=False, seed=run.config.seed)
-            report["latency"] = _latency(run, policy, [x.to(run.device) for x, _ in timed], progress)
+            report["latency"] = _latency(model, policy, [x.to(run.device) for x, _ in timed], progress)
         else:
             timed = make_loader(chosen, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
-            report["latency"] = _latency(run, policy, torch.cat([x for x, _ in timed]).to(run.device), progress)
+            report["latency"] = _latency(model, policy, torch.cat([x for x, _ in timed]).to(run.device), progress)
     report["machine"] = describe_machine()
     report["device"] = device_label(run.device)
     report["torch_threads"] = torch.get_num_threads()
@@ -352,12 +383,11 @@ _LATENCY_CHUNK = 100  # samples timed between two moves of the progress bar
 _LATENCY_TURN = 50  # samples each way of answering runs in a row (see per_sample_latency): two turns per chunk
 
 
-def _latency(run: LoadedRun, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor],
+def _latency(model: torch.nn.Module, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor],
              progress: bool = False) -> dict[str, Any]:  # fmt: skip
     from anytime.profile import latency_summary, per_sample_latency
     from anytime.utils.progress import progress_bar
 
-    model = run.model
     functions = {"early_exit": lambda x: policy.run(model, x), "backbone": lambda x: model.backbone(x)}  # type: ignore[union-attr]
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in functions}
     bar = progress_bar(len(images), "latency", enabled=progress, unit="sample")

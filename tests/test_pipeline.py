@@ -154,6 +154,33 @@ def test_evaluate_reports_accuracy_agreement_and_latency(collected, capsys):
     assert (collected / "evaluation-test.json").is_file()
 
 
+def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collected, tmp_path, capsys):
+    from anytime.export import export_run
+
+    calibrate_run(collected, max_drop=1.0)
+    export = tmp_path / "onnx"
+    export_run(collected, "onnx", out=export, parity_images=100, latency_images=5)
+    code, out, err = _run(capsys, "evaluate", collected, "--export", export, "--latency-samples", 60)
+    assert code == 0, err
+    assert "the policy compiled into its graphs" in out and "segments" in out and str(export) in out.splitlines()[-1]
+    report = json.loads((export / "evaluation-test.json").read_text())
+    assert report["compiled_policy"] and report["form"].startswith("export: onnx fp32 (onnxruntime")
+    # ONNX Runtime's logits differ from PyTorch's in the last bits: a sample on a threshold may tip
+    assert report["agreement_with_cache"]["exits"] >= 0.99 and report["samples"] == 359
+    assert report["accuracy"] == pytest.approx(evaluate_run(collected, latency_samples=0)["accuracy"], abs=0.01)
+    assert report["latency"]["turn"] == 50 and report["latency"]["early_exit"]["count"] == 60
+    # the export keeps counting the evaluation as its own: replacing the export is not refused over it
+    export_run(collected, "onnx", out=export, overwrite=True, parity_images=20, latency_images=5)
+    code, _, err = _run(capsys, "evaluate", collected, "--export", export, "--form", "fold")
+    _one_line_error(code, err, "--form")
+    other = tmp_path / "other"
+    shutil.copytree(export, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "parent_fingerprint": "0" * 16}))
+    code, _, err = _run(capsys, "evaluate", collected, "--export", other)
+    _one_line_error(code, err, "was not exported from", "anytime export")
+
+
 def test_plots(collected):
     calibrate_run(collected, max_drop=1.0)
     report = plot_run(collected)
