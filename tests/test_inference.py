@@ -184,3 +184,41 @@ def test_the_runtime_runs_with_the_profiled_thread_count(exit_run, tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head", ["pool", "linear", "scaled", "conv"])
+def test_pooled_exit_heads_fold_into_one_module_and_answer_the_same(head):
+    from anytime.backbones import create_model
+    from anytime.inference import PooledLinear
+    from anytime.wrappers import attach_exits
+
+    model = _randomise_norms(attach_exits(create_model("resnet20", num_classes=10), "auto", head=head))
+    for form in ("fold", "fold+channels-last"):
+        converted = inference_form(model, InferenceForm.parse(form))
+        fused = [m for h in converted.heads for m in h.modules() if isinstance(m, PooledLinear)]
+        assert len(fused) == len(converted.heads) and not any(
+            isinstance(m, nn.AdaptiveAvgPool2d) for h in converted.heads for m in h.modules())
+        for batch in (1, 3):
+            x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+            if form.endswith("channels-last"):
+                x = x.contiguous(memory_format=torch.channels_last)
+            with torch.inference_mode():
+                for k in range(model.num_steps):
+                    expected, got = model.forward_until(x, k), converted.forward_until(x, k)
+                    assert torch.allclose(expected, got, rtol=1e-4, atol=1e-4), (form, k, (expected - got).abs().max())
+
+
+def test_a_pooled_linear_reads_either_layout_and_maps_that_its_size_does_not_divide():
+    from anytime.inference import PooledLinear, fuse_pooled_heads
+
+    torch.manual_seed(0)
+    for height, size in ((8, 4), (6, 4), (5, 1)):
+        head = nn.Sequential(nn.AdaptiveAvgPool2d(size), nn.Flatten(), nn.Linear(3 * size * size, 5)).eval()
+        fused = copy.deepcopy(head)
+        assert fuse_pooled_heads(fused) == 1 and len(fused) == 1 and isinstance(fused[0], PooledLinear)
+        x = torch.randn(2, 3, height, height)
+        for layout in (torch.contiguous_format, torch.channels_last):
+            with torch.inference_mode():
+                assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5), (height, layout)
+    other = nn.Sequential(nn.AdaptiveAvgPool2d((2, 3)), nn.Flatten(), nn.Linear(18, 5))  # not a square pooling
+    assert fuse_pooled_heads(other) == 0 and len(other) == 3
