@@ -8,9 +8,10 @@ Three independent changes, none of which alters a result beyond float rounding:
   ``conv -> max-pool -> BN`` groups). Pairs are found structurally, so the model keeps its own forward code
   (exits, cutting and block-skipping flags go on working): adjacent modules in an ``nn.Sequential`` and
   torchvision's ResNets and their blocks (``conv1 -> bn1``...), whose forward applies each norm to its convolution.
-  A pooled exit head (adaptive average pooling, flattening, a linear layer, adjacent in an ``nn.Sequential``)
-  becomes one module: at batch 1 each of the three costs a few microseconds of module call and operator, as
-  much as the head computes (four ResNet-32 heads: 74 us as modules, 33-39 us as one).
+  Adaptive average pooling, flattening and a linear layer adjacent in an ``nn.Sequential`` (the pooled exit
+  heads, and classifiers such as LeNet's) become one module: at batch 1 each of the three costs a few
+  microseconds of module call and operator, as much as a head computes (four ResNet-32 heads: 74 us as
+  modules, 33-39 us as one).
 - ``channels-last``: the weights in NHWC layout, which oneDNN and cuDNN run faster for most convolutions.
 - ``compile``: ``torch.compile`` of every part (stage and exit head) on its own, so early exit still stops
   after the part it needs.
@@ -123,7 +124,7 @@ class PooledLinear(nn.Module):
         channels = weight.shape[1] // (size * size)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_nhwc", weight.reshape(-1, channels, size, size).permute(0, 2, 3, 1)
-                             .reshape(weight.shape[0], -1).contiguous())  # fmt: skip
+                             .reshape(weight.shape[0], -1).contiguous(), persistent=False)  # fmt: skip
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: Tensor) -> Tensor:
@@ -137,30 +138,36 @@ class PooledLinear(nn.Module):
             return F.linear(pooled.flatten(1), self.weight, self.bias)
         return F.linear(pooled.permute(0, 2, 3, 1).reshape(pooled.shape[0], -1), self.weight_nhwc, self.bias)
 
+    def unfused(self) -> nn.Sequential:
+        """The three modules this one stands for, with its weights (for exporters that rewrite the pooling)."""
+        linear = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(self.weight)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return nn.Sequential(nn.AdaptiveAvgPool2d(self.size), nn.Flatten(), linear.to(self.weight.device))
+
 
 def fuse_pooled_heads(model: nn.Module) -> int:
     """Replace, in place, every ``AdaptiveAvgPool2d -> Flatten -> Linear`` run of an ``nn.Sequential`` by one
-    :class:`PooledLinear`; the number replaced."""
+    :class:`PooledLinear` under the pooling's name (the other modules keep theirs); the number replaced. Only a
+    plain ``nn.Linear`` with plain weights is fused: a quantized weight (torchao's) or a subclass computes
+    something else."""
     fused = 0
     for sequential in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
-        children, kept = list(sequential), []
+        names = list(sequential._modules)
         i = 0
-        while i < len(children):
-            run = children[i : i + 3]
-            if (len(run) == 3 and isinstance(run[0], nn.AdaptiveAvgPool2d) and isinstance(run[1], nn.Flatten)
-                    and run[1].start_dim == 1 and run[1].end_dim == -1 and isinstance(run[2], nn.Linear)
-                    and isinstance(run[0].output_size, int)):  # fmt: skip
-                kept.append(PooledLinear(run[0].output_size, run[2]))
+        while i + 2 < len(names):
+            pool, flatten, linear = (sequential._modules[n] for n in names[i : i + 3])
+            if (isinstance(pool, nn.AdaptiveAvgPool2d) and isinstance(pool.output_size, int)
+                    and isinstance(flatten, nn.Flatten) and flatten.start_dim == 1 and flatten.end_dim == -1
+                    and type(linear) is nn.Linear and type(linear.weight) in (Tensor, nn.Parameter)):  # fmt: skip
+                sequential._modules[names[i]] = PooledLinear(pool.output_size, linear)
+                del sequential._modules[names[i + 1]], sequential._modules[names[i + 2]]
                 fused += 1
                 i += 3
             else:
-                kept.append(children[i])
                 i += 1
-        if len(kept) < len(children):
-            for name in list(sequential._modules):
-                del sequential._modules[name]
-            for index, module in enumerate(kept):
-                sequential.add_module(str(index), module)
     return fused
 
 

@@ -40,7 +40,7 @@ from anytime.scheduler.query import (
 )  # fmt: skip
 from anytime.train import load_splits
 from anytime.train.records import class_names, read_record, run_title, step_labels
-from anytime.train.runs import LoadedRun, dataset_input_shape, load_run
+from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, require_images
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
@@ -274,7 +274,7 @@ def evaluate_run(
 ) -> dict[str, Any]:  # fmt: skip
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
-    backbone (the same samples, in alternating turns of 50), both in the inference ``form``. Written to
+    backbone (the same samples, taking turns in runs of 50-100), both in the inference ``form``. Written to
     ``RUN/evaluation-SPLIT.json`` (a progress bar on stderr with ``progress``).
 
     ``export``: a folder ``anytime export`` wrote from this run. Early exit then runs as deployed, on the CPU: an
@@ -292,6 +292,8 @@ def evaluate_run(
     run = load_run(run_dir, device, form=form)
     if run.num_steps < 2:
         raise AnytimeError(f"{run_dir} holds a plain model; there is no early exit to evaluate")
+    if export is not None:
+        require_images(run, "anytime evaluate --export")
     policy, _ = load_calibration(
         calibration or Path(run_dir) / CALIBRATION, fingerprint=run.fingerprint, num_steps=run.num_steps
     )
@@ -380,7 +382,7 @@ def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, split:
 
 
 _LATENCY_CHUNK = 100  # samples timed between two moves of the progress bar
-_LATENCY_TURN = 50  # samples each way of answering runs in a row (see per_sample_latency): two turns per chunk
+_LATENCY_TURN = 50  # per_sample_latency's turns: each way of answering then runs 50-100 samples in a row
 
 
 def _latency(model: torch.nn.Module, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor],

@@ -218,6 +218,16 @@ def test_adaptive_poolings_export_as_plain_poolings_or_two_products_and_answer_t
     quantized = _export(model, "onnx", tmp_path / "int8", (3, 16, 16), precision="int8", calibration=calibration)
     ops = [node.op_type for node in onnx.load(str(tmp_path / "int8" / quantized.manifest.parts[0].file)).graph.node]
     assert ops.count("AveragePool") == 1 and ops.count("MatMul") == 0  # no pooling matrices for the quantizer to round
+    from anytime.inference import InferenceForm, inference_form  # a head the fold form fused is unfused to export
+
+    head = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, 10)).eval()
+    folded = inference_form(head, InferenceForm(fold=True))
+    assert type(folded[1]).__name__ == "PooledLinear"
+    exported = _export(folded, "onnx", tmp_path / "folded", (3, 16, 16))
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "folded" / exported.manifest.parts[0].file)).graph.node]
+    assert "Gather" not in ops and ops.count("MatMul") == 2  # 14x14 -> 4: the window matrices
+    with torch.no_grad():
+        assert torch.allclose(exported(x), head(x), atol=1e-5)
 
 
 def test_converted_parts_wrap_their_segments_and_heads_once(tmp_path):

@@ -222,3 +222,16 @@ def test_a_pooled_linear_reads_either_layout_and_maps_that_its_size_does_not_div
                 assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5), (height, layout)
     other = nn.Sequential(nn.AdaptiveAvgPool2d((2, 3)), nn.Flatten(), nn.Linear(18, 5))  # not a square pooling
     assert fuse_pooled_heads(other) == 0 and len(other) == 3
+
+    class OtherLinear(nn.Linear):  # e.g. a QAT or quantized linear layer: it computes something else
+        pass
+
+    assert fuse_pooled_heads(nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), OtherLinear(12, 5))) == 0
+    named = nn.Sequential(nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 5), nn.Tanh()).eval()
+    fused = copy.deepcopy(named)
+    assert fuse_pooled_heads(fused) == 1 and list(fused._modules) == ["0", "1", "4"]  # the others keep their names
+    assert "1.weight_nhwc" not in fused.state_dict()  # derived from the weight, not saved beside it
+    unfused = fused[1].unfused()
+    x = torch.randn(3, 3, 6, 6)
+    with torch.inference_mode():
+        assert torch.allclose(named(x), fused(x), atol=1e-5) and torch.allclose(named[1:4](x), unfused(x), atol=1e-6)

@@ -258,12 +258,31 @@ def _window_matrix(size: int, out: int) -> Tensor:
     return matrix
 
 
+def _unfused(part: nn.Module) -> nn.Module:
+    """``part``, or a copy whose :class:`~anytime.inference.PooledLinear` modules are the three they stand for."""
+    from anytime.inference import PooledLinear
+
+    if isinstance(part, PooledLinear):
+        return part.unfused()
+    fused = [name for name, module in part.named_modules() if isinstance(module, PooledLinear)]
+    if not fused:
+        return part
+    part = copy.deepcopy(part)
+    for name in fused:
+        owner, _, attr = name.rpartition(".")
+        holder = part.get_submodule(owner) if owner else part
+        setattr(holder, attr, getattr(holder, attr).unfused())
+    return part
+
+
 def _plain_poolings(part: nn.Module, example: Tensor, *, matrices: bool) -> nn.Module:
     """``part``, or a copy of it whose adaptive average poolings are written for ONNX Runtime: over a size their
     output divides, plain average poolings (the same windows); otherwise, with ``matrices``, two products with
     constant matrices (the int8 quantizer would round those, so int8 exports keep the adaptive form). The
     exporter writes an adaptive pooling as a chain of about 60 Gather and Add nodes: ONNX Runtime ran it in
-    0.14-0.23 ms at batch 1 on the fast CIFAR card's exit heads, more than the segment before a head takes."""
+    0.14-0.23 ms at batch 1 on the fast CIFAR card's exit heads, more than the segment before a head takes. A
+    pooled head fused by the fold inference form is unfused first, so its pooling is rewritten too."""
+    part = _unfused(part)
     sizes: dict[str, set[tuple[int, int]]] = {}
     hooks = [module.register_forward_pre_hook(lambda m, args, name=name: sizes.setdefault(name, set()).add(
                  tuple(args[0].shape[-2:])))  # fmt: skip

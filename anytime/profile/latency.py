@@ -42,10 +42,11 @@ def per_sample_latency(
     sequence of batches, e.g. sentences of their own lengths).
 
     The functions take turns of ``turn`` batches each on the same batches (A then B, then B then A on the next
-    turn), so that a machine that slows down or speeds up during the measurement affects them alike. With
-    ``turn=1`` each call finds the caches as the other function left them, which costs the one with the smaller
-    working set most (an early exit's first stage, after a whole backbone: 0.1 ms of 0.65 here); a turn of
-    tens of batches times each as a process serving it alone runs it. The first ``warmup`` batches run untimed.
+    turn, so after the first turn each runs ``2 * turn`` batches in a row), so that a machine that slows down or
+    speeds up during the measurement affects them alike. With ``turn=1`` most calls find the caches as the other
+    function left them, which costs the one with the smaller working set most (an early exit's first stage,
+    after a whole backbone: 0.14 ms of 0.65 here); a turn of tens of batches times each as a process serving
+    it alone runs it. The first ``warmup`` batches run untimed.
     On CUDA every call is synchronised. Everything runs in inference mode.
     """
     if turn < 1:
