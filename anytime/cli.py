@@ -277,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
                        help="distil the last exit (or the widest slice) into the others: their cross-entropy plus this "
                             "weight times the KL divergence to its softened output (1 if given alone; default 0)")
+    exits.add_argument("--distill-teacher", choices=["last", "later"],
+                       help="what each exit distils from: last (the last exit, default) or later (the mean of the "
+                            "softened outputs of every exit after it)")
     exits.add_argument("--gradient-equilibrium", action=argparse.BooleanOptionalAction, default=None,
                        help="rescale gradients where exits branch off, so shared layers get the mean of the exits' "
                             "gradients, not their sum (Li et al. 2019; default off)")
@@ -376,8 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
     evaluate.add_argument("--form", type=_form, default="eager", help=FORM_HELP)
     evaluate.add_argument("--export", metavar="DIR", help="an export of RUN (anytime export): early exit as deployed, on "
-                          "the CPU (ONNX: the policy compiled into its graphs), timed against the export's segments "
-                          "run in turn; written to DIR/evaluation-SPLIT.json")  # fmt: skip
+                          "the CPU (ONNX: the policy compiled into its graphs where it can be), timed against the "
+                          "export's segments run in turn; written to DIR/evaluation-SPLIT.json")  # fmt: skip
     evaluate.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
@@ -762,7 +765,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "gradient_equilibrium", "init", "slices", "resolutions", "sact", "sact_mode", "ponder_cost", "slice_kind", "stochastic_depth", "warmup", "nesterov",
+    "exit_head", "distill", "distill_teacher", "gradient_equilibrium", "init", "slices", "resolutions", "sact", "sact_mode", "ponder_cost", "slice_kind", "stochastic_depth", "warmup", "nesterov",
     "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
     "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit", "optimizer", "vocab_size", "max_length",
     "tokenizer",

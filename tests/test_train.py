@@ -187,6 +187,8 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         ({"exit_weights": (1.0, 1.0)}, "exit weights need --exits"),
         ({"distill": -1.0, "exits": "auto"}, "distillation weight"),
         ({"distill_temperature": 0.0, "exits": "auto"}, "temperature"),
+        ({"distill_teacher": "first", "exits": "auto", "distill": 1.0}, "unknown distillation teacher 'first'"),
+        ({"distill_teacher": "later", "exits": "auto"}, "--distill-teacher later .* needs a weight"),
         ({"augment": "rotate"}, "unknown augmentation 'rotate'"),
         ({"padding": -2}, "padding"),
         ({"label_smoothing": 1.0}, "label smoothing"),
@@ -337,6 +339,25 @@ def test_multi_exit_loss_weights_and_distillation():
     same = logits[-1].expand(3, 8, 10)
     assert torch.allclose(multi_exit_loss(same, labels, torch.ones(3), distill=1.0),
                           multi_exit_loss(same, labels, torch.ones(3)))  # fmt: skip
+
+
+def test_distillation_from_an_ensemble_of_the_later_exits():
+    from anytime.train.multi_exit import multi_exit_loss
+
+    torch.manual_seed(1)
+    logits, labels, weights, t = torch.randn(4, 6, 5), torch.randint(0, 5, (6,)), torch.ones(4), 2.0
+    soft = F.softmax(logits / t, dim=2)
+    expected = multi_exit_loss(logits, labels, weights)
+    for k in range(3):  # exit k learns from the mean of exits k+1..3
+        teacher = soft[k + 1 :].mean(dim=0)
+        expected = expected + t**2 * F.kl_div(F.log_softmax(logits[k] / t, dim=1), teacher, reduction="batchmean")
+    got = multi_exit_loss(logits, labels, weights, distill=1.0, temperature=t, teacher="later")
+    assert torch.allclose(got, expected, atol=1e-6)
+    last = multi_exit_loss(logits, labels, weights, distill=1.0, temperature=t, teacher="last")
+    assert not torch.allclose(got, last)
+    two = logits[2:]  # with two exits both teachers are the last exit
+    assert torch.allclose(multi_exit_loss(two, labels, weights[:2], distill=1.0, teacher="later"),
+                          multi_exit_loss(two, labels, weights[:2], distill=1.0, teacher="last"))  # fmt: skip
 
 
 def test_default_exit_weights_follow_sdn():

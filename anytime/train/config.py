@@ -30,6 +30,9 @@ _FLOAT_LISTS: dict[str, str] = {"step_milestones": "fractions of the run, e.g. [
 MAX_WORKERS = 64  # DataLoader worker processes; more only exhausts memory (each holds its own copy)
 
 
+DISTILL_TEACHERS: tuple[str, ...] = ("last", "later")  # what each earlier step distils from
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides a training run's result (and a few knobs that only decide its speed).
@@ -38,7 +41,7 @@ class TrainConfig:
     ``exits`` turns the model into a multi-exit one (points as :func:`anytime.attach_exits` takes them);
     its loss is the weighted sum of the exits' cross-entropies (by default SDN's weights: each exit's
     share of the backbone's FLOPs, the last exit 1), plus ``distill`` times the distillation loss from the last exit to the
-    others; ``gradient_equilibrium`` rescales the gradients where exits branch off, so shared layers get the mean
+    others (``distill_teacher`` ``later``: each exit learns from the mean of the softened outputs of every exit after it); ``gradient_equilibrium`` rescales the gradients where exits branch off, so shared layers get the mean
     of the exits' gradients rather than their sum. ``heads-only`` trains the exit heads on a frozen backbone loaded from ``init``.
 
     ``slices`` makes it a sliced network instead (``slice_kind`` width or cardinality); every slice weighs 1
@@ -98,6 +101,7 @@ class TrainConfig:
     exit_weights: tuple[float, ...] | None = None
     distill: float = 0.0
     distill_temperature: float = 3.0
+    distill_teacher: str = "last"
     gradient_equilibrium: bool = False
     slices: str | None = None
     resolutions: str | None = None
@@ -189,6 +193,10 @@ class TrainConfig:
             (self.distill == 0 or self.exits is not None or self.slices is not None or self.resolutions is not None,
              "distillation (from the last exit, the widest slice or the largest resolution to the others) needs "
              "--exits, --slices or --resolutions"),
+            (self.distill_teacher in DISTILL_TEACHERS,
+             f"unknown distillation teacher '{self.distill_teacher}'; choose one of {', '.join(DISTILL_TEACHERS)}"),
+            (self.distill_teacher == "last" or self.distill > 0,
+             f"--distill-teacher {self.distill_teacher} says what to distil from: it needs a weight (--distill)"),
             (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
              f"distillation temperature must be > 0 (got {self.distill_temperature})"),
             (math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 1,

@@ -171,18 +171,26 @@ def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
 
 def multi_exit_loss(
     logits: Tensor, labels: Tensor, weights: Tensor, *, distill: float = 0.0, temperature: float = 3.0,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0.0, teacher: str = "last",
 ) -> Tensor:
     """``sum_k w_k CE(logits_k, y)`` over exits (``logits`` is ``[K, B, C]``; cross-entropy with
-    ``label_smoothing``), plus ``distill`` times the self-distillation loss: each earlier exit matches the
-    last exit's softened output (KL divergence at ``temperature``, scaled by its square as in Hinton et al.)."""
+    ``label_smoothing``), plus ``distill`` times the self-distillation loss: each earlier exit matches a
+    softened teacher (KL divergence at ``temperature``, scaled by its square as in Hinton et al.). ``teacher``
+    ``last``: the last exit's output (BYOT); ``later``: for exit k, the mean of the softened outputs of exits
+    k+1..K-1, an ensemble of every exit after it (for the next to last, the last exit alone)."""
     num_steps, batch, classes = logits.shape
     per_exit = F.cross_entropy(logits.reshape(-1, classes), labels.repeat(num_steps), reduction="none",
                                label_smoothing=label_smoothing)  # fmt: skip
     loss = (per_exit.view(num_steps, batch).mean(dim=1) * weights.to(logits.device)).sum()
     if distill > 0 and num_steps > 1:
-        teacher = F.softmax(logits[-1].detach() / temperature, dim=1)
+        soft = F.softmax(logits.detach() / temperature, dim=2)
+        if teacher == "later":  # mean over k+1..K-1 for each k: suffix sums over the exits, divided by their count
+            suffix = soft.flip(0).cumsum(0).flip(0)[1:]
+            counts = torch.arange(num_steps - 1, 0, -1, device=logits.device, dtype=soft.dtype)
+            targets = suffix / counts[:, None, None]
+        else:
+            targets = soft[-1].expand(num_steps - 1, batch, classes)
         students = F.log_softmax(logits[:-1] / temperature, dim=2)
-        kl = F.kl_div(students, teacher.expand_as(students), reduction="none").sum(dim=2).mean(dim=1)
+        kl = F.kl_div(students, targets, reduction="none").sum(dim=2).mean(dim=1)
         loss = loss + distill * temperature**2 * kl.sum()
     return loss

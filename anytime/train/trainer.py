@@ -644,7 +644,7 @@ class Trainer:
             if multi_exit:
                 loss = multi_exit_loss(
                     logits, labels, step_weights, distill=cfg.distill, temperature=cfg.distill_temperature,
-                    label_smoothing=cfg.label_smoothing,
+                    label_smoothing=cfg.label_smoothing, teacher=cfg.distill_teacher,
                 )
                 logits = logits[-1]
             else:
