@@ -35,6 +35,7 @@ class StagedBackbone(nn.Module):
     stage_info: tuple[StageInfo, ...]
     num_classes: int
     in_channels: int
+    width_sliceable: bool = True  # a leading slice of every layer's channels is a narrower network of the same kind
 
     def __init__(self, *, num_classes: int, in_channels: int) -> None:
         super().__init__()

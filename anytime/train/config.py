@@ -15,7 +15,7 @@ from anytime.wrappers.slicing import SLICE_KINDS
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step", "onecycle")
 AMP: tuple[str, ...] = ("off", "bf16")
 EXIT_MODES: tuple[str, ...] = ("joint", "heads-only")
-EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")  # the designs of anytime.wrappers.exit_head
+EXIT_HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "msdnet")  # the designs of anytime.wrappers.exit_head
 LADDERS: tuple[str, ...] = ("top-down",)
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 _OPTIONAL_TYPES: dict[str, type] = {"data_root": str, "image_size": int, "limit_train": int, "exits": str, "init": str,

@@ -18,7 +18,7 @@ from anytime.backbones.base import Scale, StagedBackbone, example_input, takes_t
 from anytime.errors import AnytimeError
 from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
 
-HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv")
+HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "msdnet")
 SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
 
 
@@ -29,7 +29,8 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     ``pool``: after SDN's head, average pooling to at most 4x4, then a linear layer (cheap in FLOPs, keeps
     some spatial layout). SDN mixes max and average pooling; the max branch made training diverge at
     learning rates the backbones train well with (0.05 on the digits), so it is left out. ``conv``: BranchyNet-like, a strided 3x3 conv-BN-ReLU, global pooling and
-    a linear layer (the most expressive and the most expensive). ``scaled``: ``pool`` with its logits
+    a linear layer (the most expressive of these). ``msdnet``: MSDNet's classifier, two strided 3x3
+    conv-BN-ReLU of 128 channels, global pooling and a linear layer (the most expensive). ``scaled``: ``pool`` with its logits
     multiplied by ``2 / sqrt(features)``, as airbench-style nets scale their own classifier (1/9 for 256
     features): a step of the learning rate then moves the logits about as much whatever the exit's width, so the
     high rates of the fast recipes do not blow up a head that reads thousands of features.
@@ -48,6 +49,10 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         features = channels * size * size
         layers = [nn.AdaptiveAvgPool2d(size), nn.Flatten(), nn.Linear(features, num_classes)]
         return nn.Sequential(*layers, *([Scale(2 / math.sqrt(features))] if kind == "scaled" else []))
+    if kind == "msdnet":
+        from anytime.backbones.msdnet import msd_classifier
+
+        return msd_classifier(channels, num_classes)
     stride = 2 if min(height, width) >= 8 else 1
     return nn.Sequential(
         nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels),
@@ -367,10 +372,20 @@ def attach_exits(
             was_training = backbone.training
             num_classes = int(backbone.eval()(sample).shape[-1])
             backbone.train(was_training)
-    heads = [exit_head(head, cut.shape, num_classes).to(device) for cut in chosen]
+    heads = [_head_at(backbone, cut, head, num_classes).to(device) for cut in chosen]
     info = _costs(backbone, segments, heads, chosen, sample)
     spec = str(points) if isinstance(points, (str, int)) else ",".join(str(p) for p in points)
     return MultiExitModel(backbone, segments, heads, info, points=spec, head=head, backbone_flops=chain.total_flops)
+
+
+def _head_at(backbone: nn.Module, cut: Cut, kind: str, num_classes: int) -> nn.Module:
+    """The exit head after ``cut``: on its features, or on what the backbone says an exit there reads (MSDNet's
+    coarsest scale of its packed scales)."""
+    view = getattr(backbone, "exit_view", None)
+    if view is None:
+        return exit_head(kind, cut.shape, num_classes)
+    reader, shape = view(cut.name, cut.shape)
+    return nn.Sequential(reader, exit_head(kind, shape, num_classes))
 
 
 def _costs(

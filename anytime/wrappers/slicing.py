@@ -362,7 +362,9 @@ def _width_sliceable(backbone: nn.Module) -> bool:
 
     from anytime.backbones.base import StagedBackbone
 
-    return isinstance(backbone, (StagedBackbone, TorchvisionResNet, TorchvisionMobileNetV2))
+    if isinstance(backbone, StagedBackbone):
+        return backbone.width_sliceable
+    return isinstance(backbone, (TorchvisionResNet, TorchvisionMobileNetV2))
 
 
 def _check_sliceable(backbone: nn.Module, kind: str) -> nn.Linear:

@@ -1,0 +1,117 @@
+"""MSDNet: its packed scales, its layout, its exits and the inference forms, exports and refusals around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anytime.backbones import create_model
+from anytime.backbones.msdnet import Layout, MSDNet, pack, unpack
+from anytime.errors import AnytimeError
+from anytime.inference import InferenceForm, inference_form
+from anytime.wrappers import HEADS, attach_exits
+
+
+def _small(**kwargs) -> MSDNet:
+    return MSDNet(blocks=3, base=2, step=1, channels=4, growth=2, **kwargs)
+
+
+@pytest.mark.parametrize("side", [8, 9, 31, 32, 33])
+def test_pack_unpack_round_trip_at_any_square_size(side):
+    layout = Layout((3, 5, 7), 0)
+    shapes = layout.shapes(layout.packed(side))
+    assert [s[1] for s in shapes] == [side, -(-side // 2), -(-side // 4)]
+    generator = torch.Generator().manual_seed(0)
+    maps = [torch.randn(2, c, h, w, generator=generator) for c, h, w in shapes]
+    packed = pack(maps)
+    assert packed.shape == (2, layout.packed(side))
+    for before, after in zip(maps, unpack(packed, layout)):
+        assert torch.equal(before, after)
+    assert torch.equal(pack(unpack(packed, layout)), packed)
+    assert torch.equal(unpack(packed[1:], layout)[2], maps[2][1:])  # a packed batch is indexable by sample
+
+
+def test_a_packed_length_of_no_square_input_is_refused():
+    with pytest.raises(ValueError, match="no square input"):
+        Layout((3, 5), 0).shapes(Layout((3, 5), 0).packed(8) + 1)
+
+
+def test_the_papers_cifar_network():
+    model = create_model("msdnet")
+    assert isinstance(model, MSDNet)
+    assert len(model.stages) == 7
+    # 16 layers over 3 scales: the finest is dropped after layer 6 and the next after layer 12.
+    assert [len(model.layouts[f"stages.{b}"].channels) for b in range(7)] == [3, 3, 2, 2, 2, 1, 1]
+    assert model.layouts["stem"].channels == (16, 32, 64)
+    assert [s.stride for s in model.stage_info] == [4] * 7  # every classifier reads the 8x8 scale
+    assert 0.7e6 < sum(p.numel() for p in model.parameters()) < 1.0e6
+
+
+def test_square_images_only_in_one_line():
+    with pytest.raises(AnytimeError, match="square images.*--image-size"):
+        _small().eval()(torch.randn(1, 3, 32, 24))
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_every_exit_head_reads_the_coarsest_scale(head):
+    torch.manual_seed(0)
+    backbone = _small(num_classes=5).eval()
+    model = attach_exits(backbone, "auto", head=head)
+    assert [e.name for e in model.exit_info] == ["stages.0", "stages.1", "output"]
+    flops = [e.flops for e in model.exit_info]
+    assert flops == sorted(flops)
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        everything = model.forward_all(x)
+        assert everything.shape == (3, 3, 5)
+        for k in range(model.num_steps):
+            assert torch.allclose(model.forward_until(x, k), everything[k], atol=1e-6)
+        assert torch.equal(everything[-1], backbone(x))
+        # An exit's answer for a sample does not depend on the others in its batch.
+        assert torch.allclose(model.forward_until(x[1:2], 0), everything[0, 1:2], atol=1e-5)
+
+
+def test_training_reaches_every_block_and_head():
+    torch.manual_seed(0)
+    model = attach_exits(_small(num_classes=4), "auto", head="msdnet").train()
+    loss = sum(F.cross_entropy(logits, torch.tensor([0, 1, 2, 3])) for logits in model(torch.randn(4, 3, 16, 16)))
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing
+
+
+@pytest.mark.parametrize("form", ["fold", "fold+channels-last"])
+def test_inference_forms_equal_eager(form):
+    torch.manual_seed(0)
+    model = attach_exits(_small(), "auto", head="msdnet")
+    model.train()
+    for _ in range(2):  # batch-norm statistics away from their initial values, so folding has work to do
+        model(torch.randn(8, 3, 16, 16))
+    probe = torch.randn(4, 3, 16, 16)
+    converted = inference_form(model.eval(), InferenceForm.parse(form), probe=probe)
+    with torch.no_grad():
+        assert torch.allclose(converted(probe), model(probe), atol=1e-4)
+
+
+def test_width_slicing_is_refused_in_one_line():
+    from anytime.wrappers import slice_model
+
+    with pytest.raises(AnytimeError, match="concatenated"):
+        slice_model(_small(), [0.5, 1.0])
+
+
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from anytime.precision.export import export_model, load_export
+
+    torch.manual_seed(0)
+    model = attach_exits(_small(), "auto", head="msdnet", input_shape=(3, 16, 16)).eval()
+    folder = tmp_path / "export"
+    folder.mkdir()
+    export_model(model, fmt, "fp32", folder, input_shape=(3, 16, 16), num_classes=10, name="msdnet")
+    exported = load_export(folder)
+    x = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(exported(x), model(x), atol=1e-4, rtol=1e-4)
