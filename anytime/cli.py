@@ -271,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "fractions of FLOPs (0.25,0.5) or point names (stages.0,stages.1.2; see 'anytime exits')")
     exits.add_argument("--exit-mode", choices=["joint", "heads-only"],
                        help="joint: train everything (default); heads-only: only the exits, backbone frozen (needs --init)")
-    exits.add_argument("--exit-head", choices=["pool", "scaled", "linear", "conv", "msdnet"], help="exit head design (default pool)")
+    exits.add_argument("--exit-head", metavar="HEAD",
+                       help="exit head design: pool (default), scaled, linear, conv, conv2 or msdnet; one per early exit "
+                            "(conv2,pool,pool); or graded (conv2, conv, pool by thirds of the FLOPs)")
     exits.add_argument("--exit-weights", metavar="W,W,...",
                        help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)")
     exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
@@ -326,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
     exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
     exits_cmd.add_argument("--exits", default="auto", metavar="POINTS", help="exit points (default auto)")
-    exits_cmd.add_argument("--exit-head", default="pool", choices=["pool", "scaled", "linear", "conv", "msdnet"])
+    exits_cmd.add_argument("--exit-head", default="pool", metavar="HEAD",
+                           help="pool, scaled, linear, conv, conv2 or msdnet; one per early exit; or graded")
     exits_cmd.add_argument("--in-channels", type=_positive_int, default=3, metavar="C")
     exits_cmd.add_argument("--num-classes", type=_int_at_least(2), default=10, metavar="N")
     exits_cmd.add_argument("--image-size", type=_positive_int, default=32, metavar="PX")

@@ -183,6 +183,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         ({"val_fraction": 1.5}, "validation"),
         ({"exit_mode": "frozen", "exits": "auto"}, "unknown exit mode"),
         ({"exit_head": "mlp", "exits": "auto"}, "unknown exit head"),
+        ({"exit_head": "conv2,mlp", "exits": "auto"}, "unknown exit head 'conv2,mlp'.*one per early exit"),
         ({"exit_weights": (1.0, float("nan")), "exits": "auto"}, "exit weights"),
         ({"exit_weights": (1.0, 1.0)}, "exit weights need --exits"),
         ({"distill": -1.0, "exits": "auto"}, "distillation weight"),

@@ -249,3 +249,36 @@ def test_gradient_equilibrium_gives_shared_layers_the_mean_of_the_exits_gradient
             assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-5 * float(p.grad.abs().max()))
     with torch.no_grad():  # and nothing changes outside training
         assert torch.equal(balanced.eval()(x), plain.eval()(x))
+
+
+def test_heads_per_exit_by_name_or_graded_by_position():
+    from anytime.wrappers import head_kinds
+
+    assert head_kinds("pool", [0.2, 0.5]) == ["pool", "pool"]
+    assert head_kinds("conv2, pool", [0.2, 0.5]) == ["conv2", "pool"]
+    assert head_kinds("graded", [0.1, 0.32, 0.34, 0.6, 0.67, 0.9]) == ["conv2", "conv2", "conv", "conv", "pool", "pool"]
+    with pytest.raises(AnytimeError, match="3 exit heads given for 2 early exits"):
+        head_kinds("pool,pool,conv", [0.2, 0.5])
+    with pytest.raises(AnytimeError, match="unknown exit head 'mlp'.*graded"):
+        head_kinds("pool,mlp", [0.2, 0.5])
+
+
+def test_graded_heads_give_the_earliest_exits_the_most_layers():
+    torch.manual_seed(0)
+    backbone = create_model("resnet20").eval()
+    model = attach_exits(backbone, "0.15,0.5,0.8", head="graded")
+    convs = [sum(isinstance(m, nn.Conv2d) for m in head.modules()) for head in model.heads]
+    assert convs == [2, 1, 0]
+    # conv2 halves a 32x32 map twice before pooling, at the features' width; the pooled head reads 4x4.
+    assert model.heads[0][0].stride == (2, 2) and model.heads[0][3].stride == (2, 2)
+    assert model.heads[0][0].out_channels == model.exit_info[0].shape[0]
+    _check_contract(model, backbone, torch.randn(3, 3, 32, 32))
+    with pytest.raises(AnytimeError, match="2 exit heads given for 3 early exits"):
+        attach_exits(create_model("resnet20"), "0.15,0.5,0.8", head="conv2,pool")
+
+
+def test_convolutional_heads_are_refused_on_text_features_in_one_line():
+    from anytime.wrappers import exit_head
+
+    with pytest.raises(AnytimeError, match="'conv2' is made of convolutions"):
+        exit_head("conv2", (16, 32), 2)

@@ -1,6 +1,6 @@
 """Wrappers that turn a backbone into an anytime model obeying the step contract."""
 
-from anytime.wrappers.exits import HEADS, SDN_FRACTIONS, ExitInfo, MultiExitModel, attach_exits, exit_head
+from anytime.wrappers.exits import GRADED, HEADS, SDN_FRACTIONS, ExitInfo, MultiExitModel, attach_exits, exit_head, head_kinds
 from anytime.wrappers.residual import (
     CUT_KINDS,
     BlockDropLadder,
@@ -12,7 +12,7 @@ from anytime.wrappers.residual import (
 from anytime.wrappers.slicing import SLICE_KINDS, SlicedModel, slice_model
 
 __all__ = [
-    "CUT_KINDS", "HEADS", "SDN_FRACTIONS", "SLICE_KINDS", "BlockDropLadder", "ExitInfo", "MultiExitModel",
-    "SlicedModel", "apply_cuts", "attach_exits", "exit_head", "residual_blocks", "set_stochastic_depth",
+    "CUT_KINDS", "GRADED", "HEADS", "SDN_FRACTIONS", "SLICE_KINDS", "BlockDropLadder", "ExitInfo", "MultiExitModel",
+    "SlicedModel", "apply_cuts", "attach_exits", "exit_head", "head_kinds", "residual_blocks", "set_stochastic_depth",
     "slice_model", "top_down_ladder",
 ]  # fmt: skip

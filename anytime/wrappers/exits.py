@@ -18,7 +18,9 @@ from anytime.backbones.base import Scale, StagedBackbone, example_input, takes_t
 from anytime.errors import AnytimeError
 from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
 
-HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "msdnet")
+HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "conv2", "msdnet")
+GRADED = "graded"  # a head per exit by its position: see head_kinds
+_GRADED_THIRDS: tuple[str, str, str] = ("conv2", "conv", "pool")
 SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
 
 
@@ -28,18 +30,23 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     ``linear``: global average pooling and a linear layer (the cheapest).
     ``pool``: after SDN's head, average pooling to at most 4x4, then a linear layer (cheap in FLOPs, keeps
     some spatial layout). SDN mixes max and average pooling; the max branch made training diverge at
-    learning rates the backbones train well with (0.05 on the digits), so it is left out. ``conv``: BranchyNet-like, a strided 3x3 conv-BN-ReLU, global pooling and
-    a linear layer (the most expressive of these). ``msdnet``: MSDNet's classifier, two strided 3x3
-    conv-BN-ReLU of 128 channels, global pooling and a linear layer (the most expensive). ``scaled``: ``pool`` with its logits
-    multiplied by ``2 / sqrt(features)``, as airbench-style nets scale their own classifier (1/9 for 256
-    features): a step of the learning rate then moves the logits about as much whatever the exit's width, so the
-    high rates of the fast recipes do not blow up a head that reads thousands of features.
+    learning rates the backbones train well with (0.05 on the digits), so it is left out. ``scaled``: ``pool``
+    with its logits multiplied by ``2 / sqrt(features)``, as airbench-style nets scale their own classifier (1/9
+    for 256 features): a step of the learning rate then moves the logits about as much whatever the exit's width,
+    so the high rates of the fast recipes do not blow up a head that reads thousands of features.
+    ``conv``: BranchyNet-like, a 3x3 conv-BN-ReLU at the features' width (strided on maps of 8 pixels or more),
+    global pooling and a linear layer; ``conv2``: two of them, for exits after shallow stages, whose features
+    are still low-level (BranchyNet gave its earliest branches the most layers). ``msdnet``: MSDNet's
+    classifier, two strided 3x3 conv-BN-ReLU of 128 channels, global pooling and a linear layer.
     """
     if kind not in HEADS:
-        raise AnytimeError(f"unknown exit head '{kind}'; choose one of {', '.join(HEADS)}")
+        raise AnytimeError(f"unknown exit head '{kind}'; choose one of {', '.join(HEADS)} (or '{GRADED}')")
     if len(shape) == 1:
         return nn.Linear(shape[0], num_classes)
     if len(shape) == 2:
+        if kind in ("conv2", "msdnet"):
+            raise AnytimeError(f"the exit head '{kind}' is made of convolutions over an image's features; a text "
+                               "model's exits take pool, scaled, linear or conv")  # fmt: skip
         return TokenHead(kind, shape[1], num_classes)
     channels, height, width = shape
     if kind == "linear":
@@ -53,11 +60,33 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         from anytime.backbones.msdnet import msd_classifier
 
         return msd_classifier(channels, num_classes)
-    stride = 2 if min(height, width) >= 8 else 1
-    return nn.Sequential(
-        nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels),
-        nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes),
-    )  # fmt: skip
+    convs: list[nn.Module] = []
+    for _ in range(2 if kind == "conv2" else 1):
+        stride = 2 if min(height, width) >= 8 else 1
+        convs += [nn.Conv2d(channels, channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(channels),
+                  nn.ReLU(inplace=True)]  # fmt: skip
+        height, width = -(-height // stride), -(-width // stride)
+    return nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
+
+
+def head_kinds(spec: str, fractions: Sequence[float]) -> list[str]:
+    """The head kind of each early exit, at ``fractions`` of the backbone's FLOPs: one kind for all (``pool``),
+    one per exit (``conv2,pool,pool``), or ``graded``: sized by position, ``conv2`` in the first third of the
+    FLOPs, ``conv`` in the second and ``pool`` after (early features are low-level and need layers of their own
+    to classify; late ones are nearly there, and a layer there would cost the most)."""
+    if spec == GRADED:
+        return [_GRADED_THIRDS[min(2, int(3 * f))] for f in fractions]
+    kinds = [k.strip() for k in str(spec).split(",")]
+    unknown = [k for k in kinds if k not in HEADS]
+    if unknown:
+        raise AnytimeError(f"unknown exit head '{unknown[0]}'; choose one of {', '.join(HEADS)}, one per exit "
+                           f"separated by commas, or '{GRADED}'")  # fmt: skip
+    if len(kinds) == 1:
+        return kinds * len(fractions)
+    if len(kinds) != len(fractions):
+        raise AnytimeError(f"{len(kinds)} exit heads given for {len(fractions)} early exits; give one kind, one per "
+                           f"early exit, or '{GRADED}'")  # fmt: skip
+    return kinds
 
 
 class TokenHead(nn.Module):
@@ -348,13 +377,14 @@ def attach_exits(
     backbone's FLOPs, as SDN places them), a count ``N`` (N exits in all, evenly spread over the FLOPs),
     fractions of FLOPs (``[0.25, 0.5]``) or point names (``["stages.0", "stages.1.2"]``, or module names such
     as ``layer2`` for a torchvision model). Zoo models split at their declared stages and blocks; any
-    other module is split on its torch.fx graph. ``head`` picks the exit head design (see :func:`exit_head`).
+    other module is split on its torch.fx graph. ``head`` picks the exit head design (see :func:`exit_head`): one
+    for every exit, one per early exit (``conv2,pool,pool``) or ``graded`` (see :func:`head_kinds`).
     ``input_shape`` is one sample's ``(C, H, W)``; by default the backbone's ``in_channels`` at 32x32, or for a
     text encoder ``(T,)``, its maximum length (FLOPs are counted at that length).
     """
     kind, value = _parse_points(points)
-    if head not in HEADS:
-        raise AnytimeError(f"unknown exit head '{head}'; choose one of {', '.join(HEADS)}")
+    if head != GRADED:
+        head_kinds(head, [0.0] * len(str(head).split(",")))  # a wrong name is refused before any tracing
     if input_shape is None and getattr(backbone, "modality", "image") == "text":
         input_shape = (int(backbone.max_length),)  # type: ignore[arg-type]
     if input_shape is None:
@@ -372,7 +402,8 @@ def attach_exits(
             was_training = backbone.training
             num_classes = int(backbone.eval()(sample).shape[-1])
             backbone.train(was_training)
-    heads = [_head_at(backbone, cut, head, num_classes).to(device) for cut in chosen]
+    kinds = head_kinds(head, [cut.flops / chain.total_flops for cut in chosen])
+    heads = [_head_at(backbone, cut, k, num_classes).to(device) for cut, k in zip(chosen, kinds)]
     info = _costs(backbone, segments, heads, chosen, sample)
     spec = str(points) if isinstance(points, (str, int)) else ",".join(str(p) for p in points)
     return MultiExitModel(backbone, segments, heads, info, points=spec, head=head, backbone_flops=chain.total_flops)
