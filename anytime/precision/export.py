@@ -258,21 +258,24 @@ def _window_matrix(size: int, out: int) -> Tensor:
     return matrix
 
 
+def _with_modules(part: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
+    """``part`` itself when ``modules`` is empty, else a copy with the submodules it names replaced."""
+    if not modules:
+        return part
+    part = copy.deepcopy(part)
+    for name, module in modules.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(part.get_submodule(owner) if owner else part, attr, module)
+    return part
+
+
 def _unfused(part: nn.Module) -> nn.Module:
     """``part``, or a copy whose :class:`~anytime.inference.PooledLinear` modules are the three they stand for."""
     from anytime.inference import PooledLinear
 
     if isinstance(part, PooledLinear):
         return part.unfused()
-    fused = [name for name, module in part.named_modules() if isinstance(module, PooledLinear)]
-    if not fused:
-        return part
-    part = copy.deepcopy(part)
-    for name in fused:
-        owner, _, attr = name.rpartition(".")
-        holder = part.get_submodule(owner) if owner else part
-        setattr(holder, attr, getattr(holder, attr).unfused())
-    return part
+    return _with_modules(part, {name: m.unfused() for name, m in part.named_modules() if isinstance(m, PooledLinear)})
 
 
 def _plain_poolings(part: nn.Module, example: Tensor, *, matrices: bool) -> nn.Module:
@@ -310,13 +313,7 @@ def _plain_poolings(part: nn.Module, example: Tensor, *, matrices: bool) -> nn.M
             plain[name] = nn.AvgPool2d(kernel, stride=kernel)
         elif matrices:
             plain[name] = _MatrixPooling(size, out)
-    if not plain:
-        return part
-    part = copy.deepcopy(part)
-    for name, module in plain.items():
-        owner, _, attr = name.rpartition(".")
-        setattr(part.get_submodule(owner) if owner else part, attr, module)
-    return part
+    return _with_modules(part, plain)
 
 
 def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str, *, to_quantize: bool = False) -> None:
