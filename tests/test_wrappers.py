@@ -277,6 +277,17 @@ def test_graded_heads_give_the_earliest_exits_the_most_layers():
         attach_exits(create_model("resnet20"), "0.15,0.5,0.8", head="conv2,pool")
 
 
+def test_a_graded_head_that_would_cost_too_much_is_made_shallower():
+    from anytime.wrappers.exits import GRADED_HEAD_SHARE
+
+    # fastcnn's exit after its first 256-channel block sits in the second third: a conv layer there would cost
+    # a quarter of the backbone, so it gets the pooled head.
+    model = attach_exits(create_model("fastcnn"), "stages.0,stages.1.0,stages.1", head="graded")
+    convs = [sum(isinstance(m, nn.Conv2d) for m in head.modules()) for head in model.heads]
+    assert convs == [2, 0, 0]
+    assert all(e.head_flops <= GRADED_HEAD_SHARE * model.backbone_flops for e in model.exit_info)
+
+
 def test_convolutional_heads_are_refused_on_text_features_in_one_line():
     from anytime.wrappers import exit_head
 

@@ -21,6 +21,7 @@ from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_point
 HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "conv2", "msdnet")
 GRADED = "graded"  # a head per exit by its position: see head_kinds
 _GRADED_THIRDS: tuple[str, str, str] = ("conv2", "conv", "pool")
+GRADED_HEAD_SHARE = 0.05  # of the backbone's FLOPs: a graded head that would cost more is made one layer shallower
 SDN_FRACTIONS: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
 
 
@@ -73,7 +74,9 @@ def head_kinds(spec: str, fractions: Sequence[float]) -> list[str]:
     """The head kind of each early exit, at ``fractions`` of the backbone's FLOPs: one kind for all (``pool``),
     one per exit (``conv2,pool,pool``), or ``graded``: sized by position, ``conv2`` in the first third of the
     FLOPs, ``conv`` in the second and ``pool`` after (early features are low-level and need layers of their own
-    to classify; late ones are nearly there, and a layer there would cost the most)."""
+    to classify; late ones are nearly there). :func:`attach_exits` then makes a graded head one layer shallower
+    while it would cost more than ``GRADED_HEAD_SHARE`` of the backbone's FLOPs (a conv layer over 256 channels
+    costs a quarter of an airbench-style net)."""
     if spec == GRADED:
         return [_GRADED_THIRDS[min(2, int(3 * f))] for f in fractions]
     kinds = [k.strip() for k in str(spec).split(",")]
@@ -403,7 +406,15 @@ def attach_exits(
             num_classes = int(backbone.eval()(sample).shape[-1])
             backbone.train(was_training)
     kinds = head_kinds(head, [cut.flops / chain.total_flops for cut in chosen])
-    heads = [_head_at(backbone, cut, k, num_classes).to(device) for cut, k in zip(chosen, kinds)]
+    heads = []
+    for cut, kind in zip(chosen, kinds):
+        if head == GRADED and len(cut.shape) == 2:
+            kind = "pool"  # a text encoder's tokens: no convolutions to grade
+        made = _head_at(backbone, cut, kind, num_classes)
+        while head == GRADED and kind != "pool" and _flops(made, cut) > GRADED_HEAD_SHARE * chain.total_flops:
+            kind = _GRADED_THIRDS[_GRADED_THIRDS.index(kind) + 1]
+            made = _head_at(backbone, cut, kind, num_classes)
+        heads.append(made.to(device))
     info = _costs(backbone, segments, heads, chosen, sample)
     spec = str(points) if isinstance(points, (str, int)) else ",".join(str(p) for p in points)
     return MultiExitModel(backbone, segments, heads, info, points=spec, head=head, backbone_flops=chain.total_flops)
@@ -417,6 +428,17 @@ def _head_at(backbone: nn.Module, cut: Cut, kind: str, num_classes: int) -> nn.M
         return exit_head(kind, cut.shape, num_classes)
     reader, shape = view(cut.name, cut.shape)
     return nn.Sequential(reader, exit_head(kind, shape, num_classes))
+
+
+def _flops(head: nn.Module, cut: Cut) -> int:
+    """FLOPs of ``head`` on one sample at ``cut``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        head.eval()(torch.zeros(1, *cut.shape))
+    head.train()
+    return int(counter.get_total_flops())
 
 
 def _costs(
