@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from anytime.backbones.base import Scale, StagedBackbone, example_input, takes_tokens
 from anytime.errors import AnytimeError
-from anytime.wrappers.tracing import Chain, Cut, refresh_attributes, split_points
+from anytime.wrappers.tracing import Chain, Cut, count_flops, refresh_attributes, split_points
 
 HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "conv2", "msdnet")
 GRADED = "graded"  # a head per exit by its position: see head_kinds
@@ -432,26 +432,14 @@ def _head_at(backbone: nn.Module, cut: Cut, kind: str, num_classes: int) -> nn.M
 
 def _flops(head: nn.Module, cut: Cut) -> int:
     """FLOPs of ``head`` on one sample at ``cut``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        head.eval()(torch.zeros(1, *cut.shape))
+    flops, _ = count_flops(head.eval(), torch.zeros(1, *cut.shape))
     head.train()
-    return int(counter.get_total_flops())
+    return flops
 
 
 def _costs(
     backbone: nn.Module, segments: list[nn.Module], heads: list[nn.Module], chosen: list[Cut], sample: Tensor
 ) -> tuple[ExitInfo, ...]:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    def flops_of(module: nn.Module, x: Tensor) -> tuple[int, Tensor]:
-        counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
-            y = module(x)
-        return int(counter.get_total_flops()), y
-
     was_training = backbone.training
     backbone.eval()
     for h in heads:
@@ -462,10 +450,10 @@ def _costs(
     x = sample
     try:
         for k, segment in enumerate(segments):
-            seg_flops, x = flops_of(segment, x)
+            seg_flops, x = count_flops(segment, x)
             spent += seg_flops
             last = k == len(segments) - 1
-            head_flops, head_params = (0, 0) if last else (flops_of(heads[k], x)[0], _params(heads[k]))
+            head_flops, head_params = (0, 0) if last else (count_flops(heads[k], x)[0], _params(heads[k]))
             heads_spent += head_flops
             info.append(ExitInfo(
                 index=k, name="output" if last else chosen[k].name, shape=tuple(x.shape[1:]),

@@ -46,7 +46,8 @@ class Chain:
         return self._make(sorted(chosen, key=lambda c: c.position))
 
 
-def _count_flops(module: nn.Module, x: Tensor) -> tuple[int, Tensor]:
+def count_flops(module: nn.Module, x: Tensor) -> tuple[int, Tensor]:
+    """FLOPs of ``module`` on ``x`` (a multiply-add = 2), and its output."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -78,10 +79,10 @@ def staged_chain(backbone: StagedBackbone, sample: Tensor) -> Chain:
     backbone.eval()
     try:
         for position, (name, unit, stage_end) in enumerate(units):
-            unit_flops, x = _count_flops(unit, x)
+            unit_flops, x = count_flops(unit, x)
             flops += unit_flops
             cuts.append(Cut(name, position, tuple(x.shape[1:]), flops, stage_end))
-        head_flops, _ = _count_flops(backbone.head, x)
+        head_flops, _ = count_flops(backbone.head, x)
     finally:
         backbone.train(was_training)
     # A stage named by its block ("stages.2.2") is also reachable by the stage's name.
