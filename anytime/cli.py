@@ -1095,10 +1095,11 @@ def _cmd_exits(args: argparse.Namespace) -> int:
     base = model.backbone_flops
     print(f"{args.model} with {model.num_steps} exits ({args.exit_head} heads), {size}")
     print(f"{'exit':<5} {'point':<30} {'features':<12} {'MFLOPs':>9} {'of base':>8} {'params':>10} "
-          f"{'head MFLOPs':>12} {'head params':>12}")  # fmt: skip
+          f"{'head':<7} {'head MFLOPs':>12} {'head params':>12}")  # fmt: skip
     for e in model.exit_info:
         print(f"{e.index:<5} {e.name:<30} {'x'.join(map(str, e.shape)):<12} {e.flops / 1e6:>9.2f} "
-              f"{100 * e.flops / base:>7.1f}% {e.params:>10,} {e.head_flops / 1e6:>12.3f} {e.head_params:>12,}")  # fmt: skip
+              f"{100 * e.flops / base:>7.1f}% {e.params:>10,} {e.head or '-':<7} {e.head_flops / 1e6:>12.3f} "
+              f"{e.head_params:>12,}")  # fmt: skip
     print(f"FLOPs for one {'sentence' if len(shape) == 1 else 'image'}, a multiply-add counted as 2; cumulative: the "
           "backbone up to the exit and its head")
     return 0

@@ -45,17 +45,30 @@ class Layout:
 
     def packed(self, side: int) -> int:
         """Numbers per sample once packed, for a square input of ``side`` pixels."""
-        return sum(c * _side(side, self.first + j) ** 2 for j, c in enumerate(self.channels))
+        return self._packed_from(_side(side, self.first))
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019  layouts are few and live as long as their network
+    def _packed_from(self, finest: int) -> int:
+        return sum(c * _side(finest, j) ** 2 for j, c in enumerate(self.channels))
+
     def shapes(self, packed: int) -> tuple[tuple[int, int, int], ...]:
         """``(C, H, W)`` of each scale of a packed sample of ``packed`` numbers."""
-        side = 1
-        while self.packed(side) < packed:
-            side += 1
-        if self.packed(side) != packed:
-            raise ValueError(f"{packed} numbers per sample are no square input's scales {self.channels}")
-        return tuple((c, _side(side, self.first + j), _side(side, self.first + j)) for j, c in enumerate(self.channels))
+        if torch.compiler.is_compiling():  # tracing runs once: solve, rather than trace a cache
+            return self._solve(packed)
+        return self._cached(packed)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019  layouts are few and live as long as their network
+    def _cached(self, packed: int) -> tuple[tuple[int, int, int], ...]:
+        return self._solve(packed)
+
+    def _solve(self, packed: int) -> tuple[tuple[int, int, int], ...]:
+        # Rounding up only adds numbers, so the finest side is at most sqrt(packed / sum(c_j / 4^j)).
+        finest = max(1, math.isqrt(int(packed / sum(c / 4**j for j, c in enumerate(self.channels)))) + 1)
+        while finest > 1 and self._packed_from(finest) > packed:
+            finest -= 1
+        if self._packed_from(finest) != packed:
+            raise AnytimeError(f"{packed} numbers per sample are not MSDNet's scales {self.channels} of any square "
+                               "image: hand a segment the tensor the segment before it answered")  # fmt: skip
+        return tuple((c, _side(finest, j), _side(finest, j)) for j, c in enumerate(self.channels))
 
 
 def pack(maps: list[Tensor]) -> Tensor:
@@ -231,7 +244,8 @@ class MSDNet(StagedBackbone):
     first scale after the first layer, ``growth`` new channels per layer at the first scale. Scale ``s`` has
     ``growth_factors[s]`` times the channels and growth, and its bottlenecks at most ``bottleneck_factors[s]``
     times the growth. The finest scale is dropped evenly along the layers, each drop followed by a transition
-    to ``reduction`` of the channels. Defaults: the paper's CIFAR network for anytime prediction.
+    to ``reduction`` of the channels. Defaults: the CIFAR configuration of the authors' PyTorch code for anytime
+    prediction. Convolutions keep PyTorch's default initialisation (the authors' code draws them He-normal).
     """
 
     width_sliceable = False  # channels are concatenated: a leading slice of every layer is not a narrower network
@@ -278,6 +292,7 @@ class MSDNet(StagedBackbone):
 @register_model("msdnet", family="msdnet",
                 description="MSDNet, the anytime multi-scale dense net: 7 blocks at CIFAR size, 3 scales")  # fmt: skip
 def msdnet(*, num_classes: int = 10, in_channels: int = 3) -> MSDNet:
-    """The paper's CIFAR network for anytime prediction: 7 blocks (4 layers, then 2 per block), 16 channels,
-    growth 6, scale factors 1-2-4, bottlenecks, reduction 0.5 (about 0.3 GFLOPs to its last classifier)."""
+    """The CIFAR network for anytime prediction of the authors' code: 7 blocks (4 layers, then 2 per block), 16
+    channels, growth 6, scale factors 1-2-4, bottlenecks, reduction 0.5: 0.85M parameters and 0.10 GFLOPs to its
+    last classifier (with a ``msdnet`` classifier after each of the other 6 blocks, 3.0M parameters)."""
     return MSDNet(num_classes=num_classes, in_channels=in_channels)

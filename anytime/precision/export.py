@@ -406,7 +406,7 @@ def _logits_tail(path: Path) -> list[str]:
     """The weightless nodes (scaling, flattening, pooling) between a graph's last layers with weights and its
     output, when that output is logits (``[N, C]``): left in float, with the linear layers' outputs, so that the
     answer is not rounded to 256 levels, where near-tied classes swap (PT2E leaves a linear layer's output
-    float too). Empty for a segment whose output is a feature map."""
+    float too). Empty for a graph whose output is a feature map; only called on graphs that answer logits."""
     onnx, _ = _onnx_modules()
     graph = onnx.load(str(path)).graph
     if any(len(v.type.tensor_type.shape.dim) != 2 for v in graph.output):
@@ -459,7 +459,8 @@ def _compact_names(graph: Any) -> None:
 
 
 def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str,
-                   float_modules: Sequence[str] = (), folded: dict[str, str] | None = None) -> None:  # fmt: skip
+                   float_modules: Sequence[str] = (), folded: dict[str, str] | None = None, *, logits: bool = True,
+                   ) -> None:  # fmt: skip
     _onnx_modules()
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -476,7 +477,8 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
     prepared = path.with_name(path.stem + ".pre.onnx")
     try:
         excluded = _nodes_of_modules(float_path, float_modules, folded)
-        excluded += [name for name in _logits_tail(float_path) if name not in excluded]
+        if logits:
+            excluded += [name for name in _logits_tail(float_path) if name not in excluded]
         try:
             quant_pre_process(str(float_path), str(prepared))
         except Exception:  # noqa: BLE001  its symbolic shape inference knows no ReduceMax with axes as an input
@@ -519,8 +521,10 @@ def _write_artifacts(
             float_path = path.with_name(path.stem + ".float.onnx")
             _export_onnx(part, example, float_path, what, to_quantize=True)
             kept = float_names[i] if float_names else ()
+            # every part answers logits but a segment with a head after it (MSDNet's segments answer a 2-D tensor too)
+            logits = role != "segment" or i == len(parts) - 1
             _quantize_onnx(float_path, path, [b.detach().float().numpy() for b in calibration[i]], what, kept,
-                           _normalised_by(part, example) if kept else None)  # fmt: skip
+                           _normalised_by(part, example) if kept else None, logits=logits)  # fmt: skip
         with torch.no_grad():
             output = part(example)
         written.append(ArtifactPart(name, role, step, tuple(example.shape[1:]), tuple(output.shape[1:]),

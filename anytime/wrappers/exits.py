@@ -127,12 +127,13 @@ class ExitInfo:
 
     index: int
     name: str  # the point it reads ("stages.1", "layer2"); "output" for the backbone's own head
-    shape: tuple[int, ...]  # per-sample shape of the features the head reads
+    shape: tuple[int, ...]  # per-sample shape of the features at the point (MSDNet: its scales packed, see exit_view)
     flops: int  # backbone up to the point plus this exit's head: the cost of this step alone
     cost_flops: int  # FLOPs spent by a sample that leaves here under early exit (every head on the way)
     params: int  # parameters needed to answer here (backbone so far and this head)
     head_flops: int
     head_params: int
+    head: str = ""  # the exit head's kind ("pool", "conv2"...); "" for the backbone's own head and other families
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able dict."""
@@ -406,7 +407,7 @@ def attach_exits(
             num_classes = int(backbone.eval()(sample).shape[-1])
             backbone.train(was_training)
     kinds = head_kinds(head, [cut.flops / chain.total_flops for cut in chosen])
-    heads = []
+    heads, built = [], []
     for cut, kind in zip(chosen, kinds):
         if head == GRADED and len(cut.shape) == 2:
             kind = "pool"  # a text encoder's tokens: no convolutions to grade
@@ -415,7 +416,8 @@ def attach_exits(
             kind = _GRADED_THIRDS[_GRADED_THIRDS.index(kind) + 1]
             made = _head_at(backbone, cut, kind, num_classes)
         heads.append(made.to(device))
-    info = _costs(backbone, segments, heads, chosen, sample)
+        built.append(kind)
+    info = _costs(backbone, segments, heads, chosen, sample, built)
     spec = str(points) if isinstance(points, (str, int)) else ",".join(str(p) for p in points)
     return MultiExitModel(backbone, segments, heads, info, points=spec, head=head, backbone_flops=chain.total_flops)
 
@@ -438,8 +440,9 @@ def _flops(head: nn.Module, cut: Cut) -> int:
 
 
 def _costs(
-    backbone: nn.Module, segments: list[nn.Module], heads: list[nn.Module], chosen: list[Cut], sample: Tensor
-) -> tuple[ExitInfo, ...]:
+    backbone: nn.Module, segments: list[nn.Module], heads: list[nn.Module], chosen: list[Cut], sample: Tensor,
+    kinds: Sequence[str],
+) -> tuple[ExitInfo, ...]:  # fmt: skip
     was_training = backbone.training
     backbone.eval()
     for h in heads:
@@ -459,6 +462,7 @@ def _costs(
                 index=k, name="output" if last else chosen[k].name, shape=tuple(x.shape[1:]),
                 flops=spent + head_flops, cost_flops=spent + heads_spent,
                 params=_unique_params(segments[: k + 1]) + head_params, head_flops=head_flops, head_params=head_params,
+                head="" if last else kinds[k],
             ))  # fmt: skip
     finally:
         backbone.train(was_training)

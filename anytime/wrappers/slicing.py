@@ -356,7 +356,7 @@ def _probe_sizes(backbone: nn.Module, context: _Context, ratio: float) -> dict[s
 
 def _width_sliceable(backbone: nn.Module) -> bool:
     """Networks whose channels line up across layers (no concatenation or shuffle), so a leading slice of
-    every layer is a narrower network: the zoo's and torchvision's ResNets and MobileNetV2."""
+    every layer is a narrower network: the zoo's models but MSDNet, and torchvision's ResNets and MobileNetV2."""
     from torchvision.models import MobileNetV2 as TorchvisionMobileNetV2
     from torchvision.models import ResNet as TorchvisionResNet
 
@@ -370,7 +370,7 @@ def _width_sliceable(backbone: nn.Module) -> bool:
 def _check_sliceable(backbone: nn.Module, kind: str) -> nn.Linear:
     if kind == "width" and not _width_sliceable(backbone):
         raise AnytimeError(
-            f"width slicing supports the zoo's models and torchvision's ResNet and MobileNetV2, not "
+            f"width slicing supports the zoo's models but MSDNet, and torchvision's ResNet and MobileNetV2, not "
             f"{type(backbone).__name__}: where channels are concatenated or shuffled, a leading slice of each layer "
             "is not a narrower network"
         )
