@@ -1,8 +1,9 @@
 """MSDNet at CIFAR size: the multi-scale dense network built for anytime prediction (Huang et al., ICLR 2018).
 
 The network keeps features at several scales at once (32x32, 16x16 and 8x8 for CIFAR). Every layer adds
-new channels at every scale it keeps: at each scale, half from a 3x3 convolution of that scale and half from
-a strided 3x3 convolution of the next finer scale, concatenated to what was there (dense connectivity). The
+new channels at every scale it keeps, concatenated to what was there (dense connectivity): at the finest scale
+kept, from a 3x3 convolution of that scale; at the others, half from one of that scale and half from a strided
+3x3 convolution of the next finer scale. The
 finest scales are dropped as the network deepens, each drop followed by a 1x1 transition that halves the
 channels. A block of layers ends at each classifier, which reads the coarsest scale, so every exit sees
 coarse, high-level features from the first block on: what exits attached to a ResNet's early stages lack.
@@ -258,7 +259,7 @@ class MSDNet(StagedBackbone):
         super().__init__(num_classes=num_classes, in_channels=in_channels)
         scales = len(growth_factors)
         if bottleneck_factors is not None and len(bottleneck_factors) != scales:
-            raise ValueError("one bottleneck factor per scale")
+            raise AnytimeError(f"one bottleneck factor per scale: {len(bottleneck_factors)} for {scales} scales")
         stem = FirstLayer(in_channels, tuple(channels * f for f in growth_factors))
         layers = base + step * (blocks - 1)
         interval = math.ceil(layers / scales)

@@ -9,7 +9,7 @@ from typing import Any
 
 from anytime.data.augment import DEFAULT_PADDING, Augment, default_augment
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import GRADED, HEADS
+from anytime.wrappers.exits import GRADED, HEADS, exit_head_error
 from anytime.wrappers.sact import SACT_MODES, parse_thresholds
 from anytime.wrappers.slicing import SLICE_KINDS
 
@@ -160,7 +160,7 @@ class TrainConfig:
             (self.limit_train is None or self.limit_train >= 1, "limit_train must be a positive count"),
             (all(0 < m < 1 for m in self.step_milestones), "step milestones are fractions of the run in (0, 1)"),
             (self.exit_mode in EXIT_MODES, f"unknown exit mode '{self.exit_mode}'; choose one of {', '.join(EXIT_MODES)}"),
-            (self.exit_head == GRADED or all(k.strip() in HEADS for k in str(self.exit_head).split(",")),
+            (exit_head_error(self.exit_head) is None,
              f"unknown exit head '{self.exit_head}'; choose one of {', '.join(HEADS)}, one per early exit separated by "
              f"commas, or '{GRADED}'"),
             (self.exits is not None or self.exit_mode == "joint", "--exit-mode heads-only needs --exits"),

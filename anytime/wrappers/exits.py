@@ -70,6 +70,15 @@ def exit_head(kind: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
 
 
+def exit_head_error(spec: str) -> str | None:
+    """Why ``spec`` names no exit heads (a one-line message), or None when it does (see :func:`head_kinds`)."""
+    unknown = [k.strip() for k in str(spec).split(",") if k.strip() not in HEADS]
+    if spec == GRADED or not unknown:
+        return None
+    return (f"unknown exit head '{unknown[0]}'; choose one of {', '.join(HEADS)}, one per exit separated by commas, "
+            f"or '{GRADED}'")  # fmt: skip
+
+
 def head_kinds(spec: str, fractions: Sequence[float]) -> list[str]:
     """The head kind of each early exit, at ``fractions`` of the backbone's FLOPs: one kind for all (``pool``),
     one per exit (``conv2,pool,pool``), or ``graded``: sized by position, ``conv2`` in the first third of the
@@ -79,11 +88,10 @@ def head_kinds(spec: str, fractions: Sequence[float]) -> list[str]:
     costs a quarter of an airbench-style net)."""
     if spec == GRADED:
         return [_GRADED_THIRDS[min(2, int(3 * f))] for f in fractions]
+    error = exit_head_error(spec)
+    if error:
+        raise AnytimeError(error)
     kinds = [k.strip() for k in str(spec).split(",")]
-    unknown = [k for k in kinds if k not in HEADS]
-    if unknown:
-        raise AnytimeError(f"unknown exit head '{unknown[0]}'; choose one of {', '.join(HEADS)}, one per exit "
-                           f"separated by commas, or '{GRADED}'")  # fmt: skip
     if len(kinds) == 1:
         return kinds * len(fractions)
     if len(kinds) != len(fractions):
@@ -387,8 +395,9 @@ def attach_exits(
     text encoder ``(T,)``, its maximum length (FLOPs are counted at that length).
     """
     kind, value = _parse_points(points)
-    if head != GRADED:
-        head_kinds(head, [0.0] * len(str(head).split(",")))  # a wrong name is refused before any tracing
+    error = exit_head_error(head)
+    if error:  # before any tracing
+        raise AnytimeError(error)
     if input_shape is None and getattr(backbone, "modality", "image") == "text":
         input_shape = (int(backbone.max_length),)  # type: ignore[arg-type]
     if input_shape is None:
