@@ -143,10 +143,10 @@ def test_drift_follows_a_slower_and_then_a_faster_device():
     for _ in range(50):  # the device is 3x slower now
         scheduler.observe("exit0", 3 * 1.05e-3)
     slow = scheduler.select(4.5)
-    # Every measured latency is 3.15 ms against exit0's profiled median of 1 + 0.1 * 49 / 99 ms: a uniform slow-down
-    # by that ratio, with no excess beyond it, so every profiled latency is scaled by it.
-    ratio = 3.15 / (1 + 0.1 * 49 / 99)
-    assert slow.drift == pytest.approx(ratio, rel=1e-9) and slow.option == "exit0"
+    # Every measured latency is 3.15 ms: a uniform slow-down by 3.15 over exit0's profiled median (1 + 0.1 * 49 / 99
+    # ms). None of them reaches the profiled p99 scaled by it, so the p99 comes down to the measured one: 3.15 ms
+    # over exit0's profiled p99 of 1 + 0.1 * 98 / 99 ms.
+    assert slow.drift == pytest.approx(3.15 / (1 + 0.1 * 98 / 99), rel=1e-9) and slow.option == "exit0"
     static = DeadlineScheduler.from_accuracies(profile, [0.6, 0.7, 0.9], adapt=False)
     static.observe("exit0", 3e-3)
     assert static.select(4.5).option == "exit2"
@@ -169,6 +169,24 @@ def test_stalls_add_time_rather_than_scale_it():
     assert drift.observations == 100
     drift.reset()
     assert drift.estimate(1.2, 0.99) == 1.2 and not drift.ready
+
+
+def test_a_pessimistic_profile_tail_comes_down_at_the_tracked_quantile_only():
+    drift = DriftEstimator(window=100, min_observations=10, tracked_quantile=0.99)
+    untracked = DriftEstimator(window=100, min_observations=10)
+    for i in range(110):  # profiled: median 1 ms, p99 2 ms (a burst during profiling); now never above 1.5 ms
+        for d in (drift, untracked):
+            d.observe(1.0 + 0.5 * (i % 10 == 0), 1.0, 2.0)
+    assert drift.level() == pytest.approx(1.0)
+    assert drift.estimate(2.0, 0.99) == pytest.approx(1.5)  # the measured tail, 0.75 of the profiled one
+    assert drift.estimate(4.0, 0.99) == pytest.approx(3.0)  # scaled: a burst inflates a tail with its work
+    assert drift.estimate(1.0, 0.5) == pytest.approx(1.0)  # another quantile is left as profiled
+    assert untracked.estimate(2.0, 0.99) == pytest.approx(2.0)  # without the tracked quantile, never below
+    for _ in range(10):  # then a stall: the excess turns positive and adds, as before
+        drift.observe(6.0, 1.0, 2.0)
+    assert drift.estimate(2.0, 0.99) == pytest.approx(6.0)
+    with pytest.raises(AnytimeError, match="between 0 and 1"):
+        DriftEstimator(tracked_quantile=1.0)
 
 
 # ---------------------------------------------------------------- profile files

@@ -134,7 +134,8 @@ class DeadlineScheduler:
         self.tracked_quantile = profile.check_quantile(
             tracked_quantile if tracked_quantile is not None else profile.highest_quantile()
         )
-        self.drift = DriftEstimator(window=window, min_observations=min_observations)
+        self.drift = DriftEstimator(window=window, min_observations=min_observations,
+                                    tracked_quantile=self.tracked_quantile)
 
     @classmethod
     def from_accuracies(

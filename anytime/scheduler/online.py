@@ -15,6 +15,15 @@ and grows on a device that stalls, such as one where another process takes a cor
 threads for a time slice. A stall costs the same whether it hits a short stage or a long one, so it is
 added, not multiplied: scaling a short stage by the ratio a stall gave, or adding the spread of a quiet
 machine's pooled latencies to every stage, stopped the CIFAR-10 runtime long before it had to.
+
+A profile's tail can also be too pessimistic: a p99 taken while a burst of other work ran (on a shared
+VM the p99 of one exit moved by 40% between two measurements minutes apart) keeps the runtime one exit
+short of what now fits. Given the tracked quantile, an estimate at that quantile then comes down as
+well: when fewer than ``1 - q`` of the measured latencies exceed ``level * t`` (the excess quantile is
+negative), the estimate is ``level * t_q * tail_q``, where ``tail_q`` is the q-quantile of the ratios
+``measured / (level * t)``. Each ratio is below 1 exactly when its excess is below 0, so the two
+windows agree on which way to correct; the ratio scales, since a tail that was inflated by a burst is
+inflated in proportion to the work that was timed.
 """
 
 from __future__ import annotations
@@ -54,15 +63,23 @@ class SortedWindow:
 
 class DriftEstimator:
     """Sliding windows of measured latencies against the profile; the profile is trusted as measured until
-    ``min_observations`` ratios have given a level and as many excesses have been seen after it."""
+    ``min_observations`` ratios have given a level and as many excesses have been seen after it.
 
-    def __init__(self, *, window: int = 200, min_observations: int = 20) -> None:
+    ``tracked_quantile`` is the quantile of the ``tracked_ms`` each observation comes with (the runtime's,
+    e.g. 0.99). Given it, an estimate at that quantile may come below the profile's scaled tail where the
+    measured latencies show that tail to be pessimistic; without it, estimates never do."""
+
+    def __init__(self, *, window: int = 200, min_observations: int = 20, tracked_quantile: float | None = None) -> None:
         if window < 1 or not 1 <= min_observations <= window:
             raise AnytimeError(f"need window >= 1 and 1 <= min_observations <= window (got {window}, {min_observations})")
+        if tracked_quantile is not None and not 0 < tracked_quantile < 1:
+            raise AnytimeError(f"the tracked quantile must lie between 0 and 1 (got {tracked_quantile})")
         self.window = window
         self.min_observations = min_observations
+        self.tracked_quantile = tracked_quantile
         self._ratios = SortedWindow(window)
         self._excess = SortedWindow(window)
+        self._tail = SortedWindow(window)
         self.version = 0  # bumped by every observation, so callers can cache what they derive from it
 
     @property
@@ -85,7 +102,9 @@ class DriftEstimator:
         if not all(v > 0 and math.isfinite(v) for v in (measured_ms, median_ms, tracked_ms)):
             return
         if len(self._ratios) >= self.min_observations:
-            self._excess.add(measured_ms - self._ratios.quantile(0.5) * tracked_ms)
+            scaled = self._ratios.quantile(0.5) * tracked_ms
+            self._excess.add(measured_ms - scaled)
+            self._tail.add(measured_ms / scaled)
         self._ratios.add(measured_ms / median_ms)
         self.version += 1
 
@@ -93,10 +112,15 @@ class DriftEstimator:
         """Today's q-quantile of something whose profiled q-quantile is ``quantile_ms``."""
         if not self.ready:
             return quantile_ms
-        return self._ratios.quantile(0.5) * quantile_ms + max(0.0, self._excess.quantile(q))
+        scaled = self._ratios.quantile(0.5) * quantile_ms
+        excess = self._excess.quantile(q)
+        if excess >= 0.0 or q != self.tracked_quantile:
+            return scaled + max(0.0, excess)
+        return scaled * self._tail.quantile(q)
 
     def reset(self) -> None:
         """Forget every observation (back to trusting the profile)."""
         self._ratios.clear()
         self._excess.clear()
+        self._tail.clear()
         self.version += 1

@@ -122,7 +122,7 @@ class AnytimeRunner:
         self._estimates: dict[tuple[int, int | None], tuple[list[float], list[float]]] = {}
         self._energies: dict[int, list[float]] = {}
         if self.incremental:
-            self.drift = DriftEstimator(window=window, min_observations=min_observations)
+            self.drift = DriftEstimator(window=window, min_observations=min_observations, tracked_quantile=self.quantile)
             self._finish = SortedWindow(window)
             self.scheduler = None
         else:
