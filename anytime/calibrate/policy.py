@@ -21,7 +21,7 @@ from anytime.calibrate.combine import (
     log_probs,
     running_exits,
 )
-from anytime.calibrate.criteria import get_criterion
+from anytime.calibrate.criteria import Criterion, get_criterion
 from anytime.errors import AnytimeError
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ class ExitPolicy:
     _limits: list[float] = field(init=False, repr=False, compare=False)
     _temps: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _heads: tuple[bool, ...] = field(init=False, repr=False, compare=False)
+    _crit: Criterion = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         crit = get_criterion(self.criterion)
@@ -124,6 +125,7 @@ class ExitPolicy:
         signed = [-math.inf if t is None else (t if crit.low_is_confident else -t) for t in self.thresholds]
         # Plain floats, computed once: the batch-1 path compares against them with no tensor work.
         object.__setattr__(self, "_limits", signed)
+        object.__setattr__(self, "_crit", crit)  # looked up once: the batch-1 path decides at every exit
         object.__setattr__(self, "_temps", tuple(self.temperatures or (1.0,) * (len(self.thresholds) + 1)))
         heads = running_exits(self.combine) if self.combine is not None else (False,) * (len(self.thresholds) + 1)
         object.__setattr__(self, "_heads", tuple(h or t is not None for h, t in zip(heads, self.thresholds)) + (True,))
@@ -164,7 +166,7 @@ class ExitPolicy:
         return torch.tensor(self._limits, dtype=torch.float64)
 
     def _per_exit(self) -> None:
-        if get_criterion(self.criterion).stateful:
+        if self._crit.stateful:
             raise AnytimeError(f"the {self.criterion} criterion compares an exit with the earlier ones, which this "
                                "path does not keep; use a per-exit criterion (entropy, confidence, ...) here, or "
                                "`anytime evaluate` for real early exit with patience")  # fmt: skip
@@ -175,17 +177,18 @@ class ExitPolicy:
         limit = self._limits[k]
         if limit == -math.inf:
             return None
-        crit = get_criterion(self.criterion)
+        crit = self._crit
         return crit.signed(crit.score(logits, self._temps[k])) <= limit
 
     def leaves(self, k: int, logits: Tensor) -> bool:
         """Whether the one sample whose answer at early exit ``k`` is ``logits`` (``[1, C]``) leaves: a scalar
         decision, no per-sample bookkeeping (the batch-1 latency path)."""
-        self._per_exit()
+        crit = self._crit
+        if crit.stateful:
+            self._per_exit()
         limit = self._limits[k]
         if limit == -math.inf:
             return False
-        crit = get_criterion(self.criterion)
         if not logits.is_cuda and logits.shape[-1] <= _ROW_CLASSES:
             score = crit.score_row(logits.tolist()[0], self._temps[k])
         else:
@@ -258,7 +261,7 @@ class ExitPolicy:
                 "early exit needs the model in eval mode (call model.eval()): in training mode batch norm would "
                 "depend on which samples are still in"
             )
-        crit = get_criterion(self.criterion)
+        crit = self._crit
         if crit.stateful:
             return self._run_patience(segments, heads, x)
         if x.shape[0] == 1:
