@@ -182,9 +182,12 @@ def test_a_pessimistic_profile_tail_comes_down_at_the_tracked_quantile_only():
     assert drift.estimate(4.0, 0.99) == pytest.approx(3.0)  # scaled: a burst inflates a tail with its work
     assert drift.estimate(1.0, 0.5) == pytest.approx(1.0)  # another quantile is left as profiled
     assert untracked.estimate(2.0, 0.99) == pytest.approx(2.0)  # without the tracked quantile, never below
+    factor, add = drift.affine(0.99)  # one reading of the windows gives every latency's estimate
+    assert (factor, add) == pytest.approx((0.75, 0.0)) and factor * 4.0 + add == drift.estimate(4.0, 0.99)
     for _ in range(10):  # then a stall: the excess turns positive and adds, as before
         drift.observe(6.0, 1.0, 2.0)
     assert drift.estimate(2.0, 0.99) == pytest.approx(6.0)
+    assert drift.affine(0.99) == pytest.approx((1.0, 4.0))
     with pytest.raises(AnytimeError, match="between 0 and 1"):
         DriftEstimator(tracked_quantile=1.0)
 
@@ -330,6 +333,24 @@ def test_the_runtime_leaves_early_on_confident_inputs(sleepy):
     batch = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]])
     out = runner.predict(batch, 1000.0)  # one sample leaves at exit 0, the other runs to the end
     assert out.exits.tolist() == [0, 2] and out.predictions[0] == 0
+
+
+def test_a_request_the_deadline_stops_answers_without_asking_the_policy(sleepy):
+    model, profile = sleepy
+    asked: list[int] = []
+
+    class Counting(ExitPolicy):
+        def leaves(self, k: int, logits: Tensor) -> bool:
+            asked.append(k)
+            return super().leaves(k, logits)
+
+    policy = Counting("confidence", (0.9, 0.9))
+    runner = AnytimeRunner(model, profile, policy, adapt=False, quantile=0.9, clock=model.clock)
+    tail = [profile.stage_quantile(k, 0.9) for k in range(3)]
+    out = runner.predict(torch.ones(1, 3), tail[0] + 0.5 * tail[1])  # confident, but exit 0 answers either way
+    assert (out.step, out.reason, asked) == (0, "deadline", [])
+    out = runner.predict(torch.ones(1, 3), 1000.0)
+    assert (out.step, out.reason, asked) == (0, "confident", [0])
 
 
 class HeadedLadder(TimedLadder):

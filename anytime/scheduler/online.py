@@ -110,13 +110,19 @@ class DriftEstimator:
 
     def estimate(self, quantile_ms: float, q: float) -> float:
         """Today's q-quantile of something whose profiled q-quantile is ``quantile_ms``."""
+        factor, add = self.affine(q)
+        return factor * quantile_ms + add
+
+    def affine(self, q: float) -> tuple[float, float]:
+        """:meth:`estimate` at ``q`` as ``t -> factor * t + add``, read from the windows once: a caller that
+        estimates many latencies at one moment (every stage and exit of a request) pays one look-up."""
         if not self.ready:
-            return quantile_ms
-        scaled = self._ratios.quantile(0.5) * quantile_ms
+            return 1.0, 0.0
+        level = self._ratios.quantile(0.5)
         excess = self._excess.quantile(q)
         if excess >= 0.0 or q != self.tracked_quantile:
-            return scaled + max(0.0, excess)
-        return scaled * self._tail.quantile(q)
+            return level, max(0.0, excess)
+        return level * self._tail.quantile(q), 0.0
 
     def reset(self) -> None:
         """Forget every observation (back to trusting the profile)."""

@@ -1,10 +1,10 @@
 """The anytime runtime: answer a request within its deadline, as accurately as the time allows.
 
-For an incremental model the steps run in order. After each one the runner returns if the exit is
-confident (the calibrated policy) or if the next stage's latency at the quantile, scaled by the device's
-current drift, and the runner's own time to return an answer after its last stage no longer fit in the time left
-(or, given an energy budget, if reaching the next exit would cost more energy per inference than the budget, by
-the profile's exit-path energies); otherwise it goes on. The first step always runs, so a prediction always comes
+For an incremental model the steps run in order. After each one the runner returns if the next stage's latency
+at the quantile, scaled by the device's current drift, and the runner's own time to return an answer after its
+last stage no longer fit in the time left (or, given an energy budget, if reaching the next exit would cost more
+energy per inference than the budget, by the profile's exit-path energies), or else if the exit is confident (the
+calibrated policy); otherwise it goes on. The first step always runs, so a prediction always comes
 back. A non-incremental model (each step a separate forward) gets one step chosen up front by the scheduler.
 """
 
@@ -44,8 +44,9 @@ class AnytimePrediction:
     """One answered request.
 
     ``exits[i]`` is the step that answered sample i; ``step`` the deepest step that ran. ``reason``:
-    ``confident`` (every sample passed its exit's threshold), ``deadline`` (the next stage would not fit),
-    ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran), ``direct`` (the
+    ``confident`` (every sample passed its exit's threshold, with time and energy left for the next stage),
+    ``deadline`` (the next stage would not fit: the policy is not consulted then, since this exit answers either
+    way), ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran), ``direct`` (the
     deadline let one exit fit alone but not the way to it through every earlier head, so the runtime went
     straight to it, no earlier head run) or ``chosen`` (a non-incremental step picked up front).
     """
@@ -173,14 +174,15 @@ class AnytimeRunner:
     def _direct_step(self, estimates: _Estimates, budget: float) -> int | None:
         """The exit to go straight to, skipping the heads on the way, when the deadline lets that exit alone fit
         but not the path through every earlier head to it; None when the path through the heads reaches as far."""
-        adjust = self.drift.estimate if self.adapt else (lambda t, q: t)
+        # Every latency is estimated from one reading of the drift windows: this runs before every request.
+        factor, add = self.drift.affine(self.quantile) if self.adapt else (1.0, 0.0)
         through, reach = 0.0, -1
         for k, tail in enumerate(estimates.tail):
-            through += adjust(tail, self.quantile)
+            through += factor * tail + add
             if through > budget:
                 break
             reach = k
-        direct = max((k for k, t in enumerate(estimates.step_tail) if adjust(t, self.quantile) <= budget), default=-1)
+        direct = max((k for k, t in enumerate(estimates.step_tail) if factor * t + add <= budget), default=-1)
         return direct if direct > max(reach, 0) else None
 
     def _path_energies(self, batch_size: int) -> list[float]:
@@ -240,6 +242,17 @@ class AnytimeRunner:
                 before = now
                 if k == last:
                     break
+                # The budgets first: where they stop the request, this exit answers whatever the policy says.
+                if path_mj is not None and path_mj[k + 1] > energy_mj:  # type: ignore[operator]
+                    reason = "energy"
+                    break
+                following = tail[k + 1]
+                if self.adapt:
+                    following = self.drift.estimate(following, self.quantile)
+                elapsed = 1000.0 * (self.clock() - start)
+                if elapsed + following > budget:
+                    reason = "deadline"
+                    break
                 if policy is not None and batch == 1:
                     if policy.leaves(k, logits):
                         reason = "confident"
@@ -259,16 +272,6 @@ class AnytimeRunner:
                         if bool(decided.all()):
                             reason = "confident"
                             break
-                if path_mj is not None and path_mj[k + 1] > energy_mj:  # type: ignore[operator]
-                    reason = "energy"
-                    break
-                following = tail[k + 1]
-                if self.adapt:
-                    following = self.drift.estimate(following, self.quantile)
-                elapsed = 1000.0 * (self.clock() - start)
-                if elapsed + following > budget:
-                    reason = "deadline"
-                    break
         finally:
             close = getattr(steps, "close", None)
             if close is not None:
