@@ -42,6 +42,7 @@ from anytime.train import load_splits
 from anytime.train.records import class_names, read_record, run_title, step_labels
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, require_images
 from anytime.utils.io import write_csv, write_json
+from anytime.utils.memory import hold_freed_memory
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
 from anytime.utils.resources import check_forward_memory
@@ -562,6 +563,7 @@ def profile_run(
     if not 0 <= gap_ms < 60_000:
         raise AnytimeError(f"--gap-ms is an idle time in milliseconds between 0 and 60000 (got {gap_ms:g})")
     choice = set_threads(threads)
+    hold_freed_memory()  # the runtime holds it too (runner_for_run): both meet the same allocator
     if (Path(run_dir) / MANIFEST).is_file():
         if length is not None:
             raise AnytimeError(f"{run_dir} is an export of images; --length is a text run's sentence length")
@@ -673,6 +675,7 @@ def runner_for_run(
     if threads is None and loaded.device.get("type") == "cpu" and isinstance(profiled_threads, int):
         threads = profiled_threads
     set_threads(threads)
+    hold_freed_memory()  # as profile_run does, so the latencies the profile holds are the ones met here
     run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
     if "execution" in loaded.settings and hasattr(run.model, "execution"):
         run.model.execution = str(loaded.settings["execution"])

@@ -13,6 +13,7 @@ from typing import Any
 from anytime.errors import AnytimeError
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
+from anytime.utils.memory import allocator_state, hold_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
 EXITS_CARD = REPO / "models" / "cifar10-resnet32-exits.toml"
@@ -44,7 +45,7 @@ def report(
             {
                 "benchmark": name, "ratio": ratio, "target": target, "verdict": verdict, "figures": figures,
                 "quick": args.quick, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "git_sha": git_sha(), "machine": describe_machine(),
+                "git_sha": git_sha(), "machine": describe_machine(), "allocator": allocator_state(),
             },
         )  # fmt: skip
         print(f"report written to {args.json}")
@@ -52,7 +53,10 @@ def report(
 
 
 def run(main: Callable[[], int]) -> None:
-    """Run a benchmark's main, turning a user error into one line and exit status 2."""
+    """Run a benchmark's main, turning a user error into one line and exit status 2. Freed memory is held in the
+    process first (:func:`anytime.utils.memory.hold_freed_memory`), as the profiler and the runtime hold it:
+    otherwise what a timing pays in page faults depends on what the process allocated before it."""
+    hold_freed_memory()
     try:
         code = main()
     except AnytimeError as exc:

@@ -26,6 +26,7 @@ from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergyReader, Energ
 from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
+from anytime.utils.memory import allocator_state
 from anytime.utils.timer import Clock, monotonic
 from anytime.utils.machine import describe_machine, device_label
 
@@ -356,7 +357,7 @@ def profile_model(
         settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
                   "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
                   "inputs": "random normal" if inputs is None else inputs_label, "gap_ms": 1000 * gap_s,
-                  "suffixes": suffixes,
+                  "suffixes": suffixes, "allocator": allocator_state(),
                   **({"execution": model.execution} if hasattr(model, "execution") else {}),
                   "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,
