@@ -141,16 +141,20 @@ def test_an_unknown_form_is_a_clear_error(text):
         InferenceForm.parse(text)
 
 
-def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path):
+def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path, monkeypatch):
     from anytime.pipeline import profile_run, runner_for_run
     from anytime.train.runs import load_run
+    from anytime.utils import memory
 
+    monkeypatch.setattr(memory, "_applied", None)
+    unset = memory.allocator_state()
     loaded = load_run(exit_run, form="fold")
     assert loaded.form == "fold" and _norms(loaded.model) == 0
     assert _norms(load_run(exit_run).model) > 0
     path = tmp_path / "profile.json"
     profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=path, form="fold")
     assert profile.settings["form"] == "fold"
+    assert profile.settings["allocator"] == memory.allocator_state() != unset  # held by the profiler, as by the runtime
     _, run = runner_for_run(exit_run, path, quantile=0.5)
     assert run.form == "fold" and _norms(run.model) == 0
 
@@ -206,6 +210,41 @@ def test_pooled_exit_heads_fold_into_one_module_and_answer_the_same(head):
                 for k in range(model.num_steps):
                     expected, got = model.forward_until(x, k), converted.forward_until(x, k)
                     assert torch.allclose(expected, got, rtol=1e-4, atol=1e-4), (form, k, (expected - got).abs().max())
+
+
+def test_a_small_pooled_head_answers_as_one_linear_map_over_the_whole_map():
+    from anytime.inference import WHOLE_MAP_MACS, PooledLinear
+
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(6 * 16, 10)).eval()
+    fused = PooledLinear(4, head[2])
+    small, large = torch.randn(1, 6, 16, 16), torch.randn(4, 6, 16, 16)
+    assert small.numel() * 10 <= WHOLE_MAP_MACS < large.numel() * 10  # one call of each kind
+    with torch.inference_mode():
+        for x in (small, large, small[:, :, :8, :8]):  # a second map size makes its own weights
+            for layout in (torch.contiguous_format, torch.channels_last):
+                assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5)
+        assert fused._whole is not None and fused._whole[0] == (6, 8, 8)
+        double = fused.to(torch.float64)  # weights that move drop the whole-map weights made from them
+        assert double._whole is None and double(small.double()).dtype == torch.float64
+        double.load_state_dict({k: v * 2 for k, v in double.state_dict().items()})
+        for x in (small, large):  # new weights: every weight derived from them is made again
+            for layout in (torch.contiguous_format, torch.channels_last):
+                got = double(x.double().contiguous(memory_format=layout)).float()
+                assert torch.allclose(got, 2 * head(x), atol=1e-4), layout
+
+
+def test_the_fold_form_puts_a_lone_fused_head_in_its_container_s_place():
+    from anytime.backbones import create_model
+    from anytime.inference import PooledLinear
+    from anytime.wrappers import attach_exits
+
+    model = attach_exits(create_model("lenet"), "stages.0").eval()
+    converted = inference_form(model, InferenceForm.parse("fold"))
+    assert isinstance(converted.heads[0], PooledLinear) and isinstance(model.heads[0], nn.Sequential)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.allclose(model.forward_until(x, 0), converted.forward_until(x, 0), atol=1e-5)
 
 
 def test_a_pooled_linear_reads_either_layout_and_maps_that_its_size_does_not_divide():
