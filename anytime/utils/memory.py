@@ -4,9 +4,9 @@ PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves a large
 starts at 128 KiB and moves with what the process frees) from fresh ``mmap`` pages, and hands the top of its heap
 back to the system once enough of it is free. Either way the next forward touches new pages, and every page costs
 a fault. How often that happens depends on the order of everything the process allocated before: a ResNet-32 at
-batch 32 with two threads here took 31-33 ms per batch in a fresh process (about 9,000 page faults per forward)
-and 15-17 ms in a process that had run batches of 1 first, the same code. A profile taken in one of those states
-and a runtime serving in the other disagree by 2x.
+batch 32 with two threads here took 28-32 ms per batch in a fresh process (6,000-13,000 page faults per forward)
+and 15-19 ms in a process that had run batches of 1 first, the same code; 18 ms with freed memory held (about 50
+faults). A profile taken in one of those states and a runtime serving in the other disagree by up to 2x.
 
 :func:`hold_freed_memory` fixes both thresholds (glibc's ``mallopt``): blocks up to 32 MiB (glibc's largest
 threshold on 64-bit systems) come from the heap and freed memory stays in the process for the next forward. The
