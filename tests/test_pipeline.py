@@ -99,14 +99,21 @@ def test_early_exit_skips_the_rest_of_the_network(collected):
     calls = []
     handles = [s.register_forward_hook(lambda m, i, o, k=k: calls.append((k, i[0].shape[0])))
                for k, s in enumerate(run.model.segments)]  # fmt: skip
+    x = torch.randn(5, 1, 32, 32)
     try:
         everyone_leaves = ExitPolicy("entropy", (float(np.log(10)), 0.0))
-        out = everyone_leaves.run(run.model, torch.randn(5, 1, 32, 32))
+        out = everyone_leaves.run(run.model, x)
     finally:
         for h in handles:
             h.remove()
     assert out.exits.tolist() == [0] * 5
     assert calls == [(0, 5)]  # segments 1 and 2 never ran
+    nobody_leaves = ExitPolicy("entropy", (0.0, 0.0)).run(run.model, x)
+    with torch.inference_mode():  # a batch that leaves all at one exit is answered by that exit as it is
+        for answer, k in ((out, 0), (nobody_leaves, 2)):
+            logits = run.model.forward_until(x, k)
+            assert answer.exits.tolist() == [k] * 5 and torch.equal(answer.logits, logits)
+            assert torch.equal(answer.predictions, logits.argmax(dim=1))
 
 
 def test_calibration_never_reads_the_test_split(collected, tmp_path):

@@ -267,12 +267,13 @@ class ExitPolicy:
         if x.shape[0] == 1:
             return self._run_one(segments, heads, x)
         limits, temps = self._limits, self._temps
-        batch = x.shape[0]
-        last = self.num_steps - 1
-        predictions = torch.empty(batch, dtype=torch.long, device=x.device)
-        exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
+        batch, last = x.shape[0], self.num_steps - 1
+        # The answer's tensors are made when the first sample leaves: a batch that leaves all at one exit (nobody
+        # before the last, say) is answered by that exit's tensors directly, with no indexed writes.
+        predictions: Tensor | None = None
+        exits: Tensor | None = None
         out_logits: Tensor | None = None
-        index = torch.arange(batch, device=x.device)
+        index: Tensor | None = None
         answers = self.answers()
         h = x
         for k, segment in enumerate(segments):
@@ -280,17 +281,24 @@ class ExitPolicy:
             if not self._heads[k]:
                 continue
             logits = answers.answer(k, h if k == last else heads[k](h))
-            if out_logits is None:
-                out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
             if k < last and limits[k] == -math.inf:
                 continue  # a combined head that nobody leaves at
             leave = None if k == last else crit.signed(crit.score(logits, temps[k])) <= limits[k]
             if leave is None or bool(leave.all()):
+                if index is None:
+                    everyone = torch.full((batch,), k, dtype=torch.long, device=x.device)
+                    return EarlyExitOutput(predictions=logits.argmax(dim=1), exits=everyone, logits=logits.float())
+                assert predictions is not None and exits is not None and out_logits is not None
                 predictions[index] = logits.argmax(dim=1)
                 exits[index] = k
                 out_logits[index] = logits.float()
                 break
             if bool(leave.any()):
+                if index is None:
+                    predictions = torch.empty(batch, dtype=torch.long, device=x.device)
+                    exits = torch.empty(batch, dtype=torch.long, device=x.device)
+                    out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
+                    index = torch.arange(batch, device=x.device)
                 gone = index[leave]
                 predictions[gone] = logits[leave].argmax(dim=1)
                 exits[gone] = k
@@ -298,7 +306,7 @@ class ExitPolicy:
                 stay = ~leave
                 index, h = index[stay], h[stay]
                 answers.keep(stay)
-        assert out_logits is not None
+        assert predictions is not None and exits is not None and out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
     def _run_patience(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
