@@ -283,6 +283,7 @@ def evaluate_run(
     a ``.pt2`` one through its programs; the backbone it is timed against is the export's segments run in turn
     (no heads). Written to ``EXPORT/evaluation-SPLIT.json``."""
     _check_split(split)
+    hold_freed_memory()  # its latencies, as a profile's, are what the runtime meets
     if export is not None:
         if form != "eager":
             raise AnytimeError("an export runs as it was exported; --form applies to the run's own PyTorch model")
