@@ -183,12 +183,11 @@ class ExitPolicy:
     def leaves(self, k: int, logits: Tensor) -> bool:
         """Whether the one sample whose answer at early exit ``k`` is ``logits`` (``[1, C]``) leaves: a scalar
         decision, no per-sample bookkeeping (the batch-1 latency path)."""
-        crit = self._crit
-        if crit.stateful:
-            self._per_exit()
+        self._per_exit()
         limit = self._limits[k]
         if limit == -math.inf:
             return False
+        crit = self._crit
         if not logits.is_cuda and logits.shape[-1] <= _ROW_CLASSES:
             score = crit.score_row(logits.tolist()[0], self._temps[k])
         else:
