@@ -1827,10 +1827,20 @@ def _other_process() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``anytime`` command; returns the exit status."""
+    """Entry point of the ``anytime`` command; returns the exit status (a data-parallel training process ends
+    itself with it instead, see :func:`anytime.train.distributed.end_process`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    status = _run_command(args)
+    distributed = sys.modules.get("anytime.train.distributed")
+    if distributed is not None and distributed.joined_a_group():
+        distributed.end_process(status)
+    return status
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; returns the exit status, having said why on stderr where it failed."""
     previous = _catch_termination()
     try:
         status = HANDLERS[args.command](args)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,7 @@ from anytime.errors import AnytimeError, PeerStopped
 
 TIMEOUT = timedelta(minutes=10)  # a collective that waits longer means a peer is gone
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_joined = [False]  # set by Distributed.start: this process has been part of a process group
 
 
 class _SumOverProcesses(torch.autograd.Function):
@@ -136,6 +137,7 @@ class Distributed:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise AnytimeError(f"process {self.rank} could not join the others ({first}); check MASTER_ADDR "
                                    "and MASTER_PORT, or start with `anytime train --nproc N`") from None  # fmt: skip
+        _joined[0] = True
         return backend
 
     def stop(self, *, together: bool = True) -> None:
@@ -182,6 +184,29 @@ class Distributed:
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None and not self.main:
             raise PeerStopped(verdict[0])
+
+
+def joined_a_group() -> bool:
+    """Whether this process has joined a process group (:meth:`Distributed.start`), even one it has left."""
+    return _joined[0]
+
+
+def end_process(status: int) -> NoReturn:
+    """End a process that has been part of a process group now, with ``status``, skipping the interpreter's
+    teardown (as Python's own multiprocessing ends its children).
+
+    gloo's worker threads may still be letting go of the last collectives' tensors when the main thread
+    returns; one that needs the interpreter after its teardown has begun aborts the whole process
+    ("terminate called without an active exception"), about one exit in ten without a barrier, more rarely
+    after one, so a run that succeeded could end killed by a signal. Everything the process writes is written
+    and closed by then; only the standard streams are flushed here.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said on it
+            pass
+    os._exit(status)
 
 
 def from_environment(environ: Mapping[str, str] | None = None, *, sync_bn: bool = False) -> Distributed | None:
