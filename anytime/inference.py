@@ -114,6 +114,7 @@ def fold_batchnorm(model: nn.Module) -> int:
 
 
 WHOLE_MAP_MACS = 16384  # a pooled head whose whole-map linear map costs at most this many MACs per call skips the pooling
+MEAN_POOL_VALUES = 65536  # a map of at least this many values is pooled to 1x1 by a mean over its rows and columns
 
 
 class PooledLinear(nn.Module):
@@ -123,7 +124,11 @@ class PooledLinear(nn.Module):
     input of at most :data:`WHOLE_MAP_MACS` multiply-adds, e.g. a LeNet's first exit at batch 1: 1,536 values, 10
     classes) skips the pooling: the average is folded into that map's weight, made once per map size, since there
     the pooling's own operator costs more than the arithmetic it saves (LeNet's first exit between its stages:
-    12.2 -> 9.8 us). Larger maps keep the pooling, whose weight is smaller by the window's area."""
+    12.2 -> 9.8 us). Larger maps keep the pooling, whose weight is smaller by the window's area; a large map
+    (:data:`MEAN_POOL_VALUES` values or more) pooled to 1x1 is averaged by a mean over its rows and columns, 2.4x
+    faster than the pooling operator here on a channels-last map and 8x on an NCHW one (ResNet-32's first exit
+    at batch 32: 51 -> 21 us and 123 -> 15 us), where a small one keeps the pooling operator (1.5 against 3.4 us
+    at batch 1)."""
 
     def __init__(self, size: int, linear: nn.Linear) -> None:
         super().__init__()
@@ -152,6 +157,8 @@ class PooledLinear(nn.Module):
         if height % size == 0 and width % size == 0:
             if x.numel() * self.classes <= WHOLE_MAP_MACS and not torch.compiler.is_compiling():
                 return self._whole_map(x)
+            if size == 1 and x.numel() >= MEAN_POOL_VALUES:
+                return F.linear(x.mean((2, 3)), self.weight, self.bias)
             pooled = F.avg_pool2d(x, (height // size, width // size))
         else:
             pooled = F.adaptive_avg_pool2d(x, size)
