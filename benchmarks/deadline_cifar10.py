@@ -10,9 +10,12 @@ process spinning on one of the two cores, started by this benchmark):
   3. at each deadline, every test image is answered one at a time by the runtime with the static profile
      and by the runtime with online adaptation, in turn (so both meet the machine in the same state); a
      miss is an answer later than the deadline, timed around the call.
-Targets, wherever the first exit fits (its measured p99 is within the deadline): miss rate at most 1%
-and accuracy within 1 point of the oracle; under load, adaptation keeps the miss rate there where the
-static profile does not. Ratio: the worst miss rate (%) of the adaptive runtime over those deadlines.
+Targets, wherever the first exit fits: miss rate at most 1% and accuracy within 1 point of the oracle;
+under load, adaptation keeps the miss rate there where the static profile does not. Ratio: the worst miss
+rate (%) of the adaptive runtime over those deadlines. The first exit fits where the runtime's own answer at
+it (the request stopped there by the deadline: stage, head and the runtime's checks), timed in hindsight
+beside the exits, has its p99 within the deadline; where only the exit alone fits, no runtime can keep 1%,
+and the worst miss rate over the deadlines where the exit alone fits is reported beside it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ MISS_TARGET = 0.01  # at most 1% of answers late
 ACCURACY_TARGET = 0.01  # within 1 point of the hindsight oracle
 HOG_CORE = 1  # the core the competing process spins on
 WARMUP_REQUESTS = 50  # unscored requests before the sweep of each load
+NOTHING_FITS_MS = 1e-6  # a deadline that stops every request at the first exit
 
 
 def _spin(core: int, ready: Any) -> None:
@@ -67,16 +71,20 @@ def _test_images(run_dir: Path, count: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat(images), torch.cat(labels)
 
 
-def _hindsight(model: torch.nn.Module, images: torch.Tensor, count: int) -> np.ndarray:
-    """Per exit, its latency alone (ms) on ``count`` images one at a time, exits in alternating order."""
+def _hindsight(model: torch.nn.Module, runner: AnytimeRunner, images: torch.Tensor, count: int) -> np.ndarray:
+    """Per exit, its latency alone (ms) on ``count`` images one at a time, and last the runtime's answer at the
+    first exit (a deadline nothing fits stops the request there), all in alternating order."""
     steps = model.num_steps  # type: ignore[union-attr]
-    times = np.zeros((steps, count))
+    times = np.zeros((steps + 1, count))
     with torch.inference_mode():
         for i in range(count):
             x = images[i : i + 1]
-            for k in range(steps) if i % 2 == 0 else range(steps - 1, -1, -1):
+            for k in range(steps + 1) if i % 2 == 0 else range(steps, -1, -1):
                 start = time.perf_counter()
-                model.forward_until(x, k)  # type: ignore[operator]
+                if k < steps:
+                    model.forward_until(x, k)  # type: ignore[operator]
+                else:
+                    runner.predict(x, NOTHING_FITS_MS)
                 times[k, i] = 1000 * (time.perf_counter() - start)
     return times
 
@@ -157,12 +165,17 @@ def main() -> int:
                 load = f"{load}, auto threads"
             torch.set_num_threads(threads)
             profile = profiles[threads][0] if threads in profiles else profiles[default_threads][0]
-            times = _hindsight(model, images, hindsight_count)
-            p99 = np.quantile(times, QUANTILE, axis=1, method="inverted_cdf")
+            first = AnytimeRunner(model, profile, policy, quantile=QUANTILE, adapt=True)  # as deployed: its path costs most
+            times = _hindsight(model, first, images, hindsight_count)
+            p99_all = np.quantile(times, QUANTILE, axis=1, method="inverted_cdf")
+            p99, runtime_first_p99 = p99_all[:-1], float(p99_all[-1])
             deadlines = np.geomspace(0.8 * p99[0], 1.3 * p99[-1], deadlines_per_load)
-            loads[load] = {"threads": threads, "exit_p99_ms": p99.tolist(), "exit_p50_ms": np.median(times, axis=1).tolist()}
-            print(f"{load}: exits' p99 alone {np.round(p99, 3).tolist()} ms (profile at {profile.settings['threads']} "
-                  f"threads: {[round(profile.step_quantile(k, QUANTILE), 3) for k in range(profile.num_steps)]})")  # fmt: skip
+            loads[load] = {"threads": threads, "exit_p99_ms": p99.tolist(), "exit_p50_ms": np.median(times[:-1], axis=1).tolist(),
+                           "runtime_first_exit_p99_ms": runtime_first_p99,
+                           "runtime_first_exit_p50_ms": float(np.median(times[-1]))}  # fmt: skip
+            print(f"{load}: exits' p99 alone {np.round(p99, 3).tolist()} ms, the runtime's answer at exit 0 "
+                  f"{runtime_first_p99:.3f} ms (profile at {profile.settings['threads']} threads: "
+                  f"{[round(profile.step_quantile(k, QUANTILE), 3) for k in range(profile.num_steps)]})")  # fmt: skip
             runners = {mode: AnytimeRunner(model, profile, policy, quantile=QUANTILE, adapt=mode == "adaptive")
                        for mode in ("static", "adaptive")}  # fmt: skip
             # A server runs continuously: requests before the sweep (not scored) warm the caches and let the
@@ -175,7 +188,8 @@ def main() -> int:
                 for mode, result in served.items():
                     condition = f"{load}, {mode}"
                     rows.append({"condition": condition, "load": load, "adaptive": mode == "adaptive",
-                                 "deadline_ms": float(deadline), "first_exit_fits": bool(fits[0]),
+                                 "deadline_ms": float(deadline), "first_exit_fits": bool(runtime_first_p99 <= deadline),
+                                 "first_exit_alone_fits": bool(fits[0]),
                                  "oracle_accuracy": oracle, **result})  # fmt: skip
                     gap = "" if oracle is None else f", oracle {100 * oracle:.2f}%"
                     print(f"  {condition:<24} deadline {deadline:7.3f} ms: miss {100 * result['miss_rate']:5.2f}%, "
@@ -194,13 +208,17 @@ def main() -> int:
     verdicts: dict[str, dict[str, Any]] = {}
     for condition in conditions:
         scored = [r for r in rows if r["condition"] == condition and r["first_exit_fits"]]
+        alone = [r for r in rows if r["condition"] == condition and r["first_exit_alone_fits"]]
         worst_miss = max((r["miss_rate"] for r in scored), default=float("nan"))
         worst_gap = max((r["oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
+        worst_alone = max((r["miss_rate"] for r in alone), default=float("nan"))
         verdicts[condition] = {"deadlines_scored": len(scored), "worst_miss_rate": worst_miss,
-                               "worst_accuracy_gap": worst_gap,
+                               "worst_accuracy_gap": worst_gap, "deadlines_exit_alone_fits": len(alone),
+                               "worst_miss_rate_where_exit_alone_fits": worst_alone,
                                "meets_targets": bool(scored) and worst_miss <= MISS_TARGET and worst_gap <= ACCURACY_TARGET}  # fmt: skip
         print(f"{condition:<26} where the first exit fits ({len(scored)} deadlines): worst miss rate "
-              f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points")  # fmt: skip
+              f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points; where the exit "
+              f"alone fits ({len(alone)}): worst miss rate {100 * worst_alone:.2f}%")  # fmt: skip
     # The runtime as deployed: quiet, and under load with the threads it chooses (and the profile at that count).
     deployed = [v for c, v in verdicts.items() if "adaptive" in c and (c.startswith("quiet") or "auto threads" in c)]
     worst = max(v["worst_miss_rate"] for v in deployed)
