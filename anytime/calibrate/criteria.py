@@ -43,13 +43,14 @@ class Criterion:
 
         if self.stateful:
             return agreement_streak(logits)
-        z = logits.double()
-        if not (isinstance(temperature, float) and temperature == 1.0):
-            z = z / temperature
+        if isinstance(temperature, float) and temperature == 1.0:
+            z = logits  # softmax casts to float64 first: one operator fewer between a network's stages
+        else:
+            z = logits.double() / temperature
+        p = F.softmax(z, dim=-1, dtype=torch.float64)
         if self.name in ("entropy", "normalized-entropy"):
-            entropy = torch.special.entr(F.softmax(z, dim=-1)).sum(dim=-1)
+            entropy = torch.special.entr(p).sum(dim=-1)
             return entropy / math.log(z.shape[-1]) if self.name == "normalized-entropy" else entropy
-        p = F.softmax(z, dim=-1)
         if self.name == "confidence":
             return p.amax(dim=-1)
         top = p.topk(2, dim=-1).values

@@ -283,7 +283,8 @@ class ExitPolicy:
             if k < last and limits[k] == -math.inf:
                 continue  # a combined head that nobody leaves at
             leave = None if k == last else crit.signed(crit.score(logits, temps[k])) <= limits[k]
-            if leave is None or bool(leave.all()):
+            leaving = 0 if leave is None else int(leave.sum())  # one operator and one read for both questions
+            if leave is None or leaving == leave.shape[0]:
                 if index is None:
                     everyone = torch.full((batch,), k, dtype=torch.long, device=x.device)
                     return EarlyExitOutput(predictions=logits.argmax(dim=1), exits=everyone, logits=logits.float())
@@ -292,7 +293,7 @@ class ExitPolicy:
                 exits[index] = k
                 out_logits[index] = logits.float()
                 break
-            if bool(leave.any()):
+            if leaving:
                 if index is None:
                     predictions = torch.empty(batch, dtype=torch.long, device=x.device)
                     exits = torch.empty(batch, dtype=torch.long, device=x.device)
