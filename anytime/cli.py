@@ -123,6 +123,15 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _share_or_off(text: str) -> float | None:
+    if text == "off":
+        return None
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a share above 0 (e.g. 0.25) or off, got '{text}'")
+    return value
+
+
 def _threads(text: str) -> int | str:
     if text == "auto":
         return text
@@ -446,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="runs with exits or ensembles: also time the stages after each partition point, started "
                               "from a stored activation after the --gap-ms idle, as a split-computing server runs them "
                               "(anytime split prices the server's part from them)")
+    profile.add_argument("--steady-within", type=_share_or_off, default=0.25, metavar="S|off",
+                         help="take the profile again (3 in all, the steadiest kept) when the tails of the repetitions' "
+                              "two halves part by more than this share: other work came and went (default 0.25)")
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
@@ -1258,8 +1270,11 @@ def _batch_sizes(text: str) -> list[int]:
 def _print_profile(profile: Any, path: Path) -> None:
     d = profile.device
     power = f", power mode {d['jetson_power_mode']}" if d.get("jetson_power_mode") else ""
+    steady = profile.settings.get("steadiness")
+    halves = "" if not steady else (f", halves within {100 * steady['spread']:.0f}%"
+                                    + (f" ({steady['attempts']} profiles taken)" if steady["attempts"] > 1 else ""))
     print(f"{profile.model} ({profile.model_fingerprint}) on {d.get('label')} [{d.get('type')}], "
-          f"{profile.settings.get('threads')} threads{power}, {profile.settings.get('repeats')} repeats")  # fmt: skip
+          f"{profile.settings.get('threads')} threads{power}, {profile.settings.get('repeats')} repeats{halves}")  # fmt: skip
     for b in profile.batch_sizes:
         at = profile.at(b)
         mem = f", peak memory {at.memory['peak_mb']:.0f} MB ({at.memory['activations_mb']:.1f} MB in the forward)" if at.memory else ""
@@ -1324,9 +1339,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
             form=args.form, threads=args.threads, energy=energy, execution=args.execution,
             slowdown=args.emulate_slowdown, gap_ms=args.gap_ms, suffixes=args.suffixes, length=length,
+            steady_within=args.steady_within,
         )  # fmt: skip
         if not args.json:
             _print_profile(profile, path)
+        steady = profile.settings["steadiness"]
+        if args.steady_within is not None and steady["spread"] > args.steady_within:
+            print(f"note: the machine was not steady while profiling ({steady['where']}; {steady['attempts']} "
+                  "profiles taken, the steadiest kept); profile again when it is quiet, or serve with the runtime's "
+                  "adaptation on", file=sys.stderr)  # fmt: skip
     if args.json:
         summary = profile.to_dict()
         for batch in summary["batches"]:

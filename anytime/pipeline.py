@@ -32,7 +32,7 @@ from anytime.ensembles import EnsembleModel
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.energy import EnergySettings, open_energy_reader
-from anytime.profile.store import PROFILE_FORMAT, DeviceProfile, device_slug
+from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
 from anytime.scheduler.query import (
     CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, profiled_lengths, run_fingerprint, run_options,
@@ -538,7 +538,7 @@ def profile_run(
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
     execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0, suffixes: bool = False,
-    length: int | None = None,
+    length: int | None = None, steady_within: float | None = STEADY_WITHIN, attempts: int = 3,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
@@ -556,11 +556,20 @@ def profile_run(
 
     On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
     execution); on a GPU, by the allocator.
+
+    A profile taken while other work came and went on the machine is taken again: where the tails of the
+    repetitions' two halves part by more than ``steady_within`` (a share; :meth:`DeviceProfile.steadiness`), up to
+    ``attempts`` profiles in all, and the steadiest is kept, its spread recorded (``settings.steadiness``).
+    ``steady_within=None`` takes one profile, as does an energy measurement.
     """
     from anytime.precision.export import MANIFEST
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
+    if steady_within is not None and not (steady_within > 0 and math.isfinite(steady_within)):
+        raise AnytimeError(f"--steady-within is a share above 0, e.g. 0.25, or off (got {steady_within})")
+    if attempts < 1:
+        raise AnytimeError(f"attempts must be at least 1 (got {attempts})")
     if not 0 <= gap_ms < 60_000:
         raise AnytimeError(f"--gap-ms is an idle time in milliseconds between 0 and 60000 (got {gap_ms:g})")
     choice = set_threads(threads)
@@ -613,16 +622,33 @@ def profile_run(
             raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
 
     reader = None if energy is None else open_energy_reader(target_device.type, target_device.index)
+    tries = 1 if steady_within is None or energy is not None else attempts
     try:
         with output_lock(target):
-            profile = profile_model(
-                model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
-                model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
-                memory=probe if memory else None, progress=progress, energy=reader,
-                energy_settings=energy or EnergySettings(), inputs=inputs,
-                inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
-                gap_s=gap_ms / 1000, suffixes=suffixes,
-            )  # fmt: skip
+            profile: DeviceProfile | None = None
+            for attempt in range(1, tries + 1):
+                taken = profile_model(
+                    model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
+                    model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
+                    memory=probe if memory and attempt == 1 else None, progress=progress, energy=reader,
+                    energy_settings=energy or EnergySettings(), inputs=inputs,
+                    inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
+                    gap_s=gap_ms / 1000, suffixes=suffixes,
+                )  # fmt: skip
+                steady = taken.steadiness()
+                if profile is None:
+                    first = taken
+                elif steady.spread >= kept.spread:
+                    continue
+                profile, kept = taken, steady
+                if steady_within is not None and steady.spread <= steady_within:
+                    break
+            assert profile is not None
+            if profile is not first:  # the peak memory was measured once, with the first attempt
+                profile = replace(profile, latency={b: replace(at, memory=first.latency[b].memory)
+                                                    for b, at in profile.latency.items()})  # fmt: skip
+            profile = replace(profile, settings={**profile.settings, "steadiness": {
+                "spread": round(kept.spread, 4), "where": kept.where, "attempts": attempt, "within": steady_within}})
             if choice is not None:
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
             if slowdown != 1:

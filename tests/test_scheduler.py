@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -496,6 +497,57 @@ def test_profile_a_plain_model_with_training_figures():
     assert profile.num_steps == 1 and not profile.incremental and profile.at(4).stages is None
     assert profile.step_flops == (2 * 12 * 5,) and profile.model_bytes == (12 * 5 + 5) * 4
     assert profile.at(4).training["backward_p50_s"] > 0 and model.training
+
+
+def _halves(first_ms: float, second_ms: float, n: int = 200) -> DeviceProfile:
+    """A two-step profile whose step 1 takes ``first_ms`` in the first half of the repetitions, ``second_ms`` after."""
+    profile = make_profile([1.0, 2.0], stage_ms=[1.0, 1.0], n=n)
+    step = np.concatenate([np.full(n // 2, first_ms), np.full(n - n // 2, second_ms)])
+    at = profile.at(1)
+    return replace(profile, latency={1: BatchLatency(1, (at.steps[0], step), at.stages)})
+
+
+def test_steadiness_compares_the_halves_of_the_repetitions():
+    steady = make_profile([1.0, 2.0], stage_ms=[1.0, 1.0], n=200, spread=0.1).steadiness()
+    assert steady.spread < 0.1
+    burst = _halves(2.0, 3.0).steadiness()
+    assert burst.spread == pytest.approx(0.5) and "step exit1 at batch 1" in burst.where
+    assert "2.000 ms in the first half" in burst.where and "3.000 ms in the second" in burst.where
+    assert make_profile([1.0], n=30).steadiness().spread == 0.0  # halves too small to compare: not judged
+
+
+MEMORY = {"peak_mb": 1.0, "activations_mb": 0.5}  # measured with the first profile only
+
+
+def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, monkeypatch, tmp_path, capsys):
+    import anytime.profile
+    from anytime.pipeline import profile_run
+
+    spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 2.1), (2.0, 2.0)])
+    calls = []
+
+    def fake(model, *args, memory=None, **kwargs):
+        calls.append(memory is not None)
+        first, second = next(spreads)
+        taken = _halves(first, second)
+        return replace(taken, latency={1: replace(taken.at(1), memory=MEMORY if memory else None)})
+
+    monkeypatch.setattr(anytime.profile, "profile_model", fake, raising=False)
+    profile, _ = profile_run(profiled, batch_sizes=[1], memory=False, out=tmp_path / "a.json")
+    assert calls == [False, False, False] and profile.settings["steadiness"]["attempts"] == 3
+    assert profile.settings["steadiness"]["spread"] == pytest.approx(0.05)  # the third, within 0.25
+    spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 3.1)])  # none within 0.25: the second is kept
+    calls.clear()
+    assert main(["profile", str(profiled), "--out", str(tmp_path / "b.json")]) == 0
+    out, err = capsys.readouterr()
+    assert calls == [True, False, False] and "halves within 40% (3 profiles taken)" in out
+    assert "note: the machine was not steady while profiling (step exit1 at batch 1" in err and "2.800 ms" in err
+    kept = DeviceProfile.load(tmp_path / "b.json")
+    assert kept.settings["steadiness"]["spread"] == pytest.approx(0.4) and kept.at(1).memory == MEMORY
+    spreads = iter([(2.0, 3.0)])
+    calls.clear()
+    assert main(["profile", str(profiled), "--steady-within", "off", "--out", str(tmp_path / "c.json")]) == 0
+    assert calls == [True] and "note:" not in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

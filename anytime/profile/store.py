@@ -72,6 +72,19 @@ class BatchLatency:
                 **({} if self.suffixes is None else {"suffixes": [block(s) for s in self.suffixes]})}  # fmt: skip
 
 
+STEADY_WITHIN = 0.25  # a profile whose halves' tails part by more than this share was taken on a busy machine
+
+
+@dataclass(frozen=True)
+class Steadiness:
+    """How far a profile's first half of repetitions lies from its second half: ``spread`` is the largest gap
+    between the halves' tail quantiles as a share of the lower one, over every step and stage at every batch
+    size (0 on a machine that stayed as it was), and ``where`` says which figure it was."""
+
+    spread: float
+    where: str
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """Every step's latency on one device, with the model's costs and the device's description; ``energy``
@@ -152,6 +165,27 @@ class DeviceProfile:
         if stages is None:
             raise AnytimeError("this profile has no stage latencies: the model is not incremental")
         return np.sum(np.stack(stages[: k + 1]), axis=0)
+
+    def steadiness(self, q: float = 0.99) -> Steadiness:
+        """The halves of the repetitions compared at ``q``, or at the highest quantile that leaves ten samples
+        above it in each half if lower: the repetitions interleave the steps, so a burst of other work on the
+        machine shows up as one half's tail far from the other's."""
+        worst, where = 0.0, "the halves agree"
+        for b, at in sorted(self.latency.items()):
+            for kind, series in (("step", at.steps), ("stage", at.stages or ())):
+                for k, samples in enumerate(series):
+                    half = len(samples) // 2
+                    if half < 20:
+                        continue
+                    level = min(q, 1 - 10 / half)
+                    first, second = quantile_of(samples[:half], level), quantile_of(samples[half:], level)
+                    low = min(first, second)
+                    spread = abs(first - second) / low if low > 0 else 0.0
+                    if spread > worst:
+                        worst = spread
+                        where = (f"{kind} {self.step_names[k]} at batch {b}: p{100 * level:g} {first:.3f} ms in the "
+                                 f"first half of the repetitions, {second:.3f} ms in the second")  # fmt: skip
+        return Steadiness(worst, where)
 
     def require_energy(self, where: str = "the profile") -> EnergyMeter:
         """The energy meter, or a clear error for a profile measured without energy."""
