@@ -20,7 +20,7 @@ from anytime.data import Augment, load_dataset, make_loader
 from anytime.data.augment import random_crop_flip
 from anytime.data.loader import share
 from anytime.errors import AnytimeError
-from anytime.train.distributed import free_port, from_environment, launch_local, rank_environment
+from anytime.train.distributed import first_failure, free_port, from_environment, launch_local, rank_environment
 
 # 2 gloo processes and 1 process at the same global batch, LeNet (no batch norm): the same sums in another order.
 # One thread per process picks other kernels than two threads in one: after 2 epochs the weights part by 1e-7 on a
@@ -138,6 +138,13 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     result = launch_local([], 2, grace_s=5, program=[sys.executable, str(script)])
     assert result.failed_rank == 1 and result.returncode == 3 and not result.signalled
     assert not mark.exists()  # process 0 was stopped, not waited for
+
+
+def test_the_launcher_blames_a_killed_process_before_the_peers_that_lost_it():
+    # process 1 killed, process 0 out with an error on noticing, both seen in one look: process 1 is the cause
+    assert first_failure([2, -9]) == 1 and first_failure([-15, -9]) == 0
+    assert first_failure([3, None]) == 0 and first_failure([None, 3]) == 1 and first_failure([2, 2]) == 0
+    assert first_failure([0, None]) is None and first_failure([0, 0]) is None
 
 
 def test_two_gloo_processes_follow_one_process_at_the_same_global_batch(tmp_path):

@@ -279,7 +279,7 @@ def launch_local(
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            failed = first_failure(codes)
             if failed is not None or None not in codes:
                 break
             time.sleep(poll_s)
@@ -292,6 +292,14 @@ def launch_local(
         return LaunchResult(0, None, False)
     code = procs[failed].returncode
     return LaunchResult(code if code > 0 else 128 - code, failed, code < 0)
+
+
+def first_failure(codes: Sequence[int | None]) -> int | None:
+    """The process to blame among exit statuses (``None``: still running; negative: killed by that signal): one
+    killed by a signal before one that exited with an error, since the others fail in turn once a peer is gone
+    and may end before the next look; then the lowest rank. ``None`` when none failed."""
+    failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+    return min(failed, key=lambda rank: (codes[rank] >= 0, rank)) if failed else None  # type: ignore[operator]
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> None:
