@@ -183,12 +183,15 @@ def main() -> int:
             _serve(runners, images[:WARMUP_REQUESTS], labels[:WARMUP_REQUESTS], float(deadlines[-1]))
             for deadline in deadlines:
                 fits = p99 <= deadline
-                oracle = float(step_accuracy[fits].max()) if fits.any() else None
+                first_fits = runtime_first_p99 <= deadline
+                # Where the runtime's own first answer fits, exit 0 is within reach even if, timed alone under
+                # load, its p99 came out higher (500 images under load make a noisy p99).
+                oracle = float(step_accuracy[fits].max()) if fits.any() else float(step_accuracy[0]) if first_fits else None
                 served = _serve(runners, images[:count], labels[:count], float(deadline))
                 for mode, result in served.items():
                     condition = f"{load}, {mode}"
                     rows.append({"condition": condition, "load": load, "adaptive": mode == "adaptive",
-                                 "deadline_ms": float(deadline), "first_exit_fits": bool(runtime_first_p99 <= deadline),
+                                 "deadline_ms": float(deadline), "first_exit_fits": bool(first_fits),
                                  "first_exit_alone_fits": bool(fits[0]),
                                  "oracle_accuracy": oracle, **result})  # fmt: skip
                     gap = "" if oracle is None else f", oracle {100 * oracle:.2f}%"
