@@ -193,6 +193,25 @@ def test_a_pessimistic_profile_tail_comes_down_at_the_tracked_quantile_only():
         DriftEstimator(tracked_quantile=1.0)
 
 
+def test_a_tail_comes_down_only_by_what_was_measured_of_it():
+    drift = DriftEstimator(window=100, min_observations=10, tracked_quantile=0.99)
+    for i in range(110):  # stage 0: profiled median 1 ms, p99 2 ms; now never above 1.5 ms
+        drift.observe(1.0 + 0.5 * (i % 10 == 0), 1.0, 2.0, key=0)
+    assert drift.estimate(2.0, 0.99, 0) == pytest.approx(1.5)
+    assert drift.estimate(2.0, 0.99) == pytest.approx(1.5)  # no key: everything measured, pooled
+    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(4.0)  # never measured: its profiled tail stays
+    for _ in range(9):  # exit 2's own tail, 0.95 of its profiled one, but not yet enough of it to go by
+        drift.observe(3.8, 2.0, 4.0, key="exit2")
+    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(4.0)
+    drift.observe(3.8, 2.0, 4.0, key="exit2")
+    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(3.8)
+    assert drift.estimate(2.0, 0.99, 0) == pytest.approx(1.5)
+    drift.reset()
+    for _ in range(30):
+        drift.observe(1.0, 1.0, 2.0)
+    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(4.0)  # reset forgets every key's window too
+
+
 # ---------------------------------------------------------------- profile files
 
 
@@ -389,6 +408,23 @@ def test_the_runtime_goes_straight_to_an_exit_that_fits_alone_but_not_through_th
     assert out.reason == "confident" and out.step == 0
     out = runner.predict(unsure, step_tail[0] + 0.5)  # only the first exit fits either way: no shortcut to take
     assert out.step == 0 and out.reason == "deadline"
+
+
+def test_the_runtime_goes_straight_to_an_exit_only_on_what_it_measured_of_that_exit():
+    # Profiled: stage 0 at 4-8 ms (a wide tail), exit 1 alone at 8-16 ms. Served: stage 0 takes its profiled
+    # median, 6 ms, every time, so its p99 comes down by a quarter; exit 1 alone takes 15 ms (its head included),
+    # near its profiled p99. A come-down learned from stage 0 and lent to exit 1 would send requests straight to
+    # exit 1 at a 14 ms deadline, late; the runtime keeps exit 1's profiled tail until it has timed exit 1.
+    model = HeadedLadder([6.0, 6.0, 6.0], head_ms=3.0).eval()
+    profile = make_profile([4.0, 8.0, 12.0], stage_ms=[4.0, 6.0, 6.0], spread=1.0)
+    runner = AnytimeRunner(model, profile, quantile=0.99, adapt=True, clock=model.clock)
+    unsure = -torch.ones(1, 4)
+    for _ in range(60):
+        out = runner.predict(unsure, profile.stage_quantile(0, 0.99) + 0.5)
+        assert (out.step, out.reason, out.missed) == (0, "deadline", False)
+    assert runner.drift.estimate(profile.stage_quantile(0, 0.99), 0.99, 0) == pytest.approx(6.0)
+    out = runner.predict(unsure, 14.0)
+    assert (out.step, out.reason, out.missed) == (0, "deadline", False)
 
 
 def test_the_runtime_answers_and_decides_on_combined_exits(sleepy):

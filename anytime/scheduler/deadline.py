@@ -199,7 +199,7 @@ class DeadlineScheduler:
             profiled = self._costs[key]
             now = profiled
             if self.adapt and self.drift.ready:
-                now = {name: self.drift.estimate(cost, quantile) for name, cost in profiled.items()}
+                now = {name: self.drift.estimate(cost, quantile, name) for name, cost in profiled.items()}
             return _pick_within(self.options, now, profiled, self._energies(batch_size), deadline_ms, energy_mj,
                                 quantile, batch_size)  # fmt: skip
         f = self._frontiers.get(key) or self._frontier(quantile, batch_size)
@@ -234,7 +234,7 @@ class DeadlineScheduler:
                 path = self.profile.path_samples(step, batch)
                 profiled = (quantile_of(path, 0.5), quantile_of(path, q))
             self._references[key] = profiled
-        self.drift.observe(1000.0 * seconds, *profiled)
+        self.drift.observe(1000.0 * seconds, *profiled, name)
         if self.adapt and self.drift.ready:
             for used in list(self._adapted):  # rebuilt here, after the answer, so that select stays a bisection
                 self._adapt(used)
@@ -278,7 +278,7 @@ class DeadlineScheduler:
         quantile, batch_size = key
         self._frontier(quantile, batch_size)
         profiled = self._costs[key]
-        now = {name: self.drift.estimate(cost, quantile) for name, cost in profiled.items()}
+        now = {name: self.drift.estimate(cost, quantile, name) for name, cost in profiled.items()}
         frontier = self._adapted[key] = _build(now, profiled, self.options, self.drift.version)
         return frontier
 

@@ -118,6 +118,8 @@ class AnytimeRunner:
                                    "calibration compares exits with each other: calibrate with --criterion entropy "
                                    "(or confidence, margin) for the runtime")  # fmt: skip
         self._num_steps = num_steps
+        # What the drift estimate is told it measured: a stage by its index, a step run alone by this key.
+        self._step_keys = [("step", k) for k in range(num_steps)]
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
         self._estimates: dict[tuple[int, int | None], tuple[list[float], list[float]]] = {}
@@ -174,15 +176,19 @@ class AnytimeRunner:
     def _direct_step(self, estimates: _Estimates, budget: float) -> int | None:
         """The exit to go straight to, skipping the heads on the way, when the deadline lets that exit alone fit
         but not the path through every earlier head to it; None when the path through the heads reaches as far."""
-        # Every latency is estimated from one reading of the drift windows: this runs before every request.
-        factor, add = self.drift.affine(self.quantile) if self.adapt else (1.0, 0.0)
+        if self.adapt:
+            estimate, q = self.drift.estimate, self.quantile
+            stage_tail = [estimate(t, q, k) for k, t in enumerate(estimates.tail)]
+            step_tail = [estimate(t, q, key) for key, t in zip(self._step_keys, estimates.step_tail)]
+        else:
+            stage_tail, step_tail = estimates.tail, estimates.step_tail
         through, reach = 0.0, -1
-        for k, tail in enumerate(estimates.tail):
-            through += factor * tail + add
+        for k, tail in enumerate(stage_tail):
+            through += tail
             if through > budget:
                 break
             reach = k
-        direct = max((k for k, t in enumerate(estimates.step_tail) if factor * t + add <= budget), default=-1)
+        direct = max((k for k, t in enumerate(step_tail) if t <= budget), default=-1)
         return direct if direct > max(reach, 0) else None
 
     def _path_energies(self, batch_size: int) -> list[float]:
@@ -238,7 +244,7 @@ class AnytimeRunner:
                 now = self.clock()
                 if self.adapt:
                     # Measured from the previous answer, so the runner's own checks count as part of the stage.
-                    self.drift.observe(1000.0 * (now - before), median[k], tail[k])
+                    self.drift.observe(1000.0 * (now - before), median[k], tail[k], k)
                 before = now
                 if k == last:
                     break
@@ -248,7 +254,7 @@ class AnytimeRunner:
                     break
                 following = tail[k + 1]
                 if self.adapt:
-                    following = self.drift.estimate(following, self.quantile)
+                    following = self.drift.estimate(following, self.quantile, k + 1)
                 elapsed = 1000.0 * (self.clock() - start)
                 if elapsed + following > budget:
                     reason = "deadline"
@@ -297,7 +303,7 @@ class AnytimeRunner:
         self._sync()
         end = self.clock()
         if self.adapt:
-            self.drift.observe(1000.0 * (end - begun), estimates.step_median[k], estimates.step_tail[k])
+            self.drift.observe(1000.0 * (end - begun), estimates.step_median[k], estimates.step_tail[k], self._step_keys[k])
         exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
         return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "direct", 1000.0 * (end - start), float(deadline_ms))
 
