@@ -199,17 +199,19 @@ def test_a_tail_comes_down_only_by_what_was_measured_of_it():
         drift.observe(1.0 + 0.5 * (i % 10 == 0), 1.0, 2.0, key=0)
     assert drift.estimate(2.0, 0.99, 0) == pytest.approx(1.5)
     assert drift.estimate(2.0, 0.99) == pytest.approx(1.5)  # no key: everything measured, pooled
-    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(4.0)  # never measured: its profiled tail stays
+    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(3.0)  # never measured: borrows the pooled tail
+    assert drift.estimate(4.0, 0.99, "exit2", borrow=False) == pytest.approx(4.0)  # or keeps its profiled one
     for _ in range(9):  # exit 2's own tail, 0.95 of its profiled one, but not yet enough of it to go by
         drift.observe(3.8, 2.0, 4.0, key="exit2")
-    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(4.0)
+    assert drift.estimate(4.0, 0.99, "exit2", borrow=False) == pytest.approx(4.0)
     drift.observe(3.8, 2.0, 4.0, key="exit2")
+    assert drift.estimate(4.0, 0.99, "exit2", borrow=False) == pytest.approx(3.8)
     assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(3.8)
     assert drift.estimate(2.0, 0.99, 0) == pytest.approx(1.5)
     drift.reset()
     for _ in range(30):
         drift.observe(1.0, 1.0, 2.0)
-    assert drift.estimate(4.0, 0.99, "exit2") == pytest.approx(4.0)  # reset forgets every key's window too
+    assert drift.estimate(4.0, 0.99, "exit2", borrow=False) == pytest.approx(4.0)  # reset forgets every key's window
 
 
 # ---------------------------------------------------------------- profile files
@@ -414,7 +416,8 @@ def test_the_runtime_goes_straight_to_an_exit_only_on_what_it_measured_of_that_e
     # Profiled: stage 0 at 4-8 ms (a wide tail), exit 1 alone at 8-16 ms. Served: stage 0 takes its profiled
     # median, 6 ms, every time, so its p99 comes down by a quarter; exit 1 alone takes 15 ms (its head included),
     # near its profiled p99. A come-down learned from stage 0 and lent to exit 1 would send requests straight to
-    # exit 1 at a 14 ms deadline, late; the runtime keeps exit 1's profiled tail until it has timed exit 1.
+    # exit 1 at a 14 ms deadline, late; the runtime keeps exit 1's profiled tail until it has timed exit 1 alone
+    # (stage 1, on the way through exit 0's head, may borrow it: 6 + 9 ms does not fit either).
     model = HeadedLadder([6.0, 6.0, 6.0], head_ms=3.0).eval()
     profile = make_profile([4.0, 8.0, 12.0], stage_ms=[4.0, 6.0, 6.0], spread=1.0)
     runner = AnytimeRunner(model, profile, quantile=0.99, adapt=True, clock=model.clock)

@@ -179,7 +179,7 @@ class AnytimeRunner:
         if self.adapt:
             estimate, q = self.drift.estimate, self.quantile
             stage_tail = [estimate(t, q, k) for k, t in enumerate(estimates.tail)]
-            step_tail = [estimate(t, q, key) for key, t in zip(self._step_keys, estimates.step_tail)]
+            step_tail = [estimate(t, q, key, borrow=False) for key, t in zip(self._step_keys, estimates.step_tail)]
         else:
             stage_tail, step_tail = estimates.tail, estimates.step_tail
         through, reach = 0.0, -1
