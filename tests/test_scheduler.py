@@ -430,6 +430,19 @@ def test_the_runtime_goes_straight_to_an_exit_only_on_what_it_measured_of_that_e
     assert (out.step, out.reason, out.missed) == (0, "deadline", False)
 
 
+def test_a_stall_counts_once_on_the_way_through_the_heads_as_on_the_way_straight_to_an_exit():
+    model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
+    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=100, warmup=1, clock=model.clock)
+    runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.99, adapt=True,
+                           clock=model.clock)  # fmt: skip
+    for i in range(100):  # stage 0 as profiled, but one answer in 25 stalls by 1 ms
+        runner.drift.observe(5.0 if i % 25 == 0 else 4.0, 4.0, 4.0, 0)
+    assert runner.drift.affine(0.99, 0) == pytest.approx((1.0, 1.0))
+    # Through both heads: 4 + 7 + 7 ms and one stall, 19 ms, fits 20 ms (a stall added at every stage would not: 21).
+    out = runner.predict(-torch.ones(1, 3), 20.0)
+    assert (out.step, out.reason, out.missed) == (2, "last", False)
+
+
 def test_the_runtime_answers_and_decides_on_combined_exits(sleepy):
     model, profile = sleepy
     # Exit 0 says class 0 and nobody may leave there, exit 1 alone says class 1; weighing exit 0 twice, the

@@ -176,19 +176,25 @@ class AnytimeRunner:
     def _direct_step(self, estimates: _Estimates, budget: float) -> int | None:
         """The exit to go straight to, skipping the heads on the way, when the deadline lets that exit alone fit
         but not the path through every earlier head to it; None when the path through the heads reaches as far."""
-        if self.adapt:
-            estimate, q = self.drift.estimate, self.quantile
-            stage_tail = [estimate(t, q, k) for k, t in enumerate(estimates.tail)]
-            step_tail = [estimate(t, q, key, borrow=False) for key, t in zip(self._step_keys, estimates.step_tail)]
-        else:
-            stage_tail, step_tail = estimates.tail, estimates.step_tail
-        through, reach = 0.0, -1
-        for k, tail in enumerate(stage_tail):
+        # A stall's excess is added once to either way, as the request's own checks add it once to the stage
+        # that would follow: added to every stage on the way, it sent requests straight to an exit whose way
+        # through the heads (and their confident early answers) fitted.
+        add, through, reach = 0.0, 0.0, -1
+        for k, tail in enumerate(estimates.tail):
+            if self.adapt:
+                factor, add = self.drift.affine(self.quantile, k)
+                tail *= factor
             through += tail
-            if through > budget:
+            if through + add > budget:
                 break
             reach = k
-        direct = max((k for k, t in enumerate(step_tail) if t <= budget), default=-1)
+        direct = -1
+        for k, tail in enumerate(estimates.step_tail):
+            if self.adapt:
+                factor, add = self.drift.affine(self.quantile, self._step_keys[k], borrow=False)
+                tail *= factor
+            if tail + add <= budget:
+                direct = k
         return direct if direct > max(reach, 0) else None
 
     def _path_energies(self, batch_size: int) -> list[float]:
