@@ -52,6 +52,7 @@ ACCURACY_TARGET = 0.01  # within 1 point of the hindsight oracle
 HOG_CORE = 1  # the core the competing process spins on
 WARMUP_REQUESTS = 50  # unscored requests before the sweep of each load
 NOTHING_FITS_MS = 1e-6  # a deadline that stops every request at the first exit
+EXACT = 1e-9  # a gap of exactly 1 point (e.g. 0.879 - 0.869 in floats: 0.01000000000000001) is within 1 point
 
 
 def _spin(core: int, ready: Any) -> None:
@@ -221,7 +222,7 @@ def main() -> int:
         verdicts[condition] = {"deadlines_scored": len(scored), "worst_miss_rate": worst_miss,
                                "worst_accuracy_gap": worst_gap, "deadlines_exit_alone_fits": len(alone),
                                "worst_miss_rate_where_exit_alone_fits": worst_alone,
-                               "meets_targets": bool(scored) and worst_miss <= MISS_TARGET and worst_gap <= ACCURACY_TARGET}  # fmt: skip
+                               "meets_targets": bool(scored) and worst_miss <= MISS_TARGET + EXACT and worst_gap <= ACCURACY_TARGET + EXACT}  # fmt: skip
         print(f"{condition:<26} where the first exit fits ({len(scored)} deadlines): worst miss rate "
               f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points; where the exit "
               f"alone fits ({len(alone)}): worst miss rate {100 * worst_alone:.2f}%")  # fmt: skip
