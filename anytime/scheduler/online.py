@@ -28,8 +28,8 @@ inflated in proportion to the work that was timed.
 The tails of different things do not move together, though: on the CIFAR-10 runtime with one core busy,
 the first stage's p99 came in 13-19% under its profile and the second exit timed alone 14% under in one
 run and 2% over in another, so a come-down learned from the first stage sent requests straight to the
-second exit, and they were late. So each observation may name what was measured (``key``), and an estimate for a key comes down by that
-key's own ratios once it has ``min_observations`` of them. Before that it borrows the pooled ratios of
+second exit, and they were late. So each observation may name what was measured (``key``), and an
+estimate for a key comes down by that key's own ratios once it has ``min_observations`` of them. Before that it borrows the pooled ratios of
 everything observed (``borrow``, the default: a stage on the runtime's path is timed as soon as it runs, so
 a wrong loan corrects itself, and without it a stage whose profile is pessimistic would never run, and never
 be timed), or keeps its profiled tail, scaled by the level (``borrow=False``: the runtime's straight jump to
