@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from anytime.profile.stats import latency_summary, quantile_of
-from anytime.utils.stats import area_under_front, bootstrap_quantile, wilson
+from anytime.utils.stats import area_under_front, bootstrap_quantile, quantile_upper_bound, wilson
 
 
 def test_wilson_matches_the_textbook_interval():
@@ -26,6 +26,18 @@ def test_bootstrap_intervals_are_seeded_and_hold_the_estimate():
     assert bootstrap_quantile(constant, 0.99) == (2.0, 2.0)
     summary = latency_summary(samples / 1000)
     assert summary["p99_ci95_ms"][0] <= summary["p99_ms"] <= summary["p99_ci95_ms"][1]
+
+
+def test_a_quantiles_upper_bound_is_an_order_statistic_that_covers_it():
+    ranks = np.arange(1.0, 1001.0)
+    # Of 1,000 draws, fewer than 996 fall below the p99 with probability >= 95% (binomial, mean 990, sd 3.1).
+    assert quantile_upper_bound(ranks, 0.99) == 996.0 and quantile_of(ranks, 0.99) == 990.0
+    assert quantile_upper_bound(ranks[:299], 0.99) == 299.0  # the largest of 299: 1 - 0.99**299 >= 95%
+    assert quantile_upper_bound(ranks[:298], 0.99) == np.inf and quantile_upper_bound(ranks[:0], 0.5) == np.inf
+    rng = np.random.default_rng(0)  # over 500 samples of 1,000 exponential draws, the bound covers the p99 >= 95%
+    true_p99 = -np.log(0.01)
+    covered = np.mean([quantile_upper_bound(rng.exponential(size=1000), 0.99) >= true_p99 for _ in range(500)])
+    assert 0.95 <= covered < 1.0
 
 
 def test_area_under_a_front_is_the_mean_best_accuracy_over_budgets():
