@@ -7,7 +7,7 @@ process spinning on one of the two cores, started by this benchmark):
   1. hindsight: every exit alone is timed on the first of the test images (a seeded random sample of the
      test split) under that load; the oracle at a deadline is the most accurate single exit whose measured p99
      fits it, and the sure oracle the most accurate one whose p99 surely fits (its distribution-free 95% upper
-     confidence bound, the 5th largest of 1,000 times, within the deadline);
+     confidence bound, the 21st largest of 3,000 times, within the deadline);
   2. a sweep of deadlines from below the first exit's p99 to above the last exit's;
   3. at each deadline, every test image is answered one at a time by the runtime with the static profile
      and by the runtime with online adaptation, in turn (so both meet the machine in the same state); a
@@ -20,8 +20,10 @@ verdict's, to show how much of a gap lies within the p99's own uncertainty: a de
 an exit's measured p99 credits the oracle with an exit that a second timing might put over it. Ratio: the
 worst miss rate (%) of the deployed runtime over those deadlines. The first exit fits where the runtime's own
 answer at it (the request stopped there by the deadline: stage, head and the runtime's checks), timed in
-hindsight beside the exits, has its p99 within the deadline; where only the exit alone fits, no runtime can
-keep 1%, and the worst miss rate over the deadlines where the exit alone fits is reported beside it.
+hindsight beside the exits, surely has its p99 within the deadline (the 95% upper bound, as for the sure
+oracle): at a deadline equal to that p99, 1% late is the expected rate and chance decides the target. The worst
+miss rate where the measured p99 fits is reported beside it; where only the exit alone fits, no runtime can keep
+1%, and the worst miss rate over the deadlines where the exit alone fits is reported too.
 """
 
 from __future__ import annotations
@@ -129,12 +131,12 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     add_exit_run_options(p)
     p.add_argument("--images", type=int, default=1000, help="test images answered per deadline and runtime")
-    p.add_argument("--hindsight-images", type=int, default=1000,
-                   help="test images timed per exit for the oracle (default 1000: a p99 from the 10th largest)")
+    p.add_argument("--hindsight-images", type=int, default=3000,
+                   help="test images timed per exit for the oracle (default 3000: a p99 from the 30th largest)")
     p.add_argument("--no-policy", action="store_true", help="no confident early exits: go as deep as the deadline allows")
     args = p.parse_args()
     run_dir = exit_run_dir(args.run, args.quick, args.card)
-    count, hindsight_count = (60, 50) if args.quick else (args.images, args.hindsight_images)
+    count, hindsight_count = (60, 300) if args.quick else (args.images, args.hindsight_images)
     deadlines_per_load = 4 if args.quick else DEADLINES
     _, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
     default_threads = torch.get_num_threads()
@@ -179,10 +181,11 @@ def main() -> int:
             p99_all = np.quantile(times, QUANTILE, axis=1, method="inverted_cdf")
             p99, runtime_first_p99 = p99_all[:-1], float(p99_all[-1])
             p99_upper = np.array([quantile_upper_bound(t, QUANTILE) for t in times[:-1]])
+            runtime_first_upper = quantile_upper_bound(times[-1], QUANTILE)
             deadlines = np.geomspace(0.8 * p99[0], 1.3 * p99[-1], deadlines_per_load)
             loads[load] = {"threads": threads, "exit_p99_ms": p99.tolist(), "exit_p99_upper95_ms": p99_upper.tolist(),
                            "exit_p50_ms": np.median(times[:-1], axis=1).tolist(),
-                           "runtime_first_exit_p99_ms": runtime_first_p99,
+                           "runtime_first_exit_p99_ms": runtime_first_p99, "runtime_first_exit_p99_upper95_ms": runtime_first_upper,
                            "runtime_first_exit_p50_ms": float(np.median(times[-1]))}  # fmt: skip
             print(f"{load}: exits' p99 alone {np.round(p99, 3).tolist()} ms, the runtime's answer at exit 0 "
                   f"{runtime_first_p99:.3f} ms (profile at {profile.settings['threads']} threads: "
@@ -194,10 +197,11 @@ def main() -> int:
             _serve(runners, images[:WARMUP_REQUESTS], labels[:WARMUP_REQUESTS], float(deadlines[-1]))
             for deadline in deadlines:
                 fits = p99 <= deadline
-                first_fits = runtime_first_p99 <= deadline
+                first_fits_point = runtime_first_p99 <= deadline
+                first_fits = runtime_first_upper <= deadline
                 # Where the runtime's own first answer fits, exit 0 is within reach even if, timed alone under
                 # load, its p99 came out higher (500 images under load make a noisy p99).
-                oracle = float(step_accuracy[fits].max()) if fits.any() else float(step_accuracy[0]) if first_fits else None
+                oracle = float(step_accuracy[fits].max()) if fits.any() else float(step_accuracy[0]) if first_fits_point else None
                 sure = p99_upper <= deadline
                 sure_oracle = float(step_accuracy[sure].max()) if sure.any() else None if oracle is None else float(step_accuracy[0])
                 served = _serve(runners, images[:count], labels[:count], float(deadline))
@@ -205,6 +209,7 @@ def main() -> int:
                     condition = f"{load}, {mode}"
                     rows.append({"condition": condition, "load": load, "adaptive": mode == "adaptive",
                                  "deadline_ms": float(deadline), "first_exit_fits": bool(first_fits),
+                                 "first_exit_fits_point": bool(first_fits_point),
                                  "first_exit_alone_fits": bool(fits[0]),
                                  "oracle_accuracy": oracle, "sure_oracle_accuracy": sure_oracle, **result})  # fmt: skip
                     gap = "" if oracle is None else f", oracle {100 * oracle:.2f}% (sure {100 * sure_oracle:.2f}%)"
@@ -224,20 +229,24 @@ def main() -> int:
     verdicts: dict[str, dict[str, Any]] = {}
     for condition in conditions:
         scored = [r for r in rows if r["condition"] == condition and r["first_exit_fits"]]
+        point = [r for r in rows if r["condition"] == condition and r["first_exit_fits_point"]]
         alone = [r for r in rows if r["condition"] == condition and r["first_exit_alone_fits"]]
         worst_miss = max((r["miss_rate"] for r in scored), default=float("nan"))
         worst_gap = max((r["oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
         worst_sure_gap = max((r["sure_oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
+        worst_point = max((r["miss_rate"] for r in point), default=float("nan"))
         worst_alone = max((r["miss_rate"] for r in alone), default=float("nan"))
         verdicts[condition] = {"deadlines_scored": len(scored), "worst_miss_rate": worst_miss,
                                "worst_accuracy_gap": worst_gap, "worst_sure_oracle_gap": worst_sure_gap,
+                               "deadlines_first_exit_fits_point": len(point), "worst_miss_rate_where_first_exit_fits_point": worst_point,
                                "deadlines_exit_alone_fits": len(alone),
                                "worst_miss_rate_where_exit_alone_fits": worst_alone,
                                "meets_targets": bool(scored) and worst_miss <= MISS_TARGET + EXACT and worst_gap <= ACCURACY_TARGET + EXACT}  # fmt: skip
         print(f"{condition:<26} where the first exit fits ({len(scored)} deadlines): worst miss rate "
               f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points (sure oracle "
-              f"{100 * worst_sure_gap:+.2f}); where the exit "
-              f"alone fits ({len(alone)}): worst miss rate {100 * worst_alone:.2f}%")  # fmt: skip
+              f"{100 * worst_sure_gap:+.2f}); where its measured p99 fits ({len(point)}): worst miss rate "
+              f"{100 * worst_point:.2f}%; where the exit alone fits ({len(alone)}): worst miss rate "
+              f"{100 * worst_alone:.2f}%")  # fmt: skip
     # The runtime as deployed: quiet, and under load with the threads it chooses (and the profile at that count).
     deployed = [v for c, v in verdicts.items() if "adaptive" in c and (c.startswith("quiet") or "auto threads" in c)]
     worst = max(v["worst_miss_rate"] for v in deployed)

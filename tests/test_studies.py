@@ -160,6 +160,9 @@ def test_deadline_benchmark_quick(tmp_path, cifar_root):
                                         "one core busy, auto threads, adaptive"}  # fmt: skip
     assert len(figures["rows"]) == 24 and all(0 <= r["miss_rate"] <= 1 for r in figures["rows"])
     assert all(r["oracle_accuracy"] is not None for r in figures["rows"] if r["first_exit_fits"])
+    # A p99 that surely fits (its upper bound within the deadline) fits as measured; the sure oracle never beats it.
+    assert all(r["first_exit_fits_point"] for r in figures["rows"] if r["first_exit_fits"])
+    assert all(r["sure_oracle_accuracy"] <= r["oracle_accuracy"] for r in figures["rows"] if r["oracle_accuracy"] is not None)
     assert figures["loads"]["one core busy, auto threads"]["threads"] >= 1
     assert (tmp_path / "run-quick" / "deadline" / "deadline_cifar10.png").is_file()
 
