@@ -428,6 +428,14 @@ def test_the_runtime_foretells_how_far_the_heads_get_by_its_own_rule_not_by_the_
     assert (out.step, out.reason, out.missed) == (2, "last", False)
     out = runner.predict(-torch.ones(1, 3), 15.0)  # the rule stops before stage 2 (8 + 8 > 15): straight to exit 2
     assert (out.step, out.reason, out.missed) == (2, "direct", False)
+    # Stage 0 takes 6 ms instead of 4 in one repetition in five: at 9.5 ms the rule starts stage 1 at the median pace
+    # (4 + 4 ms fit) but not after a slow stage 0 (6 + 4 do not), so the heads would reach exit 1 for only 4 requests
+    # in 5: the runtime goes straight there, where exit 1 alone (8 ms) fits.
+    slow_start = (np.where(np.arange(100) % 5 == 0, 6.0, 4.0), np.full(100, 4.0), np.full(100, 4.0))
+    runner = AnytimeRunner(model, replace(base, latency={1: BatchLatency(1, base.latency[1].steps, slow_start)}),
+                           ExitPolicy("confidence", (0.9, 0.9)), adapt=False, clock=model.clock)  # fmt: skip
+    out = runner.predict(-torch.ones(1, 3), 9.5)
+    assert (out.step, out.reason, out.missed) == (1, "direct", False)
 
 
 def test_the_runtime_goes_straight_to_an_exit_only_on_what_it_measured_of_that_exit():
