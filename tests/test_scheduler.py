@@ -414,9 +414,9 @@ def test_the_runtime_goes_straight_to_an_exit_that_fits_alone_but_not_through_th
 
 def test_the_runtime_foretells_how_far_the_heads_get_by_its_own_rule_not_by_the_sum_of_its_stages():
     # Each stage takes 4 ms but stalls to 8 ms in two repetitions of its own: every stage's p99 is 8 ms, while the
-    # way to exit 1 takes 8 ms at the median. At 17 ms the request's own rule starts stage 2 (8 + 8 ms fit), so the
-    # heads reach exit 2; priced by the sum of the stages' p99s (24 ms), the runtime went straight to exit 2, where
-    # a confident sample could not leave at exit 0.
+    # way to exit 1 takes 8 ms in 96 repetitions of 100. At 17 ms the request's own rule starts stage 2 (8 + 8 ms
+    # fit), so the heads reach exit 2; priced by the sum of the stages' p99s (24 ms), the runtime went straight to
+    # exit 2, where a confident sample could not leave at exit 0.
     base = make_profile([4.0, 8.0, 12.0], stage_ms=[4.0, 4.0, 4.0])
     stages = tuple(np.where(np.isin(np.arange(100), [2 * k, 2 * k + 1]), 8.0, 4.0) for k in range(3))
     profile = replace(base, latency={1: BatchLatency(1, base.latency[1].steps, stages)})
