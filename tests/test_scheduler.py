@@ -524,6 +524,27 @@ def test_the_adaptive_runtime_keeps_its_own_bookkeeping_time_free():
     assert adaptive.predict(x, 4.0 + 8.0 + 1.5).step == 1  # with room for it, the runtime goes on
 
 
+def test_the_runtime_answers_at_a_step_it_is_told_straight_there_and_observes_it():
+    model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
+    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.9, clock=model.clock)
+    confident = torch.ones(1, 3)  # would leave at exit 0 on the way through the heads
+    for k, ms in enumerate([7.0, 11.0, 12.0]):  # stages up to k and exit k's own head, no earlier head
+        seen = runner.drift.observations
+        out = runner.predict_at(confident, k)
+        assert (out.step, out.reason, out.exits.tolist(), out.missed) == (k, "pinned", [k], False)
+        assert out.elapsed_ms == pytest.approx(ms) and out.deadline_ms == math.inf
+        assert torch.equal(out.logits, model._logits(confident, k))
+        assert runner.drift.observations == seen + 1
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(AnytimeError, match="does not exist"):
+            runner.predict_at(confident, bad)  # type: ignore[arg-type]
+    model.train()
+    with pytest.raises(AnytimeError, match="eval mode"):
+        runner.predict_at(confident, 0)
+    model.eval()
+
+
 def test_a_non_incremental_model_gets_one_step_chosen_up_front(sleepy):
     model, _ = sleepy
 
@@ -547,6 +568,10 @@ def test_a_non_incremental_model_gets_one_step_chosen_up_front(sleepy):
     x = -torch.ones(1, 3)
     out = runner.predict(x, profile.step_quantile(1, 0.9) + 8)  # step 2 needs about 28 ms
     assert out.step == 1 and out.reason == "chosen" and not out.missed
+    adaptive = AnytimeRunner(ladder, profile, quantile=0.9, step_accuracy=[0.5, 0.6, 0.7], clock=model.clock)
+    out = adaptive.predict_at(x, 2)
+    assert (out.step, out.reason, out.elapsed_ms) == (2, "pinned", pytest.approx(28.0))
+    assert adaptive.drift.observations == 1  # told to the scheduler as its step-2 option's time
     with pytest.raises(AnytimeError, match="incremental"):
         AnytimeRunner(ladder, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.9)
 

@@ -57,7 +57,8 @@ class AnytimePrediction:
     ``deadline`` (the next stage would not fit: the policy is not consulted then, since this exit answers either
     way), ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran), ``direct`` (the
     deadline let one exit fit alone but not the way to it through every earlier head, so the runtime went
-    straight to it, no earlier head run) or ``chosen`` (a non-incremental step picked up front).
+    straight to it, no earlier head run), ``chosen`` (a non-incremental step picked up front) or ``pinned`` (the
+    caller named the step: :meth:`AnytimeRunner.predict_at`).
     """
 
     predictions: Tensor
@@ -238,6 +239,30 @@ class AnytimeRunner:
                 return self._predict_chosen(x, deadline_ms, start, energy_mj)
             return self._predict_incremental(x, deadline_ms, start, energy_mj)
 
+    def predict_at(self, x: Tensor, k: int) -> AnytimePrediction:
+        """Answer the batch ``x`` at step ``k``, straight there (no earlier exit head runs, no deadline): what the
+        runtime pays to answer at a step it was told, e.g. to time the best any choice of step could do in
+        hindsight, or to pin a step while debugging. With ``adapt`` the time is observed as a straight jump's."""
+        start = self.clock()
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self._num_steps:
+            raise AnytimeError(f"step {k!r} does not exist; this model has steps 0..{self._num_steps - 1}")
+        if self.model.training:
+            raise AnytimeError("the anytime runtime needs the model in eval mode (call model.eval())")
+        with torch.inference_mode():
+            if self.incremental:
+                estimates = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
+                return self._predict_direct(x, k, estimates, math.inf, start, reason="pinned")
+            begun = self.clock()
+            logits = run_step(self.model, x, k)
+            self._sync()
+            now = self.clock()
+            assert self.scheduler is not None
+            option = next((o for o in self.scheduler.options.values() if o.policy is None and o.step == k), None)
+            if self.adapt and option is not None:
+                self.scheduler.observe(option, now - begun, self._profiled_batch(x.shape[0]))
+            exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
+            return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "pinned", 1000.0 * (now - start), math.inf)
+
     def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
         estimates = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
         tail, median = estimates.tail, estimates.median
@@ -321,7 +346,9 @@ class AnytimeRunner:
             self._finish.add(1000.0 * (end - before))
         return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
 
-    def _predict_direct(self, x: Tensor, k: int, estimates: _Estimates, deadline_ms: float, start: float) -> AnytimePrediction:
+    def _predict_direct(
+        self, x: Tensor, k: int, estimates: _Estimates, deadline_ms: float, start: float, reason: str = "direct"
+    ) -> AnytimePrediction:
         begun = self.clock()
         logits = run_step(self.model, x, k)  # a combining policy's weights need earlier exits: exit k answers alone
         self._sync()
@@ -329,7 +356,7 @@ class AnytimeRunner:
         if self.adapt:
             self.drift.observe(1000.0 * (end - begun), estimates.step_median[k], estimates.step_tail[k], self._step_keys[k])
         exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
-        return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "direct", 1000.0 * (end - start), float(deadline_ms))
+        return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
 
     def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
         assert self.scheduler is not None
