@@ -194,6 +194,7 @@ def main() -> int:
             deadlines = np.geomspace(0.8 * p99[0], 1.3 * p99[-1], deadlines_per_load)
             loads[load] = {"threads": threads, "exit_p99_ms": p99.tolist(), "exit_p99_upper95_ms": p99_upper.tolist(),
                            "exit_p50_ms": np.median(times[:steps], axis=1).tolist(), "runtime_p99_ms": runtime_p99.tolist(),
+                           "runtime_p50_ms": np.median(times[steps:], axis=1).tolist(),
                            "runtime_first_exit_p99_ms": runtime_first_p99, "runtime_first_exit_p99_upper95_ms": runtime_first_upper,
                            "runtime_first_exit_p50_ms": float(np.median(times[steps]))}  # fmt: skip
             print(f"{load}: exits' p99 alone {np.round(p99, 3).tolist()} ms, the runtime's answers "

@@ -166,7 +166,8 @@ def test_deadline_benchmark_quick(tmp_path, cifar_root):
     assert all(r["exit_oracle_accuracy"] is not None for r in figures["rows"] if r["oracle_accuracy"] is not None)
     assert all(r["sure_oracle_accuracy"] <= r["exit_oracle_accuracy"] for r in figures["rows"]
                if r["exit_oracle_accuracy"] is not None)  # fmt: skip
-    assert len(figures["loads"]["quiet"]["runtime_p99_ms"]) == len(figures["step_accuracy"])
+    quiet = figures["loads"]["quiet"]
+    assert len(quiet["runtime_p99_ms"]) == len(quiet["runtime_p50_ms"]) == len(figures["step_accuracy"])
     assert isinstance(figures["passed_exit_oracle"], bool)
     assert figures["loads"]["one core busy, auto threads"]["threads"] >= 1
     assert (tmp_path / "run-quick" / "deadline" / "deadline_cifar10.png").is_file()
