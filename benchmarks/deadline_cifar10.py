@@ -1,21 +1,32 @@
 """Benchmark: the anytime runtime against deadlines on the CIFAR-10 test images, quiet and under load.
 
 The model is the multi-exit ResNet-32 of models/cifar10-resnet32-exits.toml (trained, cached and
-calibrated as in early_exit_cifar10.py: thresholds fit on validation for at most 1 point below the last
-exit). It is profiled on this machine while the machine is quiet. Then, for each load (quiet, and a
-process spinning on one of the two cores, started by this benchmark):
+calibrated as in early_exit_cifar10.py, but for at most half a point below the last exit on validation
+(``--max-drop``, default 0.5): the accuracy target's 1 point is shared by the policy, which gives up accuracy
+for time by design, and the scheduler; at early_exit_cifar10's 1 point the policy alone cost 0.8-0.9 points on
+test, leaving the scheduler 0.1-0.2). It is profiled on this machine while the machine is quiet. Then, for
+each load (quiet, and a process spinning on one of the two cores, started by this benchmark):
   1. hindsight: every exit alone, and the runtime's own answer at every exit (at exit 0 a request the deadline
      stops there; at a deeper exit a request told to go straight there, ``predict_at``), are timed on the first
-     of the test images (a seeded random sample of the test split) under that load. The oracle at a deadline is
-     the most accurate exit at which the runtime's answer has its measured p99 within it: the best any choice of
-     exit, made in hindsight, gets through the runtime. Reported beside it: the oracle of the exits timed alone
-     (the verdict's until 2026-11-29; at a deadline between an exit's own p99 and the runtime's answer there it
-     credits an exit no runtime can answer at in time), and the sure oracle, the most accurate exit whose own
-     p99 surely fits (its distribution-free 95% upper confidence bound, the 21st largest of 3,000 times);
+     of the test images (a seeded random sample of the test split) under that load. This sets the deadlines and
+     where the first exit fits. Reported beside the verdict's oracle: the load's oracle, the most accurate exit
+     at which the runtime's answer, timed here, has its p99 within the deadline (the verdict's on 2026-11-29);
+     the oracle of the exits timed alone (the verdict's until then; at a deadline between an exit's own p99 and
+     the runtime's answer there it credits an exit no runtime can answer at in time), and the sure oracle, the
+     most accurate exit whose own p99 surely fits (its distribution-free 95% upper confidence bound, the 21st
+     largest of 3,000 times);
   2. a sweep of deadlines from below the first exit's p99 to above the last exit's;
   3. at each deadline, every test image is answered one at a time by the runtime with the static profile
      and by the runtime with online adaptation, in turn (so both meet the machine in the same state); a
-     miss is an answer later than the deadline, timed around the call.
+     miss is an answer later than the deadline, timed around the call. In the deployed conditions (quiet, and
+     under load with the threads chosen from it), the runtime's answer at every exit is timed in the same turns,
+     on the same images: the verdict's oracle at a deadline is the most accurate exit at which that answer has
+     its p99 within the deadline, the best any choice of exit, made in hindsight, got through the runtime in the
+     minutes the runtimes were served (exit 0 where none did). A shared machine's moods change from minute to
+     minute (one exit's p99 moved by 40% between two profiles minutes apart), and an oracle timed before the
+     sweep credited exits that did not fit while the runtimes ran: in the runs of 2026-11-29 the static runtime
+     missed 3.1% at a deadline where that oracle put exit 1 within reach. Under load with both torch threads
+     the turns cost 30-90 ms each, so that condition keeps the load's oracle.
 Targets, wherever the first exit fits: miss rate at most 1% and accuracy within 1 point of the oracle, for
 the runtime as deployed (adaptive; under load with the threads it chooses from the load and the profile taken
 at that count), quiet and with one core busy. The static runtime is reported beside it: it shows where
@@ -36,6 +47,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +68,7 @@ from anytime.utils.threads import choose_threads
 
 # Hyper-parameters
 QUANTILE = 0.99  # the latency quantile a stage must fit at before the runtime starts it
-MAX_DROP = 1.0  # calibration: accuracy points below the last exit (validation)
+MAX_DROP = 0.5  # calibration: accuracy points below the last exit (validation); the other half of the target's point is the scheduler's
 PROFILE_REPEATS = 1000  # profile samples per step (a p99 from 1000, not from the 2nd largest of 200)
 DEADLINES = 10  # deadlines per load, geometric from 0.8x the first exit's p99 to 1.3x the last exit's
 MISS_TARGET = 0.01  # at most 1% of answers late
@@ -86,6 +98,12 @@ def _test_images(run_dir: Path, count: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat(images), torch.cat(labels)
 
 
+def _answers_at(runner: AnytimeRunner, steps: int) -> list[Callable[[torch.Tensor], Any]]:
+    """The runtime's answer at each exit: at exit 0 a request that a deadline nothing fits stops there, at exits
+    1..K-1 a request told to go straight there (``predict_at``)."""
+    return [lambda x: runner.predict(x, NOTHING_FITS_MS)] + [lambda x, k=k: runner.predict_at(x, k) for k in range(1, steps)]
+
+
 def _hindsight(model: torch.nn.Module, runner: AnytimeRunner, images: torch.Tensor, count: int) -> np.ndarray:
     """Latencies (ms) on ``count`` images one at a time, all in alternating order: rows 0..K-1 every exit alone,
     row K the runtime's answer at the first exit (a deadline nothing fits stops the request there), rows K+1..2K-1
@@ -93,7 +111,7 @@ def _hindsight(model: torch.nn.Module, runner: AnytimeRunner, images: torch.Tens
     inside inference mode, as the profile times it; the runtime is called from outside it, as a server calls it
     (inside, it would pay for entering inference mode again: about 30 us here)."""
     steps = model.num_steps  # type: ignore[union-attr]
-    calls = [lambda x: runner.predict(x, NOTHING_FITS_MS)] + [lambda x, k=k: runner.predict_at(x, k) for k in range(1, steps)]
+    calls = _answers_at(runner, steps)
     times = np.zeros((steps + len(calls), count))
     for i in range(count):
         x = images[i : i + 1]
@@ -110,11 +128,16 @@ def _hindsight(model: torch.nn.Module, runner: AnytimeRunner, images: torch.Tens
     return times
 
 
-def _serve(runners: dict[str, AnytimeRunner], images: torch.Tensor, labels: torch.Tensor,
-           deadline: float) -> dict[str, dict[str, Any]]:  # fmt: skip
+def _serve(runners: dict[str, AnytimeRunner], images: torch.Tensor, labels: torch.Tensor, deadline: float,
+           answers: list[Callable[[torch.Tensor], Any]] | None = None) -> tuple[dict[str, dict[str, Any]], np.ndarray | None]:  # fmt: skip
     """Every image answered by every runner in turn (the order alternating), so that they share the machine's
-    moods; per runner: miss rate, accuracy, exit shares, stop reasons, mean and p99 time per answer."""
+    moods; per runner: miss rate, accuracy, exit shares, stop reasons, mean and p99 time per answer. With
+    ``answers`` (the runtime's answer at each exit), each is timed in the same turns too: their latencies (ms),
+    a row per exit."""
     names = list(runners)
+    answers = answers or []
+    turns: list[str | int] = [*names, *range(len(answers))]
+    times = np.zeros((len(answers), len(images)))
     steps = next(iter(runners.values())).profile.num_steps
     late = dict.fromkeys(names, 0)
     correct = dict.fromkeys(names, 0)
@@ -123,7 +146,12 @@ def _serve(runners: dict[str, AnytimeRunner], images: torch.Tensor, labels: torc
     elapsed = {name: np.zeros(len(images)) for name in names}
     for i in range(len(images)):
         x = images[i : i + 1]
-        for name in names if i % 2 == 0 else names[::-1]:
+        for name in turns if i % 2 == 0 else turns[::-1]:
+            if isinstance(name, int):
+                start = time.perf_counter()
+                answers[name](x)
+                times[name, i] = 1000 * (time.perf_counter() - start)
+                continue
             start = time.perf_counter()
             out = runners[name].predict(x, deadline)
             elapsed[name][i] = 1000 * (time.perf_counter() - start)
@@ -132,10 +160,11 @@ def _serve(runners: dict[str, AnytimeRunner], images: torch.Tensor, labels: torc
             exits[name][out.step] += 1
             reasons[name][out.reason] = reasons[name].get(out.reason, 0) + 1
     n = len(images)
-    return {name: {"miss_rate": late[name] / n, "accuracy": correct[name] / n, "exit_share": (exits[name] / n).tolist(),
+    served = {name: {"miss_rate": late[name] / n, "accuracy": correct[name] / n, "exit_share": (exits[name] / n).tolist(),
                    "reasons": {k: v / n for k, v in reasons[name].items()},
                    "p99_ms": float(np.quantile(elapsed[name], 0.99)), "mean_ms": float(elapsed[name].mean())}
             for name in names}  # fmt: skip
+    return served, times if answers else None
 
 
 def main() -> int:
@@ -145,11 +174,13 @@ def main() -> int:
     p.add_argument("--hindsight-images", type=int, default=3000,
                    help="test images timed per exit for the oracle (default 3000: a p99 from the 30th largest)")
     p.add_argument("--no-policy", action="store_true", help="no confident early exits: go as deep as the deadline allows")
+    p.add_argument("--max-drop", type=float, default=MAX_DROP,
+                   help=f"calibrate the policy for at most this many points below the last exit (default {MAX_DROP})")
     args = p.parse_args()
     run_dir = exit_run_dir(args.run, args.quick, args.card)
     count, hindsight_count = (60, 300) if args.quick else (args.images, args.hindsight_images)
     deadlines_per_load = 4 if args.quick else DEADLINES
-    _, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
+    _, best, chosen = prepare_exit_run(run_dir, args.quick, max_drop=args.max_drop, card_path=args.card)
     default_threads = torch.get_num_threads()
     profiles = {}
     for threads in dict.fromkeys((default_threads, 1)):
@@ -210,28 +241,37 @@ def main() -> int:
             # A server runs continuously: requests before the sweep (not scored) warm the caches and let the
             # adaptive runtime learn the device's current speed.
             _serve(runners, images[:WARMUP_REQUESTS], labels[:WARMUP_REQUESTS], float(deadlines[-1]))
+            # Timed beside the runtimes where a turn costs milliseconds: the deployed conditions.
+            answers = _answers_at(first, steps) if load == "quiet" or auto else None
             for deadline in deadlines:
                 fits = p99 <= deadline
                 first_fits_point = runtime_first_p99 <= deadline
                 first_fits = runtime_first_upper <= deadline
                 reach = runtime_p99 <= deadline
-                oracle = float(step_accuracy[reach].max()) if reach.any() else None
+                load_oracle = float(step_accuracy[reach].max()) if reach.any() else None
                 # Where the runtime's own first answer fits, exit 0 is within reach even if, timed alone under
                 # load, its p99 came out higher (a noisy p99 under load).
-                exit_oracle = float(step_accuracy[fits].max()) if fits.any() else None if oracle is None else float(step_accuracy[0])
+                exit_oracle = float(step_accuracy[fits].max()) if fits.any() else None if load_oracle is None else float(step_accuracy[0])
                 sure = p99_upper <= deadline
-                sure_oracle = float(step_accuracy[sure].max()) if sure.any() else None if oracle is None else float(step_accuracy[0])
-                served = _serve(runners, images[:count], labels[:count], float(deadline))
+                sure_oracle = float(step_accuracy[sure].max()) if sure.any() else None if load_oracle is None else float(step_accuracy[0])
+                served, answer_times = _serve(runners, images[:count], labels[:count], float(deadline), answers)
+                oracle, now_p99 = load_oracle, None
+                if answer_times is not None:
+                    now_p99 = np.quantile(answer_times, QUANTILE, axis=1, method="inverted_cdf")
+                    # The runtime always answers: at exit 0 at least, whatever its p99 in these minutes.
+                    oracle = float(step_accuracy[now_p99 <= deadline].max()) if (now_p99 <= deadline).any() else float(step_accuracy[0])
                 for mode, result in served.items():
                     condition = f"{load}, {mode}"
                     rows.append({"condition": condition, "load": load, "adaptive": mode == "adaptive",
                                  "deadline_ms": float(deadline), "first_exit_fits": bool(first_fits),
                                  "first_exit_fits_point": bool(first_fits_point),
                                  "first_exit_alone_fits": bool(fits[0]),
-                                 "oracle_accuracy": oracle, "exit_oracle_accuracy": exit_oracle,
-                                 "sure_oracle_accuracy": sure_oracle, **result})  # fmt: skip
-                    gap = "" if oracle is None else (f", oracle {100 * oracle:.2f}% (exits alone {100 * exit_oracle:.2f}%, "
-                                                     f"sure {100 * sure_oracle:.2f}%)")  # fmt: skip
+                                 "oracle_accuracy": oracle, "load_oracle_accuracy": load_oracle,
+                                 "exit_oracle_accuracy": exit_oracle, "sure_oracle_accuracy": sure_oracle,
+                                 "runtime_p99_now_ms": None if now_p99 is None else now_p99.tolist(), **result})  # fmt: skip
+                    gap = "" if oracle is None or load_oracle is None else (
+                        f", oracle {100 * oracle:.2f}% (the load's {100 * load_oracle:.2f}%, exits alone "
+                        f"{100 * exit_oracle:.2f}%, sure {100 * sure_oracle:.2f}%)")  # fmt: skip
                     print(f"  {condition:<24} deadline {deadline:7.3f} ms: miss {100 * result['miss_rate']:5.2f}%, "
                           f"accuracy {100 * result['accuracy']:.2f}%{gap}, mean {result['mean_ms']:.3f} ms, "
                           f"reasons {({k: round(v, 3) for k, v in result['reasons'].items()})}")  # fmt: skip
@@ -252,20 +292,23 @@ def main() -> int:
         alone = [r for r in rows if r["condition"] == condition and r["first_exit_alone_fits"]]
         worst_miss = max((r["miss_rate"] for r in scored), default=float("nan"))
         worst_gap = max((r["oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
+        worst_load_gap = max((r["load_oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
         worst_exit_gap = max((r["exit_oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
         worst_sure_gap = max((r["sure_oracle_accuracy"] - r["accuracy"] for r in scored), default=float("nan"))
         worst_point = max((r["miss_rate"] for r in point), default=float("nan"))
         worst_alone = max((r["miss_rate"] for r in alone), default=float("nan"))
         verdicts[condition] = {"deadlines_scored": len(scored), "worst_miss_rate": worst_miss,
-                               "worst_accuracy_gap": worst_gap, "worst_exit_oracle_gap": worst_exit_gap,
-                               "worst_sure_oracle_gap": worst_sure_gap,
+                               "worst_accuracy_gap": worst_gap, "worst_load_oracle_gap": worst_load_gap,
+                               "worst_exit_oracle_gap": worst_exit_gap, "worst_sure_oracle_gap": worst_sure_gap,
+                               "meets_targets_load_oracle": bool(scored) and worst_miss <= MISS_TARGET + EXACT and worst_load_gap <= ACCURACY_TARGET + EXACT,
                                "meets_targets_exit_oracle": bool(scored) and worst_miss <= MISS_TARGET + EXACT and worst_exit_gap <= ACCURACY_TARGET + EXACT,
                                "deadlines_first_exit_fits_point": len(point), "worst_miss_rate_where_first_exit_fits_point": worst_point,
                                "deadlines_exit_alone_fits": len(alone),
                                "worst_miss_rate_where_exit_alone_fits": worst_alone,
                                "meets_targets": bool(scored) and worst_miss <= MISS_TARGET + EXACT and worst_gap <= ACCURACY_TARGET + EXACT}  # fmt: skip
         print(f"{condition:<26} where the first exit fits ({len(scored)} deadlines): worst miss rate "
-              f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points (exits alone "
+              f"{100 * worst_miss:.2f}%, worst gap to the oracle {100 * worst_gap:+.2f} points (the load's "
+              f"{100 * worst_load_gap:+.2f}, exits alone "
               f"{100 * worst_exit_gap:+.2f}, sure {100 * worst_sure_gap:+.2f}); where its measured p99 fits ({len(point)}): worst miss rate "
               f"{100 * worst_point:.2f}%; where the exit alone fits ({len(alone)}): worst miss rate "
               f"{100 * worst_alone:.2f}%")  # fmt: skip
@@ -277,16 +320,19 @@ def main() -> int:
     # no feedback, a deadline that falls between an exit's profiled p99 and today's misses more than 1%.
     passed = all(v["meets_targets"] for v in deployed)
     passed_exit_oracle = all(v["meets_targets_exit_oracle"] for v in deployed)
-    print(f"against the oracle of the exits timed alone (no runtime's answer costs that little), the deployed runtime "
-          f"{'keeps' if passed_exit_oracle else 'misses'} the targets")  # fmt: skip
+    passed_load_oracle = all(v["meets_targets_load_oracle"] for v in deployed)
+    print(f"against the load's oracle (timed before the sweep), the deployed runtime "
+          f"{'keeps' if passed_load_oracle else 'misses'} the targets; against the oracle of the exits timed alone "
+          f"(no runtime's answer costs that little), it {'keeps' if passed_exit_oracle else 'misses'} them")  # fmt: skip
     for condition in (c for c in conditions if c.endswith("static")):
         print(f"{condition} (reported, not part of the verdict): the static profile "
               f"{'keeps' if verdicts[condition]['meets_targets'] else 'misses'} the targets")
     print(f"results in {out}")
     figures = {"run": str(run_dir), "profile": str(profile_path), "criterion": None if policy is None else best, "thresholds": None if policy is None else list(policy.thresholds),
+               "max_drop": None if policy is None else args.max_drop,
                "images": count, "hindsight_images": hindsight_count, "quantile": QUANTILE, "threads": default_threads, "form": args.form,
                "step_accuracy": step_accuracy.tolist(), "loads": loads, "verdicts": verdicts,
-               "passed_exit_oracle": passed_exit_oracle, "rows": rows}  # fmt: skip
+               "passed_load_oracle": passed_load_oracle, "passed_exit_oracle": passed_exit_oracle, "rows": rows}  # fmt: skip
     return report("deadline_cifar10", args, figures, 100 * worst,
                   "<= 1 (% late, adaptive, quiet and under load with auto threads, where the first exit fits)", passed)
 
