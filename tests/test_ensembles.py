@@ -99,6 +99,18 @@ def test_the_mlp_fuser_gives_a_right_but_soft_member_its_say():
     assert test_acc >= soft_alone - 0.02 and abs(val - soft_alone) < 0.05  # scikit-learn's stacking agrees
 
 
+def test_the_mlp_pool_is_solved_on_members_near_chance():
+    """Members barely better than chance (briefly trained LeNets on the digits): the solver's line search once tried
+    an exponent of e^1212, got a NaN loss and stepped on to infinity."""
+    generator = torch.Generator().manual_seed(14)
+    labels = torch.randint(0, 10, (115,), generator=generator)
+    logits = torch.randn(3, 115, 10, generator=generator) * 0.08
+    logits[0, torch.arange(115), labels] += 0.05
+    fused = fit_fuser(make_fuser("mlp", 3, 10), logits.log_softmax(-1), labels, FitSettings(epochs=1))
+    weights = fused.weights.detach()
+    assert bool(torch.isfinite(weights).all()) and float(weights.max()) <= float(np.exp(10)) + 1e-3
+
+
 def test_cross_fitting_answers_each_sample_with_the_fuser_that_did_not_see_it():
     generator = torch.Generator().manual_seed(0)
     logps = torch.randn(2, 60, 3, generator=generator).log_softmax(-1)

@@ -221,7 +221,8 @@ def test_export_parity_benchmark_quick(tmp_path, cifar_root):
     data = _benchmark(tmp_path, "export_parity", "--runs", str(run_dir))
     figures = data["figures"]
     assert {(r["format"], r["dtype"]) for r in figures["rows"]} == {("pt2", "fp32"), ("pt2", "int8"), ("onnx", "fp32"), ("onnx", "int8")}
-    assert data["verdict"] in ("pass", "fail") and len(figures["sizes"]) == 2
+    assert data["verdict"] in ("pass", "fail")
+    assert {(s["format"], s["variant"]) for s in figures["sizes"]} == {(f, v) for f in ("pt2", "onnx") for v in ("int8", "int8-tuned")}
 
 
 def test_ensemble_baselines_study_quick(tmp_path):

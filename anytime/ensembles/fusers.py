@@ -100,6 +100,9 @@ class WeightedFuser(Fuser):
         return torch.logsumexp(logps + self.weights.log()[:, None, None], dim=0)
 
 
+_MAX_LOG_WEIGHT = 10.0
+
+
 class MLPFuser(Fuser):
     """A log-linear pool of the members plus a correction computed by a two-layer MLP from every member's
     log-probabilities.
@@ -121,8 +124,11 @@ class MLPFuser(Fuser):
 
     @property
     def weights(self) -> Tensor:
-        """The members' exponents in the pool, positive (they need not sum to one)."""
-        return self.log_weights.exp()
+        """The members' exponents in the pool, positive (they need not sum to one), at most e^10."""
+        # Bounded so that every point the solver's line search tries has a finite loss: on members near chance
+        # (three LeNets trained briefly on the digits) it tried an exponent of e^1212, whose loss was NaN, and
+        # then stepped on to infinity.
+        return self.log_weights.clamp(max=_MAX_LOG_WEIGHT).exp()
 
     def pool(self, logps: Tensor) -> Tensor:
         """The log-linear pool alone, ``[B, C]`` (unnormalised log-probabilities)."""
