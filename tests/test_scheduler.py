@@ -524,6 +524,30 @@ def test_the_adaptive_runtime_keeps_its_own_bookkeeping_time_free():
     assert adaptive.predict(x, 4.0 + 8.0 + 1.5).step == 1  # with room for it, the runtime goes on
 
 
+def test_the_adaptive_runtime_times_its_checks_apart_from_the_stages():
+    model = TimedLadder([4.0, 8.0, 16.0]).eval()
+    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    policy = ExitPolicy("confidence", (0.9, 0.9))
+    decide = policy.leaves
+
+    def slow_leaves(k: int, logits: Tensor) -> bool:  # the runner's check between two stages, never profiled
+        model.clock.advance(1.0)
+        return decide(k, logits)
+
+    object.__setattr__(policy, "leaves", slow_leaves)
+    runner = AnytimeRunner(model, profile, policy, adapt=True, quantile=0.9, window=30, min_observations=4, clock=model.clock)
+    x = -torch.ones(1, 3)  # never confident: every request runs every stage the deadline lets it
+    for _ in range(6):
+        assert runner.predict(x, 100.0).elapsed_ms == pytest.approx(4.0 + 1.0 + 8.0 + 1.0 + 16.0)
+    # The stages ran as profiled: the checks' time does not pass for the device running slower.
+    assert runner.drift.level() == pytest.approx(1.0)
+    # Through exit 0's head, exit 1 answers after 4 + 1 + 8 = 13 ms; straight there (no check), after 12 ms.
+    out = runner.predict(x, 12.9)
+    assert (out.step, out.reason, out.missed, out.elapsed_ms) == (1, "direct", False, pytest.approx(12.0))
+    out = runner.predict(x, 13.0)
+    assert (out.step, out.reason, out.missed, out.elapsed_ms) == (1, "deadline", False, pytest.approx(13.0))
+
+
 def test_the_runtime_answers_at_a_step_it_is_told_straight_there_and_observes_it():
     model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
     profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)

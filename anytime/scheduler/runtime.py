@@ -1,11 +1,12 @@
 """The anytime runtime: answer a request within its deadline, as accurately as the time allows.
 
-For an incremental model the steps run in order. After each one the runner returns if the next stage's latency
-at the quantile, scaled by the device's current drift, and the runner's own time to return an answer after its
-last stage no longer fit in the time left (or, given an energy budget, if reaching the next exit would cost more
-energy per inference than the budget, by the profile's exit-path energies), or else if the exit is confident (the
-calibrated policy); otherwise it goes on. The first step always runs, so a prediction always comes
-back. A non-incremental model (each step a separate forward) gets one step chosen up front by the scheduler.
+For an incremental model the steps run in order. After each one the runner returns if the next stage's latency at
+the quantile, scaled by the device's current drift, and the runner's own time (to finish its check and start the
+stage, and to return an answer after its last stage) no longer fit in the time left (or, given an energy budget, if
+reaching the next exit would cost more energy per inference than the budget, by the profile's exit-path energies),
+or else if the exit is confident (the calibrated policy); otherwise it goes on. The first step always runs, so a
+prediction always comes back. A non-incremental model (each step a separate forward) gets one step chosen up front
+by the scheduler.
 """
 
 from __future__ import annotations
@@ -79,17 +80,18 @@ class AnytimeRunner:
     """Runs an anytime model against deadlines with a device profile and (optionally) an early-exit policy.
 
     ``quantile`` is the latency quantile a stage must fit at before it starts. With ``adapt`` every stage's
-    measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows
-    down, and the runner times what it does after its last stage (the answer's bookkeeping, which the profile
-    does not time) and keeps that time's quantile free: a request that goes on with a few microseconds to spare
-    would otherwise miss by them. ``margin_ms`` is kept free at the end as well, for returning the answer. A
-    non-incremental model's step is chosen by ``scheduler``, else by one built from ``step_accuracy``, else the
-    deepest step that fits (ladders gain accuracy with cost). The runner checks the profile's step count against the model; that
-    the profile was measured on these weights is checked where both are loaded (``runner_for_run``).
-    ``clock`` (seconds, monotonic; default :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests
-    inject a fake one. ``length_profiles`` (a text model's profiles by sentence length in tokens) price each request
-    by the shortest profiled length that holds it (``x.shape[1]``), its length bucket; ``profile`` is then the
-    longest.
+    measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows down,
+    and the runner times what it does itself, which the profile does not time: its checks between two stages and
+    the answer's bookkeeping after its last one. Each is added at its own quantile: a request that goes on with a
+    few microseconds to spare would otherwise miss by them. They are kept apart from the stages, so that the drift
+    estimate scales the model's latencies only (a direct jump to an exit has no checks to pay). ``margin_ms`` is
+    kept free at the end as well, for returning the answer. A non-incremental model's step is chosen by
+    ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits (ladders gain accuracy
+    with cost). The runner checks the profile's step count against the model; that the profile was measured on
+    these weights is checked where both are loaded (``runner_for_run``). ``clock`` (seconds, monotonic; default
+    :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests inject a fake one.
+    ``length_profiles`` (a text model's profiles by sentence length in tokens) price each request by the shortest
+    profiled length that holds it (``x.shape[1]``), its length bucket; ``profile`` is then the longest.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class AnytimeRunner:
         if self.incremental:
             self.drift = DriftEstimator(window=window, min_observations=min_observations, tracked_quantile=self.quantile)
             self._finish = SortedWindow(window)
+            self._checks = SortedWindow(window)
             self.scheduler = None
         else:
             accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
@@ -200,11 +203,15 @@ class AnytimeRunner:
         # profile's bursts span several stages, and in one run the way's p99 came out 5% under the sum of its
         # stages' p99s with one thread and 15% over it with two.
         # A stall's excess is added once, as the request's own checks add it to the stage that would follow.
+        # The runner's checks between the stages are timed apart from them, and are added here the same way.
         reach = 0
         level = self.drift.level() if self.adapt else 1.0
+        check = self._check_ms() if self.adapt else 0.0
+        paced_check = self._checks.quantile(REACH_PACE) if check else 0.0
         for k in range(1, len(estimates.tail)):
             factor, add = self.drift.affine(self.quantile, k) if self.adapt else (1.0, 0.0)
-            if level * estimates.way_pace[k - 1] + factor * estimates.tail[k] + add > budget:
+            way = level * estimates.way_pace[k - 1] + (k - 1) * paced_check
+            if way + factor * estimates.tail[k] + add + check > budget:
                 break
             reach = k
         direct, add = -1, 0.0
@@ -215,6 +222,11 @@ class AnytimeRunner:
             if tail + add <= budget:
                 direct = k
         return direct if direct > max(reach, 0) else None
+
+    def _check_ms(self) -> float:
+        """The runner's own time between a stage's answer and the next stage's start (its drift update, estimates
+        and policy) at the quantile, as timed lately; 0 until enough checks have been timed."""
+        return self._checks.quantile(self.quantile) if len(self._checks) >= self.drift.min_observations else 0.0
 
     def _path_energies(self, batch_size: int) -> list[float]:
         """Per exit, the mean millijoules per inference of one pass through exits 0..k (profiled batch at or above)."""
@@ -279,22 +291,20 @@ class AnytimeRunner:
         decided: Tensor | None = None  # which samples have already left at a confident exit
         exits: Tensor | None = None
         answer: Tensor | None = None
-        before = start
         steps = self.model.steps(x)  # type: ignore[operator]
         answers = None if policy is None or policy.combine is None else policy.answers()
         reason = "last"
         k = -1
         logits = x
+        now = before = self.clock()  # the stage's start
         try:
             for k, logits in enumerate(steps):
-                if answers is not None:  # every head runs here, so each exit's combined answer is at hand
-                    logits = answers.answer(k, logits)
                 self._sync()
                 now = self.clock()
                 if self.adapt:
-                    # Measured from the previous answer, so the runner's own checks count as part of the stage.
                     self.drift.observe(1000.0 * (now - before), median[k], tail[k], k)
-                before = now
+                if answers is not None:  # every head runs here, so each exit's combined answer is at hand
+                    logits = answers.answer(k, logits)
                 if k == last:
                     break
                 # The budgets first: where they stop the request, this exit answers whatever the policy says.
@@ -303,7 +313,7 @@ class AnytimeRunner:
                     break
                 following = tail[k + 1]
                 if self.adapt:
-                    following = self.drift.estimate(following, self.quantile, k + 1)
+                    following = self.drift.estimate(following, self.quantile, k + 1) + self._check_ms()
                 elapsed = 1000.0 * (self.clock() - start)
                 if elapsed + following > budget:
                     reason = "deadline"
@@ -327,6 +337,9 @@ class AnytimeRunner:
                         if bool(decided.all()):
                             reason = "confident"
                             break
+                before = self.clock()
+                if self.adapt:
+                    self._checks.add(1000.0 * (before - now))
         finally:
             close = getattr(steps, "close", None)
             if close is not None:
@@ -343,7 +356,7 @@ class AnytimeRunner:
         predictions = logits.argmax(dim=1)
         end = self.clock()
         if self.adapt:
-            self._finish.add(1000.0 * (end - before))
+            self._finish.add(1000.0 * (end - now))
         return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
 
     def _predict_direct(
