@@ -214,6 +214,18 @@ def test_a_tail_comes_down_only_by_what_was_measured_of_it():
     assert drift.estimate(4.0, 0.99, "exit2", borrow=False) == pytest.approx(4.0)  # reset forgets every key's window
 
 
+def test_a_stall_among_a_few_timings_of_one_key_does_not_raise_its_tail():
+    drift = DriftEstimator(window=100, min_observations=10, tracked_quantile=0.99)
+    for i in range(110):  # stage 0: profiled median 1 ms, p99 2 ms; now never above 1.5 ms
+        drift.observe(1.0 + 0.5 * (i % 10 == 0), 1.0, 2.0, key=0)
+    for i in range(20):  # stage 1, profiled the same, runs at its median but for one stall of 5 ms
+        drift.observe(6.0 if i == 5 else 1.0, 1.0, 2.0, key=1)
+    assert drift.affine(0.99)[1] == 0.0  # pooled, fewer than 1% of the timings overran their scaled tails
+    # Stage 1's own 99th percentile ratio is the stall's, 3: its tail stays the profile's, not three times it.
+    assert drift.estimate(2.0, 0.99, 1) == pytest.approx(2.0)
+    assert drift.estimate(2.0, 0.99, 0) == pytest.approx(1.5)  # and still comes down where it was measured to
+
+
 # ---------------------------------------------------------------- profile files
 
 
