@@ -16,12 +16,15 @@ least half the saving the FLOPs promise. ``--form`` times both models in an infe
 is the policy compiled into the multi-exit export's graphs (``ExportedModel.exit_program``), the backbone the plain
 network's one-graph export, both on arrays (the verdict), and both again through the tensor API. ``--onnx``
 times the ResNet-32 that way too (the compiled policy against the plain export, on arrays), and the small network
-as with ``--small-onnx``.
+as with ``--small-onnx``. ``--decompose`` times two more functions in the same turns, where the overhead goes:
+the backbone cut into its segments (no heads), and the segments with every head run between them (no decisions);
+exits against the latter is what the decisions and the policy's bookkeeping add.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ from common import onnx_programs, parser, report, run
 
 from anytime.backbones import create_model
 from anytime.calibrate import ExitPolicy, get_criterion
+from anytime.errors import AnytimeError
 from anytime.inference import InferenceForm, inference_form
 from anytime.profile import latency_summary, per_sample_latency
 from anytime.wrappers import attach_exits
@@ -41,6 +45,26 @@ POINTS = "0.15,0.35,0.55,0.75"
 TURN = 50  # inputs each model answers in a row (per_sample_latency's turns)
 SMALL_SHARE = 0.8  # of the inputs leave at the small network's first exit
 SMALL_TARGET = 0.5  # of the FLOPs' promised saving, at least, measured
+
+
+def decomposed(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The multi-exit model's segments run in a row, without and with its heads between them (no decisions)."""
+    segments, heads = model.segments, model.heads
+    last = len(segments) - 1
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        for segment in segments:
+            x = segment(x)
+        return x
+
+    def with_heads(x: torch.Tensor) -> torch.Tensor:
+        for k, segment in enumerate(segments):
+            x = segment(x)
+            if k < last:
+                heads[k](x)
+        return x
+
+    return {"segments": cut, "segments + heads": with_heads}
 
 
 def small_network(samples: int, form: str, onnx: bool = False) -> dict[str, float]:
@@ -95,7 +119,11 @@ def main() -> int:
     p.add_argument("--small-onnx", action="store_true", help="time the small network as ONNX Runtime exports")
     p.add_argument("--onnx", action="store_true", help="time both networks as ONNX Runtime exports (the policy "
                    "compiled into the multi-exit export's graphs, on arrays)")  # fmt: skip
+    p.add_argument("--decompose", action="store_true", help="also time the segments alone and with the heads between "
+                   "them, in the same turns: where the overhead goes (PyTorch only)")  # fmt: skip
     args = p.parse_args()
+    if args.decompose and args.onnx:
+        raise AnytimeError("--decompose times the PyTorch model's segments and heads; leave out --onnx")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -109,6 +137,8 @@ def main() -> int:
             functions = {"backbone": lambda x: plain_program(x.numpy()), "exits": lambda x: program(x.numpy())}
         else:
             functions = {"backbone": lambda x: model.backbone(x), "exits": lambda x: policy.run(model, x)}
+            if args.decompose:
+                functions.update(decomposed(model))
         for batch_size, batches in ((1, 60 if args.quick else 600), (32, 8 if args.quick else 80)):
             inputs = torch.randn(batch_size * batches, 3, 32, 32)
             times = per_sample_latency(functions, inputs, warmup=10, batch_size=batch_size,
@@ -122,6 +152,13 @@ def main() -> int:
             print(f"batch {batch_size:>2}{' (ONNX Runtime)' if args.onnx else ''}: backbone {plain['mean_ms']:.3f} ms, "
                   f"with exits {exits['mean_ms']:.3f} ms (mean; p50 {plain['p50_ms']:.3f} vs {exits['p50_ms']:.3f}) "
                   f"-> {ratio:.3f}x")  # fmt: skip
+            if args.decompose:
+                parts = {name: latency_summary(times[name])["mean_ms"] / plain["mean_ms"]
+                         for name in ("segments", "segments + heads")}  # fmt: skip
+                figures[f"batch{batch_size}"].update({"segments_ratio": parts["segments"],
+                                                      "segments_heads_ratio": parts["segments + heads"]})  # fmt: skip
+                print(f"  where it goes (to the backbone): the segments alone {parts['segments']:.3f}x, with the heads "
+                      f"{parts['segments + heads']:.3f}x, with the decisions (the policy) {ratio:.3f}x")  # fmt: skip
     args.small_onnx = args.small_onnx or args.onnx
     small = small_network(200 if args.quick else 3000, args.form, args.small_onnx)
     figures["form"] = args.form  # type: ignore[assignment]

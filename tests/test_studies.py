@@ -78,15 +78,26 @@ def _benchmark(tmp_path, name: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize(("name", "extra"), [("trainer_overhead", ()), ("data_pipeline", ()), ("exit_overhead", ()),
-                                           ("exit_overhead", ("--onnx",)), ("sweep_speed", ()),
+                                           ("exit_overhead", ("--onnx",)), ("exit_overhead", ("--decompose",)),
+                                           ("sweep_speed", ()),
                                            ("scheduler_overhead", ())])  # fmt: skip
 def test_benchmark_quick_writes_its_report(tmp_path, name, extra):
     if name == "data_pipeline" and not (REPO.parent / "shared" / "data" / "cifar10" / "train").is_dir():
         pytest.skip("needs the CIFAR-10 image folder")
     data = _benchmark(tmp_path, name, *extra)
     assert data["benchmark"] == name and data["verdict"] in ("pass", "fail") and data["ratio"] > 0
-    if extra:
+    if "--onnx" in extra:
         assert data["figures"]["runtime"] == "onnxruntime" and data["figures"]["small_network_runtime"] == "onnxruntime"
+    if "--decompose" in extra:
+        for batch in ("batch1", "batch32"):
+            assert data["figures"][batch]["segments_ratio"] > 0 and data["figures"][batch]["segments_heads_ratio"] > 0
+
+
+def test_exit_overhead_refuses_to_decompose_an_onnx_export_in_one_line():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "exit_overhead.py"), "--onnx", "--decompose"],
+                          capture_output=True, text=True, check=False, cwd=REPO)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "--onnx" in lines[0] and "Traceback" not in done.stderr
 
 
 def test_lottery_quick(tmp_path, monkeypatch):
