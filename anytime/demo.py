@@ -41,6 +41,7 @@ DEMO_CONFIG = TrainConfig(
 DEMO_MAX_DROP = 1.0  # accuracy points below the last exit that calibration may give up
 DEMO_BATCH_SIZES: tuple[int, ...] = (8, 16, 32, 64)
 DEMO_REQUESTS = 200  # test images served one at a time at each deadline
+DEMO_TIMINGS = 200  # repetitions per exit and batch size in the profile, and samples in the latency evaluation
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def run_demo(
 def _deadlines(run_dir: Path, images: torch.Tensor, labels: torch.Tensor) -> list[dict[str, Any]]:
     """Profile the exits here, then at a few deadlines: the scheduler's choice, and the anytime runtime
     serving test images one at a time (its accuracy, exits and how many answers came late)."""
-    profile, _ = profile_run(run_dir, batch_sizes=[1, 8], repeats=200, memory=False)
+    profile, _ = profile_run(run_dir, batch_sizes=[1, 8], repeats=DEMO_TIMINGS, memory=False)
     scheduler, _ = scheduler_for_run(run_dir)
     runner, _ = runner_for_run(run_dir)
     p99 = [profile.step_quantile(k, 0.99) for k in range(profile.num_steps)]
@@ -102,7 +103,7 @@ def _run(
         collect_run(run_dir, split)
     sweep_run(run_dir, list(CRITERIA))
     calibration = calibrate_run(run_dir, max_drop=DEMO_MAX_DROP)
-    evaluation = evaluate_run(run_dir, latency_samples=200)
+    evaluation = evaluate_run(run_dir, latency_samples=DEMO_TIMINGS)
     info = splits.info
     test = make_loader(splits.test, info, batch_size=DEMO_REQUESTS, train=False, seed=config.seed)
     images, labels = next(iter(test))

@@ -38,11 +38,11 @@ def tiny_config():
 
 @pytest.fixture(scope="session")
 def exit_run(tmp_path_factory) -> Path:
-    """A trained multi-exit ResNet-20 on the digits (exits after stages 0 and 1, 3 epochs; about 10 s)."""
+    """A trained multi-exit ResNet-8 on the digits (exits after stages 0 and 1, 3 epochs; about 5 s)."""
     from anytime.train import TrainConfig, Trainer
 
     run_dir = tmp_path_factory.mktemp("exit-run") / "run"
-    config = TrainConfig(model="resnet20", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto", device="cpu")
+    config = TrainConfig(model="resnet8", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto", device="cpu")
     Trainer(config, run_dir).fit()
     return run_dir
 

@@ -91,7 +91,7 @@ def test_cam_command_on_a_trained_run(exit_run, tmp_path, capsys, cli_error):
     picture = tmp_path / "digit.png"
     Image.fromarray((np.arange(1024).reshape(32, 32) % 256).astype(np.uint8)).save(picture)
     assert main(["cam", str(exit_run), "--images", str(picture), "--steps", "0,2", "--out", str(tmp_path / "one")]) == 0
-    assert "exit2: CAM on backbone.stages.2.2" in capsys.readouterr().out
+    assert "exit2: CAM on backbone.stages.2" in capsys.readouterr().out
     assert json.loads((tmp_path / "one" / "cam.json").read_text())["images"] == [str(picture)]
     cli_error(["cam", str(exit_run), "--out", str(tmp_path / "x")], "--images", "--split")
     cli_error(["cam", str(exit_run), "--images", str(tmp_path / "missing.png"), "--out", str(tmp_path / "x")], "missing.png")

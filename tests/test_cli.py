@@ -168,9 +168,11 @@ def test_demo_writes_results_and_plots(capsys, tmp_path, monkeypatch):
     lowest = demo["deadlines"][0]
     assert not lowest["choice"]["fits"] and lowest["runtime_accuracy"] > 0.5
     assert demo["deadlines"][-1]["choice"]["fits"] and "deadlines at batch 1" in out
-    # Replacing it, with the demo trained for one epoch: what is checked here is the replacement and the JSON.
-    short = anytime.demo.DEMO_CONFIG.replace(epochs=1)
+    # Replacing it, with a shorter demo (one epoch, fewer timings): what is checked here is the replacement and the JSON.
+    short = anytime.demo.DEMO_CONFIG.replace(epochs=1, limit_train=256)
     monkeypatch.setattr(anytime.demo, "run_demo", functools.partial(anytime.demo.run_demo, config=short))
+    monkeypatch.setattr(anytime.demo, "DEMO_TIMINGS", 100)  # the fewest a p99 needs
+    monkeypatch.setattr(anytime.demo, "DEMO_REQUESTS", 20)
     code, printed, _ = _run(capsys, "demo", "--out", str(out_dir), "--overwrite", "--json")
     assert code == 0 and set(json.loads(printed)) >= {"summary", "deadlines", "batch_time"}
     for name in ("demo.json", "training_curves.png", "training_curves.svg", "batch_time.png", "run/metrics.csv",

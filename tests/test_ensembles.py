@@ -218,7 +218,7 @@ def test_early_exit_over_members_matches_the_fused_steps():
 
 @pytest.fixture(scope="module")
 def members(exit_run, tmp_path_factory) -> list[Path]:
-    """Three digits runs of different architectures and precisions: a multi-exit ResNet-20, a LeNet and the
+    """Three digits runs of different architectures and precisions: a multi-exit ResNet-8, a LeNet and the
     LeNet's int8 form (reference graphs, to keep it fast)."""
     folder = tmp_path_factory.mktemp("members")
     lenet = folder / "lenet"
@@ -245,7 +245,7 @@ def test_an_ensemble_run_records_members_fusers_and_caches(ensemble_run, members
     assert summary["stacking_check"]["test_acc"] == report.stacking[1]
     record = json.loads((out / "config.json").read_text())["ensemble"]
     assert [m["name"] for m in record["members"]] == [m.name for m in report.members]
-    resnet = next(m for m in record["members"] if m["name"] == "resnet20")
+    resnet = next(m for m in record["members"] if m["name"] == "resnet8")
     assert resnet["step"] == 2  # a multi-exit member answers with its last exit
     run = load_run(out)
     val = OutputCache.load(cache_path(out, "val"))

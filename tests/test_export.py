@@ -266,7 +266,7 @@ def test_int8_artifacts_store_int8_weights(fmt, tmp_path):
 def test_onnx_artifacts_carry_no_module_paths_and_a_small_int8_network_is_still_3_5x_smaller(tmp_path):
     import onnx
 
-    model = _families()["exits"].eval()  # a multi-exit ResNet-20: 0.27 M weights, where names weigh most
+    model = _families("resnet20")["exits"].eval()  # 0.27 M weights, where names weigh most
     calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
     fp32 = _export(model, "onnx", tmp_path / "fp32")
     int8 = _export(model, "onnx", tmp_path / "int8", precision="int8", calibration=calibration)

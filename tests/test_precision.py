@@ -18,13 +18,15 @@ from anytime.wrappers import BlockDropLadder, attach_exits, slice_model
 SHAPE = (3, 32, 32)
 
 
-def _families() -> dict[str, torch.nn.Module]:
+def _families(backbone: str = "resnet8") -> dict[str, torch.nn.Module]:
+    """Every step family on one backbone (by default the smallest ResNet: exporting and quantizing take time
+    in proportion to its layers)."""
     torch.manual_seed(0)
     return {
-        "exits": attach_exits(create_model("resnet20", num_classes=10), "auto", num_classes=10, input_shape=SHAPE),
-        "slices": slice_model(create_model("resnet20", num_classes=10), (0.5, 1.0), input_shape=SHAPE),
-        "ladder": BlockDropLadder(create_model("resnet20", num_classes=10), input_shape=SHAPE),
-        "plain": create_model("resnet20", num_classes=10),
+        "exits": attach_exits(create_model(backbone, num_classes=10), "auto", num_classes=10, input_shape=SHAPE),
+        "slices": slice_model(create_model(backbone, num_classes=10), (0.5, 1.0), input_shape=SHAPE),
+        "ladder": BlockDropLadder(create_model(backbone, num_classes=10), input_shape=SHAPE),
+        "plain": create_model(backbone, num_classes=10),
     }
 
 

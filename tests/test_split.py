@@ -318,11 +318,12 @@ def test_the_device_measures_the_links_stalls_before_it_plans():
 def split_setup(exit_run, tmp_path_factory):
     from anytime.pipeline import collect_run, profile_run
 
-    collect_run(exit_run, "val")
     folder = tmp_path_factory.mktemp("split")
-    profile_run(exit_run, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=folder / "dev.json")
+    run = shutil.copytree(exit_run, folder / "run")  # the session's run stays as trained, for the other modules
+    collect_run(run, "val")
+    profile_run(run, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=folder / "dev.json")
     shutil.copy(folder / "dev.json", folder / "srv.json")  # one machine plays both; 20 repeats resolve a p90
-    return exit_run, folder / "dev.json", folder / "srv.json"
+    return run, folder / "dev.json", folder / "srv.json"
 
 
 @pytest.fixture
