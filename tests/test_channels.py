@@ -17,7 +17,7 @@ from anytime.train import TrainConfig, Trainer
 from anytime.train.channels import CHANNELS_FILE, ChannelPlan, plan_channels, run_channel_plan, shrink
 from anytime.wrappers import attach_exits
 
-DENSE = TrainConfig(model="resnet20", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto",
+DENSE = TrainConfig(model="resnet8", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto",
                     keep_checkpoints=(0, 1))  # fmt: skip
 
 

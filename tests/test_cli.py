@@ -168,8 +168,9 @@ def test_demo_writes_results_and_plots(capsys, tmp_path, monkeypatch):
     lowest = demo["deadlines"][0]
     assert not lowest["choice"]["fits"] and lowest["runtime_accuracy"] > 0.5
     assert demo["deadlines"][-1]["choice"]["fits"] and "deadlines at batch 1" in out
-    # Replacing it, with a shorter demo (one epoch, fewer timings): what is checked here is the replacement and the JSON.
-    short = anytime.demo.DEMO_CONFIG.replace(epochs=1, limit_train=256)
+    # Replacing it, with a shorter demo (a LeNet, one epoch on 256 images, fewer timings): what is checked here is the
+    # replacement and the JSON.
+    short = anytime.demo.DEMO_CONFIG.replace(model="lenet", epochs=1, limit_train=256)
     monkeypatch.setattr(anytime.demo, "run_demo", functools.partial(anytime.demo.run_demo, config=short))
     monkeypatch.setattr(anytime.demo, "DEMO_TIMINGS", 100)  # the fewest a p99 needs
     monkeypatch.setattr(anytime.demo, "DEMO_REQUESTS", 20)

@@ -60,7 +60,8 @@ def test_a_resolution_ladder_goes_through_the_pipeline(tmp_path, capsys):
     from anytime.pipeline import collect_run, profile_run
 
     run = tmp_path / "ladder"
-    config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, resolutions="16,c24,32")
+    config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
+                         resolutions="16,c24,32")  # fmt: skip
     summary = Trainer(config, run).fit()
     assert [e["name"] for e in summary["exits"]] == ["16px", "crop24", "32px"]
     assert all(0 <= e["test_acc"] <= 1 for e in summary["exits"])

@@ -66,7 +66,8 @@ FAST_RECIPE = {"schedule": "onecycle", "warmup": 0.3, "ema": 0.9, "label_smoothi
                "nesterov": True}  # fmt: skip
 
 
-NORM_BIAS_RECIPE = {"model": "resnet8", "batch_size": 128, "norm_bias_lr_scale": 8.0, "schedule": "onecycle"}
+NORM_BIAS_RECIPE = {"model": "resnet8", "limit_train": 512, "batch_size": 128, "norm_bias_lr_scale": 8.0,
+                    "schedule": "onecycle"}  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", [{}, FAST_RECIPE, NORM_BIAS_RECIPE], ids=["plain", "fast", "norm-bias-lr"])
