@@ -55,7 +55,7 @@ class CifarResNet(StagedBackbone):
         self._set_stages(conv_bn(in_channels, 16), stages, classifier_head(cin, num_classes), shapes)
 
 
-@register_model("resnet8", family="cifar-resnet", description="ResNet-8, the shallowest of He et al.'s CIFAR ResNets: 3 stages x 1 block")
+@register_model("resnet8", family="cifar-resnet", description="ResNet-8 (He et al. 2016), 3 stages x 1 block")
 def resnet8(*, num_classes: int = 10, in_channels: int = 3) -> CifarResNet:
     """ResNet-8: 1 block per stage (0.08M parameters), for small devices and quick checks."""
     return CifarResNet(1, num_classes=num_classes, in_channels=in_channels)
