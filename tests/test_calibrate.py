@@ -131,6 +131,10 @@ def test_one_sample_scored_in_python_floats_agrees_with_the_tensor_score(criteri
         for temperature in (1.0, 0.3, 2.5):
             expected = float(crit.score(logits, temperature))
             assert crit.score_row(logits[0].tolist(), temperature) == pytest.approx(expected, rel=1e-12, abs=1e-14)
+    inf, nan = math.inf, math.nan
+    for row in ([nan, 1.0, 2.0], [1.0, nan, 2.0], [inf, 1.0, 2.0], [1.0, inf, inf], [-inf, -inf, -inf]):
+        assert math.isnan(float(crit.score(torch.tensor([row]), 1.0)))
+        assert math.isnan(crit.score_row(row)), row  # an entropy of 0 would let the sample leave
     with pytest.raises(AnytimeError, match="patience compares exits"):
         get_criterion("patience").score_row([0.0, 1.0])
 

@@ -67,6 +67,8 @@ class Criterion:
         top = max(z)
         e = [math.exp(v - top) for v in z]
         total = math.fsum(e)
+        if total != total:  # a NaN or +inf logit (or no possible class): NaN, as the tensor score gives
+            return math.nan
         if self.name in ("entropy", "normalized-entropy"):
             entropy = -math.fsum(v / total * math.log(v / total) for v in e if v > 0.0)
             return entropy / math.log(len(z)) if self.name == "normalized-entropy" else entropy
