@@ -151,6 +151,56 @@ def test_the_one_sample_decision_agrees_with_the_batch_decision():
         assert [policy.leaves(0, row[None]) for row in logits] == batch.tolist()
 
 
+class _Pick(torch.nn.Module):
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.k]
+
+
+class _TwoExits(torch.nn.Module):
+    """Exit 0 answers with ``x[:, 0]``, the last exit with ``x[:, 1]``: every answer is chosen by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleList([_Pick(0)])
+        self.segments = (torch.nn.Identity(), _Pick(1))
+
+
+@pytest.mark.parametrize("criterion", ["entropy", "normalized-entropy", "confidence", "margin"])
+def test_one_sample_answers_as_its_row_of_the_batch(criterion):
+    # At batch 1 an exit's logits are read as Python floats, which also give the leaving sample its class; ties,
+    # impossible classes (-inf), NaN and +inf must answer as the batch path, which computes in tensors.
+    generator = torch.Generator().manual_seed(9)
+    first = torch.randn(40, 10, generator=generator) * 4
+    first[0, :] = -30.0
+    first[0, 2] = first[0, 7] = 5.0  # a tie at the top
+    first[1, 3:] = -math.inf
+    first[2, 4] = math.nan
+    first[3, 5] = math.inf
+    x = torch.stack([first, torch.randn(40, 10, generator=generator)], dim=1)
+    crit = get_criterion(criterion)
+    signed = crit.signed(crit.score(first, 1.0))
+    limit = float(torch.quantile(signed[4:], 0.5))
+    if criterion != "margin":  # a tie has no margin: it never leaves under that criterion
+        limit = max(limit, float(signed[0]))
+    policy = ExitPolicy(criterion, (limit,))
+    model = _TwoExits().eval()
+    batch = policy.run(model, x)
+    assert 0 < int(batch.exits.eq(0).sum()) < 40
+    assert batch.exits[2:4].tolist() == [1, 1]  # a NaN or +inf logit never leaves
+    if criterion != "margin":
+        assert batch.exits[0].item() == 0 and batch.predictions[0].item() == 2  # the first of the tied classes
+    for i in range(40):
+        one = policy.run(model, x[i : i + 1])
+        assert one.exits.tolist() == batch.exits[i : i + 1].tolist(), i
+        assert one.predictions.tolist() == batch.predictions[i : i + 1].tolist(), i
+        assert one.predictions.dtype == one.exits.dtype == torch.long
+        assert torch.equal(one.logits, batch.logits[i : i + 1])
+
+
 def test_max_drop_calibration_meets_its_target_and_saves():
     cache = random_cache(n=2000)
     last = cache.step_accuracy()[-1]
