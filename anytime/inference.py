@@ -115,6 +115,30 @@ def fold_batchnorm(model: nn.Module) -> int:
 
 WHOLE_MAP_MACS = 16384  # a pooled head whose whole-map linear map costs at most this many MACs per call skips the pooling
 MEAN_POOL_VALUES = 65536  # a map of at least this many values is pooled to 1x1 by a mean over its rows and columns
+_PLANS = 16  # map shapes and layouts a PooledLinear keeps its plans for
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a :class:`PooledLinear` answers maps of one shape and memory layout, decided on the first such map:
+    what averages the map first (``window``: a plain average pooling; ``mean``: a mean over rows and columns;
+    neither: the whole map goes to the linear map), and the linear map's weight, transposed, for the averaged
+    values as they lie in memory, which ``flat`` (batch, values) reads without a copy."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    window: tuple[int, int] | None
+    mean: bool
+    flat: tuple[int, int]
+    weight_t: Tensor
+    bias: Tensor | None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.mean:
+            values = x.mean((2, 3))
+        else:
+            values = (x if self.window is None else F.avg_pool2d(x, self.window)).as_strided(self.flat, (self.flat[1], 1))
+        return torch.mm(values, self.weight_t) if self.bias is None else torch.addmm(self.bias, values, self.weight_t)
 
 
 class PooledLinear(nn.Module):
@@ -122,13 +146,17 @@ class PooledLinear(nn.Module):
     pooling is a plain average pooling where ``size`` divides the map; a channels-last map is read in its memory
     order by the linear map's weight permuted once, so nothing is copied. A small call (a linear map over the whole
     input of at most :data:`WHOLE_MAP_MACS` multiply-adds, e.g. a LeNet's first exit at batch 1: 1,536 values, 10
-    classes) skips the pooling: the average is folded into that map's weight, made once per map size, since there
-    the pooling's own operator costs more than the arithmetic it saves (LeNet's first exit between its stages:
-    12.2 -> 9.8 us). Larger maps keep the pooling, whose weight is smaller by the window's area; a large map
+    classes) skips the pooling: the average is folded into that map's weight, since there the pooling's own
+    operator costs more than the arithmetic it saves (LeNet's first exit between its stages: 12.2 -> 9.8 us).
+    Larger maps keep the pooling, whose weight is smaller by the window's area; a large map
     (:data:`MEAN_POOL_VALUES` values or more) pooled to 1x1 is averaged by a mean over its rows and columns, 2.4x
     faster than the pooling operator here on a channels-last map and 8x on an NCHW one (ResNet-32's first exit
     at batch 32: 51 -> 21 us and 123 -> 15 us), where a small one keeps the pooling operator (1.5 against 3.4 us
-    at batch 1)."""
+    at batch 1).
+
+    Which of these a map gets, and the weight it needs, is decided once per map shape and layout (a :class:`_Plan`)
+    and reused while the maps keep them: between a small network's stages the checks and reshapes around one
+    matrix product cost more than the product (LeNet's first exit at batch 1: 44 -> 21 us)."""
 
     def __init__(self, size: int, linear: nn.Linear) -> None:
         super().__init__()
@@ -138,7 +166,8 @@ class PooledLinear(nn.Module):
         self.register_buffer("weight_nhwc", self._nhwc(weight), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.classes = int(weight.shape[0])
-        self._whole: tuple[torch.Size, Tensor, Tensor] | None = None  # map size, its weights in NCHW and NHWC order
+        self._plan: _Plan | None = None  # the last one used
+        self._plans: dict[tuple[torch.Size, tuple[int, ...]], _Plan] = {}
         self.register_load_state_dict_post_hook(PooledLinear._derive_again)
 
     def _nhwc(self, weight: Tensor) -> Tensor:
@@ -149,16 +178,56 @@ class PooledLinear(nn.Module):
         """After new weights are loaded, the weights derived from them are made again."""
         with torch.no_grad():
             self.weight_nhwc = self._nhwc(self.weight)
-        self._whole = None
+        self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        self._plan, self._plans = None, {}
 
     def forward(self, x: Tensor) -> Tensor:
-        """The head's logits for feature maps ``x`` ``[N, C, H, W]`` in either memory layout."""
+        """The head's logits for feature maps ``x`` ``[N, C, H, W]`` in any memory layout."""
+        plan = self._plan
+        if plan is not None and x.shape == plan.shape and x.stride() == plan.stride:
+            return plan(x)
+        key = (x.shape, x.stride())
+        plan = self._plans.get(key) or self._plan_for(x)
+        if plan is None:
+            return self._any_layout(x)
+        if not torch.compiler.is_compiling():
+            if key not in self._plans and len(self._plans) >= _PLANS:
+                self._plans.clear()  # e.g. every length of a text model's sentences: start again
+            self._plan = self._plans[key] = plan
+        return plan(x)
+
+    def _plan_for(self, x: Tensor) -> _Plan | None:
+        """The plan for maps like ``x``; ``None`` where the size does not divide the map or the map is neither
+        NCHW nor NHWC in memory."""
+        size, (batch, channels, height, width) = self.size, x.shape
+        if height % size or width % size:
+            return None
+        nchw = x.is_contiguous()
+        if not nchw and not x.is_contiguous(memory_format=torch.channels_last):
+            return None
+        window, mean, values = (height // size, width // size), False, channels * size * size
+        if x.numel() * self.classes <= WHOLE_MAP_MACS:
+            weight = self._whole_map_weight(channels, height, width, nchw)
+            window, values = None, channels * height * width
+        elif size == 1 and x.numel() >= MEAN_POOL_VALUES:
+            weight, mean = self.weight, True
+        else:  # average pooling keeps the map's layout
+            weight = self.weight if nchw else self.weight_nhwc
+        return _Plan(x.shape, x.stride(), window, mean, (batch, values), weight.t().contiguous(), self.bias)
+
+    def _whole_map_weight(self, channels: int, height: int, width: int, nchw: bool) -> Tensor:
+        """The linear map's weight over a whole ``channels x height x width`` map with the average folded in, its
+        columns in the map's memory order."""
+        rows, cols = height // self.size, width // self.size
+        expanded = (self.weight.reshape(-1, channels, self.size, self.size).repeat_interleave(rows, 2)
+                    .repeat_interleave(cols, 3) / (rows * cols))  # fmt: skip
+        return (expanded if nchw else expanded.permute(0, 2, 3, 1)).flatten(1)
+
+    def _any_layout(self, x: Tensor) -> Tensor:
         size, (height, width) = self.size, x.shape[-2:]
         if height % size == 0 and width % size == 0:
-            if x.numel() * self.classes <= WHOLE_MAP_MACS and not torch.compiler.is_compiling():
-                return self._whole_map(x)
-            if size == 1 and x.numel() >= MEAN_POOL_VALUES:
-                return F.linear(x.mean((2, 3)), self.weight, self.bias)
             pooled = F.avg_pool2d(x, (height // size, width // size))
         else:
             pooled = F.adaptive_avg_pool2d(x, size)
@@ -166,21 +235,8 @@ class PooledLinear(nn.Module):
             return F.linear(pooled.flatten(1), self.weight, self.bias)
         return F.linear(pooled.permute(0, 2, 3, 1).reshape(pooled.shape[0], -1), self.weight_nhwc, self.bias)
 
-    def _whole_map(self, x: Tensor) -> Tensor:
-        whole = self._whole
-        if whole is None or whole[0] != x.shape[1:]:
-            channels, height, width = x.shape[1:]
-            rows, cols = height // self.size, width // self.size
-            expanded = (self.weight.reshape(-1, channels, self.size, self.size).repeat_interleave(rows, 2)
-                        .repeat_interleave(cols, 3) / (rows * cols))  # fmt: skip
-            whole = self._whole = (x.shape[1:], expanded.flatten(1).contiguous(),
-                                   expanded.permute(0, 2, 3, 1).flatten(1).contiguous())  # fmt: skip
-        if x.is_contiguous():
-            return F.linear(x.flatten(1), whole[1], self.bias)
-        return F.linear(x.permute(0, 2, 3, 1).reshape(x.shape[0], -1), whole[2], self.bias)
-
     def _apply(self, fn: Any, recurse: bool = True) -> PooledLinear:  # .to(), .half()...: the weights move
-        self._whole = None
+        self._forget_plans()
         return super()._apply(fn, recurse)
 
     def unfused(self) -> nn.Sequential:

@@ -224,9 +224,19 @@ def test_a_small_pooled_head_answers_as_one_linear_map_over_the_whole_map():
         for x in (small, large, small[:, :, :8, :8]):  # a second map size makes its own weights
             for layout in (torch.contiguous_format, torch.channels_last):
                 assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5)
-        assert fused._whole is not None and fused._whole[0] == (6, 8, 8)
+        assert fused._plan is not None and fused._plan.shape == (1, 6, 8, 8) and fused._plan.window is None
+        assert len(fused._plans) == 6  # each map shape and layout keeps its own
+        for layout in (torch.contiguous_format, torch.channels_last):  # maps that start inside a larger tensor
+            maps = large.contiguous(memory_format=layout)
+            for i in range(4):
+                assert maps[i : i + 1].storage_offset() > 0 or i == 0
+                assert torch.allclose(head(large[i : i + 1]), fused(maps[i : i + 1]), atol=1e-5), (layout, i)
+        for layout in (torch.contiguous_format, torch.channels_last):  # neither layout in memory: read as it lies
+            corner = large.contiguous(memory_format=layout)[:, :, :8, :8]
+            assert fused._plan_for(corner) is None
+            assert torch.allclose(head(large[:, :, :8, :8]), fused(corner), atol=1e-5), layout
         double = fused.to(torch.float64)  # weights that move drop the whole-map weights made from them
-        assert double._whole is None and double(small.double()).dtype == torch.float64
+        assert double._plan is None and double(small.double()).dtype == torch.float64
         double.load_state_dict({k: v * 2 for k, v in double.state_dict().items()})
         for x in (small, large):  # new weights: every weight derived from them is made again
             for layout in (torch.contiguous_format, torch.channels_last):
