@@ -137,7 +137,8 @@ class _Plan:
         if self.mean:
             values = x.mean((2, 3))
         else:
-            values = (x if self.window is None else F.avg_pool2d(x, self.window)).as_strided(self.flat, (self.flat[1], 1))
+            pooled = x if self.window is None else F.avg_pool2d(x, self.window)
+            values = pooled.as_strided(self.flat, (self.flat[1], 1))
         return torch.mm(values, self.weight_t) if self.bias is None else torch.addmm(self.bias, values, self.weight_t)
 
 
@@ -156,7 +157,7 @@ class PooledLinear(nn.Module):
 
     Which of these a map gets, and the weight it needs, is decided once per map shape and layout (a :class:`_Plan`)
     and reused while the maps keep them: between a small network's stages the checks and reshapes around one
-    matrix product cost more than the product (LeNet's first exit at batch 1: 44 -> 21 us)."""
+    matrix product cost more than the product (LeNet's first exit at batch 1, timed after its stage: 35 -> 21 us)."""
 
     def __init__(self, size: int, linear: nn.Linear) -> None:
         super().__init__()
