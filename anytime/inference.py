@@ -115,30 +115,46 @@ def fold_batchnorm(model: nn.Module) -> int:
 
 WHOLE_MAP_MACS = 16384  # a pooled head whose whole-map linear map costs at most this many MACs per call skips the pooling
 MEAN_POOL_VALUES = 65536  # a map of at least this many values is pooled to 1x1 by a mean over its rows and columns
+MATRIX_POOL_MACS = 262144  # one map that the size does not divide, pooled by a product of at most this many MACs
 _PLANS = 16  # map shapes and layouts a PooledLinear keeps its plans for
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """How a :class:`PooledLinear` answers maps of one shape and memory layout, decided on the first such map:
-    what averages the map first (``window``: a plain average pooling; ``mean``: a mean over rows and columns;
-    neither: the whole map goes to the linear map), and the linear map's weight, transposed, for the averaged
-    values as they lie in memory, which ``flat`` (batch, values) reads without a copy."""
+    """How a :class:`PooledLinear` answers maps of one shape and memory layout, decided on the first such map.
+    ``pool`` says what averages the map first: ``none`` (the whole map goes to the linear map, whose weight has the
+    average folded in), ``window`` (a plain average pooling over ``window``), ``mean`` (a mean over rows and
+    columns), ``adaptive`` (the adaptive pooling operator, where the head's size does not divide the map) or
+    ``matrix`` (one sample's adaptive pooling as one product with ``matrix``, the windows' weights, in the map's
+    memory order). ``weight_t`` is the linear map's weight, transposed, for the averaged values as they lie in
+    memory, which ``flat`` (batch, values) reads without a copy."""
 
     shape: torch.Size
     stride: tuple[int, ...]
-    window: tuple[int, int] | None
-    mean: bool
+    pool: str
+    window: tuple[int, int]
+    matrix: Tensor | None
+    nchw: bool
     flat: tuple[int, int]
     weight_t: Tensor
     bias: Tensor | None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.mean:
+        pool = self.pool
+        if pool == "mean":
             values = x.mean((2, 3))
+        elif pool == "matrix":
+            channels, pixels = self.shape[1], self.shape[2] * self.shape[3]
+            if self.nchw:  # (channels, pixels) @ (pixels, windows)
+                values = torch.mm(x.as_strided((channels, pixels), (pixels, 1)), self.matrix).view(self.flat)
+            else:  # (windows, pixels) @ (pixels, channels)
+                values = torch.mm(self.matrix, x.as_strided((pixels, channels), (channels, 1))).view(self.flat)
         else:
-            pooled = x if self.window is None else F.avg_pool2d(x, self.window)
-            values = pooled.as_strided(self.flat, (self.flat[1], 1))
+            if pool == "window":
+                x = F.avg_pool2d(x, self.window)
+            elif pool == "adaptive":
+                x = F.adaptive_avg_pool2d(x, self.window)
+            values = x.as_strided(self.flat, (self.flat[1], 1))
         return torch.mm(values, self.weight_t) if self.bias is None else torch.addmm(self.bias, values, self.weight_t)
 
 
@@ -200,23 +216,35 @@ class PooledLinear(nn.Module):
         return plan(x)
 
     def _plan_for(self, x: Tensor) -> _Plan | None:
-        """The plan for maps like ``x``; ``None`` where the size does not divide the map or the map is neither
-        NCHW nor NHWC in memory."""
+        """The plan for maps like ``x``; ``None`` where the map is neither NCHW nor NHWC in memory."""
         size, (batch, channels, height, width) = self.size, x.shape
-        if height % size or width % size:
-            return None
         nchw = x.is_contiguous()
         if not nchw and not x.is_contiguous(memory_format=torch.channels_last):
             return None
-        window, mean, values = (height // size, width // size), False, channels * size * size
-        if x.numel() * self.classes <= WHOLE_MAP_MACS:
-            weight = self._whole_map_weight(channels, height, width, nchw)
-            window, values = None, channels * height * width
+        weight = self.weight if nchw else self.weight_nhwc  # a pooling keeps the map's layout
+        pool, window, matrix, values = "window", (height // size, width // size), None, channels * size * size
+        if height % size or width % size:
+            pool, window = "adaptive", (size, size)
+            if batch == 1 and x.numel() * size * size <= MATRIX_POOL_MACS:
+                pool, matrix = "matrix", self._window_matrix(height, width, nchw)
+        elif x.numel() * self.classes <= WHOLE_MAP_MACS:
+            pool, weight, values = "none", self._whole_map_weight(channels, height, width, nchw), channels * height * width
         elif size == 1 and x.numel() >= MEAN_POOL_VALUES:
-            weight, mean = self.weight, True
-        else:  # average pooling keeps the map's layout
-            weight = self.weight if nchw else self.weight_nhwc
-        return _Plan(x.shape, x.stride(), window, mean, (batch, values), weight.t().contiguous(), self.bias)
+            pool = "mean"
+        return _Plan(x.shape, x.stride(), pool, window, matrix, nchw, (batch, values), weight.t().contiguous(), self.bias)
+
+    def _window_matrix(self, height: int, width: int, nchw: bool) -> Tensor:
+        """The adaptive pooling of a ``height x width`` map to ``size x size`` as a matrix over its pixels: rows are
+        the windows (row-major), columns the pixels; transposed for an NCHW map, which multiplies it from the left."""
+        def windows(length: int) -> Tensor:
+            matrix = torch.zeros(self.size, length, dtype=torch.float64)
+            for i in range(self.size):  # PyTorch's adaptive windows: floor(i * n / s) to ceil((i + 1) * n / s)
+                start, end = i * length // self.size, -(-(i + 1) * length // self.size)
+                matrix[i, start:end] = 1.0 / (end - start)
+            return matrix
+
+        matrix = torch.kron(windows(height), windows(width)).to(self.weight.dtype).to(self.weight.device)
+        return matrix.t().contiguous() if nchw else matrix
 
     def _whole_map_weight(self, channels: int, height: int, width: int, nchw: bool) -> Tensor:
         """The linear map's weight over a whole ``channels x height x width`` map with the average folded in, its

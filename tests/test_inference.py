@@ -224,7 +224,7 @@ def test_a_small_pooled_head_answers_as_one_linear_map_over_the_whole_map():
         for x in (small, large, small[:, :, :8, :8]):  # a second map size makes its own weights
             for layout in (torch.contiguous_format, torch.channels_last):
                 assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5)
-        assert fused._plan is not None and fused._plan.shape == (1, 6, 8, 8) and fused._plan.window is None
+        assert fused._plan is not None and fused._plan.shape == (1, 6, 8, 8) and fused._plan.pool == "none"
         assert len(fused._plans) == 6  # each map shape and layout keeps its own
         for layout in (torch.contiguous_format, torch.channels_last):  # maps that start inside a larger tensor
             maps = large.contiguous(memory_format=layout)
@@ -275,6 +275,22 @@ def test_the_fold_form_puts_a_lone_fused_head_in_its_container_s_place():
     x = torch.randn(1, 3, 32, 32)
     with torch.inference_mode():
         assert torch.allclose(model.forward_until(x, 0), converted.forward_until(x, 0), atol=1e-5)
+
+
+def test_a_map_the_size_does_not_divide_is_pooled_by_one_product_for_one_sample():
+    from anytime.inference import MATRIX_POOL_MACS, PooledLinear
+
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 10)).eval()  # fastcnn's exits
+    fused = PooledLinear(4, head[2])
+    one, three, wide = torch.randn(1, 64, 15, 15), torch.randn(3, 64, 15, 15), torch.randn(1, 64, 33, 33)
+    assert one.numel() * 16 <= MATRIX_POOL_MACS < wide.numel() * 16
+    with torch.inference_mode():
+        for x, pool in ((one, "matrix"), (three, "adaptive"), (wide, "adaptive"), (one[:, :, :7, :9], "matrix")):
+            for layout in (torch.contiguous_format, torch.channels_last):
+                got = fused(x.contiguous(memory_format=layout))
+                assert fused._plan is not None and fused._plan.pool == pool, (x.shape, layout)
+                assert torch.allclose(head(x), got, atol=1e-5), (x.shape, layout, (head(x) - got).abs().max())
 
 
 def test_a_pooled_linear_reads_either_layout_and_maps_that_its_size_does_not_divide():
