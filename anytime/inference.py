@@ -171,6 +171,10 @@ class PooledLinear(nn.Module):
     at batch 32: 51 -> 21 us and 123 -> 15 us), where a small one keeps the pooling operator (1.5 against 3.4 us
     at batch 1).
 
+    Where ``size`` does not divide the map (fastcnn's exits pool 15x15 and 7x7 maps to 4x4), one sample's map is
+    pooled by one product with the windows' weights while that costs at most :data:`MATRIX_POOL_MACS`
+    multiply-adds (53-56 -> 45-50 us per head between its stages); larger ones by the adaptive pooling operator.
+
     Which of these a map gets, and the weight it needs, is decided once per map shape and layout (a :class:`_Plan`)
     and reused while the maps keep them: between a small network's stages the checks and reshapes around one
     matrix product cost more than the product (LeNet's first exit at batch 1, timed after its stage: 35 -> 21 us)."""
