@@ -169,18 +169,19 @@ class _TwoExits(torch.nn.Module):
         self.segments = (torch.nn.Identity(), _Pick(1))
 
 
+@pytest.mark.parametrize("classes", [10, 200])  # up to 128 classes one sample is scored in Python floats
 @pytest.mark.parametrize("criterion", ["entropy", "normalized-entropy", "confidence", "margin"])
-def test_one_sample_answers_as_its_row_of_the_batch(criterion):
+def test_one_sample_answers_as_its_row_of_the_batch(criterion, classes):
     # At batch 1 an exit's logits are read as Python floats, which also give the leaving sample its class; ties,
     # impossible classes (-inf), NaN and +inf must answer as the batch path, which computes in tensors.
     generator = torch.Generator().manual_seed(9)
-    first = torch.randn(40, 10, generator=generator) * 4
+    first = torch.randn(40, classes, generator=generator) * 4
     first[0, :] = -30.0
     first[0, 2] = first[0, 7] = 5.0  # a tie at the top
     first[1, 3:] = -math.inf
     first[2, 4] = math.nan
     first[3, 5] = math.inf
-    x = torch.stack([first, torch.randn(40, 10, generator=generator)], dim=1)
+    x = torch.stack([first, torch.randn(40, classes, generator=generator)], dim=1)
     crit = get_criterion(criterion)
     signed = crit.signed(crit.score(first, 1.0))
     limit = float(torch.quantile(signed[4:], 0.5))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import zip_longest
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +35,6 @@ if TYPE_CHECKING:
 
 
 _ROW_CLASSES = 128  # up to this many classes, one sample is scored in Python floats (Criterion.score_row)
-
-
-def _in_float32(logits: Tensor) -> Tensor:
-    """The logits in float32; float32 ones as they are (``.float()`` on them is still an operator call)."""
-    import torch
-
-    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 @dataclass(frozen=True)
@@ -364,16 +358,18 @@ class ExitPolicy:
 
         last = len(segments) - 1
         answers = self.answers() if self.combine is not None else None
-        on_cpu = x.device.type == "cpu"
+        device = x.device
+        on_cpu = device.type == "cpu"
+        predicted: Tensor | None = None
         h = x
-        for k, segment in enumerate(segments):
+        for k, (segment, head) in enumerate(zip_longest(segments, heads)):  # a ModuleList's [k] costs 1 us
             h = segment(h)
             if k == last:
                 logits = h if answers is None else answers.answer(k, h)
                 break
             if not self._heads[k]:
                 continue
-            raw = heads[k](h)
+            raw = head(h)
             logits = raw if answers is None else answers.answer(k, raw)
             if self._limits[k] == -math.inf:
                 continue
@@ -383,11 +379,12 @@ class ExitPolicy:
                 continue
             row = logits.tolist()[0]
             if self._row_leaves(k, row):
-                predicted = torch.full((1,), row.index(max(row)), dtype=torch.long, device=x.device)
-                exit_ = torch.full((1,), k, dtype=torch.long, device=x.device)
-                return EarlyExitOutput(predicted, exit_, _in_float32(logits))
-        return EarlyExitOutput(logits.argmax(dim=1), torch.full((1,), k, dtype=torch.long, device=x.device),
-                               _in_float32(logits))  # fmt: skip
+                predicted = torch.full((1,), row.index(max(row)), dtype=torch.long, device=device)
+                break
+        if predicted is None:
+            predicted = logits.argmax(dim=1)
+        exit_ = torch.full((1,), k, dtype=torch.long, device=device)
+        return EarlyExitOutput(predicted, exit_, logits if logits.dtype == torch.float32 else logits.float())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able."""
