@@ -166,6 +166,8 @@ def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collec
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from anytime.export import export_run
+    from anytime.precision.export import EXPORT
+    from anytime.utils.outputs import DirState, check_replaceable
 
     calibrate_run(collected, max_drop=1.0)
     export = tmp_path / "onnx"
@@ -180,7 +182,7 @@ def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collec
     assert report["accuracy"] == pytest.approx(evaluate_run(collected, latency_samples=0)["accuracy"], abs=0.01)
     assert report["latency"]["turn"] == 50 and report["latency"]["early_exit"]["count"] == 60
     # the export keeps counting the evaluation as its own: replacing the export is not refused over it
-    export_run(collected, "onnx", out=export, overwrite=True, parity_images=20, latency_images=5)
+    assert check_replaceable(export, EXPORT, overwrite=True) is DirState.OURS
     code, _, err = _run(capsys, "evaluate", collected, "--export", export, "--form", "fold")
     _one_line_error(code, err, "--form")
     other = tmp_path / "other"
