@@ -392,7 +392,7 @@ def _latency(model: torch.nn.Module, policy: ExitPolicy, images: torch.Tensor | 
     from anytime.profile import latency_summary, per_sample_latency
     from anytime.utils.progress import progress_bar
 
-    functions = {"early_exit": lambda x: policy.run(model, x), "backbone": lambda x: model.backbone(x)}  # type: ignore[union-attr]
+    functions = {"early_exit": policy.runner(model), "backbone": lambda x: model.backbone(x)}  # type: ignore[union-attr]
     chunks: dict[str, list[np.ndarray]] = {name: [] for name in functions}
     bar = progress_bar(len(images), "latency", enabled=progress, unit="sample")
     try:  # timed in chunks (an even count: the interleaving order alternates on), the bar moving between them

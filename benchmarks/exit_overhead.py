@@ -3,8 +3,9 @@
 The model is the multi-exit benchmark's (ResNet-32 with four pooled exit heads at about 15, 35, 55
 and 75% of its FLOPs; random weights, since the cost does not depend on them). The policy evaluates
 every exit head and its entropy and lets nobody leave early (a threshold of 0 nats: only an entropy of
-exactly 0 would leave, which these random weights never give), the worst case for
-early exit. It runs beside the plain backbone on the same inputs, in alternating turns of 50 inputs each (one
+exactly 0 would leave, which these random weights never give), the worst case for early exit. Early exit
+runs through ``policy.runner(model)``, the policy bound to the model once, as a server answering one sample
+at a time holds it. It runs beside the plain backbone on the same inputs, in alternating turns of 50 inputs each (one
 batch each at batch 32), at batch 1 and 32.
 Ratio: mean latency with exits / without. Target: at most 1.05 at both batch sizes.
 
@@ -81,7 +82,7 @@ def small_network(samples: int, form: str, onnx: bool = False) -> dict[str, floa
     flops_ratio = (share * info[0].cost_flops + (1 - share) * info[1].cost_flops) / model.backbone_flops
     with tempfile.TemporaryDirectory() as scratch:
         if not onnx:
-            times = per_sample_latency({"backbone": lambda x: model.backbone(x), "early exit": lambda x: policy.run(model, x)},
+            times = per_sample_latency({"backbone": lambda x: model.backbone(x), "early exit": policy.runner(model)},
                                        inputs, warmup=20, turn=TURN)  # fmt: skip
         else:
             program, plain_program, early, plain_model = onnx_programs(model, policy, Path(scratch), input_shape=SHAPE,
@@ -136,7 +137,7 @@ def main() -> int:
             program, plain_program, _, _ = onnx_programs(model, policy, Path(scratch), input_shape=SHAPE, num_classes=10)
             functions = {"backbone": lambda x: plain_program(x.numpy()), "exits": lambda x: program(x.numpy())}
         else:
-            functions = {"backbone": lambda x: model.backbone(x), "exits": lambda x: policy.run(model, x)}
+            functions = {"backbone": lambda x: model.backbone(x), "exits": policy.runner(model)}
             if args.decompose:
                 functions.update(decomposed(model))
         for batch_size, batches in ((1, 60 if args.quick else 600), (32, 8 if args.quick else 80)):

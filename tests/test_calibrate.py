@@ -194,12 +194,36 @@ def test_one_sample_answers_as_its_row_of_the_batch(criterion, classes):
     assert batch.exits[2:4].tolist() == [1, 1]  # a NaN or +inf logit never leaves
     if criterion != "margin":
         assert batch.exits[0].item() == 0 and batch.predictions[0].item() == 2  # the first of the tied classes
+    runner = policy.runner(model)  # the same answers, bound once
     for i in range(40):
-        one = policy.run(model, x[i : i + 1])
-        assert one.exits.tolist() == batch.exits[i : i + 1].tolist(), i
-        assert one.predictions.tolist() == batch.predictions[i : i + 1].tolist(), i
-        assert one.predictions.dtype == one.exits.dtype == torch.long
-        assert torch.equal(one.logits, batch.logits[i : i + 1])
+        for one in (policy.run(model, x[i : i + 1]), runner(x[i : i + 1])):
+            assert one.exits.tolist() == batch.exits[i : i + 1].tolist(), i
+            assert one.predictions.tolist() == batch.predictions[i : i + 1].tolist(), i
+            assert one.predictions.dtype == one.exits.dtype == torch.long
+            assert torch.equal(one.logits, batch.logits[i : i + 1])
+
+
+def test_a_runner_answers_as_run_and_takes_runs_way_where_it_is_not_one_sample_on_the_cpu():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(30, 2, 10, generator=generator) * 3
+    model = _TwoExits().eval()
+    policy = ExitPolicy("entropy", (float(get_criterion("entropy").score(x[:, 0], 1.0).median()),))
+    runner = policy.runner(model)
+    whole = runner(x)  # a batch: run's way
+    assert torch.equal(whole.exits, policy.run(model, x).exits) and 0 < int(whole.exits.sum()) < 30
+    with torch.inference_mode():
+        inside = [runner(x[i : i + 1]) for i in range(30)]
+    outside = [runner(x[i : i + 1]) for i in range(30)]  # run enters inference mode itself
+    for i, (a, b) in enumerate(zip(inside, outside)):
+        assert a.exits.tolist() == b.exits.tolist() == whole.exits[i : i + 1].tolist()
+        assert a.predictions.tolist() == b.predictions.tolist() == whole.predictions[i : i + 1].tolist()
+    model.train()  # after the runner was made: refused as run refuses it
+    with pytest.raises(AnytimeError, match="eval mode"):
+        runner(x[:1])
+    with pytest.raises(AnytimeError, match="for 3 exits; the model has 2"):
+        ExitPolicy("entropy", (0.5, 0.5)).runner(model.eval())(x[:1])
+    streak = ExitPolicy("patience", (1.0,)).runner(model)
+    assert torch.equal(streak(x[:1]).exits, ExitPolicy("patience", (1.0,)).run(model, x[:1]).exits)
 
 
 def test_max_drop_calibration_meets_its_target_and_saves():
