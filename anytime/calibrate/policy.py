@@ -11,7 +11,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from anytime.calibrate.combine import (
@@ -349,7 +348,8 @@ class ExitPolicy:
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
     def _run_one(self, segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
-        return _one_sample(x, segments, heads, self, self.answers() if self.combine is not None else None, x.device)
+        answers = self.answers() if self.combine is not None else None
+        return _one_sample_path(segments, heads, self, x.device)(x, answers)
 
     def runner(self, model: torch.nn.Module) -> Callable[[Tensor], EarlyExitOutput]:
         """:meth:`run` bound to ``model``, for a caller that answers one sample at a time (a server, a latency
@@ -365,13 +365,13 @@ class ExitPolicy:
                 or not isinstance(segments, (tuple, list)) or not isinstance(heads, (tuple, list, torch.nn.ModuleList))
                 or len(segments) != self.num_steps):  # fmt: skip
             return partial(self.run, model)  # which also says what is wrong with the model
-        segments, heads = tuple(segments), tuple(heads)
-        run, inference, cpu = self.run, torch.is_inference_mode_enabled, torch.device("cpu")
+        one = _one_sample_path(segments, heads, self, torch.device("cpu"))
+        run, inference = self.run, torch.is_inference_mode_enabled
 
         def answer(x: Tensor) -> EarlyExitOutput:
             if x.shape[0] != 1 or not x.is_cpu or model.training or not inference():
                 return run(model, x)
-            return _one_sample(x, segments, heads, self, None, cpu)
+            return one(x, None)
 
         return answer
 
@@ -397,10 +397,13 @@ class ExitPolicy:
             raise AnytimeError(f"{where}: not a valid exit policy (needs criterion and thresholds)") from None
 
 
-def _one_sample(x: Tensor, segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], policy: ExitPolicy,
-                answers: ExitAnswers | None, device: torch.device) -> EarlyExitOutput:
-    """Real early exit of one sample ``x`` (``[1, ...]``, on ``device``) under ``policy``, with ``answers`` where the
-    policy combines exits: no bookkeeping of who is still in, one scalar decision per exit (the latency path).
+
+def _one_sample_path(
+    segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], policy: ExitPolicy, device: torch.device,
+) -> Callable[[Tensor, ExitAnswers | None], EarlyExitOutput]:  # fmt: skip
+    """Real early exit of one sample on ``device`` under ``policy``: a function of the sample ``x`` (``[1, ...]``)
+    and, where the policy combines exits, its :class:`ExitAnswers`. No bookkeeping of who is still in, one scalar
+    decision per exit (the latency path), and what it reads bound here, once.
 
     On a CPU an exit's logits are read once as Python floats, which give the score and, where the sample leaves,
     its class: a NaN or +inf in the row makes the score NaN (Criterion.score_row), so a row that leaves has a finite
@@ -409,33 +412,40 @@ def _one_sample(x: Tensor, segments: Sequence[torch.nn.Module], heads: Sequence[
     out."""
     import torch
 
+    segments = tuple(segments)
+    heads = (*heads, *(None,) * (len(segments) - len(heads)))  # a ModuleList's [k] costs 1 us
     last = len(segments) - 1
-    on_cpu = device.type == "cpu"
     runs, limits, temps = policy._heads, policy._limits, policy._temps
-    score_row, low = policy._crit.score_row, policy._crit.low_is_confident
-    predicted: Tensor | None = None
-    h = x
-    for k, (segment, head) in enumerate(zip_longest(segments, heads)):  # a ModuleList's [k] costs 1 us
-        h = segment(h)
-        if k == last:
-            logits = h if answers is None else answers.answer(k, h)
-            break
-        if not runs[k]:
-            continue
-        raw = head(h)
-        logits = raw if answers is None else answers.answer(k, raw)
-        if limits[k] == -math.inf:
-            continue
-        if not on_cpu or logits.shape[-1] > _ROW_CLASSES:
-            if policy.leaves(k, logits):
-                break
-            continue
-        row = logits.tolist()[0]
-        score = score_row(row, temps[k])
-        if (score if low else -score) <= limits[k]:
-            predicted = torch.full((1,), row.index(max(row)), dtype=torch.long, device=device)
-            break
-    if predicted is None:
-        predicted = logits.argmax(dim=1)
-    exit_ = torch.full((1,), k, dtype=torch.long, device=device)
-    return EarlyExitOutput(predicted, exit_, logits if logits.dtype == torch.float32 else logits.float())
+    score_row, low, leaves = policy._crit.score_row, policy._crit.low_is_confident, policy.leaves
+    rows = device.type == "cpu"
+    full, long, float32, never = torch.full, torch.long, torch.float32, -math.inf
+
+    def answer(x: Tensor, answers: ExitAnswers | None) -> EarlyExitOutput:
+        h = x
+        for k, segment in enumerate(segments):
+            h = segment(h)
+            if k == last:
+                logits = h if answers is None else answers.answer(k, h)
+                return EarlyExitOutput(logits.argmax(dim=1), full((1,), k, dtype=long, device=device),
+                                       logits if logits.dtype == float32 else logits.float())  # fmt: skip
+            if not runs[k]:
+                continue
+            raw = heads[k](h)
+            logits = raw if answers is None else answers.answer(k, raw)
+            if limits[k] == never:
+                continue
+            if rows and logits.shape[-1] <= _ROW_CLASSES:
+                row = logits.tolist()[0]
+                score = score_row(row, temps[k])
+                if not (score if low else -score) <= limits[k]:  # a NaN score stays
+                    continue
+                predicted = full((1,), row.index(max(row)), dtype=long, device=device)
+            elif leaves(k, logits):
+                predicted = logits.argmax(dim=1)
+            else:
+                continue
+            return EarlyExitOutput(predicted, full((1,), k, dtype=long, device=device),
+                                   logits if logits.dtype == float32 else logits.float())  # fmt: skip
+        raise AnytimeError("a multi-exit model needs at least one segment")
+
+    return answer
