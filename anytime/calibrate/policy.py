@@ -355,9 +355,10 @@ class ExitPolicy:
         """:meth:`run` bound to ``model``, for a caller that answers one sample at a time (a server, a latency
         measurement): the same answers, with the model's exits found and the policy's checks made once instead of
         on every call. Between a small network's stages those checks cost what an operator does (LeNet at batch
-        1, 80% leaving at its first exit: 13 us less per answer than :meth:`run`, of 180-190 us). A batch of more than one sample, a tensor off the CPU, a
-        call outside inference mode and a model put back in training mode take :meth:`run`'s way, as does every
-        call for a policy that combines exits or counts a streak (patience), or a model that is an ONNX export."""
+        1, 80% leaving at its first exit: 13 us less per answer than :meth:`run`, of 180-190 us). A batch of more
+        than one sample, a tensor off the CPU, a call outside inference mode and a model put back in training mode
+        take :meth:`run`'s way, as does every call for a policy that combines exits or counts a streak (patience),
+        or a model that is an ONNX export."""
         import torch
 
         segments, heads = getattr(model, "segments", None), getattr(model, "heads", None)
@@ -395,7 +396,6 @@ class ExitPolicy:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError):
             raise AnytimeError(f"{where}: not a valid exit policy (needs criterion and thresholds)") from None
-
 
 
 def _one_sample_path(
