@@ -244,24 +244,25 @@ def test_a_small_pooled_head_answers_as_one_linear_map_over_the_whole_map():
                 assert torch.allclose(got, 2 * head(x), atol=1e-4), layout
 
 
-def test_a_large_map_pooled_to_one_value_per_channel_answers_the_same_in_either_layout(monkeypatch):
+def test_a_map_pooled_to_one_value_per_channel_is_summed_and_answers_the_same_in_either_layout(monkeypatch):
     import torch.nn.functional as F
 
-    from anytime.inference import MEAN_POOL_VALUES, PooledLinear
+    from anytime.inference import WHOLE_MAP_MACS, PooledLinear
 
     torch.manual_seed(0)
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
     fused = PooledLinear(1, head[2])
-    small, large = torch.randn(1, 16, 32, 32), torch.randn(8, 16, 32, 32)
-    assert small.numel() < MEAN_POOL_VALUES <= large.numel()
+    tiny, small, large = torch.randn(1, 16, 4, 4), torch.randn(1, 16, 32, 32), torch.randn(8, 16, 32, 32)
+    assert tiny.numel() * 10 <= WHOLE_MAP_MACS < small.numel() * 10
     pooled = []
     average = F.avg_pool2d
     monkeypatch.setattr(F, "avg_pool2d", lambda x, *a, **k: pooled.append(x.shape[0]) or average(x, *a, **k))
     with torch.inference_mode():
-        for x in (small, large):
+        for x, way in ((tiny, "none"), (small, "sum"), (large, "sum")):
             for layout in (torch.contiguous_format, torch.channels_last):
                 assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5), (x.shape, layout)
-    assert pooled == [1, 1]  # the small map by the averaging operator, the large one by a mean
+                assert fused._plan is not None and fused._plan.pool == way, (x.shape, layout)
+    assert pooled == []  # no averaging operator: the division is in the weight
 
 
 def test_the_fold_form_puts_a_lone_fused_head_in_its_container_s_place():
