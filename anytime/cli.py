@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
                             "crop for digits)")
     train.add_argument("--padding", type=_non_negative_int, metavar="PX", help="zero padding of random crops (default 4)")
+    train.add_argument("--cutout", type=_non_negative_int, metavar="PX",
+                       help="hide a PX x PX square of every training image, at a random place, in the mean colour "
+                            "(cutout; default 0: none)")
     train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                        help="channels-last memory layout (faster convolutions on CPUs with oneDNN; the same results up to "
                             "float rounding)")
@@ -781,7 +784,7 @@ _TRAIN_FIELDS = (
     "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
     "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
     "exit_head", "distill", "distill_teacher", "gradient_equilibrium", "init", "slices", "resolutions", "sact", "sact_mode", "ponder_cost", "slice_kind", "stochastic_depth", "warmup", "nesterov",
-    "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "channels_last", "tta",
+    "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "cutout", "channels_last", "tta",
     "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit", "optimizer", "vocab_size", "max_length",
     "tokenizer",
 )  # fmt: skip

@@ -81,11 +81,12 @@ def test_train_digits_end_to_end(capsys, tmp_path):
 def test_train_takes_the_fast_recipe_knobs_and_refuses_bad_ones(capsys, tmp_path):
     run = tmp_path / "run"
     code, out, _ = _run(capsys, "train", "--model", "lenet", "--epochs", "1", "--limit-train", "300", "--augment", "none",
-                        "--schedule", "onecycle", "--warmup", "0.3", "--label-smoothing", "0.1", "--ema", "0.9",
-                        "--nesterov", "--tta", "--out", str(run), "--no-progress")  # fmt: skip
-    assert code == 0 and "augment    none" in out and "test with mirror" in out
+                        "--cutout", "8", "--schedule", "onecycle", "--warmup", "0.3", "--label-smoothing", "0.1", "--ema",
+                        "0.9", "--nesterov", "--tta", "--out", str(run), "--no-progress")  # fmt: skip
+    assert code == 0 and "augment    none, cutout 8" in out and "test with mirror" in out
     train = json.loads((run / "config.json").read_text())["train"]
-    assert (train["augment"], train["schedule"], train["ema"], train["nesterov"]) == ("none", "onecycle", 0.9, True)
+    assert (train["augment"], train["cutout"], train["schedule"], train["ema"], train["nesterov"]) == (
+        "none", 8, "onecycle", 0.9, True)
     code, _, err = _run(capsys, "train", "--model", "lenet", "--ema", "1.5", "--out", str(tmp_path / "bad"))
     _assert_one_line_error(code, err, "--ema", "0.999")
     code, _, err = _run(capsys, "train", "--model", "lenet", "--warmup", "1", "--out", str(tmp_path / "bad"))

@@ -206,6 +206,48 @@ def test_augment_policies_do_what_they_name(digits) -> None:
     assert loader.augment == Augment("none") and first.shape[0] == 8
 
 
+def test_cutout_hides_one_clipped_square_per_image_in_the_fill_colour() -> None:
+    from anytime.data.augment import random_cutout
+
+    x = torch.randint(1, 200, (64, 3, 10, 12), dtype=torch.uint8)
+    out = random_cutout(x, 4, generator=torch.Generator().manual_seed(0), fill=(201, 202, 203))
+    hidden = out.ne(x)
+    assert hidden.any(1).eq(hidden.all(1)).all()  # a pixel is hidden in every channel or in none
+    for image, original, mask in zip(out, x, hidden[:, 0]):
+        rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+        assert 1 <= len(rows) <= 4 and 1 <= len(cols) <= 4  # a square, clipped at the borders
+        assert rows.diff().eq(1).all() and cols.diff().eq(1).all()
+        assert int(mask.sum()) == len(rows) * len(cols)
+        assert all(torch.equal(image[c][mask], torch.full((int(mask.sum()),), 201 + c, dtype=torch.uint8))
+                   for c in range(3))  # fmt: skip
+        assert torch.equal(image[:, ~mask], original[:, ~mask])
+    whole = hidden[:, 0].sum((1, 2))
+    assert int(whole.max()) == 16 and int(whole.min()) < 16  # squares inside the image, and clipped ones
+    part = random_cutout(x[5:9], 4, generator=torch.Generator().manual_seed(0), within=(5, 64))
+    assert torch.equal(part.ne(x[5:9]), hidden[5:9])  # processes sharing a batch hide what one process would
+    assert torch.equal(random_cutout(x, 0, generator=torch.Generator()), x)
+    with pytest.raises(ValueError, match="2 values for images of 3 channels"):
+        random_cutout(x, 4, generator=torch.Generator(), fill=(1, 2))
+
+
+def test_the_loader_cuts_out_in_the_dataset_s_mean_colour_after_the_crops(digits) -> None:
+    info = DatasetInfo(**{**digits.info.__dict__, "mean": (0.5,), "std": (1 / 255,)})
+    augment = Augment("none", 0, 3)
+    assert augment.describe() == "none, cutout 3" and Augment("crop+flip", 2, 12).describe() == (
+        "crop+flip (padding 2), cutout 12")
+    with pytest.raises(AnytimeError, match="cutout"):
+        Augment("crop", 2, -4)
+    loader = make_loader(digits.train, info, batch_size=len(digits.train), train=True, augment=augment)
+    x, y = next(iter(loader))
+    originals = {int(label): [] for label in digits.train.labels}
+    for img, label in zip(digits.train.images, digits.train.labels):
+        originals[int(label)].append(img.to(torch.float32) - 127.5)
+    gray = torch.tensor(128 - 127.5)  # the mean colour 0.5 as a uint8 value, normalised
+    for served, label in zip(x, y):
+        matches = [o for o in originals[int(label)] if torch.equal(served[served.ne(gray)], o[served.ne(gray)])]
+        assert matches and int(served.eq(gray).sum()) >= 1  # an original with a gray square, nothing else changed
+
+
 def test_digits_are_never_flipped(digits) -> None:
     assert digits.info.hflip is False
     assert make_loader(digits.train, digits.info, batch_size=8, train=True).augment == Augment("crop", 4)

@@ -193,6 +193,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         ({"distill_teacher": "later", "exits": "auto"}, "--distill-teacher later .* needs a weight"),
         ({"augment": "rotate"}, "unknown augmentation 'rotate'"),
         ({"padding": -2}, "padding"),
+        ({"cutout": -1}, "cutout is the side of a square"),
         ({"label_smoothing": 1.0}, "label smoothing"),
         ({"warmup": 1.0}, "warm-up"),
         ({"ema": 1.0}, "--ema is a decay per step"),
@@ -229,13 +230,13 @@ def test_lr_schedules():
 
 
 def test_the_fast_recipe_records_what_it_did(tmp_path, tiny_config):
-    config = tiny_config.replace(epochs=2, augment="crop", padding=1, ema=0.5, amp="bf16", channels_last=True,
-                                 tta=True, label_smoothing=0.1)  # fmt: skip
+    config = tiny_config.replace(epochs=2, augment="crop", padding=1, cutout=3, ema=0.5, amp="bf16",
+                                 channels_last=True, tta=True, label_smoothing=0.1)  # fmt: skip
     summary = Trainer(config, tmp_path).fit()
-    assert summary["augment"] == "crop (padding 1)"
+    assert summary["augment"] == "crop (padding 1), cutout 3"
     assert 0.0 <= summary["final"]["test_acc_tta"] <= 1.0 and summary["final"]["val_acc"] > 0.3
     recorded = json.loads((tmp_path / "config.json").read_text())
-    assert recorded["augment"] == {"policy": "crop", "padding": 1}
+    assert recorded["augment"] == {"policy": "crop", "padding": 1, "cutout": 3}
     # what is validated and saved is the weight average, not the last weights
     state = load_checkpoint(tmp_path / "checkpoint.pt")
     saved = load_file(str(tmp_path / "model.safetensors"))

@@ -15,20 +15,26 @@ DEFAULT_PADDING = 4  # pixels of zero padding around a random crop, as the CIFAR
 
 @dataclass(frozen=True)
 class Augment:
-    """The training augmentation of a recipe: random crops of a zero-padded image and/or horizontal flips.
+    """The training augmentation of a recipe: random crops of a zero-padded image and/or horizontal flips, then
+    optionally cutout.
 
     ``policy`` is one of :data:`AUGMENT_POLICIES`; ``padding`` (pixels) applies to the crop policies only.
-    Evaluation images are never augmented.
+    ``cutout`` (pixels, 0 for none) hides a square of that side in every training image, centred on a random pixel
+    and clipped at the borders, filled with the dataset's mean colour (DeVries and Taylor's cutout; it combines
+    with any policy). Evaluation images are never augmented.
     """
 
     policy: str
     padding: int = DEFAULT_PADDING
+    cutout: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in AUGMENT_POLICIES:
             raise AnytimeError(f"unknown augmentation '{self.policy}'; choose one of {', '.join(AUGMENT_POLICIES)}")
         if self.padding < 0:
             raise AnytimeError(f"augmentation padding is a number of pixels >= 0 (got {self.padding})")
+        if self.cutout < 0:
+            raise AnytimeError(f"cutout is the side of a square in pixels, >= 0 (got {self.cutout})")
 
     @property
     def crop(self) -> bool:
@@ -41,8 +47,9 @@ class Augment:
         return "flip" in self.policy
 
     def describe(self) -> str:
-        """E.g. ``crop+flip (padding 4)`` or ``none``."""
-        return f"{self.policy} (padding {self.padding})" if "crop" in self.policy else self.policy
+        """E.g. ``crop+flip (padding 4)``, ``crop+flip (padding 2), cutout 12`` or ``none``."""
+        text = f"{self.policy} (padding {self.padding})" if "crop" in self.policy else self.policy
+        return f"{text}, cutout {self.cutout}" if self.cutout else text
 
 
 def default_augment(hflip: bool) -> Augment:
@@ -52,14 +59,43 @@ def default_augment(hflip: bool) -> Augment:
 
 
 def apply_augment(
-    images_uint8: torch.Tensor, augment: Augment, generator: torch.Generator, within: tuple[int, int] | None = None
+    images_uint8: torch.Tensor, augment: Augment, generator: torch.Generator, within: tuple[int, int] | None = None,
+    fill: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``images_uint8`` augmented by ``augment`` (uint8 [N,C,H,W] in and out); no draws for ``none``. ``within``:
-    as :func:`random_crop_flip` takes it."""
-    if augment.policy == "none":
-        return images_uint8
-    return random_crop_flip(images_uint8, padding=augment.padding if augment.crop else 0, hflip=augment.hflip,
-                            generator=generator, within=within)  # fmt: skip
+    """``images_uint8`` augmented by ``augment`` (uint8 [N,C,H,W] in and out); no draws for ``none`` without cutout.
+    ``within``: as :func:`random_crop_flip` takes it. ``fill``: cutout's colour, one uint8 value per channel (the
+    dataset's mean; black when None)."""
+    if augment.policy != "none":
+        images_uint8 = random_crop_flip(images_uint8, padding=augment.padding if augment.crop else 0,
+                                        hflip=augment.hflip, generator=generator, within=within)  # fmt: skip
+    if augment.cutout:
+        images_uint8 = random_cutout(images_uint8, augment.cutout, generator=generator, fill=fill, within=within)
+    return images_uint8
+
+
+def random_cutout(
+    images_uint8: torch.Tensor, size: int, *, generator: torch.Generator, fill: Sequence[int] | None = None,
+    within: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """A ``size`` x ``size`` square of each image (uint8 [N,C,H,W], a new tensor) set to ``fill`` (one value per
+    channel; 0 when None), centred on a pixel drawn uniformly and clipped at the borders, so a square near an edge
+    hides less. Draws, in order: centre rows, centre columns, from ``generator``; ``within`` as
+    :func:`random_crop_flip` takes it."""
+    if images_uint8.dim() != 4:
+        raise ValueError(f"expected [N,C,H,W] images, got shape {tuple(images_uint8.shape)}")
+    n, c, h, w = images_uint8.shape
+    start, total = within if within is not None else (0, n)
+    if start < 0 or start + n > total:
+        raise ValueError(f"rows {start}..{start + n} are not within a batch of {total}")
+    top = torch.randint(0, h, (total,), generator=generator)[start : start + n] - size // 2
+    left = torch.randint(0, w, (total,), generator=generator)[start : start + n] - size // 2
+    rows = torch.arange(h) - top[:, None]  # [N, H]: inside the square where 0 <= row < size
+    cols = torch.arange(w) - left[:, None]
+    hidden = ((rows >= 0) & (rows < size))[:, :, None] & ((cols >= 0) & (cols < size))[:, None, :]
+    colour = torch.zeros(c, dtype=torch.uint8) if fill is None else torch.as_tensor(list(fill), dtype=torch.uint8)
+    if colour.numel() != c:
+        raise ValueError(f"cutout's fill has {colour.numel()} values for images of {c} channels")
+    return torch.where(hidden[:, None], colour.reshape(1, c, 1, 1), images_uint8)
 
 
 def random_crop_flip(

@@ -106,7 +106,8 @@ class _BatchMaker:
             picked = picked[mine[0] : mine[1]]
             images, labels = self.images.index_select(0, picked), self.labels.index_select(0, picked)
             generator = torch.Generator().manual_seed(derive_seed("augment", self.seed, epoch, index))
-            images = apply_augment(images, self.augment, generator, within=(mine[0], self.total(index)))
+            images = apply_augment(images, self.augment, generator, within=(mine[0], self.total(index)),
+                                   fill=[round(255 * m) for m in self.mean])  # fmt: skip
         return normalize(images, self.mean, self.std), labels.clone()
 
 

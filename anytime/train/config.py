@@ -57,14 +57,15 @@ class TrainConfig:
     ponder cost to the loss; each threshold is a step.
 
     The fast recipes add: ``augment`` (a policy of :data:`~anytime.data.augment.AUGMENT_POLICIES`, None for the
-    dataset's default) with ``padding`` pixels for crops; ``label_smoothing``; the ``onecycle`` schedule (a
-    linear rise over the first ``warmup`` of the run, then a linear fall to 0, set every iteration; ``warmup``
-    also ramps the other schedules); ``ema``, the decay per step of an exponential moving average of the
-    weights and batch-norm statistics, which is what is validated and saved; ``amp`` ``bf16`` (autocast of
-    the forward pass to bfloat16: AMX/AVX-512 CPUs and recent GPUs run it several times faster, and the
-    weights stay float32); ``norm_bias_lr_scale`` multiplies the learning rate of normalisation layers' biases
-    (airbench's 64), their weight decay divided by as much so that it shrinks them no faster. ``channels_last`` and ``tta`` (also report test accuracy averaged over each image
-    and its mirror, apart from the plain figure) change no weight.
+    dataset's default) with ``padding`` pixels for crops and a ``cutout`` square of that side (0: none);
+    ``label_smoothing``; the ``onecycle`` schedule (a linear rise over the first ``warmup`` of the run, then a
+    linear fall to 0, set every iteration; ``warmup`` also ramps the other schedules); ``ema``, the decay per step
+    of an exponential moving average of the weights and batch-norm statistics, which is what is validated and saved;
+    ``amp`` ``bf16`` (autocast of the forward pass to bfloat16: AMX/AVX-512 CPUs and recent GPUs run it several
+    times faster, and the weights stay float32); ``norm_bias_lr_scale`` multiplies the learning rate of
+    normalisation layers' biases (airbench's 64), their weight decay divided by as much so that it shrinks them no
+    faster. ``channels_last`` and ``tta`` (also report test accuracy averaged over each image and its mirror, apart
+    from the plain figure) change no weight.
 
     Lottery tickets (:mod:`anytime.train.pruning`): ``prune_from`` a finished run, to a total ``sparsity`` of the
     convolution and linear weights (``prune_scope`` global or per layer), rewound to the dense run's state after
@@ -114,6 +115,7 @@ class TrainConfig:
     ladder: str | None = None
     augment: str | None = None
     padding: int = DEFAULT_PADDING
+    cutout: int = 0
     label_smoothing: float = 0.0
     warmup: float = 0.0
     ema: float = 0.0
@@ -231,7 +233,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise AnytimeError(message)
-        self.augmentation(dataset_hflip=True)  # Augment refuses an unknown policy or a negative padding
+        self.augmentation(dataset_hflip=True)  # Augment refuses an unknown policy, a negative padding or cutout
         if self.sact is not None:
             parse_thresholds(self.sact)
 
@@ -260,8 +262,8 @@ class TrainConfig:
     def augmentation(self, dataset_hflip: bool) -> Augment:
         """The augmentation this recipe trains with on a dataset whose images may (``dataset_hflip``) be mirrored."""
         if self.augment is None:
-            return Augment(default_augment(dataset_hflip).policy, self.padding)
-        return Augment(self.augment, self.padding)
+            return Augment(default_augment(dataset_hflip).policy, self.padding, self.cutout)
+        return Augment(self.augment, self.padding, self.cutout)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""

@@ -418,8 +418,8 @@ class Trainer:
         if splits is None:
             splits = load_splits(cfg, self.run_dir if state is not None else None)
         info = splits.info
-        if info.modality == "text" and (cfg.tta or cfg.augment is not None or cfg.channels_last):
-            raise AnytimeError("--tta, --augment and --channels-last are for images; leave them out for text")
+        if info.modality == "text" and (cfg.tta or cfg.augment is not None or cfg.cutout or cfg.channels_last):
+            raise AnytimeError("--tta, --augment, --cutout and --channels-last are for images; leave them out for text")
         seed_everything(cfg.seed)
         model = build_model(
             cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
