@@ -123,10 +123,10 @@ class _Plan:
     """How a :class:`PooledLinear` answers maps of one shape and memory layout, decided on the first such map.
     ``pool`` says what averages the map first: ``none`` (the whole map goes to the linear map, whose weight has the
     average folded in), ``window`` (a plain average pooling over ``window``), ``sum`` (a sum over rows and columns,
-    the weight divided by their number), ``adaptive`` (the adaptive pooling operator, where the head's size does not divide the map) or
-    ``matrix`` (one sample's adaptive pooling as one product with ``matrix``, the windows' weights, in the map's
-    memory order). ``weight_t`` is the linear map's weight, transposed, for the averaged values as they lie in
-    memory, which ``flat`` (batch, values) reads without a copy."""
+    the weight divided by their number), ``adaptive`` (the adaptive pooling operator, where the head's size does not
+    divide the map) or ``matrix`` (one sample's adaptive pooling as one product with ``matrix``, the windows'
+    weights, in the map's memory order). ``weight_t`` is the linear map's weight, transposed, for the averaged
+    values as they lie in memory, which ``flat`` (batch, values) reads without a copy."""
 
     shape: torch.Size
     stride: tuple[int, ...]
@@ -166,7 +166,7 @@ class PooledLinear(nn.Module):
     operator costs more than the arithmetic it saves (LeNet's first exit between its stages: 12.2 -> 9.8 us).
     Larger maps keep the pooling, whose weight is smaller by the window's area; a map pooled to 1x1 (a
     backbone's classifier, a ``linear`` exit head) is summed over its rows and columns, with the average's division
-    folded into the weight: a sum is the cheapest reduction of a map in either layout. Timed on a Xeon VM on maps
+    folded into the weight (float16 maps keep the pooling: their sum can overflow). Timed on a Xeon VM on maps
     of ResNet-32's three stage shapes (one and two threads, two runs, channels-last), the head took 7-14 us at
     batch 1 against 8-15 us with the pooling operator, and 16-106 us at batch 32 against 20-116 us with a mean; in
     none of the 24 pairs was the sum slower by more than 1 us.
@@ -233,7 +233,7 @@ class PooledLinear(nn.Module):
                 pool, matrix = "matrix", self._window_matrix(height, width, nchw)
         elif x.numel() * self.classes <= WHOLE_MAP_MACS:
             pool, weight, values = "none", self._whole_map_weight(channels, height, width, nchw), channels * height * width
-        elif size == 1:
+        elif size == 1 and x.dtype != torch.float16:  # a half-precision sum of a large map can overflow
             pool, weight = "sum", weight / (height * width)
         return _Plan(x.shape, x.stride(), pool, window, matrix, nchw, (batch, values), weight.t().contiguous(), self.bias)
 

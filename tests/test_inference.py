@@ -263,6 +263,10 @@ def test_a_map_pooled_to_one_value_per_channel_is_summed_and_answers_the_same_in
                 assert torch.allclose(head(x), fused(x.contiguous(memory_format=layout)), atol=1e-5), (x.shape, layout)
                 assert fused._plan is not None and fused._plan.pool == way, (x.shape, layout)
     assert pooled == []  # no averaging operator: the division is in the weight
+    half = PooledLinear(1, nn.Linear(16, 10).half())
+    bright = torch.full((1, 16, 32, 32), 100.0, dtype=torch.float16)  # its sum, 102,400, is past float16's range
+    with torch.inference_mode():
+        assert torch.isfinite(half(bright)).all() and half._plan is not None and half._plan.pool == "window"
 
 
 def test_the_fold_form_puts_a_lone_fused_head_in_its_container_s_place():
