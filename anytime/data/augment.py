@@ -73,6 +73,18 @@ def apply_augment(
     return images_uint8
 
 
+def _rows_of_mine(images_uint8: torch.Tensor, within: tuple[int, int] | None) -> tuple[slice, int]:
+    """The rows of a whole batch's draws that ``images_uint8`` (checked to be [N,C,H,W]) take, and that batch's size;
+    ``within`` as :func:`random_crop_flip` takes it."""
+    if images_uint8.dim() != 4:
+        raise ValueError(f"expected [N,C,H,W] images, got shape {tuple(images_uint8.shape)}")
+    n = images_uint8.shape[0]
+    start, total = within if within is not None else (0, n)
+    if start < 0 or start + n > total:
+        raise ValueError(f"rows {start}..{start + n} are not within a batch of {total}")
+    return slice(start, start + n), total
+
+
 def random_cutout(
     images_uint8: torch.Tensor, size: int, *, generator: torch.Generator, fill: Sequence[int] | None = None,
     within: tuple[int, int] | None = None,
@@ -81,14 +93,10 @@ def random_cutout(
     channel; 0 when None), centred on a pixel drawn uniformly and clipped at the borders, so a square near an edge
     hides less. Draws, in order: centre rows, centre columns, from ``generator``; ``within`` as
     :func:`random_crop_flip` takes it."""
-    if images_uint8.dim() != 4:
-        raise ValueError(f"expected [N,C,H,W] images, got shape {tuple(images_uint8.shape)}")
+    mine, total = _rows_of_mine(images_uint8, within)
     n, c, h, w = images_uint8.shape
-    start, total = within if within is not None else (0, n)
-    if start < 0 or start + n > total:
-        raise ValueError(f"rows {start}..{start + n} are not within a batch of {total}")
-    top = torch.randint(0, h, (total,), generator=generator)[start : start + n] - size // 2
-    left = torch.randint(0, w, (total,), generator=generator)[start : start + n] - size // 2
+    top = torch.randint(0, h, (total,), generator=generator)[mine] - size // 2
+    left = torch.randint(0, w, (total,), generator=generator)[mine] - size // 2
     rows = torch.arange(h) - top[:, None]  # [N, H]: inside the square where 0 <= row < size
     cols = torch.arange(w) - left[:, None]
     hidden = ((rows >= 0) & (rows < size))[:, :, None] & ((cols >= 0) & (cols < size))[:, None, :]
@@ -111,16 +119,11 @@ def random_crop_flip(
     ``within=(start, total)`` says the images are rows ``start..start+N`` of a batch of ``total``: the draws are made
     for the whole batch and these rows take theirs, so processes that share a batch augment it as one process would.
     """
-    if images_uint8.dim() != 4:
-        raise ValueError(f"expected [N,C,H,W] images, got shape {tuple(images_uint8.shape)}")
+    rows_of_mine, total = _rows_of_mine(images_uint8, within)
     n, c, h, w = images_uint8.shape
     p = int(padding)
     if p < 0:
         raise ValueError(f"padding must be >= 0, got {padding}")
-    start, total = within if within is not None else (0, n)
-    if start < 0 or start + n > total:
-        raise ValueError(f"rows {start}..{start + n} are not within a batch of {total}")
-    rows_of_mine = slice(start, start + n)
     dy = torch.randint(0, 2 * p + 1, (total,), generator=generator)[rows_of_mine]
     dx = torch.randint(0, 2 * p + 1, (total,), generator=generator)[rows_of_mine]
     flip = (torch.rand(total, generator=generator) < 0.5)[rows_of_mine] if hflip else None

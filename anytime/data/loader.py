@@ -43,6 +43,7 @@ class _BatchMaker:
         self.labels = labels
         self.mean = info.mean
         self.std = info.std
+        self.fill = [round(255 * m) for m in info.mean]  # cutout's colour: the mean, as uint8
         self.augment = augment
         self.batch_size = batch_size
         self.train = train
@@ -107,7 +108,7 @@ class _BatchMaker:
             images, labels = self.images.index_select(0, picked), self.labels.index_select(0, picked)
             generator = torch.Generator().manual_seed(derive_seed("augment", self.seed, epoch, index))
             images = apply_augment(images, self.augment, generator, within=(mine[0], self.total(index)),
-                                   fill=[round(255 * m) for m in self.mean])  # fmt: skip
+                                   fill=self.fill)  # fmt: skip
         return normalize(images, self.mean, self.std), labels.clone()
 
 
