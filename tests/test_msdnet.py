@@ -118,7 +118,8 @@ def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, 
     from anytime.precision.export import export_model, load_export
 
     torch.manual_seed(0)
-    model = attach_exits(_small(), "auto", head="msdnet", input_shape=(3, 16, 16))
+    # one exit, where all three scales cross into the next graph: each graph costs seconds to export
+    model = attach_exits(_small(), ["stages.0"], head="msdnet", input_shape=(3, 16, 16))
     for _ in range(3):  # batch-norm statistics of these inputs, so int8 ranges fit what the layers see
         model.train()(torch.randn(16, 3, 16, 16))
     model.eval()
