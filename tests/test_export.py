@@ -59,6 +59,28 @@ def test_an_exported_early_exit_does_not_run_later_stages(tmp_path):
     assert called == [0, 1]  # segment 0 and head 0 only
 
 
+def test_the_graphs_of_onnx_exports_share_one_table_of_the_exporters_functions(tmp_path, monkeypatch):
+    from torch.onnx._internal.exporter import _registration
+
+    import anytime.precision.export as export_module
+
+    built: list[int] = []
+    build = vars(_registration.ONNXRegistry)["from_torchlib"].__func__
+
+    def counted(cls, *args, **kwargs):
+        built.append(1)
+        return build(cls, *args, **kwargs)
+
+    installed = classmethod(counted)
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", installed)
+    monkeypatch.setattr(export_module, "_ONNX_TABLES", {})
+    exported = _export(_families()["exits"], "onnx", tmp_path / "exits")
+    assert len(exported.manifest.parts) == 5 and len(built) == 1  # three segments and two heads
+    _export(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10)).eval(), "onnx", tmp_path / "plain")
+    assert len(built) == 1
+    assert vars(_registration.ONNXRegistry)["from_torchlib"] is installed  # torch's own again after each export
+
+
 def _policy_at_medians(exported: ExportedModel, samples: torch.Tensor, criterion: str, temperatures=None):
     """A policy whose thresholds let about half of ``samples`` leave at every early exit (each between two
     samples' scores, so that rounding cannot tip a decision)."""
