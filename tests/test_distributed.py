@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -266,8 +267,8 @@ def test_sandwich_slices_and_stochastic_depth_train_on_two_processes(tmp_path):
     assert summary["processes"] == 2 and len(summary["exits"]) == 4
 
 
-def test_refusal_is_said_once_and_nothing_is_touched(tmp_path):
-    _train(tmp_path / "run", "--epochs", "1")
+def test_refusal_is_said_once_and_nothing_is_touched(exit_run, tmp_path):
+    shutil.copytree(exit_run, tmp_path / "run")
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "run").iterdir()}
     done = _train(tmp_path / "run", "--nproc", "2", check=False)
     assert done.returncode == 2

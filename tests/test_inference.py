@@ -97,12 +97,14 @@ def test_channels_last_form_equals_eager_and_the_eager_form_is_the_model_itself(
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_every_compiled_part_stays_compiled_at_every_batch_size():
+def test_every_compiled_part_stays_compiled_at_every_batch_size(monkeypatch):
     from torch._dynamo.utils import counters
 
     from anytime.backbones import create_model
     from anytime.wrappers import attach_exits
 
+    compile_ = torch.compile  # TorchDynamo's graphs without inductor's code: it is the graphs' count that falls short
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **{**kwargs, "backend": "eager"}))
     torch.manual_seed(0)
     model = attach_exits(create_model("lenet", num_classes=10), "auto", num_classes=10, input_shape=(3, 32, 32))
     compiled = inference_form(model.eval(), InferenceForm(compile=True))
