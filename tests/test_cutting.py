@@ -124,11 +124,15 @@ def test_stochastic_depth_drops_branches_in_training_only():
     assert torch.equal(kept[:, 0], kept[:, 1])
 
 
+PLAIN_BLOCKS = 3
+
+
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-    """ResNet-20 on the digits with stochastic depth (2 epochs, 400 images)."""
+    """ResNet-8 (one block per stage: the study's machinery, not a network's depth) on the digits with
+    stochastic depth (2 epochs, 400 images)."""
     run = tmp_path_factory.mktemp("cut") / "run"
-    config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
+    config = TrainConfig(model="resnet8", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
                          stochastic_depth=0.2, device="cpu")  # fmt: skip
     Trainer(config, run).fit()
     return run
@@ -142,11 +146,13 @@ def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys, m
     assert main(["cut", str(plain_run), "--kind", "branch", "--recalibrate-bn", "--images", "60", "--repeats", "3",
                  "--out", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr()
-    assert "[19/19] branch:top9" in printed.out and "cut:   0%" in printed.err and "0/19" in printed.err
+    configurations = 1 + PLAIN_BLOCKS + PLAIN_BLOCKS  # whole, each block alone, the cumulative ladder
+    assert f"[{configurations}/{configurations}] branch:top{PLAIN_BLOCKS}" in printed.out
+    assert "cut:   0%" in printed.err and f"0/{configurations}" in printed.err
     rows = list(csv.DictReader((out / "cut.csv").open()))
-    assert len(rows) == 1 + 9 + 9  # whole, each block alone, the cumulative ladder
+    assert len(rows) == configurations
     ladder = [r for r in rows if r["scope"] == "ladder"]
-    assert [int(r["blocks_cut"]) for r in ladder] == list(range(1, 10))
+    assert [int(r["blocks_cut"]) for r in ladder] == list(range(1, PLAIN_BLOCKS + 1))
     assert [float(r["flops"]) for r in ladder] == sorted((float(r["flops"]) for r in ladder), reverse=True)
     assert all(r["accuracy_recalibrated"] != "" for r in ladder) and rows[0]["accuracy_recalibrated"] == ""
     report = json.loads((out / "cut.json").read_text())
@@ -161,14 +167,15 @@ def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run,
     ladder = tmp_path / "ladder"
     assert main(["cut", str(plain_run), "--ladder", "--out", str(ladder)]) == 0
     summary = json.loads((ladder / "summary.json").read_text())
-    assert len(summary["exits"]) == 10 and summary["exits"][-1]["name"] == "9/9 blocks"
+    last = f"{PLAIN_BLOCKS}/{PLAIN_BLOCKS} blocks"
+    assert len(summary["exits"]) == PLAIN_BLOCKS + 1 and summary["exits"][-1]["name"] == last
     whole = json.loads((plain_run / "summary.json").read_text())["final"]["test_acc"]
     assert summary["exits"][-1]["test_acc"] == pytest.approx(whole)  # the last step is the trained network
     cache = collect_run(ladder, "val")
     assert list(cache.step_flops) == sorted(cache.step_flops)
     sweep_run(ladder, ["confidence"], settings=20)
     profile, _ = profile_run(ladder, batch_sizes=[1], repeats=10, warmup=1, memory=False)
-    assert not profile.incremental and profile.step_names[0] == "0/9 blocks"
+    assert not profile.incremental and profile.step_names[0] == f"0/{PLAIN_BLOCKS} blocks"
     assert main(["plot", str(ladder)]) == 0 and (ladder / "plots" / "deadline_accuracy.png").is_file()
     runner, _ = runner_for_run(ladder, quantile=0.9)
     assert runner.predict(torch.randn(1, 1, 8, 8), 1e4).reason == "chosen"
@@ -178,7 +185,7 @@ def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run,
     # Below every option the answer is the cheapest one as profiled: with 10 timed repeats the fewest blocks is
     # not always the fastest at p90 on a busy machine, so the expectation is read from the profile, not assumed.
     cheapest = min(answer["frontier"], key=lambda o: o["latency_ms"])["option"]
-    assert answer["option"] == cheapest and answer["fits"] is False and cheapest.endswith("/9 blocks")
+    assert answer["option"] == cheapest and answer["fits"] is False and cheapest.endswith(f"/{PLAIN_BLOCKS} blocks")
 
 
 def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_path):
@@ -200,11 +207,12 @@ def test_fine_tuning_a_cut_network_changes_only_what_it_uses(plain_run):
     splits = load_splits(run.config)
     loader = make_loader(splits.train.sample(128, seed=0), splits.info, batch_size=64, train=True, seed=0)
     model = run.model
-    apply_cuts(model, {8: "branch"})
-    skipped = copy.deepcopy(residual_blocks(model)[8][1].branch.state_dict())
+    top = PLAIN_BLOCKS - 1
+    apply_cuts(model, {top: "branch"})
+    skipped = copy.deepcopy(residual_blocks(model)[top][1].branch.state_dict())
     before = copy.deepcopy(model.stem.state_dict())
     _finetune(model, loader, 1, 0.05, torch.device("cpu"))
     assert not model.training
     assert any(not torch.equal(before[k], v) for k, v in model.stem.state_dict().items())
-    after = residual_blocks(model)[8][1].branch.state_dict()
+    after = residual_blocks(model)[top][1].branch.state_dict()
     assert all(torch.equal(skipped[k], after[k]) for k in skipped if "running" not in k and "tracked" not in k)
