@@ -286,3 +286,9 @@ def test_ensembles_study_quick(tmp_path):
     from anytime.train.runs import load_run
 
     assert load_run(out / "runs" / "int8").num_steps == 2  # its members, kept inside the results, still found
+
+
+def test_onnx_export_time_quick(tmp_path):
+    data = _benchmark(tmp_path, "onnx_export_time")
+    assert data["verdict"] == "info" and data["figures"]["graphs"] == 5 and data["ratio"] > 0
+    assert all(len(data["figures"]["later_s"][variant]) == 2 for variant in ("shared", "per-graph"))
