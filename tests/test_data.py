@@ -70,6 +70,30 @@ def test_digits_splits_disjoint_and_stratified(digits) -> None:
         assert np.abs(share - 0.1).max() < 0.03
 
 
+def test_the_digits_read_without_scikit_learn_are_its_loaders_and_its_loader_is_the_fallback(monkeypatch) -> None:
+    import importlib.util
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    import anytime.data.digits as digits_module
+
+    bunch = load_digits()
+    pixels, labels = digits_module._digits_arrays()
+    assert pixels.dtype == np.float64 and labels.dtype == np.int64
+    assert np.array_equal(pixels, bunch.images) and np.array_equal(labels, bunch.target)
+    real = load_dataset("digits", seed=0)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # scikit-learn's file not found
+    fallback = digits_module._digits_arrays()
+    assert np.array_equal(fallback[0], pixels) and np.array_equal(fallback[1], labels)
+    assert load_dataset("digits", seed=0).info.fingerprint == real.info.fingerprint
+    monkeypatch.undo()
+    code = "import sys; from anytime.data import load_dataset; load_dataset('digits', seed=0); print('sklearn' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
 def test_split_seeds(digits) -> None:
     same = load_dataset("digits", seed=0)
     other = load_dataset("digits", seed=1)
