@@ -517,6 +517,29 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
                      calibration=calibration, float_layers=("nope",))  # fmt: skip
 
 
+def test_int8_pt2_artifacts_leave_the_layers_named_in_float(tmp_path):
+    from anytime.precision.model import quantizable_layers
+
+    def int8_weights(folder: Path, manifest) -> int:
+        graph = torch.export.load(str(folder / manifest.parts[0].file)).graph
+        layers = (torch.ops.aten.conv2d.default, torch.ops.aten.linear.default)
+        return sum(node.target in layers and "dequantize" in str(getattr(node.args[1], "target", ""))
+                   for node in graph.nodes)  # fmt: skip
+
+    model = _families()["plain"].eval()
+    first = quantizable_layers(model)[0]
+    calibration = [torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(6))]
+    counts = {}
+    for name, layers in (("all", ()), ("kept", (first,))):
+        folder = tmp_path / name
+        folder.mkdir()
+        manifest = export_model(model, "pt2", "int8", folder, input_shape=SHAPE, num_classes=10, name="resnet20",
+                                calibration=calibration, float_layers=layers)  # fmt: skip
+        assert read_manifest(folder).float_layers == layers
+        counts[name] = int8_weights(folder, manifest)
+    assert counts["all"] == len(quantizable_layers(model)) and counts["kept"] == counts["all"] - 1
+
+
 def test_the_pooling_that_only_a_float_layer_reads_stays_float_in_int8_onnx(tmp_path):
     import onnx
 
@@ -601,24 +624,35 @@ def test_int8_export_chooses_the_layers_kept_in_float_for_its_own_quantizer(exit
     assert not (tmp_path / "e").exists()
 
 
-def test_a_size_ratio_bounds_the_weights_the_search_keeps_in_float(exit_run, tmp_path, cli_error):
+@pytest.fixture(scope="module")
+def lenet_run(tmp_path_factory) -> Path:
+    """A LeNet trained for 2 epochs on the digits: one graph per export, for the export's own options."""
+    from anytime.train import TrainConfig, Trainer
+
+    run = tmp_path_factory.mktemp("lenet-run") / "run"
+    Trainer(TrainConfig(model="lenet", data="digits", epochs=2, batch_size=64, lr=0.05, device="cpu"), run).fit()
+    return run
+
+
+def test_a_size_ratio_bounds_the_weights_the_search_keeps_in_float(lenet_run, tmp_path, cli_error):
     from anytime.export import TUNING
     from anytime.precision.model import quantizable_layers
     from anytime.train.runs import load_run
 
-    model = load_run(exit_run, "cpu", converted=False).model.eval()
+    model = load_run(lenet_run, "cpu", converted=False).model.eval()
     modules = dict(model.named_modules())
     sizes = {name: modules[name].weight.numel() for name in quantizable_layers(model)}
     largest = max(sizes, key=sizes.__getitem__)
-    common = ["--format", "pt2", "--precision", "int8", "--calibration-images", "64", "--parity-images", "0"]
+    common = ["--format", "onnx", "--precision", "int8", "--calibration-images", "64", "--parity-images", "0"]
     plain = tmp_path / "plain"
-    assert main(["export", str(exit_run), *common, "--out", str(plain)]) == 0
-    assert main(["export", str(exit_run), *common[:3], "fp32", "--parity-images", "0", "--out", str(tmp_path / "fp32")]) == 0
+    assert main(["export", str(lenet_run), *common, "--out", str(plain)]) == 0
+    fp32 = ["--precision", "fp32", "--parity-images", "0", "--out", str(tmp_path / "fp32")]
+    assert main(["export", str(lenet_run), *common[:2], *fp32]) == 0
     fp32_bytes, int8_bytes = read_manifest(tmp_path / "fp32").bytes, read_manifest(plain).bytes
     # a ratio whose budget leaves every layer but the largest free to stay float
     ratio = fp32_bytes / (int8_bytes + 3 * (sizes[largest] - 1))
     out = tmp_path / "tuned"
-    assert main(["export", str(exit_run), *common, "--min-agreement", "1.0", "--max-float-layers", "2",
+    assert main(["export", str(lenet_run), *common, "--min-agreement", "1.0", "--max-float-layers", "2",
                  "--agreement-images", "50", "--min-size-ratio", f"{ratio:.6f}", "--out", str(out)]) == 0  # fmt: skip
     tuning = json.loads((out / TUNING).read_text())
     assert tuning["max_float_weights"] == pytest.approx(sizes[largest] - 1, abs=1)
@@ -626,10 +660,10 @@ def test_a_size_ratio_bounds_the_weights_the_search_keeps_in_float(exit_run, tmp
     assert tuning["float_weights"] == sum(sizes[name] for name in tuning["float_layers"]) <= tuning["max_float_weights"]
     assert fp32_bytes / read_manifest(out).bytes >= ratio
     tuned = ["--precision", "int8", "--min-agreement", "0.9", "--out", str(tmp_path / "e")]
-    cli_error(["export", str(exit_run), *common[:2], *tuned, "--min-size-ratio", "1"], "above 1")
-    cli_error(["export", str(exit_run), *common[:2], *tuned[:2], "--min-size-ratio", "3", "--out", str(tmp_path / "e")],
-              "give --min-agreement too")  # fmt: skip
-    cli_error(["export", str(exit_run), *common, "--min-agreement", "0.9", "--min-size-ratio", "4.5",
+    cli_error(["export", str(lenet_run), *common[:2], *tuned, "--min-size-ratio", "1"], "above 1")
+    cli_error(["export", str(lenet_run), *common[:2], *tuned[:2], "--min-size-ratio", "3", "--out",
+               str(tmp_path / "e")], "give --min-agreement too")  # fmt: skip
+    cli_error(["export", str(lenet_run), *common, "--min-agreement", "0.9", "--min-size-ratio", "4.5",
                "--out", str(tmp_path / "e")], "below --min-size-ratio 4.5")  # fmt: skip
     assert not (tmp_path / "e").exists()
 
