@@ -358,10 +358,10 @@ def text_server(text_run, tmp_path_factory):
     run = tmp_path_factory.mktemp("served-text") / "run"
     shutil.copytree(text_run, run, ignore=shutil.ignore_patterns("profile-*", "calibration*.json"))
     for argv in (["collect", str(run)], ["calibrate", str(run), "--max-drop", "1"],
-                 *(["profile", str(run), "--length", t, "--batch-sizes", "1,2", "--repeats", "100", "--no-memory"]
+                 *(["profile", str(run), "--length", t, "--batch-sizes", "1,2", "--repeats", "20", "--no-memory"]
                    for t in ("8", "16"))):  # fmt: skip
         assert main(argv) == 0
-    app, service = build_app(ServeOptions(run=str(run), max_body_kb=16))
+    app, service = build_app(ServeOptions(run=str(run), max_body_kb=16, quantile=0.9))  # 20 timings hold a 0.9 quantile
     with listening(app, service) as port:
         yield SimpleNamespace(port=port, run=run, service=service)
 
@@ -392,6 +392,7 @@ def test_serve_schedules_a_text_request_by_its_length_bucket(text_server):
     for query, bucket in (("&length=5", 8), ("&length=12", 16), ("", 16), ("&length=40", 16)):  # 40 tokens are cut to 16
         status, answer = _call(text_server, "GET", f"/schedule?deadline_ms=50{query}")
         assert status == 200 and answer["profile"].endswith(f"-T{bucket}.json"), answer
+        assert answer["quantile"] == 0.9  # the server's, which its profiles' 20 timings hold
     status, answer = _call(text_server, "GET", "/schedule?deadline_ms=50&length=0")
     assert status == 400 and "tokens" in answer["error"]
 

@@ -171,10 +171,12 @@ def create_app(service: Service, spec: Inputs,
         return JSONResponse(answer.to_dict())
 
     @app.get("/schedule")
-    async def schedule_route(deadline_ms: str | None = None, quantile: float = 0.99, batch_size: int = 1,
+    async def schedule_route(deadline_ms: str | None = None, quantile: float | None = None, batch_size: int = 1,
                              energy_mj: str | None = None, length: int | None = None) -> JSONResponse:  # fmt: skip
-        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule`` (a text
-        run's ``length``: the request's tokens, default its longest)."""
+        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule`` (by default
+        at the server's ``--quantile``; a text run's ``length``: the request's tokens, default its longest)."""
+        if quantile is None:
+            quantile = float(info.get("quantile", 0.99))
         if not (math.isfinite(quantile) and 0 < quantile <= 1):
             raise BadRequest(f"quantile {quantile} must be in (0, 1]")
         if length is not None and (spec.field != "text" or length < 1):
