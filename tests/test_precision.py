@@ -63,13 +63,18 @@ def test_converted_steps_keep_the_step_contract(family, precision, calibration):
 
 
 @pytest.mark.parametrize("criterion", ["entropy", "patience"])
-def test_early_exit_of_a_half_precision_run_answers_in_float32(criterion):
+def test_early_exit_of_a_half_precision_run_answers_in_float32(criterion, monkeypatch):
     # A converted model's heads answer in float32 and its last segment in its own precision; a batch whose
     # samples leave at both once failed on a GPU (fp16) when the answers were gathered into one tensor.
     from anytime.calibrate import ExitPolicy
 
+    # the parts compiled as bf16 runs compile them, by TorchDynamo without inductor's code generation (which took
+    # 60-70 s here with a cold cache, for what the graphs compute, not for how the parts answer together)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **{**kwargs, "backend": "eager"}))
     model = _families()["exits"].eval()
     converted, _ = convert(model, "bf16", input_shape=SHAPE)
+    assert converted.spec.compile and all(hasattr(part, "_orig_mod") for part in converted.parts)
     x = torch.randn(16, *SHAPE, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         first = converted.forward_until(x, 0)
