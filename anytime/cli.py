@@ -812,7 +812,7 @@ def _without_option(argv: Sequence[str], option: str) -> list[str]:
 
 
 def _launch_train(args: argparse.Namespace) -> int:
-    from anytime.train.distributed import launch_local
+    from anytime.train.launch import launch_local
 
     result = launch_local(_without_option(args.argv, "--nproc"), args.nproc)
     if result.failed_rank is not None and (result.signalled or result.returncode not in (2, 130)):  # else it has said why
@@ -824,14 +824,16 @@ def _launch_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from anytime.train.launch import place_from_environment
+
+    if args.nproc is not None and args.nproc > 1 and place_from_environment() is None:
+        return _launch_train(args)  # before torch is imported: the launcher only waits for the processes it starts
     from anytime.train import TrainConfig, Trainer, load_card, record_results
     from anytime.train.cards import check_recordable
     from anytime.train.distributed import from_environment
     from anytime.train.trainer import CHECKPOINT, require_checkpoint
 
     ctx = from_environment(sync_bn=args.sync_bn)
-    if args.nproc is not None and args.nproc > 1 and ctx is None:
-        return _launch_train(args)
     main = ctx is None or ctx.main
 
     card = load_card(args.card) if args.card else None

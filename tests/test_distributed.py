@@ -21,7 +21,8 @@ from anytime.data import Augment, load_dataset, make_loader
 from anytime.data.augment import random_crop_flip
 from anytime.data.loader import share
 from anytime.errors import AnytimeError
-from anytime.train.distributed import first_failure, free_port, from_environment, launch_local, rank_environment
+from anytime.train.distributed import from_environment
+from anytime.train.launch import first_failure, free_port, launch_local, rank_environment
 
 # 2 gloo processes and 1 process at the same global batch, LeNet (no batch norm): the same sums in another order.
 # One thread per process picks other kernels than two threads in one: after 2 epochs the weights part by 1e-7 on a
@@ -126,6 +127,15 @@ def test_environment_of_torchrun_is_read():
 def test_nproc_is_taken_out_of_the_command_the_processes_run():
     argv = ["train", "--nproc", "2", "--epochs", "1", "--nproc=3", "--out", "x"]
     assert _without_option(argv, "--nproc") == ["train", "--epochs", "1", "--out", "x"]
+
+
+def test_the_launching_process_starts_the_others_without_importing_torch(tmp_path):
+    # it only waits for them: torch's import (about 2.4 s on two cores) would delay every rank's start
+    code = ("import sys, anytime.cli as cli\n"
+            "cli._launch_train = lambda args: print('torch' in sys.modules) or 0\n"
+            f"sys.exit(cli.main(['train', '--nproc', '2', '--epochs', '1', '--out', {str(tmp_path / 'run')!r}]))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
