@@ -171,7 +171,7 @@ def model_cost(
 
     if name.startswith(TV_PREFIX):
         _torchvision_names()  # torchvision must be imported outside the meta device context
-    if model_modality(name) == "text":  # small, and its padding mask needs real values: built on the CPU
+    if model_modality(name) == "text" and count_flops:  # its padding mask needs real values: built on the CPU
         model = create_model(name, num_classes=num_classes, in_channels=in_channels)
     else:
         model = _build_on_meta(name, num_classes=num_classes, in_channels=in_channels)
