@@ -68,8 +68,8 @@ def test_early_exit_of_a_half_precision_run_answers_in_float32(criterion, monkey
     # samples leave at both once failed on a GPU (fp16) when the answers were gathered into one tensor.
     from anytime.calibrate import ExitPolicy
 
-    # the parts compiled as bf16 runs compile them, by TorchDynamo without inductor's code generation (which took
-    # 60-70 s here with a cold cache, for what the graphs compute, not for how the parts answer together)
+    # compiled as a bf16 run compiles its parts, by TorchDynamo alone: inductor's code generation (60-70 s here with
+    # a cold cache) is about what the graphs compute, not about how the parts answer together
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **{**kwargs, "backend": "eager"}))
     model = _families()["exits"].eval()

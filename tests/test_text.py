@@ -361,7 +361,7 @@ def text_server(text_run, tmp_path_factory):
                  *(["profile", str(run), "--length", t, "--batch-sizes", "1,2", "--repeats", "20", "--no-memory"]
                    for t in ("8", "16"))):  # fmt: skip
         assert main(argv) == 0
-    app, service = build_app(ServeOptions(run=str(run), max_body_kb=16, quantile=0.9))  # 20 timings hold a 0.9 quantile
+    app, service = build_app(ServeOptions(run=str(run), max_body_kb=16, quantile=0.9))  # what 20 timings hold
     with listening(app, service) as port:
         yield SimpleNamespace(port=port, run=run, service=service)
 
