@@ -1,9 +1,9 @@
 """Benchmark: the accuracy of each family's steps at matched mean latency on CIFAR-10 (exits vs width
 slices vs block drops), all built on ResNet-20 and trained at the same budget.
 
-The runs are those of the residual-cutting study (experiments/residual_cutting.py: 5 epochs on 20,000 images;
-trained here if missing, reused if finished). Every family is profiled afresh in this run, one after the other
-on the same machine (batch 1, 100 timings per step). For 12 latency budgets spread over the families' range,
+The runs are those of the residual-cutting study (experiments/residual_cutting.py: 10 epochs on all 45,000
+training images; trained here if missing, reused if finished). Every family is profiled afresh in this run, one
+after the other on the same machine (batch 1, 100 timings per step). For 12 latency budgets spread over the families' range,
 each family's step is the one a scheduler would pick (best validation accuracy within the budget), and its test
 accuracy is reported. Ratio: the width slices' mean test accuracy over the budgets where every family has a step,
 divided by the exits'. No target: a comparison (verdict "info").
@@ -40,7 +40,7 @@ def main() -> int:
     runs = Path(args.runs or quick.get("RUNS", study.RUNS))
     limit, epochs = quick.get("LIMIT_TRAIN", study.LIMIT_TRAIN), quick.get("EPOCHS", study.EPOCHS)
     for name in ("resnet20", "resnet20-sd", "resnet20-exits", "resnet20-sliced"):
-        study.ensure_run(study.recipes(limit, epochs)[name], runs / name)
+        study.ensure_run(study.recipes(limit, epochs, study.training_amp())[name], runs / name)
     points = study.family_points(runs, quick.get("PROFILE_REPEATS", study.PROFILE_REPEATS))
     table = matched_table(points, study.budgets(points, study.BUDGETS_MS))
     labels = list(points)
