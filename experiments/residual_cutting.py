@@ -16,8 +16,8 @@ from the widest slice) and the block-drop ladder of the plain and the stochastic
 own). Each run is profiled on this machine (batch 1) and every step's test accuracy is plotted against its
 mean latency.
 
-Run: `anytime experiment residual-cutting [--quick] [--out DIR] [--overwrite]` (full: about 100 minutes of training
-and 20 of measurement on 2 AMX Xeon cores with bf16 autocast, reusing finished runs in runs/study; --quick trains on
+Run: `anytime experiment residual-cutting [--quick] [--out DIR] [--overwrite]` (full: about 110 minutes of training
+and 30 of measurement on 2 AMX Xeon cores with bf16 autocast, reusing finished runs in runs/study; --quick trains on
 1,000 images for one epoch).
 Writes: cut-<run>.csv, families.csv, results.json, config.json, cut.png/.svg, families.png/.svg.
 """
