@@ -46,7 +46,7 @@ from anytime.utils.results import study_output, study_parser, write_study_config
 LIMIT_TRAIN = None  # training images (None: all 45,000 left after 5,000 are held out for validation)
 EPOCHS = 10  # per run, cosine schedule
 AMP = "auto"  # bf16 autocast of training's forward where the CPU has bfloat16 instructions (AVX-512, AMX), else off
-CHANNELS_LAST = True  # train in channels-last memory (oneDNN's bf16 convolutions are several times slower without)
+CHANNELS_LAST = True  # train in channels-last memory (training steps 1.1-1.5x faster on 2 Xeon cores, bf16 or not)
 BATCH_SIZE = 128  # images per mini-batch
 LR = 0.05  # SGD learning rate (momentum 0.9, weight decay 5e-4)
 SEED = 0
