@@ -3,9 +3,9 @@ slices vs block drops), all built on ResNet-20 and trained at the same budget.
 
 The runs are those of the residual-cutting study (experiments/residual_cutting.py: 10 epochs on all 45,000
 training images; trained here if missing, reused if finished). Every family is profiled afresh in this run, one
-after the other on the same machine (batch 1, 100 timings per step). For 12 latency budgets spread over the families' range,
-each family's step is the one a scheduler would pick (best validation accuracy within the budget), and its test
-accuracy is reported. Ratio: the width slices' mean test accuracy over the budgets where every family has a step,
+after the other on the same machine (batch 1, 100 timings per step). For 12 latency budgets spread over the
+families' range, each family's step is the one a scheduler would pick (best validation accuracy within the
+budget), and its test accuracy is reported. Ratio: the width slices' mean test accuracy over the budgets where every family has a step,
 divided by the exits'. No target: a comparison (verdict "info").
 """
 
