@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 from anytime.errors import AnytimeError
 from anytime.profile.store import DeviceProfile
 from anytime.utils.io import read_json
+from anytime.utils.timer import Clock, monotonic
 
 
 @dataclass(frozen=True)
@@ -39,24 +41,98 @@ def step_points(run_dir: str | Path, profile: DeviceProfile, *, family: str, bat
     """Every step of a finished run with its accuracies (from the summary) and its latency alone at
     ``batch_size`` (from ``profile``, which must be of this run's weights and steps)."""
     from anytime.scheduler.query import run_fingerprint
-    from anytime.profile import quantile_of
 
+    steps = _summary_steps(run_dir)
+    profile.check_model(run_fingerprint(run_dir), len(steps))
+    return _points(run_dir, steps, profile.at(batch_size).steps, family)
+
+
+def measured_side_by_side(
+    runs: Mapping[str, str | Path], *, repeats: int = 300, warmup: int = 10, turn: int = 10, seed: int = 0,
+    processes: int = 1, clock: Clock = monotonic,
+) -> dict[str, list[StepPoint]]:  # fmt: skip
+    """Every step of every run (a family label -> its run) timed alone at batch 1, in alternating turns
+    (:func:`anytime.profile.per_sample_latency`), so that a machine whose speed drifts by 10-25%, as a shared
+    virtual machine's does, moves every family alike: profiles taken one run after another can order two families
+    by when each was measured. Each step runs ``turn`` images in a row per turn, ``repeats`` in all, after
+    ``warmup`` untimed ones, on the same seeded random images. ``processes`` > 1 repeats that in as many fresh
+    processes (the torch threads of this one) and pools their timings: within one process the same work can run
+    10% slower in one model than in another for the process's whole life (where its memory landed), which only
+    other processes average out. ``clock`` (seconds) times the calls in this process: tests inject a fake one."""
+    if repeats < 1 or warmup < 0 or turn < 1 or processes < 1:
+        raise AnytimeError(f"repeats, turn and processes must be at least 1 and warmup at least 0 (got {repeats}, "
+                           f"{turn}, {processes}, {warmup})")  # fmt: skip
+    if not runs:
+        raise AnytimeError("no runs to compare; give at least one family's run")
+    steps = {label: _summary_steps(run_dir) for label, run_dir in runs.items()}
+    if processes == 1:
+        samples = _time_steps(dict(runs), steps, repeats, warmup, turn, seed, clock=clock)
+    else:
+        import torch
+
+        from anytime.profile import run_isolated
+
+        parts = [run_isolated(_time_steps, dict(runs), steps, repeats, warmup, turn, seed,
+                              threads=torch.get_num_threads()) for _ in range(processes)]  # fmt: skip
+        samples = {label: [np.concatenate([part[label][k] for part in parts]) for k in range(len(steps[label]))]
+                   for label in runs}  # fmt: skip
+    return {label: _points(runs[label], steps[label], samples[label], label) for label in runs}
+
+
+def _time_steps(
+    runs: dict[str, str | Path], steps: dict[str, list[dict[str, Any]]], repeats: int, warmup: int, turn: int,
+    seed: int, *, clock: Clock = monotonic, threads: int | None = None,
+) -> dict[str, list[np.ndarray]]:  # fmt: skip
+    """Milliseconds of every step of every run at batch 1, timed in turns in this process."""
+    import torch
+
+    from anytime.backbones.base import example_input
+    from anytime.contract import run_step
+    from anytime.profile import per_sample_latency
+    from anytime.train.runs import dataset_input_shape, load_run, require_images
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded, shapes = {}, {}
+    for label, run_dir in runs.items():
+        loaded[label] = load_run(run_dir)
+        require_images(loaded[label], "the side-by-side comparison of families")
+        shapes[label] = dataset_input_shape(loaded[label].dataset)
+        if loaded[label].num_steps != len(steps[label]):
+            raise AnytimeError(f"{run_dir}'s model has {loaded[label].num_steps} steps but its summary "
+                               f"{len(steps[label])}; was the run edited?")  # fmt: skip
+    if len(set(shapes.values())) > 1:
+        seen = ", ".join(f"{label} {shape}" for label, shape in shapes.items())
+        raise AnytimeError(f"the runs take inputs of different shapes ({seen}); compare runs of one dataset")
+    shape = next(iter(shapes.values()))
+    images = example_input(shape, repeats, generator=torch.Generator().manual_seed(seed))  # warm-up: the first ones
+    order = [(label, k) for label in runs for k in range(len(steps[label]))]
+    functions = {str(i): partial(run_step, loaded[label].model, k=k) for i, (label, k) in enumerate(order)}
+    times = per_sample_latency(functions, images, warmup=warmup, turn=turn, clock=clock)
+    samples: dict[str, list[np.ndarray]] = {label: [] for label in runs}
+    for i, (label, _) in enumerate(order):
+        samples[label].append(1000 * times[str(i)])
+    return samples
+
+
+def _summary_steps(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "summary.json"
     summary = read_json(path, what="training summary", make="its training has not finished", redo="train it again")
     steps = summary.get("exits") if isinstance(summary, dict) else None
     if not steps:
         raise AnytimeError(f"{run_dir} has no steps in its summary; compare runs with exits, slices or a ladder")
-    profile.check_model(run_fingerprint(run_dir), len(steps))
-    latency = profile.at(batch_size)
-    points = []
-    for k, step in enumerate(steps):
-        samples = latency.steps[k]
-        points.append(StepPoint(
-            family=family, run=str(run_dir), step=k, name=str(step["name"]), flops=int(step["flops"]),
-            mean_ms=float(np.mean(samples)), p50_ms=quantile_of(samples, 0.5), p99_ms=quantile_of(samples, 0.99),
-            val_acc=float(step["val_acc"]), test_acc=float(step["test_acc"]),
-        ))  # fmt: skip
-    return points
+    return list(steps)
+
+
+def _points(run_dir: str | Path, steps: Sequence[dict[str, Any]], samples_ms: Sequence[np.ndarray],
+            family: str) -> list[StepPoint]:  # fmt: skip
+    from anytime.profile import quantile_of
+
+    return [StepPoint(
+        family=family, run=str(run_dir), step=k, name=str(step["name"]), flops=int(step["flops"]),
+        mean_ms=float(np.mean(samples)), p50_ms=quantile_of(samples, 0.5), p99_ms=quantile_of(samples, 0.99),
+        val_acc=float(step["val_acc"]), test_acc=float(step["test_acc"]),
+    ) for k, (step, samples) in enumerate(zip(steps, samples_ms))]  # fmt: skip
 
 
 def best_within(points: Sequence[StepPoint], budget_ms: float) -> StepPoint | None:

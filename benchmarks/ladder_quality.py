@@ -2,11 +2,12 @@
 slices vs block drops), all built on ResNet-20 and trained at the same budget.
 
 The runs are those of the residual-cutting study (experiments/residual_cutting.py: 10 epochs on all 45,000
-training images; trained here if missing, reused if finished). Every family is profiled afresh in this run, one
-after the other on the same machine (batch 1, 100 timings per step). For 12 latency budgets spread over the
-families' range, each family's step is the one a scheduler would pick (best validation accuracy within the
-budget), and its test accuracy is reported. Ratio: the width slices' mean test accuracy over the budgets where every family has a step,
-divided by the exits'. No target: a comparison (verdict "info").
+training images; trained here if missing, reused if finished). Every step of every family is timed afresh in this
+run at batch 1, in alternating turns of 10 images so that the machine's drift moves the families alike, in three
+fresh processes of 300 timings per step, pooled. For 12 latency budgets spread over the families' range, each
+family's step is the one a scheduler would pick (best validation accuracy within the budget), and its test accuracy
+is reported. Ratio: the width slices' mean test accuracy over the budgets where every family has a step, divided by
+the exits'. No target: a comparison (verdict "info").
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main() -> int:
     limit, epochs = quick.get("LIMIT_TRAIN", study.LIMIT_TRAIN), quick.get("EPOCHS", study.EPOCHS)
     for name in ("resnet20", "resnet20-sd", "resnet20-exits", "resnet20-sliced"):
         study.ensure_run(study.recipes(limit, epochs, study.training_amp())[name], runs / name)
-    points = study.family_points(runs, quick.get("PROFILE_REPEATS", study.PROFILE_REPEATS))
+    points = study.family_points(runs, quick.get("PROFILE_REPEATS", study.PROFILE_REPEATS),
+                                 quick.get("PROFILE_PROCESSES", study.PROFILE_PROCESSES))
     table = matched_table(points, study.budgets(points, study.BUDGETS_MS))
     labels = list(points)
     print(f"{'budget ms':>9}  " + "  ".join(f"{label:>30}" for label in labels))

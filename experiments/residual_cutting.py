@@ -13,8 +13,9 @@ theirs, only the shapes.
 Part 2 puts the steps of three families built on ResNet-20 side by side, at the same training budget:
 early exits (4 exits and the last), a width-sliced ResNet-20 (widths 0.25-1.0, sandwich rule, distillation
 from the widest slice) and the block-drop ladder of the plain and the stochastic-depth ResNet-20 (no training of its
-own). Each run is profiled on this machine (batch 1) and every step's test accuracy is plotted against its
-mean latency.
+own). Every step of every family is timed at batch 1 on this machine in alternating turns (so a VM's drift in speed
+moves them alike), in three fresh processes whose timings are pooled, and every step's test accuracy is plotted
+against its mean latency.
 
 Run: `anytime experiment residual-cutting [--quick] [--out DIR] [--overwrite]` (full: about 110 minutes of training
 and 30 of measurement on 2 AMX Xeon cores with bf16 autocast, reusing finished runs in runs/study; --quick trains on
@@ -29,11 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from anytime.compare import StepPoint, matched_table, step_points
+from anytime.compare import StepPoint, matched_table, measured_side_by_side
 from anytime.cut import cut_study, make_ladder_run
 from anytime.data import load_dataset
 from anytime.errors import AnytimeError
-from anytime.pipeline import profile_run
 from anytime.plotting.cut import plot_cut_study, plot_step_families
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
@@ -58,11 +58,13 @@ EVAL_IMAGES = 2_000  # test images scored per cut configuration (of 10,000, seed
 RECALIBRATE_BN = True  # also score every cut after recomputing batch-norm statistics
 RECALIBRATION_BATCHES = 10  # training batches of 128 for those statistics
 CUT_LATENCY_REPEATS = 30  # batch-1 timings per cut configuration
-PROFILE_REPEATS = 100  # batch-1 timings per step for the families
+PROFILE_REPEATS = 300  # batch-1 timings per step for the families, every step of every family in alternating turns
+PROFILE_TURN = 10  # images each step answers in a row per turn (its caches warm, as in a process serving it alone)
+PROFILE_PROCESSES = 3  # fresh processes, each timing every step PROFILE_REPEATS times; their timings pooled
 BUDGETS_MS = 12  # latency budgets compared, spread over the families' range
 RUNS = "runs/study"  # trained runs are kept here and reused (training is the expensive part)
 QUICK = {"LIMIT_TRAIN": 1_000, "EPOCHS": 1, "EVAL_IMAGES": 300, "CUT_LATENCY_REPEATS": 5, "PROFILE_REPEATS": 20,
-         "RUNS": "runs/study-quick"}  # fmt: skip
+         "PROFILE_PROCESSES": 1, "RUNS": "runs/study-quick"}  # fmt: skip
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -99,19 +101,15 @@ def ensure_run(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
     return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file())
 
 
-def family_points(runs: Path, repeats: int) -> dict[str, list[StepPoint]]:
-    """Profile the exits, the sliced net and both block-drop ladders at batch 1; every step's point."""
+def family_points(runs: Path, repeats: int, processes: int) -> dict[str, list[StepPoint]]:
+    """Every step of the exits, the sliced net and both block-drop ladders timed at batch 1, side by side."""
     sources = {"early exits": runs / "resnet20-exits", "width slices": runs / "resnet20-sliced"}
     for name, label in (("resnet20", "block drops"), ("resnet20-sd", "block drops, stochastic depth")):
         ladder = runs / f"{name}-ladder"
         if not (ladder / "summary.json").is_file():
             make_ladder_run(runs / name, ladder)
         sources[label] = ladder
-    points = {}
-    for label, run in sources.items():
-        profile, _ = profile_run(run, batch_sizes=[1], repeats=repeats, warmup=10, memory=False)
-        points[label] = step_points(run, profile, family=label)
-    return points
+    return measured_side_by_side(sources, repeats=repeats, warmup=10, turn=PROFILE_TURN, seed=SEED, processes=processes)
 
 
 def budgets(points: dict[str, list[StepPoint]], count: int) -> list[float]:
@@ -126,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir, create_parents = study_output(args, "residual-cutting")
     hyper = {k: QUICK.get(k, v) if args.quick else v for k, v in {
         "LIMIT_TRAIN": LIMIT_TRAIN, "EPOCHS": EPOCHS, "EVAL_IMAGES": EVAL_IMAGES,
-        "CUT_LATENCY_REPEATS": CUT_LATENCY_REPEATS, "PROFILE_REPEATS": PROFILE_REPEATS, "RUNS": RUNS}.items()}  # fmt: skip
+        "CUT_LATENCY_REPEATS": CUT_LATENCY_REPEATS, "PROFILE_REPEATS": PROFILE_REPEATS,
+        "PROFILE_PROCESSES": PROFILE_PROCESSES, "RUNS": RUNS}.items()}  # fmt: skip
     runs = Path(hyper["RUNS"])
     splits = load_dataset("cifar10", seed=SEED, limit_train=hyper["LIMIT_TRAIN"])  # a clear error without the images
 
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_cut_study(studies, out / "cut", title=title)
 
         # 3. The families of steps on measured latency.
-        points = family_points(runs, hyper["PROFILE_REPEATS"])
+        points = family_points(runs, hyper["PROFILE_REPEATS"], hyper["PROFILE_PROCESSES"])
         progress.done()
         table = matched_table(points, budgets(points, BUDGETS_MS))
         write_csv(out / "families.csv", [p.to_dict() for ps in points.values() for p in ps])
@@ -179,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         write_study_config(out, study="residual-cutting", hyper={
             **hyper, "amp": amp, "channels_last": CHANNELS_LAST, "batch_size": BATCH_SIZE, "lr": LR, "seed": SEED,
             "stochastic_depth": STOCHASTIC_DEPTH, "exits": EXITS, "slices": SLICES, "recalibrate_bn": RECALIBRATE_BN,
-            "recalibration_batches": RECALIBRATION_BATCHES, "quick": args.quick}, data_path=splits.info.source)
+            "recalibration_batches": RECALIBRATION_BATCHES, "profile_turn": PROFILE_TURN, "quick": args.quick},
+            data_path=splits.info.source)  # fmt: skip
     print(f"results in {out_dir}/")
     return 0
 

@@ -155,12 +155,27 @@ def test_slicing_latency_benchmark_quick(tmp_path):
 
 
 @pytest.mark.needs_data
-def test_residual_cutting_study_and_ladder_quality_quick(tmp_path, cifar_root):
-    runs = tmp_path / "runs"
+def test_residual_cutting_study_and_ladder_quality_quick(tmp_path, cifar_root, monkeypatch):
+    monkeypatch.setenv("ANYTIME_CIFAR10", str(cifar_root))
+    monkeypatch.chdir(tmp_path)  # the study keeps its runs in ./runs/study-quick
+    runs = tmp_path / "runs" / "study-quick"
     data = _benchmark(tmp_path, "ladder_quality", "--runs", str(runs), "--plot", str(tmp_path / "lq"))
-    assert data["verdict"] == "info" and set(data["figures"]["steps"]) == {
-        "early exits", "width slices", "block drops", "block drops, stochastic depth"}
+    families = {"early exits", "width slices", "block drops", "block drops, stochastic depth"}
+    assert data["verdict"] == "info" and set(data["figures"]["steps"]) == families
     assert (tmp_path / "lq.png").is_file() and (tmp_path / "lq.csv").is_file()
+
+    out = tmp_path / "study"
+    assert main(["experiment", "residual-cutting", "--quick", "--out", str(out)]) == 0  # reuses the four runs
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["families"]) == families and len(results["runs"]) == 6
+    for family, steps in results["families"].items():
+        assert [s["name"] for s in steps] == [s["name"] for s in data["figures"]["steps"][family]]
+        assert all(s["mean_ms"] > 0 for s in steps)
+    for name in ("resnet20", "resnet20-sd", "resnet29_bottleneck", "resnet29_bottleneck-sd"):
+        rows = _rows(out / f"cut-{name}.csv")
+        assert rows[0]["config"] == "none" and any(r["config"] == "shortcut:top2" for r in rows)
+    assert (out / "families.png").is_file() and (out / "cut.png").is_file() and (out / "matched.csv").is_file()
+    _check_config(out)
 
 
 @pytest.mark.needs_data
