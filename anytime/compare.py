@@ -39,7 +39,9 @@ class StepPoint:
 
 def step_points(run_dir: str | Path, profile: DeviceProfile, *, family: str, batch_size: int = 1) -> list[StepPoint]:
     """Every step of a finished run with its accuracies (from the summary) and its latency alone at
-    ``batch_size`` (from ``profile``, which must be of this run's weights and steps)."""
+    ``batch_size`` (from ``profile``, which must be of this run's weights and steps): the way to compare families
+    profiled on a target device elsewhere (``anytime profile`` on the board). Where the runs can be timed here,
+    :func:`measured_side_by_side` is the fairer measurement."""
     from anytime.scheduler.query import run_fingerprint
 
     steps = _summary_steps(run_dir)
@@ -57,8 +59,8 @@ def measured_side_by_side(
     by when each was measured. Each step runs ``turn`` images in a row per turn, ``repeats`` in all, after
     ``warmup`` untimed ones, on the same seeded random images. ``processes`` > 1 repeats that in as many fresh
     processes (the torch threads of this one) and pools their timings: within one process the same work can run
-    10% slower in one model than in another for the process's whole life (where its memory landed), which only
-    other processes average out. ``clock`` (seconds) times the calls in this process: tests inject a fake one."""
+    10% or more slower in one model than in another for the process's whole life (most likely where its memory
+    landed), which only other processes average out. ``clock`` (seconds) times the calls in this process: tests inject a fake one."""
     if repeats < 1 or warmup < 0 or turn < 1 or processes < 1:
         raise AnytimeError(f"repeats, turn and processes must be at least 1 and warmup at least 0 (got {repeats}, "
                            f"{turn}, {processes}, {warmup})")  # fmt: skip

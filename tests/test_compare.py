@@ -1,4 +1,4 @@
-"""Families of anytime steps compared on latency: every step of every run timed side by side in one process."""
+"""Families of anytime steps compared on latency: timed side by side here, or read from saved profiles."""
 
 from __future__ import annotations
 
@@ -47,3 +47,18 @@ def test_fresh_processes_pool_their_timings(exit_run):
     steps = json.loads((exit_run / "summary.json").read_text())["exits"]
     assert [p.name for p in points["exits"]] == [s["name"] for s in steps]
     assert all(p.mean_ms > 0 and p.p50_ms <= p.p99_ms for p in points["exits"])
+
+
+def test_points_from_a_saved_profile_where_the_target_device_is_elsewhere(exit_run, tmp_path):
+    from dataclasses import replace
+
+    from anytime.compare import step_points
+    from anytime.pipeline import profile_run
+
+    profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=0, memory=False, steady_within=None,
+                             out=tmp_path / "profile.json")  # fmt: skip
+    points = step_points(exit_run, profile, family="exits")
+    steps = json.loads((exit_run / "summary.json").read_text())["exits"]
+    assert [p.name for p in points] == [s["name"] for s in steps] and all(p.mean_ms > 0 for p in points)
+    with pytest.raises(AnytimeError, match="another model"):
+        step_points(exit_run, replace(profile, model_fingerprint="0" * 16), family="exits")
