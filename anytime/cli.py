@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     schedule = sub.add_parser("schedule", description=COMMANDS["schedule"])
     schedule.add_argument("run", metavar="RUN")
-    schedule.add_argument("--deadline-ms", type=float, required=True, metavar="D", help="the time budget of one request")
+    schedule.add_argument("--deadline-ms", type=float, metavar="D",
+                          help="the time budget of one request (required, unless --check)")
     schedule.add_argument("--quantile", type=float, default=0.99, metavar="Q",
                           help="the latency quantile that must fit (default 0.99)")
     schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
@@ -505,6 +506,20 @@ def build_parser() -> argparse.ArgumentParser:
                           help="runs of the same model at other precisions (anytime quantize) or its structured tickets "
                                "(anytime ticket --unit channels), each with its own profile on this device: one "
                                "frontier over (step, variant)")
+    schedule.add_argument("--check", action="store_true",
+                          help="hold the runtime to its promises: replay test inputs one at a time at a set of deadlines "
+                               "(--deadlines), print promise and delivery side by side, exit 1 where a promise broke")
+    schedule.add_argument("--deadlines", metavar="D,D,...",
+                          help="with --check: the deadlines in ms (default 20, log-spaced from half the cheapest "
+                               "option's price to 1.5x the dearest)")
+    schedule.add_argument("--requests", type=_positive_int, default=300, metavar="N",
+                          help="with --check: inputs replayed at each deadline (default 300)")
+    schedule.add_argument("--gap-ms", type=float, default=5.0, metavar="MS",
+                          help="with --check: mean idle gap between requests, exponential as Poisson arrivals (default 5)")
+    schedule.add_argument("--split", choices=["val", "test"], default="test", help="with --check: the inputs' split")
+    schedule.add_argument("--accuracy-tolerance", type=float, default=1.0, metavar="POINTS",
+                          help="with --check: how far below the promised accuracy delivery may fall (default 1 point)")
+    schedule.add_argument("--json", action="store_true", help="with --check: the check as JSON")
 
     cut = sub.add_parser("cut", description=COMMANDS["cut"])
     cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
@@ -1029,6 +1044,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from anytime.demo import DEMO_CONFIG, DEMO_REQUESTS, run_demo
+    from anytime.promises import promise_lines
 
     from anytime.utils.outputs import check_replaceable
 
@@ -1054,16 +1070,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     lat = ev["latency"]
     print(f"real early exit on the test split: {100 * ev['accuracy']:.2f}%, {lat['speedup']:.2f}x faster per sample "
           f"at batch 1 than the plain backbone ({lat['early_exit']['mean_ms']:.2f} vs {lat['backbone']['mean_ms']:.2f} ms)")  # fmt: skip
-    print("deadlines at batch 1 (the scheduler's choice for a p99 that fits; the anytime runtime on "
-          f"{DEMO_REQUESTS} test images one at a time):")
-    for row in result.deadlines:
-        c = row["choice"]
-        if c["fits"]:
-            fits = f"{c['option']} (p99 {c['latency_ms']:.2f} ms, validation {100 * c['accuracy']:.1f}%)"
-        else:
-            fits = f"nothing fits ({c['option']}, the cheapest, takes {c['latency_ms']:.2f} ms)"
-        print(f"  {row['deadline_ms']:6.2f} ms: {fits}; runtime {100 * row['runtime_accuracy']:.1f}% accurate, "
-              f"{100 * row['runtime_miss_rate']:.1f}% late, mean exit {row['runtime_mean_step']:.2f}")  # fmt: skip
+    print(f"deadlines at batch 1: the runtime's promise and what it delivered to {DEMO_REQUESTS} test images one at a "
+          "time (Poisson arrivals):")  # fmt: skip
+    for line in promise_lines(result.deadlines):
+        print(f"  {line}")
     print("time per training mini-batch (median):")
     for row in result.batch_time:
         print(f"  batch {int(row['batch_size']):>4}: {1000 * row['total_p50_s']:7.1f} ms "
@@ -1409,6 +1419,10 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     from anytime.scheduler.deadline import check_energy_budget
     from anytime.scheduler.query import schedule_answer, scheduler_for_run
 
+    if args.check:
+        return _schedule_check(args)
+    if args.deadline_ms is None:
+        raise AnytimeError("give --deadline-ms D (the time budget of one request), or --check")
     if not math.isfinite(args.deadline_ms):
         raise AnytimeError(f"deadline {args.deadline_ms} ms is not a finite positive number of milliseconds")
     if args.energy_mj is not None:
@@ -1419,6 +1433,37 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     answer = schedule_answer(scheduler, path, args.deadline_ms, args.quantile, args.batch_size, energy_mj=args.energy_mj)
     print(json.dumps(answer, indent=2))
     return 0
+
+
+def _schedule_check(args: argparse.Namespace) -> int:
+    from anytime.promises import check_promises, promise_lines
+    from anytime.scheduler.deadline import check_deadline
+
+    for flag in ("deadline_ms", "variants", "energy_mj", "length", "profile"):
+        if getattr(args, flag) is not None:
+            raise AnytimeError(f"--check replays the run's own profile at its own deadlines; drop --{flag.replace('_', '-')} "
+                               "(give the deadlines with --deadlines)")  # fmt: skip
+    if args.batch_size != 1:
+        raise AnytimeError("--check replays requests one at a time; drop --batch-size")
+    deadlines = None
+    if args.deadlines:
+        try:
+            deadlines = [check_deadline(float(v)) for v in args.deadlines.split(",") if v.strip()]
+        except ValueError:
+            raise AnytimeError(f"--deadlines '{args.deadlines}' is not a comma-separated list of milliseconds") from None
+        if not deadlines or not all(math.isfinite(d) for d in deadlines):
+            raise AnytimeError(f"--deadlines '{args.deadlines}' holds no finite positive deadline")
+    check = check_promises(args.run, deadlines=deadlines, count=args.requests, split=args.split,
+                           quantile=args.quantile, gap_ms=args.gap_ms, accuracy_tolerance=args.accuracy_tolerance / 100)  # fmt: skip
+    if args.json:
+        _print_json(check.to_dict())
+    else:
+        for line in promise_lines(check):
+            print(line)
+        broken = len(check.broken)
+        print(f"{len(check.rows) - broken} of {len(check.rows)} deadlines kept their promise"
+              + (f"; {broken} broken" if broken else ""))  # fmt: skip
+    return 1 if check.broken else 0
 
 
 def _schedule_variants(args: argparse.Namespace) -> int:

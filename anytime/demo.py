@@ -3,8 +3,8 @@
 It trains a multi-exit CIFAR-style ResNet on scikit-learn's handwritten digits, caches every exit's
 outputs, sweeps the exit thresholds, calibrates them on validation for at most one point of accuracy
 below the last exit, runs real early exit on the test split, profiles every exit's latency on this
-machine, asks the deadline scheduler what fits a few deadlines and serves test images with the anytime
-runtime against them, plots the run, and times one training mini-batch at several batch sizes.
+machine with the runtime's own answer prices, replays test images one at a time through the anytime runtime at a
+few deadlines and sets what it promised beside what it delivered, plots the run, and times one training mini-batch at several batch sizes.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from anytime.pipeline import (
     evaluate_run,
     plot_run,
     profile_run,
-    runner_for_run,
-    scheduler_for_run,
     sweep_run,
 )
 from anytime.plotting import plot_batch_time, plot_training_curves
-from anytime.profile import measure_train_step
+from anytime.profile import measure_train_step, quantile_of
+from anytime.promises import PromiseCheck, check_promises, default_deadlines
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
@@ -41,6 +40,8 @@ DEMO_CONFIG = TrainConfig(
 DEMO_MAX_DROP = 1.0  # accuracy points below the last exit that calibration may give up
 DEMO_BATCH_SIZES: tuple[int, ...] = (8, 16, 32, 64)
 DEMO_REQUESTS = 200  # test images served one at a time at each deadline
+DEMO_DEADLINES = 8  # log-spaced from half the cheapest step's price to 1.5x the deepest
+DEMO_QUANTILE = 0.99  # the latency quantile a promise is made at
 DEMO_TIMINGS = 200  # repetitions per exit and batch size in the profile, and samples in the latency evaluation
 
 
@@ -53,7 +54,7 @@ class DemoResult:
     batch_time: list[dict[str, float]]
     calibration: dict[str, Any]
     evaluation: dict[str, Any]
-    deadlines: list[dict[str, Any]]
+    deadlines: PromiseCheck
     files: list[Path]
 
 
@@ -72,29 +73,19 @@ def run_demo(
     return DemoResult(target, summary, batch_rows, calibration, evaluation, deadlines, files)
 
 
-def _deadlines(run_dir: Path, images: torch.Tensor, labels: torch.Tensor) -> list[dict[str, Any]]:
-    """Profile the exits here, then at a few deadlines: the scheduler's choice, and the anytime runtime
-    serving test images one at a time (its accuracy, exits and how many answers came late)."""
+def _deadlines(run_dir: Path) -> PromiseCheck:
+    """Profile the exits here (the runtime's answer prices included), then replay test images one at a time at a
+    few deadlines: the runtime's promise at each and what it delivered."""
     profile, _ = profile_run(run_dir, batch_sizes=[1, 8], repeats=DEMO_TIMINGS, memory=False)
-    scheduler, _ = scheduler_for_run(run_dir)
-    runner, _ = runner_for_run(run_dir)
-    p99 = [profile.step_quantile(k, 0.99) for k in range(profile.num_steps)]
-    rows = []
-    for deadline in sorted({0.5 * p99[0], 1.1 * p99[0], p99[len(p99) // 2], 1.2 * max(p99)}):
-        choice = scheduler.select(deadline)
-        answers = [runner.predict(images[i : i + 1], deadline) for i in range(len(images))]
-        rows.append({
-            "deadline_ms": deadline, "choice": choice.to_dict(),
-            "runtime_accuracy": sum(int(a.predictions[0] == y) for a, y in zip(answers, labels)) / len(answers),
-            "runtime_miss_rate": sum(a.missed for a in answers) / len(answers),
-            "runtime_mean_step": sum(a.step for a in answers) / len(answers),
-        })  # fmt: skip
-    return rows
+    prices = [profile.answer_samples(k) for k in range(profile.num_steps)]
+    cheapest, deepest = (quantile_of(p, DEMO_QUANTILE) for p in (prices[0], prices[-1]))
+    return check_promises(run_dir, deadlines=default_deadlines(cheapest, deepest, DEMO_DEADLINES),
+                          count=DEMO_REQUESTS, quantile=DEMO_QUANTILE)  # fmt: skip
 
 
 def _run(
     work: Path, config: TrainConfig, progress: bool
-) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any], dict[str, Any], PromiseCheck]:
     run_dir = work / "run"
     splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
@@ -105,9 +96,7 @@ def _run(
     calibration = calibrate_run(run_dir, max_drop=DEMO_MAX_DROP)
     evaluation = evaluate_run(run_dir, latency_samples=DEMO_TIMINGS)
     info = splits.info
-    test = make_loader(splits.test, info, batch_size=DEMO_REQUESTS, train=False, seed=config.seed)
-    images, labels = next(iter(test))
-    deadlines = _deadlines(run_dir, images, labels)
+    deadlines = _deadlines(run_dir)
     plot_run(run_dir)
 
     loader = make_loader(splits.train, info, batch_size=max(DEMO_BATCH_SIZES), train=True, seed=config.seed)
@@ -122,7 +111,7 @@ def _run(
     plot_batch_time(config.model, batch_rows, work / "batch_time", machine["cpu_model"])
     write_json(
         work / "demo.json",
-        {"config": config.to_dict(), "summary": summary, "batch_time": batch_rows, "deadlines": deadlines,
+        {"config": config.to_dict(), "summary": summary, "batch_time": batch_rows, "deadlines": deadlines.to_dict(),
          "machine": machine, "git_sha": git_sha()},
     )  # fmt: skip
     return summary, batch_rows, calibration, evaluation, deadlines

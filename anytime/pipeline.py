@@ -33,7 +33,9 @@ from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.energy import EnergySettings, open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, device_slug
+from anytime.calibrate.criteria import get_criterion
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
+from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
 from anytime.scheduler.query import (
     CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, profiled_lengths, run_fingerprint, run_options,
     scheduler_for_run,
@@ -533,12 +535,23 @@ def _real_inputs(run: LoadedRun, model: torch.nn.Module) -> torch.Tensor | None:
     return normalize(splits.val.images[torch.arange(count)], splits.info.mean, splits.info.std)
 
 
+def _pricing_policy(run_dir: str | Path, fingerprint: str | None, num_steps: int) -> ExitPolicy | None:
+    """The run's calibrated policy, if it has one the runtime can run (a per-exit criterion): what its requests
+    consult on the way through the heads."""
+    path = Path(run_dir) / CALIBRATION
+    if num_steps < 2 or not path.is_file():
+        return None
+    policy, _ = load_calibration(path, fingerprint=fingerprint, num_steps=num_steps)
+    return None if get_criterion(policy.criterion).stateful else policy
+
+
 def profile_run(
     run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
     device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
     progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
     execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0, suffixes: bool = False,
     length: int | None = None, steady_within: float | None = STEADY_WITHIN, attempts: int = 3,
+    answer_gap_ms: float | None = DEFAULT_GAP_MS,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
     """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
     inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
@@ -561,6 +574,10 @@ def profile_run(
     repetitions' two halves part by more than ``steady_within`` (a share; :meth:`DeviceProfile.steadiness`), up to
     ``attempts`` profiles in all, and the steadiest is kept, its spread recorded (``settings.steadiness``).
     ``steady_within=None`` takes one profile, as does an energy measurement.
+
+    Last, the runtime's answer prices are timed (:func:`anytime.scheduler.pricing.price_answers`, the run's
+    calibrated policy consulted on the way through the heads where it has one), requests spaced by idle gaps of
+    mean ``answer_gap_ms`` (0: back to back; None: no prices, the model's own latencies price the options).
     """
     from anytime.precision.export import MANIFEST
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
@@ -653,6 +670,9 @@ def profile_run(
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
             if slowdown != 1:
                 profile = replace(profile, settings={**profile.settings, "emulated_slowdown": float(slowdown)})
+            if answer_gap_ms is not None:
+                profile = price_answers(model, profile, policy=_pricing_policy(run_dir, fingerprint, profile.num_steps),
+                                        repeats=repeats, gap_ms=answer_gap_ms, inputs=inputs)  # fmt: skip
             path = profile.save(target)
     finally:
         if reader is not None:
@@ -709,11 +729,14 @@ def runner_for_run(
     loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
     for length, bucket in buckets.items():
         bucket.check_model(run.fingerprint, run.num_steps, where=f"the profile of {length} tokens in {run_dir}")
-    exit_policy = None
+    exit_policy, policy_accuracy, exit_share = None, None, None
     calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
     if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
-        exit_policy, _ = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
+        exit_policy, report = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
+        policy_accuracy = float(report["validation"]["accuracy"])
+        exit_share = [float(v) for v in report["validation"]["exit_share"]]
     accuracy = [o.accuracy for o in run_options(run_dir, loaded.step_names) if o.step is not None]
     runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy,
+                           policy_accuracy=policy_accuracy, exit_share=exit_share,
                            length_profiles=buckets or None)  # fmt: skip
     return runner, run

@@ -448,7 +448,13 @@ def test_the_runtime_stops_before_an_exit_over_the_energy_budget(energetic):
     unsure = -torch.ones(1, 3)
     assert runner.predict(unsure, 1000.0).step == 2
     out = runner.predict(unsure, 1000.0, energy_mj=200.0)  # 10 W: exit 1's path costs 120 mJ, exit 2's 280 mJ
-    assert out.step == 1 and out.reason == "energy" and not out.missed
+    assert out.step == 1 and out.reason == "chosen" and not out.missed
+    # A policy whose mean energy fits (half the samples leave at exit 0): a request that would go past the budget
+    # stops at the last exit within it.
+    policy = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), adapt=False, quantile=0.9,
+                           exit_share=(0.5, 0.5, 0.0), clock=model.clock)  # fmt: skip
+    out = policy.predict(unsure, 1000.0, energy_mj=200.0)
+    assert (out.option, out.step, out.reason, out.fits) == ("policy", 1, "energy", True)
     assert runner.predict(unsure, 1000.0, energy_mj=1.0).step == 0  # the first exit always answers
     with pytest.raises(AnytimeError, match="energy budget"):
         runner.predict(unsure, 1000.0, energy_mj=-1.0)

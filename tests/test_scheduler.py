@@ -23,6 +23,7 @@ from anytime.cli import main
 from anytime.errors import AnytimeError
 from anytime.profile import BatchLatency, DeviceProfile, profile_model, quantile_of
 from anytime.scheduler import DriftEstimator, Option
+from anytime.scheduler.pricing import price_answers
 
 
 def make_profile(step_ms: list[float], *, stage_ms: list[float] | None = None, n: int = 100, spread: float = 0.0,
@@ -342,19 +343,84 @@ def test_the_profile_sees_the_injected_delays(sleepy):
         assert profile.stage_quantile(k, 0.5) == pytest.approx(expected)
 
 
-def test_the_runtime_stops_before_a_stage_that_cannot_fit(sleepy):
+def slowed_checks(policy: ExitPolicy, clock: FakeClock, ms: float) -> ExitPolicy:
+    """``policy`` whose every decision at an exit takes ``ms`` of ``clock``: the runner's own time between two
+    stages, which a profile of the bare model never sees."""
+    decide = policy.leaves
+
+    def slow_leaves(k: int, logits: Tensor) -> bool:
+        clock.advance(ms)
+        return decide(k, logits)
+
+    object.__setattr__(policy, "leaves", slow_leaves)
+    return policy
+
+
+def test_the_runtime_runs_the_option_the_scheduler_selects(sleepy):
     model, profile = sleepy
     runner = AnytimeRunner(model, profile, adapt=False, quantile=0.9, clock=model.clock)
     unsure = -torch.ones(1, 3)
-    tail = [profile.stage_quantile(k, 0.9) for k in range(3)]
-    # Enough for exits 0 and 1 at their p90, not for exit 2.
-    out = runner.predict(unsure, tail[0] + tail[1] + 0.5 * tail[2])
-    assert out.step == 1 and out.reason == "deadline" and not out.missed
-    out = runner.predict(unsure, 1000.0)
-    assert out.step == 2 and out.reason == "last" and not out.missed
-    # Below the first exit: the first exit still answers (late), never nothing.
-    out = runner.predict(unsure, 0.5)
-    assert out.step == 0 and out.reason == "deadline" and out.missed and out.predictions.shape == (1,)
+    for deadline in (4.01, 5.0, 11.9, 12.01, 27.9, 28.01, 100.0):
+        choice = runner.scheduler.select(deadline, 0.9)
+        out = runner.predict(unsure, deadline)
+        assert (out.option, out.step, out.reason, out.fits) == (choice.option, choice.step, "chosen", True)
+        assert out.promised_ms == pytest.approx(choice.latency_ms) and not out.missed
+    assert [runner.predict(unsure, d).step for d in (4.01, 12.01, 28.01)] == [0, 1, 2]
+
+
+def test_nothing_fits_is_said_and_the_cheapest_step_answers(sleepy):
+    model, profile = sleepy
+    runner = AnytimeRunner(model, profile, adapt=False, quantile=0.9, clock=model.clock)
+    out = runner.predict(-torch.ones(1, 3), 0.5)
+    assert (out.step, out.fits, out.missed, out.option) == (0, False, True, "step0")
+    assert out.predictions.shape == (1,)  # a prediction always comes back
+
+
+def test_pricing_times_what_the_runtime_pays():
+    model = HeadedLadder([4.0, 8.0, 16.0], head_ms=2.0).eval()
+    bare = profile_model(model, (3,), batch_sizes=(1, 2), repeats=20, warmup=1, clock=model.clock)
+    waited: list[float] = []
+    policy = slowed_checks(ExitPolicy("confidence", (0.9, 0.9)), model.clock, 1.0)
+    priced = price_answers(model, bare, policy=policy, clock=model.clock, sleep=waited.append, gap_ms=5.0, warmup=1)
+    assert priced.priced and not bare.priced
+    for b in (1, 2):
+        # Straight there: the stages and exit k's own head. Through the heads: every check (1 ms) and earlier head.
+        check = 1.0 if b == 1 else 0.0  # a batch's decisions go through ExitPolicy.confident, which is not slowed
+        through_heads = [4.0, 4 + check + 2 + 8, 4 + 2 * (check + 2) + 8 + 16]
+        for k, (alone, through) in enumerate(zip([6.0, 14.0, 28.0], through_heads)):
+            assert priced.answer_samples(k, b) == pytest.approx(np.full(20, alone))
+            assert priced.answer_path_samples(k, b) == pytest.approx(np.full(20, through))
+        assert bare.answer_path_samples(2, b) == pytest.approx(np.full(20, 32.0))  # unpriced: the stages summed
+    assert len(waited) == 2 * 20 * 3 * 2 and 2.5 < 1000 * float(np.mean(waited)) < 10  # one gap before each answer
+    assert priced.settings["answers"] == {"repeats": 20, "warmup": 1, "gap_ms": 5.0, "policy": "confidence"}
+    again = DeviceProfile.from_dict(json.loads(json.dumps(priced.to_dict())))
+    assert again.answer_path_samples(2, 2) == pytest.approx(priced.answer_path_samples(2, 2))
+    back_to_back: list[float] = []
+    price_answers(model, bare, clock=model.clock, sleep=back_to_back.append, gap_ms=0.0, warmup=0)
+    assert back_to_back == []
+
+
+def test_the_runtime_and_the_scheduler_read_the_same_price():
+    # The policy's checks take 1 ms each: a bare profile prices the whole way through the heads at 28 ms, the
+    # runtime pays 30. Priced on what the runtime pays, the scheduler's choice and the runtime's are one, and
+    # nothing it says fits is late.
+    model = TimedLadder([4.0, 8.0, 16.0]).eval()
+    bare = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    policy = slowed_checks(ExitPolicy("confidence", (0.9, 0.9)), model.clock, 1.0)
+    priced = price_answers(model, bare, policy=policy, clock=model.clock, sleep=lambda s: None, warmup=0)
+    unsure = -torch.ones(1, 3)
+    naive = AnytimeRunner(model, bare, policy, adapt=False, quantile=0.9, clock=model.clock)
+    out = naive.predict(unsure, 29.0)
+    assert (out.option, out.fits, out.missed, out.elapsed_ms) == ("policy", True, True, pytest.approx(30.0))
+    runner = AnytimeRunner(model, priced, policy, adapt=False, quantile=0.9, clock=model.clock)
+    scheduler = DeadlineScheduler(priced, list(runner.scheduler.options.values()))
+    for deadline in np.linspace(3.0, 40.0, 38):
+        choice = scheduler.select(float(deadline), 0.9)
+        out = runner.predict(unsure, float(deadline))
+        assert (out.option, out.fits, out.promised_ms) == (choice.option, choice.fits, pytest.approx(choice.latency_ms))
+        assert not (out.fits and out.missed), deadline
+    out = runner.predict(unsure, 29.0)  # the policy does not fit: exit 2 alone (28 ms) does
+    assert (out.option, out.step, out.missed) == ("step2", 2, False)
 
 
 def test_the_runtime_leaves_early_on_confident_inputs(sleepy):
@@ -366,25 +432,25 @@ def test_the_runtime_leaves_early_on_confident_inputs(sleepy):
     assert out.step == 0 and out.reason == "confident" and out.elapsed_ms == pytest.approx(4.0)  # not the whole 28 ms
     batch = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]])
     out = runner.predict(batch, 1000.0)  # one sample leaves at exit 0, the other runs to the end
-    assert out.exits.tolist() == [0, 2] and out.predictions[0] == 0
+    assert out.exits.tolist() == [0, 2] and out.predictions[0] == 0 and out.reason == "last"
 
 
-def test_a_request_the_deadline_stops_answers_without_asking_the_policy(sleepy):
+def test_a_policy_request_stops_where_a_typical_continuation_would_miss(sleepy):
     model, profile = sleepy
-    asked: list[int] = []
-
-    class Counting(ExitPolicy):
-        def leaves(self, k: int, logits: Tensor) -> bool:
-            asked.append(k)
-            return super().leaves(k, logits)
-
-    policy = Counting("confidence", (0.9, 0.9))
-    runner = AnytimeRunner(model, profile, policy, adapt=False, quantile=0.9, clock=model.clock)
-    tail = [profile.stage_quantile(k, 0.9) for k in range(3)]
-    out = runner.predict(torch.ones(1, 3), tail[0] + 0.5 * tail[1])  # confident, but exit 0 answers either way
-    assert (out.step, out.reason, asked) == (0, "deadline", [])
-    out = runner.predict(torch.ones(1, 3), 1000.0)
-    assert (out.step, out.reason, asked) == (0, "confident", [0])
+    # Nineteen validation samples in twenty leave at exit 0: the policy's p90 is exit 0's 4 ms, so it fits a
+    # 10 ms deadline and, as the most accurate option, is chosen; an unsure request then stops before a stage
+    # that would answer late.
+    runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), adapt=False, quantile=0.9,
+                           policy_accuracy=0.9, exit_share=(0.95, 0.05, 0.0), step_accuracy=(0.5, 0.6, 0.7),
+                           clock=model.clock)  # fmt: skip
+    out = runner.predict(-torch.ones(1, 3), 10.0)
+    assert (out.option, out.step, out.reason, out.missed) == ("policy", 0, "deadline", False)
+    out = runner.predict(-torch.ones(1, 3), 13.0)  # exit 1 typically answers at 12 ms: it goes on, then stops
+    assert (out.option, out.step, out.reason, out.missed) == ("policy", 1, "deadline", False)
+    out = runner.predict(torch.ones(1, 3), 10.0)  # the deadline decides first: exit 0 answers either way
+    assert (out.step, out.reason) == (0, "deadline")
+    out = runner.predict(torch.ones(1, 3), 100.0)
+    assert (out.option, out.step, out.reason) == ("policy", 0, "confident")
 
 
 class HeadedLadder(TimedLadder):
@@ -406,81 +472,6 @@ class HeadedLadder(TimedLadder):
         return super().forward_until(x, k)
 
 
-def test_the_runtime_goes_straight_to_an_exit_that_fits_alone_but_not_through_the_heads():
-    model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
-    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
-    policy = ExitPolicy("confidence", (0.9, 0.9))
-    runner = AnytimeRunner(model, profile, policy, adapt=False, quantile=0.9, clock=model.clock)
-    unsure = -torch.ones(1, 3)
-    step_tail = [profile.step_quantile(k, 0.9) for k in range(3)]
-    assert step_tail[2] < sum(profile.stage_quantile(k, 0.9) for k in range(3))
-    out = runner.predict(unsure, step_tail[2] + 0.5)  # the last exit alone fits; through both heads it would not
-    assert out.step == 2 and out.reason == "direct" and not out.missed and out.exits.tolist() == [2]
-    out = runner.predict(unsure, 100.0)  # the whole way through the heads fits: confident exits stay possible
-    assert out.reason == "last" and out.step == 2
-    out = runner.predict(torch.ones(1, 3), 100.0)
-    assert out.reason == "confident" and out.step == 0
-    out = runner.predict(unsure, step_tail[0] + 0.5)  # only the first exit fits either way: no shortcut to take
-    assert out.step == 0 and out.reason == "deadline"
-
-
-def test_the_runtime_foretells_how_far_the_heads_get_by_its_own_rule_not_by_the_sum_of_its_stages():
-    # Each stage takes 4 ms but stalls to 8 ms in two repetitions of its own: every stage's p99 is 8 ms, while the
-    # way to exit 1 takes 8 ms in 96 repetitions of 100. At 17 ms the request's own rule starts stage 2 (8 + 8 ms
-    # fit), so the heads reach exit 2; priced by the sum of the stages' p99s (24 ms), the runtime went straight to
-    # exit 2, where a confident sample could not leave at exit 0.
-    base = make_profile([4.0, 8.0, 12.0], stage_ms=[4.0, 4.0, 4.0])
-    stages = tuple(np.where(np.isin(np.arange(100), [2 * k, 2 * k + 1]), 8.0, 4.0) for k in range(3))
-    profile = replace(base, latency={1: BatchLatency(1, base.latency[1].steps, stages)})
-    model = TimedLadder([4.0, 4.0, 4.0]).eval()
-    runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), adapt=False, clock=model.clock)
-    out = runner.predict(torch.ones(1, 3), 17.0)
-    assert (out.step, out.reason) == (0, "confident")
-    out = runner.predict(-torch.ones(1, 3), 17.0)
-    assert (out.step, out.reason, out.missed) == (2, "last", False)
-    out = runner.predict(-torch.ones(1, 3), 15.0)  # the rule stops before stage 2 (8 + 8 > 15): straight to exit 2
-    assert (out.step, out.reason, out.missed) == (2, "direct", False)
-    # Stage 0 takes 6 ms instead of 4 in one repetition in five: at 9.5 ms the rule starts stage 1 at the median pace
-    # (4 + 4 ms fit) but not after a slow stage 0 (6 + 4 do not), so the heads would reach exit 1 for only 4 requests
-    # in 5: the runtime goes straight there, where exit 1 alone (8 ms) fits.
-    slow_start = (np.where(np.arange(100) % 5 == 0, 6.0, 4.0), np.full(100, 4.0), np.full(100, 4.0))
-    runner = AnytimeRunner(model, replace(base, latency={1: BatchLatency(1, base.latency[1].steps, slow_start)}),
-                           ExitPolicy("confidence", (0.9, 0.9)), adapt=False, clock=model.clock)  # fmt: skip
-    out = runner.predict(-torch.ones(1, 3), 9.5)
-    assert (out.step, out.reason, out.missed) == (1, "direct", False)
-
-
-def test_the_runtime_goes_straight_to_an_exit_only_on_what_it_measured_of_that_exit():
-    # Profiled: stage 0 at 4-8 ms (a wide tail), exit 1 alone at 8-16 ms. Served: stage 0 takes its profiled
-    # median, 6 ms, every time, so its p99 comes down by a quarter; exit 1 alone takes 15 ms (its head included),
-    # near its profiled p99. A come-down learned from stage 0 and lent to exit 1 would send requests straight to
-    # exit 1 at a 14 ms deadline, late; the runtime keeps exit 1's profiled tail until it has timed exit 1 alone
-    # (stage 1, on the way through exit 0's head, may borrow it: 6 + 9 ms does not fit either).
-    model = HeadedLadder([6.0, 6.0, 6.0], head_ms=3.0).eval()
-    profile = make_profile([4.0, 8.0, 12.0], stage_ms=[4.0, 6.0, 6.0], spread=1.0)
-    runner = AnytimeRunner(model, profile, quantile=0.99, adapt=True, clock=model.clock)
-    unsure = -torch.ones(1, 4)
-    for _ in range(60):
-        out = runner.predict(unsure, profile.stage_quantile(0, 0.99) + 0.5)
-        assert (out.step, out.reason, out.missed) == (0, "deadline", False)
-    assert runner.drift.estimate(profile.stage_quantile(0, 0.99), 0.99, 0) == pytest.approx(6.0)
-    out = runner.predict(unsure, 14.0)
-    assert (out.step, out.reason, out.missed) == (0, "deadline", False)
-
-
-def test_a_stall_counts_once_on_the_way_through_the_heads_as_on_the_way_straight_to_an_exit():
-    model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
-    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=100, warmup=1, clock=model.clock)
-    runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.99, adapt=True,
-                           clock=model.clock)  # fmt: skip
-    for i in range(100):  # stage 0 as profiled, but one answer in 25 stalls by 1 ms
-        runner.drift.observe(5.0 if i % 25 == 0 else 4.0, 4.0, 4.0, 0)
-    assert runner.drift.affine(0.99, 0) == pytest.approx((1.0, 1.0))
-    # Through both heads: 4 + 7 + 7 ms and one stall, 19 ms, fits 20 ms (a stall added at every stage would not: 21).
-    out = runner.predict(-torch.ones(1, 3), 20.0)
-    assert (out.step, out.reason, out.missed) == (2, "last", False)
-
-
 def test_the_runtime_answers_and_decides_on_combined_exits(sleepy):
     model, profile = sleepy
     # Exit 0 says class 0 and nobody may leave there, exit 1 alone says class 1; weighing exit 0 twice, the
@@ -500,78 +491,40 @@ def test_the_runtime_answers_and_decides_on_combined_exits(sleepy):
 
 def test_adaptation_keeps_deadlines_when_the_device_slows_down(sleepy):
     model, profile = sleepy
-    # The whole ladder fits as profiled; 2x slower, it takes longer than the deadline (56 vs 47 ms), but the first
-    # two stages still fit. A static runner starts the last stage on the profile's word (24 + 16 ms of 47) and
-    # misses; an adaptive one sees the stages take twice as long and stops after the second.
-    deadline = 1.65 * sum(profile.stage_quantile(k, 0.9) for k in range(3))
+    # Exit 2 fits as profiled (28 ms of 34); 2x slower it takes 56 ms. A static runner goes on choosing it and
+    # misses; an adaptive one sees its answers take twice as long and chooses exit 1 (24 ms, slowed).
+    deadline = 34.0
     static = AnytimeRunner(model, profile, adapt=False, quantile=0.9, clock=model.clock)
     adaptive = AnytimeRunner(model, profile, adapt=True, quantile=0.9, window=30, min_observations=4, clock=model.clock)
     x = -torch.ones(1, 3)
     model.slowdown = 2.0
     try:
         static_misses = sum(static.predict(x, deadline).missed for _ in range(4))
-        for _ in range(4):  # a few requests teach the runner the new speed (8 stage times make it ready)
+        for _ in range(8):  # a few answers teach the runner the new speed (8 make it ready)
             adaptive.predict(x, deadline)
         adapted = [adaptive.predict(x, deadline) for _ in range(4)]
     finally:
         model.slowdown = 1.0
     assert static_misses == 4
-    assert not any(o.missed for o in adapted) and all(o.step < 2 for o in adapted)
+    assert not any(o.missed for o in adapted) and all(o.step == 1 and o.fits for o in adapted)
+    assert adaptive.drift.level() == pytest.approx(2.0)
 
 
-def test_the_adaptive_runtime_keeps_its_own_bookkeeping_time_free():
-    model = TimedLadder([4.0, 8.0, 16.0]).eval()
-    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
-    model.finish_ms = 1.0  # what the runtime does after its last stage, which the profile never timed
-    deadline = 4.0 + 8.0 + 0.5  # exits 0 and 1 fit with 0.5 ms to spare: less than the bookkeeping
-    static = AnytimeRunner(model, profile, adapt=False, quantile=0.9, clock=model.clock)
-    adaptive = AnytimeRunner(model, profile, adapt=True, quantile=0.9, window=30, min_observations=4, clock=model.clock)
-    x = -torch.ones(1, 3)
-    late = [static.predict(x, deadline) for _ in range(3)]
-    assert all(o.step == 1 and o.missed and o.elapsed_ms == pytest.approx(13.0) for o in late)
-    learning = [adaptive.predict(x, deadline) for _ in range(4)]  # 4 answers' bookkeeping times make it count
-    assert all(o.step == 1 and o.missed for o in learning)
-    answered = [adaptive.predict(x, deadline) for _ in range(4)]
-    assert all(o.step == 0 and not o.missed and o.elapsed_ms == pytest.approx(5.0) for o in answered)
-    assert adaptive.predict(x, 4.0 + 8.0 + 1.5).step == 1  # with room for it, the runtime goes on
-
-
-def test_the_adaptive_runtime_times_its_checks_apart_from_the_stages():
-    model = TimedLadder([4.0, 8.0, 16.0]).eval()
-    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
-    policy = ExitPolicy("confidence", (0.9, 0.9))
-    decide = policy.leaves
-
-    def slow_leaves(k: int, logits: Tensor) -> bool:  # the runner's check between two stages, never profiled
-        model.clock.advance(1.0)
-        return decide(k, logits)
-
-    object.__setattr__(policy, "leaves", slow_leaves)
-    runner = AnytimeRunner(model, profile, policy, adapt=True, quantile=0.9, window=30, min_observations=4, clock=model.clock)
-    x = -torch.ones(1, 3)  # never confident: every request runs every stage the deadline lets it
-    for _ in range(6):
-        assert runner.predict(x, 100.0).elapsed_ms == pytest.approx(4.0 + 1.0 + 8.0 + 1.0 + 16.0)
-    # The stages ran as profiled: the checks' time does not pass for the device running slower.
-    assert runner.drift.level() == pytest.approx(1.0)
-    # Through exit 0's head, exit 1 answers after 4 + 1 + 8 = 13 ms; straight there (no check), after 12 ms.
-    out = runner.predict(x, 12.9)
-    assert (out.step, out.reason, out.missed, out.elapsed_ms) == (1, "direct", False, pytest.approx(12.0))
-    out = runner.predict(x, 13.0)
-    assert (out.step, out.reason, out.missed, out.elapsed_ms) == (1, "deadline", False, pytest.approx(13.0))
-
-
-def test_the_runtime_answers_at_a_step_it_is_told_straight_there_and_observes_it():
+def test_the_runtime_answers_at_a_step_it_is_told_and_observes_it():
     model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
     profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
     runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.9, clock=model.clock)
     confident = torch.ones(1, 3)  # would leave at exit 0 on the way through the heads
-    for k, ms in enumerate([7.0, 11.0, 12.0]):  # stages up to k and exit k's own head, no earlier head
+    for k, (alone, through) in enumerate(zip([7.0, 11.0, 12.0], [4.0, 11.0, 18.0])):
         seen = runner.drift.observations
-        out = runner.predict_at(confident, k)
+        out = runner.predict_at(confident, k)  # the stages up to k and exit k's own head, no earlier head
         assert (out.step, out.reason, out.exits.tolist(), out.missed) == (k, "pinned", [k], False)
-        assert out.elapsed_ms == pytest.approx(ms) and out.deadline_ms == math.inf
+        assert out.elapsed_ms == pytest.approx(alone) and out.deadline_ms == math.inf
         assert torch.equal(out.logits, model._logits(confident, k))
         assert runner.drift.observations == seen + 1
+        out = runner.predict_at(confident, k, through=True)  # every earlier head, nobody leaving
+        assert (out.step, out.reason, out.exits.tolist()) == (k, "pinned", [k])
+        assert out.elapsed_ms == pytest.approx(through)
     for bad in (3, -1, True, 1.0):
         with pytest.raises(AnytimeError, match="does not exist"):
             runner.predict_at(confident, bad)  # type: ignore[arg-type]
@@ -672,6 +625,8 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
         return replace(taken, latency={1: replace(taken.at(1), memory=MEMORY if memory else None)})
 
     monkeypatch.setattr(anytime.profile, "profile_model", fake, raising=False)
+    monkeypatch.setattr("anytime.pipeline._pricing_policy", lambda *args: None)  # the fake has 2 steps, the run 3
+    monkeypatch.setattr("anytime.pipeline.price_answers", lambda model, profile, **kwargs: profile)
     profile, _ = profile_run(profiled, batch_sizes=[1], memory=False, out=tmp_path / "a.json")
     assert calls == [False, False, False] and profile.settings["steadiness"]["attempts"] == 3
     assert profile.settings["steadiness"]["spread"] == pytest.approx(0.05)  # the third, within 0.25

@@ -102,6 +102,9 @@ def test_a_request_whose_deadline_passed_in_the_queue_is_answered_at_once_as_mis
     text = service.metrics.render(service.queue_depth)
     assert "anytime_requests_total 3" in text and "anytime_deadline_misses_total 2" in text
     assert "anytime_expired_total 2" in text and 'anytime_request_seconds_count{step="exit0"}' in text
+    # Only the request the runtime ran was promised (its option fitted); the expired ones were not.
+    assert "anytime_promised_total 1" in text and "anytime_promises_broken_total 0" in text
+    assert fine.fits and not gone.fits and fine.to_dict()["fits"] is True
 
 
 def test_a_batch_runs_under_the_tightest_energy_budget_among_its_requests():

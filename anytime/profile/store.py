@@ -42,6 +42,12 @@ class BatchLatency:
     where the profile measured energy (``anytime profile --energy``). ``suffixes[k][i]`` (``anytime profile
     --suffixes``): stage k+1+i when the pass starts after partition k from a stored activation, as a split
     server runs it (segments started cold run slower than inside one pass).
+
+    ``answers[k]`` and ``answer_paths[k]`` are what an answer costs, measured as the anytime runtime pays it from
+    the call to the answer (:func:`anytime.scheduler.pricing.price_answers`): step k chosen up front and run alone
+    (``answers``), and, for incremental models, a request that goes through every exit head before k, the policy
+    consulted at each, and answers at exit k (``answer_paths``). The scheduler and the runtime price options on
+    these where a profile has them; a profile without them is priced on the model's own latencies.
     """
 
     batch_size: int
@@ -51,6 +57,8 @@ class BatchLatency:
     training: dict[str, float] | None = None
     energy: BatchEnergy | None = None
     suffixes: tuple[tuple[np.ndarray, ...], ...] | None = None
+    answers: tuple[np.ndarray, ...] | None = None
+    answer_paths: tuple[np.ndarray, ...] | None = None
 
     def suffix_paths(self, k: int) -> np.ndarray | None:
         """Per repetition, the time from a stored activation after partition ``k`` to each later exit
@@ -69,7 +77,9 @@ class BatchLatency:
                 "stages": None if self.stages is None else block(self.stages),
                 "memory": self.memory, "training": self.training,
                 "energy": None if self.energy is None else self.energy.to_dict(),
-                **({} if self.suffixes is None else {"suffixes": [block(s) for s in self.suffixes]})}  # fmt: skip
+                **({} if self.suffixes is None else {"suffixes": [block(s) for s in self.suffixes]}),
+                **({} if self.answers is None else {"answers": block(self.answers)}),
+                **({} if self.answer_paths is None else {"answer_paths": block(self.answer_paths)})}  # fmt: skip
 
 
 STEADY_WITHIN = 0.25  # a profile whose halves' tails part by more than this share was taken on a busy machine
@@ -117,7 +127,8 @@ class DeviceProfile:
     @property
     def samples_per_step(self) -> int:
         """The fewest samples behind any latency figure (what bounds the quantiles it can resolve)."""
-        return min(s.size for b in self.latency.values() for s in b.steps + (b.stages or ()))
+        return min(s.size for b in self.latency.values()
+                   for s in b.steps + (b.stages or ()) + (b.answers or ()) + (b.answer_paths or ()))
 
     def at(self, batch_size: int) -> BatchLatency:
         """The latencies at one batch size; a clear error for one that was not measured."""
@@ -165,6 +176,23 @@ class DeviceProfile:
         if stages is None:
             raise AnytimeError("this profile has no stage latencies: the model is not incremental")
         return np.sum(np.stack(stages[: k + 1]), axis=0)
+
+    @property
+    def priced(self) -> bool:
+        """Whether every batch size has the runtime's answer prices (:attr:`BatchLatency.answers`)."""
+        return all(b.answers is not None for b in self.latency.values())
+
+    def answer_samples(self, k: int, batch_size: int = 1) -> np.ndarray:
+        """What answering at step ``k`` chosen up front costs (ms per repetition): as the runtime paid it where the
+        profile priced answers, else step k's own latency."""
+        at = self.at(batch_size)
+        return at.steps[k] if at.answers is None else at.answers[k]
+
+    def answer_path_samples(self, k: int, batch_size: int = 1) -> np.ndarray:
+        """What a request that goes through the exit heads and answers at exit ``k`` costs (ms per repetition): as
+        the runtime paid it where the profile priced answers, else the stages 0..k summed; incremental models only."""
+        at = self.at(batch_size)
+        return self.path_samples(k, batch_size) if at.answer_paths is None else at.answer_paths[k]
 
     def steadiness(self, q: float = 0.99) -> Steadiness:
         """The halves of the repetitions compared at ``q``, or at the highest quantile that leaves ten samples
@@ -265,9 +293,13 @@ class DeviceProfile:
                 if suffix_samples is not None and (not incremental or [len(p) for p in suffix_samples]
                                                    != list(range(num_steps - 1, 0, -1))):  # fmt: skip
                     raise ValueError("suffixes do not match the steps")
+                answers = _optional_block(entry.get("answers"), num_steps, where)
+                answer_paths = _optional_block(entry.get("answer_paths"), num_steps, where)
+                if answer_paths is not None and (not incremental or answers is None):
+                    raise ValueError("answer paths without answers, or on a model that is not incremental")
                 latency[b] = BatchLatency(b, step_samples, stage_samples, entry.get("memory"), entry.get("training"),
                                           None if energy is None else BatchEnergy.from_dict(energy, num_steps, where),
-                                          suffix_samples)  # fmt: skip
+                                          suffix_samples, answers, answer_paths)  # fmt: skip
             if not latency or num_steps < 1:
                 raise ValueError("empty")
             meter = None if doc.get("energy") is None else EnergyMeter.from_dict(doc["energy"])
@@ -293,6 +325,16 @@ class DeviceProfile:
         profile = cls.from_dict(doc, where=str(path))
         profile.check_model(fingerprint, num_steps, where=str(path))
         return profile
+
+
+def _optional_block(entries: Any, num_steps: int, where: str) -> tuple[np.ndarray, ...] | None:
+    """One sample array per step from a list of ``{"samples_ms": [...]}`` entries, or None where there is none."""
+    if entries is None:
+        return None
+    block = tuple(_samples(e["samples_ms"], where) for e in entries)
+    if len(block) != num_steps:
+        raise ValueError("steps do not match")
+    return block
 
 
 def _samples(values: Any, where: str) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Which step or early-exit policy meets a deadline: the frontier of options and a binary search on it.
 
 An option is a single step chosen up front, or a calibrated early-exit policy over an incremental model.
-Its latency at quantile q comes from the device profile: a step's own samples, or for a policy the mixture
-of the exit paths weighted by where its validation samples leave (for a batch, by where the deepest sample
+Its latency at quantile q comes from the device profile, priced as the anytime runtime pays for an answer where the
+profile measured that (:func:`anytime.scheduler.pricing.price_answers`; else the model's own latencies): a step's
+samples, or for a policy the mixture of the exit paths weighted by where its validation samples leave (for a batch, by where the deepest sample
 of the batch leaves, since the batch runs until its last sample does). Options are sorted by latency and
 only those more accurate than every cheaper one are kept: the frontier. ``select`` is then a bisection.
 
@@ -153,7 +154,7 @@ class DeadlineScheduler:
         q = self.profile.check_quantile(quantile)
         if o.policy is None:
             assert o.step is not None
-            return self.profile.step_quantile(o.step, q, batch_size)
+            return quantile_of(self.profile.answer_samples(o.step, batch_size), q)
         samples, weights = self._policy_mixture(o, batch_size)
         return quantile_of(samples, q, weights)
 
@@ -208,6 +209,25 @@ class DeadlineScheduler:
             f = adapted if adapted is not None and adapted.version == self.drift.version else self._adapt(key)
         return _pick(f, deadline_ms, quantile, batch_size)
 
+    def quote(self, option: str | Option, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1, *,
+              energy_mj: float | None = None) -> Selection:  # fmt: skip
+        """One option's price at ``quantile`` (as the drift estimate has it now) against ``deadline_ms`` (and, given
+        ``energy_mj``, its mean energy against that budget): the selection of that option, ``fits`` saying whether
+        it fits."""
+        check_deadline(deadline_ms)
+        o = self._option(option)
+        self._frontier(quantile, batch_size)
+        profiled = self._costs[(quantile, batch_size)][o.name]
+        latency = self.drift.estimate(profiled, quantile, o.name) if self.adapt and self.drift.ready else profiled
+        fits = latency <= deadline_ms
+        energy = None
+        if energy_mj is not None:
+            check_energy_budget(energy_mj)
+            energy = self._energies(batch_size)[o.name]
+            fits = fits and energy <= energy_mj
+        return Selection(o.name, o.kind, o.step, o.accuracy, latency, float(deadline_ms), quantile, batch_size, fits,
+                         latency / profiled, None, energy, None if energy_mj is None else float(energy_mj))  # fmt: skip
+
     def observe(
         self, option: str | Option | Selection, seconds: float, batch_size: int | None = None, *, step: int | None = None
     ) -> None:
@@ -231,7 +251,7 @@ class DeadlineScheduler:
             elif step is None or not 0 <= step < self.profile.num_steps:
                 raise AnytimeError(f"observing the policy option {name} needs step=the exit its answer reached (0..{self.profile.num_steps - 1})")
             else:
-                path = self.profile.path_samples(step, batch)
+                path = self.profile.answer_path_samples(step, batch)
                 profiled = (quantile_of(path, 0.5), quantile_of(path, q))
             self._references[key] = profiled
         self.drift.observe(1000.0 * seconds, *profiled, name)
@@ -256,7 +276,7 @@ class DeadlineScheduler:
 
     def _policy_mixture(self, option: Option, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         deepest = _deepest_share(option, batch_size)
-        paths = [self.profile.path_samples(k, batch_size) for k in range(self.profile.num_steps)]
+        paths = [self.profile.answer_path_samples(k, batch_size) for k in range(self.profile.num_steps)]
         weights = [np.full(p.size, w / p.size) for p, w in zip(paths, deepest)]
         return np.concatenate(paths), np.concatenate(weights)
 

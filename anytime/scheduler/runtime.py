@@ -1,12 +1,19 @@
 """The anytime runtime: answer a request within its deadline, as accurately as the time allows.
 
-For an incremental model the steps run in order. After each one the runner returns if the next stage's latency at
-the quantile, scaled by the device's current drift, and the runner's own time (to finish its check and start the
-stage, and to return an answer after its last stage) no longer fit in the time left (or, given an energy budget, if
-reaching the next exit would cost more energy per inference than the budget, by the profile's exit-path energies),
-or else if the exit is confident (the calibrated policy); otherwise it goes on. The first step always runs, so a
-prediction always comes back. A non-incremental model (each step a separate forward) gets one step chosen up front
-by the scheduler.
+The runtime answers as the deadline scheduler prices. At every request the runner runs the calibrated early-exit
+policy (over an incremental model) if its price at the runner's quantile fits the time left, as that trade of
+accuracy for cost is what its user asked for; else it asks its
+:class:`~anytime.scheduler.deadline.DeadlineScheduler` (built on the same profile) for the most accurate option
+that fits, a step chosen up front and run alone. A price is what the profile measured the runtime pay for that answer,
+from the call to the answer (:func:`anytime.scheduler.pricing.price_answers`), so that "fits" in ``anytime
+schedule`` and the runtime's choice are one figure and cannot disagree. Where nothing fits, the cheapest option
+answers and the prediction says so (``fits`` is False): a prediction always comes back.
+
+Under a policy the steps run in order and a sample leaves at its first confident exit. Between two exits the runner
+goes on unless even a typical (median) continuation to the next exit would answer after the deadline, which
+happens only on a device running late: the policy's price already holds the tail of every exit path it takes. With
+``adapt`` every answer's measured time feeds the scheduler's drift estimate (:class:`DriftEstimator`), so the
+choices follow a device that slows down or stalls.
 """
 
 from __future__ import annotations
@@ -25,28 +32,12 @@ from anytime.contract import is_incremental, run_step, step_count
 from anytime.errors import AnytimeError
 from anytime.profile.stats import quantile_of
 from anytime.profile.store import DeviceProfile
-from anytime.scheduler.deadline import DeadlineScheduler, check_deadline, check_energy_budget
-from anytime.scheduler.online import DriftEstimator, SortedWindow
+from anytime.scheduler.deadline import DeadlineScheduler, Option, Selection, check_deadline, check_energy_budget
+from anytime.scheduler.online import DriftEstimator
 from anytime.utils.timer import Clock, monotonic
 
-
-# The way through the heads counts as reaching an exit when 9 requests in 10 would: foretold at its median pace,
-# the runtime's deadline checks stopped 8-11% more of the fast CIFAR-10 card's requests at exit 0, 1.4-1.7 points
-# below going straight to exit 1, which fitted.
-REACH_PACE = 0.9
-
-
-@dataclass(frozen=True)
-class _Estimates:
-    """A profile's latencies (ms) at the runtime's quantile and median: per stage, per step run alone, and per way
-    through the heads to an exit (``way_pace[k]``: the :data:`REACH_PACE` quantile of stages 0..k summed repetition
-    by repetition)."""
-
-    tail: list[float]
-    median: list[float]
-    step_tail: list[float]
-    step_median: list[float]
-    way_pace: list[float]
+#: The name of the early-exit policy among a runner's options.
+POLICY_OPTION = "policy"
 
 
 @dataclass(frozen=True)
@@ -54,12 +45,12 @@ class AnytimePrediction:
     """One answered request.
 
     ``exits[i]`` is the step that answered sample i; ``step`` the deepest step that ran. ``reason``:
-    ``confident`` (every sample passed its exit's threshold, with time and energy left for the next stage),
-    ``deadline`` (the next stage would not fit: the policy is not consulted then, since this exit answers either
-    way), ``energy`` (the next exit would exceed the energy budget), ``last`` (the last step ran), ``direct`` (the
-    deadline let one exit fit alone but not the way to it through every earlier head, so the runtime went
-    straight to it, no earlier head run), ``chosen`` (a non-incremental step picked up front) or ``pinned`` (the
-    caller named the step: :meth:`AnytimeRunner.predict_at`).
+    ``confident`` (every sample passed its exit's threshold), ``deadline`` (under a policy, even a typical
+    continuation to the next exit would have answered late, so this exit answered), ``energy`` (the next exit
+    would exceed the energy budget), ``last`` (a policy ran to its last exit), ``chosen`` (a step picked up front
+    by the scheduler) or ``pinned`` (the caller named the step: :meth:`AnytimeRunner.predict_at`). ``option`` is
+    the scheduler's option that answered, ``promised_ms`` its price at the runner's quantile and ``fits`` whether
+    that price fitted the time left (False: nothing fitted, and the cheapest option answered).
     """
 
     predictions: Tensor
@@ -69,6 +60,9 @@ class AnytimePrediction:
     reason: str
     elapsed_ms: float
     deadline_ms: float
+    option: str = ""
+    promised_ms: float = math.nan
+    fits: bool = True
 
     @property
     def missed(self) -> bool:
@@ -76,28 +70,42 @@ class AnytimePrediction:
         return self.elapsed_ms > self.deadline_ms
 
 
+def runner_options(
+    profile: DeviceProfile, step_accuracy: Sequence[float] | None, policy: ExitPolicy | None,
+    policy_accuracy: float | None = None, exit_share: Sequence[float] | None = None,
+) -> list[Option]:  # fmt: skip
+    """A runner's options: every step with its accuracy (default: rising with the step, as ladders gain accuracy
+    with cost) and the policy, if any. A policy without its validation figures counts as the most accurate option
+    and is priced as if every sample ran to its last exit (an upper bound of its cost)."""
+    k = profile.num_steps
+    accuracy = list(step_accuracy) if step_accuracy is not None else list(np.linspace(0, 1, k + 2)[1:-1])
+    options = [Option(name, float(a), step=i) for i, (name, a) in enumerate(zip(profile.step_names, accuracy))]
+    if policy is not None:
+        share = tuple(float(v) for v in exit_share) if exit_share is not None else (0.0,) * (k - 1) + (1.0,)
+        options.append(Option(POLICY_OPTION, 1.0 if policy_accuracy is None else float(policy_accuracy), policy=policy,
+                              exit_share=share))  # fmt: skip
+    return options
+
+
 class AnytimeRunner:
     """Runs an anytime model against deadlines with a device profile and (optionally) an early-exit policy.
 
-    ``quantile`` is the latency quantile a stage must fit at before it starts. With ``adapt`` every stage's
-    measured time feeds a :class:`DriftEstimator`, so the runner slows its ambitions when the device slows down,
-    and the runner times what it does itself, which the profile does not time: its checks between two stages and
-    the answer's bookkeeping after its last one. Each is added at its own quantile: a request that goes on with a
-    few microseconds to spare would otherwise miss by them. They are kept apart from the stages, so that the drift
-    estimate scales the model's latencies only (a direct jump to an exit has no checks to pay). ``margin_ms`` is
-    kept free at the end as well, for returning the answer. A non-incremental model's step is chosen by
-    ``scheduler``, else by one built from ``step_accuracy``, else the deepest step that fits (ladders gain accuracy
-    with cost). The runner checks the profile's step count against the model; that the profile was measured on
-    these weights is checked where both are loaded (``runner_for_run``). ``clock`` (seconds, monotonic; default
-    :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests inject a fake one.
-    ``length_profiles`` (a text model's profiles by sentence length in tokens) price each request by the shortest
-    profiled length that holds it (``x.shape[1]``), its length bucket; ``profile`` is then the longest.
+    ``quantile`` is the latency quantile an option's price must fit at. The options are every step, with
+    ``step_accuracy`` (validation accuracy per step), and the ``policy`` with ``policy_accuracy`` and its validation
+    ``exit_share`` (:func:`runner_options`); or ``scheduler``'s options where one is given. With ``adapt`` every
+    answer's time is told to the scheduler, whose drift estimate then prices the options. ``margin_ms`` is kept free
+    at the end of every deadline. The runner checks the profile's step count against the model; that the profile
+    was measured on these weights is checked where both are loaded (``runner_for_run``). ``clock`` (seconds,
+    monotonic; default :func:`anytime.utils.timer.monotonic`) is what every deadline is measured with: tests inject
+    a fake one. ``length_profiles`` (a text model's profiles by sentence length in tokens) price each request by
+    the shortest profiled length that holds it (``x.shape[1]``), its length bucket; ``profile`` is then the longest.
     """
 
     def __init__(
         self, model: nn.Module, profile: DeviceProfile, policy: ExitPolicy | None = None, *, quantile: float = 0.99,
         adapt: bool = True, margin_ms: float = 0.0, window: int = 200, min_observations: int = 20,
         scheduler: DeadlineScheduler | None = None, step_accuracy: Sequence[float] | None = None,
+        policy_accuracy: float | None = None, exit_share: Sequence[float] | None = None,
         clock: Clock = monotonic, length_profiles: Mapping[int, DeviceProfile] | None = None,
     ) -> None:  # fmt: skip
         num_steps = step_count(model)
@@ -130,24 +138,25 @@ class AnytimeRunner:
                                    "calibration compares exits with each other: calibrate with --criterion entropy "
                                    "(or confidence, margin) for the runtime")  # fmt: skip
         self._num_steps = num_steps
-        # What the drift estimate is told it measured: a stage by its index, a step run alone by this key.
-        self._step_keys = [("step", k) for k in range(num_steps)]
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
-        self._estimates: dict[tuple[int, int | None], tuple[list[float], list[float]]] = {}
-        self._energies: dict[int, list[float]] = {}
-        if self.incremental:
-            self.drift = DriftEstimator(window=window, min_observations=min_observations, tracked_quantile=self.quantile)
-            self._finish = SortedWindow(window)
-            self._checks = SortedWindow(window)
-            self.scheduler = None
+        if scheduler is None:
+            options = runner_options(profile, step_accuracy, policy, policy_accuracy, exit_share)
+            kwargs = {"adapt": adapt, "window": window, "min_observations": min_observations,
+                      "tracked_quantile": self.quantile}  # fmt: skip
+            scheduler = DeadlineScheduler(profile, options, **kwargs)  # type: ignore[arg-type]
+            self._buckets = {t: DeadlineScheduler(p, options, **kwargs) for t, p in self.length_profiles.items()}  # type: ignore[arg-type]
         else:
-            accuracy = step_accuracy if step_accuracy is not None else np.linspace(0, 1, num_steps + 2)[1:-1]
-            self.scheduler = scheduler or DeadlineScheduler.from_accuracies(
-                profile, list(accuracy), adapt=adapt, window=window, min_observations=min_observations,
-                tracked_quantile=self.quantile,
-            )  # fmt: skip
-            self.drift = self.scheduler.drift
+            self._buckets = {}
+        self.scheduler = scheduler
+        self._policy_option = next((o for o in scheduler.options.values() if o.policy is not None), None)
+        self._onward: dict[tuple[int, int | None], list[float]] = {}
+        self._energies: dict[int, list[float]] = {}
+
+    @property
+    def drift(self) -> DriftEstimator:
+        """The drift estimate the runner's choices are priced with (its scheduler's; the longest length's)."""
+        return self.scheduler.drift
 
     def _profiled_batch(self, batch_size: int) -> int:
         """The smallest profiled batch size that holds ``batch_size`` samples (a conservative estimate)."""
@@ -169,64 +178,31 @@ class AnytimeRunner:
                                f"({max(self.length_profiles)}); cut it, or profile that length")  # fmt: skip
         return holding[0]
 
-    def _stage_estimates(self, batch_size: int, length: int | None = None) -> _Estimates:
-        """Per stage and per step alone: latency at the quantile and median (ms), at the nearest profiled batch
-        size at or above ``batch_size`` (and, with length profiles, the length bucket of ``length`` tokens)."""
-        bucket = None if length is None else self.bucket_of(length)
+    def _scheduler_for(self, x: Tensor) -> tuple[DeadlineScheduler, int | None]:
+        bucket = self.bucket_of(int(x.shape[1])) if self.length_profiles else None
+        return (self.scheduler if bucket is None else self._buckets[bucket]), bucket
+
+    def select(self, x: Tensor, left_ms: float, energy_mj: float | None = None) -> Selection:
+        """What :meth:`predict` runs for the batch ``x`` with ``left_ms`` of its deadline left: the policy where its
+        price fits (it is the trade of accuracy for cost that was asked for), else the scheduler's choice, the most
+        accurate option that fits."""
+        scheduler, _ = self._scheduler_for(x)
+        left, batch = max(left_ms, 1e-6), self._profiled_batch(x.shape[0])
+        if self._policy_option is not None:
+            quote = scheduler.quote(self._policy_option, left, self.quantile, batch, energy_mj=energy_mj)
+            if quote.fits:
+                return quote
+        return scheduler.select(left, self.quantile, batch, energy_mj=energy_mj)
+
+    def _onward_ms(self, batch_size: int, bucket: int | None) -> list[float]:
+        """Per exit k, the typical (median) time from exit k's answer to exit k+1's on the way through the heads."""
         key = (batch_size, bucket)
-        found = self._estimates.get(key)
-        if found is not None:
-            return found
-        profile = self.profile if bucket is None else self.length_profiles[bucket]
-        latency = profile.at(self._profiled_batch(batch_size))
-        stages = latency.stages or ()
-        median = [max(quantile_of(s, 0.5), 1e-9) for s in stages]
-        if stages and len({s.size for s in stages}) == 1:
-            ways = [quantile_of(w, REACH_PACE) for w in np.cumsum(np.stack(stages), axis=0)]
-        else:  # stages not timed in the same repetitions: the sum of their quantiles bounds the way's
-            ways = np.cumsum([quantile_of(s, REACH_PACE) for s in stages]).tolist()
-        found = self._estimates[key] = _Estimates(
-            [quantile_of(s, self.quantile) for s in stages], median,
-            [quantile_of(s, self.quantile) for s in latency.steps], [max(quantile_of(s, 0.5), 1e-9) for s in latency.steps],
-            ways,
-        )  # fmt: skip
+        found = self._onward.get(key)
+        if found is None:
+            profile = self.profile if bucket is None else self.length_profiles[bucket]
+            medians = [quantile_of(profile.answer_path_samples(k, batch_size), 0.5) for k in range(self._num_steps)]
+            found = self._onward[key] = [max(b - a, 0.0) for a, b in zip(medians, medians[1:])]
         return found
-
-    def _direct_step(self, estimates: _Estimates, budget: float) -> int | None:
-        """The exit to go straight to, skipping the heads on the way, when the deadline lets that exit alone fit
-        but not the path through every earlier head to it; None when the path through the heads reaches as far."""
-        # How far the way through the heads gets is foretold by the request's own rule at a pace most requests
-        # keep: stage k starts if the time spent so far (the way to exit k-1 at its REACH_PACE quantile) and stage
-        # k at the runtime's quantile fit.
-        # Priced instead by the sum of its stages' quantiles, or by its own quantile, the way's tail stood on a
-        # different footing from the tail of the exit alone it was weighed against: on a shared machine a
-        # profile's bursts span several stages, and in one run the way's p99 came out 5% under the sum of its
-        # stages' p99s with one thread and 15% over it with two.
-        # A stall's excess is added once, as the request's own checks add it to the stage that would follow.
-        # The runner's checks between the stages are timed apart from them, and are added here the same way.
-        reach = 0
-        level = self.drift.level() if self.adapt else 1.0
-        check = self._check_ms() if self.adapt else 0.0
-        paced_check = self._checks.quantile(REACH_PACE) if check else 0.0
-        for k in range(1, len(estimates.tail)):
-            factor, add = self.drift.affine(self.quantile, k) if self.adapt else (1.0, 0.0)
-            way = level * estimates.way_pace[k - 1] + (k - 1) * paced_check
-            if way + factor * estimates.tail[k] + add + check > budget:
-                break
-            reach = k
-        direct, add = -1, 0.0
-        for k, tail in enumerate(estimates.step_tail):
-            if self.adapt:
-                factor, add = self.drift.affine(self.quantile, self._step_keys[k], borrow=False)
-                tail *= factor
-            if tail + add <= budget:
-                direct = k
-        return direct if direct > max(reach, 0) else None
-
-    def _check_ms(self) -> float:
-        """The runner's own time between a stage's answer and the next stage's start (its drift update, estimates
-        and policy) at the quantile, as timed lately; 0 until enough checks have been timed."""
-        return self._checks.quantile(self.quantile) if len(self._checks) >= self.drift.min_observations else 0.0
 
     def _path_energies(self, batch_size: int) -> list[float]:
         """Per exit, the mean millijoules per inference of one pass through exits 0..k (profiled batch at or above)."""
@@ -246,85 +222,99 @@ class AnytimeRunner:
             self.profile.require_energy()
         if self.model.training:
             raise AnytimeError("the anytime runtime needs the model in eval mode (call model.eval())")
+        budget = deadline_ms - self.margin_ms
+        choice = self.select(x, budget - 1000.0 * (self.clock() - start), energy_mj)
         with torch.inference_mode():
-            if not self.incremental:
-                return self._predict_chosen(x, deadline_ms, start, energy_mj)
-            return self._predict_incremental(x, deadline_ms, start, energy_mj)
+            if choice.step is not None:
+                out = self._run_step(x, choice.step, start, float(deadline_ms), "chosen")
+            else:
+                out = self._run_policy(x, budget, start, float(deadline_ms), energy_mj=energy_mj)
+        if self.adapt:
+            self._observe(x, choice, out)
+        return AnytimePrediction(out.predictions, out.logits, out.exits, out.step, out.reason, out.elapsed_ms,
+                                 out.deadline_ms, choice.option, choice.latency_ms, choice.fits)  # fmt: skip
 
-    def predict_at(self, x: Tensor, k: int) -> AnytimePrediction:
-        """Answer the batch ``x`` at step ``k``, straight there (no earlier exit head runs, no deadline): what the
-        runtime pays to answer at a step it was told, e.g. to time the best any choice of step could do in
-        hindsight, or to pin a step while debugging. With ``adapt`` the time is observed as a straight jump's."""
+    def _observe(self, x: Tensor, choice: Selection, out: AnytimePrediction) -> None:
+        scheduler, _ = self._scheduler_for(x)
+        step = None if choice.step is not None else out.step
+        scheduler.observe(choice.option, out.elapsed_ms / 1000.0, choice.batch_size, step=step)
+
+    def predict_at(self, x: Tensor, k: int, *, through: bool = False) -> AnytimePrediction:
+        """Answer the batch ``x`` at step ``k`` (no deadline): straight there, as a step chosen up front runs, or
+        with ``through`` (an incremental model) through every earlier exit head, the policy consulted at each but
+        nobody leaving, as a policy's request that answers at exit k runs. What the runtime pays to answer at a
+        step it was told: the profile's answer prices are timed this way. With ``adapt`` a straight answer's time
+        is observed as its step option's."""
         start = self.clock()
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self._num_steps:
             raise AnytimeError(f"step {k!r} does not exist; this model has steps 0..{self._num_steps - 1}")
+        if through and not self.incremental:
+            raise AnytimeError("only an incremental model answers through its exit heads")
         if self.model.training:
             raise AnytimeError("the anytime runtime needs the model in eval mode (call model.eval())")
         with torch.inference_mode():
-            if self.incremental:
-                estimates = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
-                return self._predict_direct(x, k, estimates, math.inf, start, reason="pinned")
-            begun = self.clock()
-            logits = run_step(self.model, x, k)
-            self._sync()
-            now = self.clock()
-            assert self.scheduler is not None
-            option = next((o for o in self.scheduler.options.values() if o.policy is None and o.step == k), None)
-            if self.adapt and option is not None:
-                self.scheduler.observe(option, now - begun, self._profiled_batch(x.shape[0]))
-            exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
-            return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "pinned", 1000.0 * (now - start), math.inf)
+            if through:
+                return self._run_policy(x, math.inf, start, math.inf, stop_at=k)
+            out = self._run_step(x, k, start, math.inf, "pinned")
+        if self.adapt:
+            scheduler, _ = self._scheduler_for(x)
+            option = next((o for o in scheduler.options.values() if o.policy is None and o.step == k), None)
+            if option is not None:
+                scheduler.observe(option, out.elapsed_ms / 1000.0, self._profiled_batch(x.shape[0]))
+        return out
 
-    def _predict_incremental(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
-        estimates = self._stage_estimates(x.shape[0], int(x.shape[1]) if self.length_profiles else None)
-        tail, median = estimates.tail, estimates.median
-        path_mj = None if energy_mj is None else self._path_energies(x.shape[0])
-        last = self._num_steps - 1
-        policy = self.policy
-        budget = deadline_ms - self.margin_ms
-        if self.adapt and len(self._finish) >= self.drift.min_observations:
-            budget -= self._finish.quantile(self.quantile)
-        direct = None if energy_mj is not None else self._direct_step(estimates, budget - 1000.0 * (self.clock() - start))
-        if direct is not None:
-            return self._predict_direct(x, direct, estimates, deadline_ms, start)
+    def _run_step(self, x: Tensor, k: int, start: float, deadline_ms: float, reason: str) -> AnytimePrediction:
+        logits = run_step(self.model, x, k)  # a combining policy's weights need earlier exits: step k answers alone
+        self._sync()
+        exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
+        predictions = logits.argmax(dim=1)
+        end = self.clock()
+        return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), deadline_ms)
+
+    def _run_policy(
+        self, x: Tensor, budget: float, start: float, deadline_ms: float, *, energy_mj: float | None = None,
+        stop_at: int | None = None,
+    ) -> AnytimePrediction:  # fmt: skip
+        """Through the exits in order: a sample leaves at its first confident exit (none leaves before
+        ``stop_at``, which answers when given), the request stops where even a typical continuation would miss
+        ``budget`` (ms from ``start``) or the next exit would exceed ``energy_mj``."""
         batch = x.shape[0]
+        _, bucket = self._scheduler_for(x)
+        onward = self._onward_ms(self._profiled_batch(batch), bucket)
+        level = self.drift.level() if self.adapt else 1.0
+        path_mj = None if energy_mj is None else self._path_energies(batch)
+        last = self._num_steps - 1 if stop_at is None else stop_at
+        policy = self.policy
         decided: Tensor | None = None  # which samples have already left at a confident exit
         exits: Tensor | None = None
         answer: Tensor | None = None
         steps = self.model.steps(x)  # type: ignore[operator]
         answers = None if policy is None or policy.combine is None else policy.answers()
-        reason = "last"
+        reason = "last" if stop_at is None else "pinned"
         k = -1
         logits = x
-        now = before = self.clock()  # the stage's start
         try:
             for k, logits in enumerate(steps):
                 self._sync()
-                now = self.clock()
-                if self.adapt:
-                    self.drift.observe(1000.0 * (now - before), median[k], tail[k], k)
                 if answers is not None:  # every head runs here, so each exit's combined answer is at hand
                     logits = answers.answer(k, logits)
                 if k == last:
                     break
-                # The budgets first: where they stop the request, this exit answers whatever the policy says.
-                if path_mj is not None and path_mj[k + 1] > energy_mj:  # type: ignore[operator]
-                    reason = "energy"
-                    break
-                following = tail[k + 1]
-                if self.adapt:
-                    following = self.drift.estimate(following, self.quantile, k + 1) + self._check_ms()
-                elapsed = 1000.0 * (self.clock() - start)
-                if elapsed + following > budget:
-                    reason = "deadline"
-                    break
+                if stop_at is None:
+                    # The budgets first: where they stop the request, this exit answers whatever the policy says.
+                    if path_mj is not None and path_mj[k + 1] > energy_mj:  # type: ignore[operator]
+                        reason = "energy"
+                        break
+                    if 1000.0 * (self.clock() - start) + level * onward[k] > budget:
+                        reason = "deadline"
+                        break
                 if policy is not None and batch == 1:
-                    if policy.leaves(k, logits):
+                    if policy.leaves(k, logits) and stop_at is None:
                         reason = "confident"
                         break
                 elif policy is not None:
                     leave = policy.confident(k, logits)
-                    if leave is not None:
+                    if leave is not None and stop_at is None:
                         if decided is None:
                             decided = torch.zeros(batch, dtype=torch.bool, device=logits.device)
                             answer = torch.empty_like(logits)
@@ -337,14 +327,11 @@ class AnytimeRunner:
                         if bool(decided.all()):
                             reason = "confident"
                             break
-                before = self.clock()
-                if self.adapt:
-                    self._checks.add(1000.0 * (before - now))
         finally:
             close = getattr(steps, "close", None)
             if close is not None:
                 close()
-        if k < 0 or (k < last and reason == "last"):
+        if k < 0 or (k < last and reason in ("last", "pinned")):
             raise AnytimeError(f"the model's steps() yielded {k + 1} answers but it has {self._num_steps} steps")
         if decided is not None and answer is not None and exits is not None:
             pending = ~decided
@@ -355,34 +342,4 @@ class AnytimeRunner:
             exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
         predictions = logits.argmax(dim=1)
         end = self.clock()
-        if self.adapt:
-            self._finish.add(1000.0 * (end - now))
-        return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
-
-    def _predict_direct(
-        self, x: Tensor, k: int, estimates: _Estimates, deadline_ms: float, start: float, reason: str = "direct"
-    ) -> AnytimePrediction:
-        begun = self.clock()
-        logits = run_step(self.model, x, k)  # a combining policy's weights need earlier exits: exit k answers alone
-        self._sync()
-        end = self.clock()
-        if self.adapt:
-            self.drift.observe(1000.0 * (end - begun), estimates.step_median[k], estimates.step_tail[k], self._step_keys[k])
-        exits = torch.full((x.shape[0],), k, dtype=torch.long, device=logits.device)
-        return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, reason, 1000.0 * (end - start), float(deadline_ms))
-
-    def _predict_chosen(self, x: Tensor, deadline_ms: float, start: float, energy_mj: float | None) -> AnytimePrediction:
-        assert self.scheduler is not None
-        batch = x.shape[0]
-        profiled = self._profiled_batch(batch)
-        left = deadline_ms - self.margin_ms - 1000.0 * (self.clock() - start)
-        choice = self.scheduler.select(max(left, 1e-6), self.quantile, profiled, energy_mj=energy_mj)
-        k = choice.step if choice.step is not None else self._num_steps - 1
-        begun = self.clock()
-        logits = run_step(self.model, x, k)
-        self._sync()
-        now = self.clock()
-        if self.adapt:
-            self.scheduler.observe(choice, now - begun, profiled)
-        exits = torch.full((batch,), k, dtype=torch.long, device=logits.device)
-        return AnytimePrediction(logits.argmax(dim=1), logits, exits, k, "chosen", 1000.0 * (now - start), float(deadline_ms))
+        return AnytimePrediction(predictions, logits, exits, k, reason, 1000.0 * (end - start), deadline_ms)

@@ -141,7 +141,7 @@ def create_app(service: Service, spec: Inputs,
     @app.post("/predict")
     async def predict(request: HttpRequest) -> JSONResponse:
         """Answer one input (an image or array, or a sentence) within its deadline (queue time counted)."""
-        arrived = service.clock()
+        arrived = request.scope.get(ARRIVED, service.clock())
         body = await read_body(request)
         content_type = request.headers.get("content-type", "")
         field = spec.field
@@ -195,7 +195,25 @@ def create_app(service: Service, spec: Inputs,
         return PlainTextResponse(service.metrics.render(service.queue_depth),
                                  media_type="text/plain; version=0.0.4")  # fmt: skip
 
-    return app
+    return ArrivalStamp(app, service.clock)
+
+
+ARRIVED = "anytime.arrived"  # the ASGI scope key holding when a request reached the application (service clock, s)
+
+
+class ArrivalStamp:
+    """ASGI middleware that stamps every request with the service clock the moment the server hands it to the
+    application (its headers parsed, before routing and the body): the earliest hook the server stack offers, so
+    that a request's deadline counts the routing, the body's reading and the decoding too."""
+
+    def __init__(self, app: Any, clock: Callable[[], float]) -> None:
+        self.app = app
+        self.clock = clock
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") == "http":
+            scope[ARRIVED] = self.clock()
+        await self.app(scope, receive, send)
 
 
 def build_app(options: ServeOptions) -> tuple[Any, Service]:

@@ -23,6 +23,8 @@ class Metrics:
         self._steps = tuple(step_names)
         self.requests = 0
         self.misses = 0
+        self.promised = 0
+        self.broken = 0
         self.expired = 0
         self.bad_requests: dict[int, int] = {}
         self._counts = {name: [0] * len(BUCKETS_S) for name in (*self._steps, "none")}
@@ -37,6 +39,9 @@ class Metrics:
         with self._lock:
             self.requests += 1
             self.misses += 0 if answer.met else 1
+            if answer.fits:
+                self.promised += 1
+                self.broken += 0 if answer.met else 1
             self.expired += answer.reason == "expired"
             counts = self._counts[step]
             for i, bound in enumerate(BUCKETS_S):
@@ -65,6 +70,12 @@ class Metrics:
                 "# HELP anytime_deadline_misses_total Answers that came after their deadline (queue time counted).",
                 "# TYPE anytime_deadline_misses_total counter",
                 f"anytime_deadline_misses_total {self.misses}",
+                "# HELP anytime_promised_total Answers the runtime promised on time (an option's price fitted the time left).",
+                "# TYPE anytime_promised_total counter",
+                f"anytime_promised_total {self.promised}",
+                "# HELP anytime_promises_broken_total Promised answers that came after their deadline.",
+                "# TYPE anytime_promises_broken_total counter",
+                f"anytime_promises_broken_total {self.broken}",
                 "# HELP anytime_expired_total Requests whose deadline passed while they queued.",
                 "# TYPE anytime_expired_total counter",
                 f"anytime_expired_total {self.expired}",

@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 #: Reasons an answer gives for where it stopped: the runtime's own, plus ``expired`` (the deadline had passed
 #: while the request queued, so no step was run for it unless the cheapest answer was asked for).
-REASONS = ("confident", "deadline", "energy", "last", "direct", "chosen", "expired")
+REASONS = ("confident", "deadline", "energy", "last", "chosen", "expired")
 
 
 class BadRequest(AnytimeError):
@@ -54,7 +54,9 @@ class Request:
 class Answer:
     """What the server answers: the class (None when the deadline passed in the queue and no answer was
     asked for), the step that answered and why it stopped, the time queued and computing, and whether the
-    whole (queue + compute) fit in the deadline."""
+    whole (from the request's arrival at the server to its answer) fit in the deadline. ``option``,
+    ``promised_ms`` and ``fits`` are the runtime's promise: the option it ran, its price and whether that fitted
+    the time left (False: nothing fitted, or the request expired in the queue)."""
 
     label: int | None
     class_name: str | None
@@ -67,13 +69,17 @@ class Answer:
     deadline_ms: float
     met: bool
     batch_size: int
+    option: str | None = None
+    promised_ms: float | None = None
+    fits: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body of ``POST /predict``."""
         return {"class": self.label, "class_name": self.class_name, "step": self.step, "step_name": self.step_name,
                 "reason": self.reason, "queued_ms": round(self.queued_ms, 3), "compute_ms": round(self.compute_ms, 3),
                 "total_ms": round(self.total_ms, 3), "deadline_ms": self.deadline_ms, "met": self.met,
-                "batch_size": self.batch_size}  # fmt: skip
+                "batch_size": self.batch_size, "option": self.option,
+                "promised_ms": None if self.promised_ms is None else round(self.promised_ms, 3), "fits": self.fits}  # fmt: skip
 
 
 def _positive(text: str, what: str, unit: str, units: str) -> float:
@@ -215,7 +221,9 @@ class Service:
         answers = []
         for r, label, k in zip(requests, labels, exits):
             reason = "confident" if prediction.reason != "chosen" and k < prediction.step else prediction.reason
-            answers.append(self._answer(r, int(label), int(k), reason, started, done, len(requests)))
+            answer = self._answer(r, int(label), int(k), reason, started, done, len(requests))
+            answers.append(replace(answer, option=prediction.option, promised_ms=prediction.promised_ms,
+                                   fits=prediction.fits))  # fmt: skip
         return answers
 
     def _expired(self, requests: Sequence[Request]) -> list[Answer]:

@@ -1,0 +1,180 @@
+"""Promised vs delivered: replay test inputs one at a time at a set of deadlines and hold every answer to the promise
+it was made under.
+
+For each request the anytime runtime says what it promises before it runs (``AnytimePrediction.option``,
+``promised_ms`` and ``fits``): an option whose price fits the deadline, at the validation accuracy of that option.
+A request whose option fitted was promised on time; one for which nothing fitted was answered by the cheapest option
+and is counted as infeasible, never as a broken promise. A deadline's promise is broken when the late share of its
+promised requests is above ``1 - quantile`` beyond doubt (the Wilson 95% interval's low end is above it), or when
+their delivered accuracy is below the promised one by more than ``accuracy_tolerance`` beyond doubt.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from anytime.errors import AnytimeError
+from anytime.utils.stats import wilson
+
+DEFAULT_DEADLINES = 20  # spaced log-uniformly from half the cheapest step's price to 1.5x the deepest
+DEFAULT_REQUESTS = 300
+DEFAULT_GAP_MS = 5.0  # mean of the exponential idle gaps between requests (Poisson arrivals)
+
+
+@dataclass(frozen=True)
+class PromiseRow:
+    """One deadline: what was promised and what was delivered to the requests that were promised.
+
+    ``promised`` requests had an option that fitted (the others, ``requests - promised``, were infeasible);
+    ``late`` of them answered after the deadline. Accuracies are over the promised requests; intervals are
+    Wilson's at 95%. ``kept`` is None where no request was promised.
+    """
+
+    deadline_ms: float
+    option: str
+    price_ms: float
+    requests: int
+    promised: int
+    late: int
+    late_low: float
+    late_high: float
+    promised_accuracy: float
+    delivered_accuracy: float
+    delivered_low: float
+    delivered_high: float
+    mean_step: float
+    kept: bool | None
+
+    @property
+    def late_rate(self) -> float:
+        """The late share of the promised requests (0 where none was promised)."""
+        return self.late / self.promised if self.promised else 0.0
+
+
+@dataclass(frozen=True)
+class PromiseCheck:
+    """The promise check of a run: one row per deadline and the settings it ran with."""
+
+    run: str
+    split: str
+    quantile: float
+    accuracy_tolerance: float
+    gap_ms: float
+    rows: tuple[PromiseRow, ...]
+
+    @property
+    def broken(self) -> tuple[PromiseRow, ...]:
+        """The deadlines whose promise was broken."""
+        return tuple(r for r in self.rows if r.kept is False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, each row with its late rate."""
+        return {"run": self.run, "split": self.split, "quantile": self.quantile,
+                "accuracy_tolerance": self.accuracy_tolerance, "gap_ms": self.gap_ms,
+                "rows": [{**asdict(r), "late_rate": r.late_rate} for r in self.rows],
+                "broken": len(self.broken)}  # fmt: skip
+
+
+def default_deadlines(cheapest_ms: float, deepest_ms: float, count: int = DEFAULT_DEADLINES) -> list[float]:
+    """``count`` deadlines spaced log-uniformly from half the cheapest price to 1.5 times the deepest."""
+    if count < 1:
+        raise AnytimeError(f"the number of deadlines must be at least 1 (got {count})")
+    return np.geomspace(0.5 * cheapest_ms, 1.5 * deepest_ms, count).tolist()
+
+
+def judge(late: int, promised: int, correct: int, promised_accuracy: float, quantile: float,
+          accuracy_tolerance: float) -> bool | None:  # fmt: skip
+    """Whether a deadline's promise held (None: nothing was promised): neither more lateness than ``1 - quantile``
+    nor an accuracy more than ``accuracy_tolerance`` below the promised one, beyond the 95% interval."""
+    if promised == 0:
+        return None
+    late_low, _ = wilson(late, promised)
+    _, accuracy_high = wilson(correct, promised)
+    return late_low <= 1 - quantile and accuracy_high >= promised_accuracy - accuracy_tolerance
+
+
+def check_promises(
+    run_dir: str | Path, *, deadlines: Sequence[float] | None = None, count: int = DEFAULT_REQUESTS,
+    split: str = "test", quantile: float = 0.99, gap_ms: float = DEFAULT_GAP_MS, accuracy_tolerance: float = 0.01,
+    seed: int = 0, sleep: Callable[[float], None] | None = None,
+) -> PromiseCheck:  # fmt: skip
+    """Replay ``count`` inputs of ``split`` one at a time at every deadline (default :func:`default_deadlines` on
+    the run's profile), spaced by exponential idle gaps of mean ``gap_ms`` (as Poisson arrivals), through the
+    run's anytime runtime at ``quantile``, and hold each answer to its promise."""
+    from anytime.data import make_loader
+    from anytime.pipeline import _splits_of, runner_for_run
+
+    if split not in ("val", "test"):
+        raise AnytimeError(f"split '{split}' is not one of val, test")
+    if count < 1:
+        raise AnytimeError(f"--requests must be at least 1 (got {count})")
+    if not 0 <= gap_ms < 60_000 or not 0 <= accuracy_tolerance < 1:
+        raise AnytimeError(f"the gap is 0 to 60000 ms and the accuracy tolerance a share below 1 (got {gap_ms}, "
+                           f"{accuracy_tolerance})")  # fmt: skip
+    runner, run = runner_for_run(run_dir, quantile=quantile)
+    splits = _splits_of(run)
+    chosen = splits.split(split).sample(count, seed=seed)
+    loader = make_loader(chosen, splits.info, batch_size=1, train=False, seed=seed)
+    inputs = [(x.to(run.device), int(y)) for x, y in loader]
+    if deadlines is None:
+        prices = [runner.scheduler.latency(o, quantile) for o in runner.scheduler.options.values()]
+        deadlines = default_deadlines(min(prices), max(prices))
+    wait = sleep or time.sleep
+    rng = np.random.default_rng(seed)
+    accuracy_of = {name: o.accuracy for name, o in runner.scheduler.options.items()}
+    rows = []
+    for deadline in deadlines:
+        runner.drift.reset()
+        outcomes = []
+        for x, y in inputs:
+            if gap_ms:
+                wait(float(rng.exponential(gap_ms / 1000.0)))
+            out = runner.predict(x, float(deadline))
+            outcomes.append((out.option, out.fits, out.missed, int(out.predictions[0]) == y, out.step, out.promised_ms))
+        rows.append(_row(float(deadline), outcomes, accuracy_of, quantile, accuracy_tolerance))
+    return PromiseCheck(str(run_dir), split, quantile, accuracy_tolerance, gap_ms, tuple(rows))
+
+
+def _row(deadline: float, outcomes: list[tuple[str, bool, bool, bool, int, float]], accuracy_of: dict[str, float],
+         quantile: float, tolerance: float) -> PromiseRow:  # fmt: skip
+    promised = [o for o in outcomes if o[1]]
+    option = Counter(o[0] for o in (promised or outcomes)).most_common(1)[0][0]
+    price = float(np.median([o[5] for o in (promised or outcomes)]))
+    late = sum(o[2] for o in promised)
+    correct = sum(o[3] for o in promised)
+    expected = float(np.mean([accuracy_of[o[0]] for o in promised])) if promised else math.nan
+    late_low, late_high = wilson(late, len(promised))
+    low, high = wilson(correct, len(promised))
+    return PromiseRow(
+        deadline_ms=deadline, option=option, price_ms=price, requests=len(outcomes), promised=len(promised),
+        late=late, late_low=late_low, late_high=late_high, promised_accuracy=expected,
+        delivered_accuracy=correct / len(promised) if promised else math.nan, delivered_low=low, delivered_high=high,
+        mean_step=float(np.mean([o[4] for o in outcomes])),
+        kept=judge(late, len(promised), correct, expected, quantile, tolerance),
+    )  # fmt: skip
+
+
+def promise_lines(check: PromiseCheck) -> list[str]:
+    """The check as a table a person reads: promise and delivery side by side, one line per deadline."""
+    q = f"p{100 * check.quantile:g}"
+    lines = [f"{'deadline':>9}  {'promise (' + q + ', validation accuracy)':<44} {'delivered':<40} verdict"]
+    for r in check.rows:
+        if r.kept is None:
+            lines.append(f"{r.deadline_ms:7.2f}ms  {'nothing fits: ' + r.option + f' answers ({r.price_ms:.2f} ms)':<44} "
+                         f"{'':<40} infeasible")  # fmt: skip
+            continue
+        promise = f"{r.option} in {r.price_ms:.2f} ms at {100 * r.promised_accuracy:.1f}%"
+        if r.promised < r.requests:
+            promise += f" ({r.promised}/{r.requests})"
+        delivered = (f"{100 * r.late_rate:.1f}% late (<= {100 * r.late_high:.1f}%), "
+                     f"{100 * r.delivered_accuracy:.1f}% [{100 * r.delivered_low:.1f}, {100 * r.delivered_high:.1f}]")  # fmt: skip
+        lines.append(f"{r.deadline_ms:7.2f}ms  {promise:<44} {delivered:<40} {'kept' if r.kept else 'BROKEN'}")
+    return lines
