@@ -174,8 +174,12 @@ def test_demo_writes_results_and_plots(capsys, tmp_path, monkeypatch):
     assert "test accuracy" in out and str(out_dir) in out and "deadlines at batch 1" in out
     demo = json.loads((out_dir / "demo.json").read_text())
     assert [int(r["batch_size"]) for r in demo["batch_time"]] == [8, 16, 32, 64]
-    # The lowest deadline is half the first exit's p99: nothing fits; the highest is above every exit's p99.
-    assert not demo["deadlines"][0]["choice"]["fits"] and demo["deadlines"][-1]["choice"]["fits"]
+    # The lowest deadline is half the first exit's p99: nothing fits (no promise, so none broken); the highest is
+    # above every exit's: every request there was promised.
+    rows = demo["deadlines"]["rows"]
+    assert rows[0]["promised"] == 0 and rows[0]["kept"] is None and rows[0]["requests"] == 20
+    assert rows[-1]["promised"] == 20 and rows[-1]["kept"] is not None
+    assert "infeasible" in out and "promise (p99" in out
     _shorter_demo(monkeypatch, limit_train=128)
     code, printed, _ = _run(capsys, "demo", "--out", str(out_dir), "--overwrite", "--json")
     assert code == 0 and set(json.loads(printed)) >= {"summary", "deadlines", "batch_time"}
@@ -194,9 +198,9 @@ def test_make_demo_trains_a_model_that_answers_at_every_deadline(capsys, tmp_pat
     assert demo["summary"]["final"]["test_acc"] > 0.8
     # At the lowest deadline nothing fits, and the runtime still answers. (Which exits it reaches depends on how fast
     # this machine is right now, so that is not asserted here.)
-    lowest = demo["deadlines"][0]
-    assert not lowest["choice"]["fits"] and lowest["runtime_accuracy"] > 0.5
-    assert demo["deadlines"][-1]["choice"]["fits"]
+    lowest, highest = demo["deadlines"]["rows"][0], demo["deadlines"]["rows"][-1]
+    assert lowest["kept"] is None and lowest["promised"] == 0 and lowest["requests"] == 200
+    assert highest["promised"] == 200 and highest["delivered_accuracy"] > 0.8
 
 
 def test_every_option_with_a_default_shows_it_in_its_help():

@@ -313,8 +313,10 @@ def test_length_buckets_price_each_request(text_run, tmp_path, capsys):
     runner, loaded = runner_for_run(run, policy=False)
     assert isinstance(runner, AnytimeRunner) and sorted(runner.length_profiles) == [8, 16]
     assert runner.bucket_of(3) == 8 and runner.bucket_of(9) == 16
-    out = runner.predict(torch.tensor([[2, 10, 11, 12, 13]]), 10_000.0)  # a budget no stage can exhaust
-    assert out.step == loaded.num_steps - 1
+    x = torch.tensor([[2, 10, 11, 12, 13]])
+    out = runner.predict(x, 10_000.0)  # a budget every step fits: the most accurate one answers
+    best = max(runner.scheduler.options.values(), key=lambda o: o.accuracy)
+    assert out.fits and out.step == best.step and runner.select(x, 10_000.0).option == best.name
     with pytest.raises(AnytimeError, match="patience"):
         AnytimeRunner(loaded.model, runner.profile, ExitPolicy("patience", (None,) * (loaded.num_steps - 1)))
 
