@@ -132,6 +132,15 @@ def _share_or_off(text: str) -> float | None:
     return value
 
 
+def _ms_or_off(text: str) -> float | None:
+    if text == "off":
+        return None
+    value = _finite_float(text)
+    if not 0 <= value < 60_000:
+        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to 60000 or off, got '{text}'")
+    return value
+
+
 def _threads(text: str) -> int | str:
     if text == "auto":
         return text
@@ -451,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--gap-ms", type=_finite_float, default=0.0, metavar="MS",
                          help="idle this long before every timed repetition, as a server idles between sporadic "
                               "requests (default 0: back to back)")
+    profile.add_argument("--answer-gap-ms", type=_ms_or_off, default=5.0, metavar="MS|off",
+                         help="then time the runtime's own answers at every step (what the scheduler and the runtime "
+                              "price options with), each after an idle gap of this mean, exponential as Poisson "
+                              "arrivals (default 5; 0: back to back; off: no answer prices)")
+    profile.add_argument("--serve", action="store_true",
+                         help="then serve the run on 127.0.0.1 and time what a client waits beyond the server's own "
+                              "count (HTTP parsing, the answer's serialisation and sending), kept in the profile: "
+                              "anytime serve keeps its quantile free at the end of every deadline")
     profile.add_argument("--length", metavar="T[,T2...]",
                          help="text runs: time sentences of T tokens (default the run's maximum length), one profile "
                               "per length bucket, RUN/profile-<device>-T<T>.json each")
@@ -1283,6 +1300,8 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def _print_profile(profile: Any, path: Path) -> None:
+    from anytime.profile import quantile_of
+
     d = profile.device
     power = f", power mode {d['jetson_power_mode']}" if d.get("jetson_power_mode") else ""
     steady = profile.settings.get("steadiness")
@@ -1296,11 +1315,15 @@ def _print_profile(profile: Any, path: Path) -> None:
         train = (f", train fwd {1000 * at.training['forward_p50_s']:.2f} ms bwd {1000 * at.training['backward_p50_s']:.2f} ms"
                  if at.training else "")  # fmt: skip
         print(f"batch {b}{mem}{train}")
-        print(f"  {'step':<8} {'GFLOPs':>8} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}" + (f" {'stage p99':>10}" if at.stages else ""))
+        priced = at.answers is not None
+        print(f"  {'step':<8} {'GFLOPs':>8} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9}" + (f" {'stage p99':>10}" if at.stages else "")
+              + (f" {'answer p99':>11}" if priced else "") + (f" {'via heads':>10}" if at.answer_paths else ""))  # fmt: skip
         for k, name in enumerate(profile.step_names):
             q = [profile.step_quantile(k, v, b) for v in (0.5, 0.9, 0.99)]
             stage = f" {profile.stage_quantile(k, 0.99, b):10.3f}" if at.stages else ""
-            print(f"  {name:<8} {profile.step_flops[k] / 1e9:8.4f} {q[0]:9.3f} {q[1]:9.3f} {q[2]:9.3f}{stage}")
+            answer = f" {quantile_of(profile.answer_samples(k, b), 0.99):11.3f}" if priced else ""
+            heads = f" {quantile_of(profile.answer_path_samples(k, b), 0.99):10.3f}" if at.answer_paths else ""
+            print(f"  {name:<8} {profile.step_flops[k] / 1e9:8.4f} {q[0]:9.3f} {q[1]:9.3f} {q[2]:9.3f}{stage}{answer}{heads}")
         if at.energy is not None:
             print(f"  {'step':<8} {'mJ mean':>9} {'mJ p50':>9} {'mJ p99':>9} {'power W':>8}" + (f" {'path mJ':>9}" if at.energy.paths else ""))
             for k, name in enumerate(profile.step_names):
@@ -1308,6 +1331,12 @@ def _print_profile(profile: Any, path: Path) -> None:
                 path_mj = f" {1000 * at.energy.paths[k].mean_j:9.4g}" if at.energy.paths else ""
                 print(f"  {name:<8} {1000 * w.mean_j:9.4g} {1000 * w.quantile_j(0.5):9.4g} {1000 * w.quantile_j(0.99):9.4g} "
                       f"{w.power_w:8.3g}{path_mj}")  # fmt: skip
+    if profile.serving is not None:
+        from anytime.profile import quantile_of
+
+        print(f"serving: a client here waits {quantile_of(profile.serving, 0.5):.3f} ms (p50), "
+              f"{quantile_of(profile.serving, 0.99):.3f} ms (p99) beyond the server's own count "
+              f"({profile.serving.size} requests); anytime serve keeps that quantile free")  # fmt: skip
     if profile.energy is not None:
         e = profile.energy
         idle = f", idle {e.idle_w:.3g} W" if e.idle_w is not None else ""
@@ -1354,8 +1383,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
             form=args.form, threads=args.threads, energy=energy, execution=args.execution,
             slowdown=args.emulate_slowdown, gap_ms=args.gap_ms, suffixes=args.suffixes, length=length,
-            steady_within=args.steady_within,
+            steady_within=args.steady_within, answer_gap_ms=args.answer_gap_ms,
         )  # fmt: skip
+        if args.serve:
+            from dataclasses import replace
+
+            from anytime.serve.overhead import measure_serving_overhead
+
+            profile = replace(profile, serving=measure_serving_overhead(args.run, profile=path))
+            profile.save(path)
         if not args.json:
             _print_profile(profile, path)
         steady = profile.settings["steadiness"]
@@ -1366,7 +1402,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         summary = profile.to_dict()
         for batch in summary["batches"]:
-            for block in (batch["steps"], batch["stages"] or []):
+            for block in (batch["steps"], batch["stages"] or [], batch.get("answers", []), batch.get("answer_paths", [])):
                 for entry in block:
                     entry.pop("samples_ms")
         print(json.dumps(summary, indent=2))

@@ -4,9 +4,11 @@ it was made under.
 For each request the anytime runtime says what it promises before it runs (``AnytimePrediction.option``,
 ``promised_ms`` and ``fits``): an option whose price fits the deadline, at the validation accuracy of that option.
 A request whose option fitted was promised on time; one for which nothing fitted was answered by the cheapest option
-and is counted as infeasible, never as a broken promise. A deadline's promise is broken when the late share of its
-promised requests is above ``1 - quantile`` beyond doubt (the Wilson 95% interval's low end is above it), or when
-their delivered accuracy is below the promised one by more than ``accuracy_tolerance`` beyond doubt.
+and is counted as infeasible, never as a broken promise. A deadline's promise is broken when its promised requests
+were late more often than a late share of ``1 - quantile`` explains (the exact binomial test at 5%), or when their
+delivered accuracy is below the promised one by more than ``accuracy_tolerance`` beyond its 95% interval. The replay
+keeps Python's garbage collector out of the requests, as a serving loop does
+(:func:`anytime.utils.collector.serving_gc`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from anytime.errors import AnytimeError
+from anytime.utils.collector import collect_due, serving_gc
 from anytime.utils.stats import wilson
 
 DEFAULT_DEADLINES = 20  # spaced log-uniformly from half the cheapest step's price to 1.5x the deepest
@@ -90,15 +93,29 @@ def default_deadlines(cheapest_ms: float, deepest_ms: float, count: int = DEFAUL
     return np.geomspace(0.5 * cheapest_ms, 1.5 * deepest_ms, count).tolist()
 
 
+def late_p_value(late: int, promised: int, rate: float) -> float:
+    """The chance of ``late`` or more late answers among ``promised`` if each is late with probability ``rate``
+    (the exact one-sided binomial tail)."""
+    if late <= 0:
+        return 1.0
+    if rate <= 0:
+        return 0.0
+    log_rate, log_rest = math.log(rate), math.log1p(-rate)
+    log_n = math.lgamma(promised + 1)
+    return min(1.0, math.fsum(
+        math.exp(log_n - math.lgamma(i + 1) - math.lgamma(promised - i + 1) + i * log_rate + (promised - i) * log_rest)
+        for i in range(late, promised + 1)))  # fmt: skip
+
+
 def judge(late: int, promised: int, correct: int, promised_accuracy: float, quantile: float,
           accuracy_tolerance: float) -> bool | None:  # fmt: skip
-    """Whether a deadline's promise held (None: nothing was promised): neither more lateness than ``1 - quantile``
-    nor an accuracy more than ``accuracy_tolerance`` below the promised one, beyond the 95% interval."""
+    """Whether a deadline's promise held (None: nothing was promised): neither more late answers than a late share
+    of ``1 - quantile`` explains (the exact binomial test at 5%) nor an accuracy more than ``accuracy_tolerance``
+    below the promised one, beyond its 95% interval."""
     if promised == 0:
         return None
-    late_low, _ = wilson(late, promised)
     _, accuracy_high = wilson(correct, promised)
-    return late_low <= 1 - quantile and accuracy_high >= promised_accuracy - accuracy_tolerance
+    return late_p_value(late, promised, 1 - quantile) >= 0.05 and accuracy_high >= promised_accuracy - accuracy_tolerance
 
 
 def check_promises(
@@ -131,15 +148,18 @@ def check_promises(
     rng = np.random.default_rng(seed)
     accuracy_of = {name: o.accuracy for name, o in runner.scheduler.options.items()}
     rows = []
-    for deadline in deadlines:
-        runner.drift.reset()
-        outcomes = []
-        for x, y in inputs:
-            if gap_ms:
-                wait(float(rng.exponential(gap_ms / 1000.0)))
-            out = runner.predict(x, float(deadline))
-            outcomes.append((out.option, out.fits, out.missed, int(out.predictions[0]) == y, out.step, out.promised_ms))
-        rows.append(_row(float(deadline), outcomes, accuracy_of, quantile, accuracy_tolerance))
+    with serving_gc():
+        for deadline in deadlines:
+            runner.drift.reset()
+            outcomes = []
+            for x, y in inputs:
+                collect_due()
+                if gap_ms:
+                    wait(float(rng.exponential(gap_ms / 1000.0)))
+                out = runner.predict(x, float(deadline))
+                outcomes.append((out.option, out.fits, out.missed, int(out.predictions[0]) == y, out.step,
+                                 out.promised_ms))  # fmt: skip
+            rows.append(_row(float(deadline), outcomes, accuracy_of, quantile, accuracy_tolerance))
     return PromiseCheck(str(run_dir), split, quantile, accuracy_tolerance, gap_ms, tuple(rows))
 
 

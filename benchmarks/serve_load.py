@@ -7,9 +7,12 @@ deadline, at a fraction LOAD of the request rate the profile says the machine ca
 median latency of the option the scheduler picks for that deadline). Every BAD_EVERY-th request is a bad one
 (garbage bytes, a wrong-size array, a NaN deadline, no deadline, an oversized body, an unknown route).
 Reported: throughput, p50/p99 end-to-end latency as the client sees it (HTTP included), the miss rate as the
-server counts it (queue + compute against the deadline) and as the client sees it, and whether every good
-request got an answer and every bad one a 4xx. Ratio: 1% / the server-counted miss rate (>= 1 passes), and
-the run fails whatever the ratio if a good request failed or a bad one was not refused.
+server counts it (from the request's arrival at the application to its answer, against the deadline) and as the
+client sees it, and whether every good request got an answer and every bad one a 4xx. Ratio: the client-seen miss
+target (1% at up to 30% load, 2% above) / the client-seen miss rate (>= 1 passes), and the run fails whatever the
+ratio if a good request failed or a bad one was not refused. Profile the run with ``anytime profile RUN --threads 1
+--serve`` first, so that the server prices its answers and keeps its HTTP overhead free at the threads it serves
+with.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ REQUESTS = 3000  # good and bad together (--quick: 300)
 BAD_EVERY = 10  # one request in BAD_EVERY is malformed
 CLIENTS = 16  # client threads (keep-alive connections)
 SERVER_THREADS = 1  # torch threads of the server: on 2 cores, the other one is left to HTTP and the load generator
-TARGET_MISS = 0.01  # server-counted deadline misses
+TARGET_CLIENT_MISS = (0.01, 0.02)  # client-seen deadline misses at loads up to 30%, and above
 CIFAR_TEST = REPO.parent / "shared" / "data" / "cifar10" / "test"
 
 
@@ -194,9 +197,10 @@ def main() -> int:
           f"p50/p99 {figures['server_queued_p50_ms']:.2f}/{figures['server_queued_p99_ms']:.2f} ms, compute "
           f"{figures['server_compute_p50_ms']:.2f}/{figures['server_compute_p99_ms']:.2f} ms")  # fmt: skip
     survived = failed_good == 0 and refused_bad == len(bad)
-    ratio = TARGET_MISS / max(server_miss, 1e-9)
-    return report("serve_load", args, figures, ratio, ">= 1 (server miss rate <= 1%) with every good request answered "
-                  "and every bad one refused", ratio >= 1 and survived)  # fmt: skip
+    target = TARGET_CLIENT_MISS[0] if args.load <= 0.3 else TARGET_CLIENT_MISS[1]
+    ratio = target / max(client_miss, 1e-9)
+    return report("serve_load", args, figures, ratio, f">= 1 (client-seen miss rate <= {target:.0%}) with every good "
+                  "request answered and every bad one refused", ratio >= 1 and survived)  # fmt: skip
 
 
 if __name__ == "__main__":

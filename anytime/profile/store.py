@@ -98,7 +98,8 @@ class Steadiness:
 @dataclass(frozen=True)
 class DeviceProfile:
     """Every step's latency on one device, with the model's costs and the device's description; ``energy``
-    names the energy source where joules per inference were measured too (None: not measured)."""
+    names the energy source where joules per inference were measured too (None: not measured); ``serving`` holds what
+    a client on this machine waited beyond the server's own count, per request (ms; ``anytime profile --serve``)."""
 
     model_fingerprint: str | None
     model: str
@@ -113,6 +114,7 @@ class DeviceProfile:
     settings: dict[str, Any]
     created: str
     energy: EnergyMeter | None = None
+    serving: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -259,6 +261,8 @@ class DeviceProfile:
                       for k, (n, f, p) in enumerate(zip(self.step_names, self.step_flops, self.step_params))],
             "batches": [self.latency[b].to_dict() for b in self.batch_sizes],
             "energy": None if self.energy is None else self.energy.to_dict(),
+            **({} if self.serving is None else {"serving": {**latency_summary(self.serving / 1000),
+                                                            "samples_ms": [round(float(v), 5) for v in self.serving]}}),
         }  # fmt: skip
 
     def save(self, path: str | Path) -> Path:
@@ -312,6 +316,7 @@ class DeviceProfile:
                 step_params=tuple(int(s["params"]) for s in steps), model_bytes=int(doc["model_bytes"]),
                 latency=latency, device=dict(doc["device"]), settings=dict(doc.get("settings") or {}),
                 created=str(doc.get("created", "")), energy=meter,
+                serving=None if doc.get("serving") is None else _samples(doc["serving"]["samples_ms"], where),
             )  # fmt: skip
         except AnytimeError:
             raise

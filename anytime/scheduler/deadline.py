@@ -108,13 +108,15 @@ class DeadlineScheduler:
 
     ``observe(option, seconds)`` feeds measured latencies back; with ``adapt`` the profiled latencies are
     corrected by the drift they reveal (see :class:`DriftEstimator`; ``tracked_quantile`` is the level its
-    stall excess is measured at), so choices follow a device that slows down, speeds up or stalls. The scheduler checks that the profile has as many steps as the options name; that
+    stall excess is measured at), so choices follow a device that slows down, speeds up or stalls; with
+    ``come_down`` a tail the measured latencies show to be pessimistic comes down to them too, and without it a price
+    goes below the profile's only with the median level. The scheduler checks that the profile has as many steps as the options name; that
     the profile was measured on these very weights is checked where both are loaded (``scheduler_for_run``).
     """
 
     def __init__(
         self, profile: DeviceProfile, options: Sequence[Option], *, adapt: bool = True, window: int = 200,
-        min_observations: int = 20, tracked_quantile: float | None = None,
+        min_observations: int = 20, tracked_quantile: float | None = None, come_down: bool = True,
     ) -> None:  # fmt: skip
         if not options:
             raise AnytimeError("the scheduler needs at least one option (a step or a policy)")
@@ -136,7 +138,7 @@ class DeadlineScheduler:
             tracked_quantile if tracked_quantile is not None else profile.highest_quantile()
         )
         self.drift = DriftEstimator(window=window, min_observations=min_observations,
-                                    tracked_quantile=self.tracked_quantile)
+                                    tracked_quantile=self.tracked_quantile if come_down else None)
 
     @classmethod
     def from_accuracies(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
+from anytime.profile.stats import quantile_of
 from anytime.serve.inputs import Inputs, InputSpec, TextSpec
 from anytime.serve.service import BadRequest, Request, Service, parse_deadline, parse_energy_budget
 
@@ -226,6 +227,8 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
     runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile,
                                  device=options.device, threads=options.threads)  # fmt: skip
+    if runner.profile.serving is not None:  # what the HTTP stack adds beyond the server's count, kept free
+        runner.margin_ms = quantile_of(runner.profile.serving, options.quantile)
     text = run.dataset.get("modality") == "text"
     spec: Inputs = TextSpec.from_run(options.run, run.dataset) if text else InputSpec.from_dataset(run.dataset)
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
@@ -235,7 +238,8 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
     profile_path = schedulers[longest][1]
     info = {"run": str(Path(options.run)), "model": run.name, "profile": str(profile_path), "version": __version__,
             "steps": list(runner.profile.step_names), "policy": runner.policy.to_dict() if runner.policy else None,
-            "input": spec.describe(), "max_batch": service.max_batch, "quantile": options.quantile}  # fmt: skip
+            "input": spec.describe(), "max_batch": service.max_batch, "quantile": options.quantile,
+            "serving_overhead_ms": runner.margin_ms}  # fmt: skip
 
     if longest is not None:
         info["length_buckets"] = sorted(runner.length_profiles)
@@ -246,7 +250,10 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
         if key not in schedulers:
             schedulers[key] = scheduler_for_run(options.run, options.profile, length=key)
         scheduler, path = schedulers[key]
-        return schedule_answer(scheduler, path, deadline_ms, quantile, batch_size, energy_mj=energy_mj)
+        # Priced as the runtime prices it here: what the HTTP stack adds is kept free at the end.
+        answer = schedule_answer(scheduler, path, max(deadline_ms - runner.margin_ms, 1e-6), quantile, batch_size,
+                                 energy_mj=energy_mj)  # fmt: skip
+        return {**answer, "deadline_ms": deadline_ms, "serving_overhead_ms": runner.margin_ms}
 
     with contextlib.suppress(ImportError):  # Pillow's decoders, loaded now rather than by the first image
         from PIL import Image

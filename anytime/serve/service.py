@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError
+from anytime.utils.collector import collect_due, serving_gc
 from anytime.utils.timer import Clock, monotonic
 from anytime.serve.metrics import Metrics
 
@@ -256,7 +257,13 @@ class Service:
         )  # fmt: skip
 
     def _work(self) -> None:
+        # The collector is kept out of the answers and runs between them, as the profile's prices were timed.
+        with serving_gc():
+            self._serve_queue()
+
+    def _serve_queue(self) -> None:
         while True:
+            collect_due()
             item = self._queue.get()
             if item is None:
                 return
