@@ -698,9 +698,40 @@ def test_schedule_refuses_bad_input_in_one_line(profiled, cli_error, tmp_path):
     cli_error(["schedule", run, "--deadline-ms", "5", "--quantile", "0.9", "--profile", str(tmp_path / "other.json")],
                     "another model")  # fmt: skip
     cli_error(["schedule", str(tmp_path), "--deadline-ms", "5"], "not a run")
+    cli_error(["schedule", run], "give --deadline-ms")
+    cli_error(["schedule", run, "--check", "--deadline-ms", "5"], "drop --deadline-ms")
+    cli_error(["schedule", run, "--check", "--deadlines", "1,x"], "comma-separated")
+    cli_error(["schedule", run, "--check", "--deadlines", "1,nan"], "deadline")
+    cli_error(["schedule", run, "--check", "--quantile", "0.9", "--gap-ms", "-1"], "gap")
     cli_error(["profile"], "run directory")
     cli_error(["profile", run, "--batch-sizes", "1,x"], "batch-sizes")
     cli_error(["profile", "--compare", str(tmp_path / "nope.json"), str(tmp_path / "other.json")], "no profile")
+
+
+def test_the_promise_check_sets_delivery_beside_the_promise(profiled, capsys):
+    args = ["schedule", str(profiled), "--check", "--deadlines", "0.0001,10000", "--requests", "12", "--gap-ms", "0",
+            "--quantile", "0.9", "--split", "val"]  # fmt: skip
+    code = main(args)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "promise (p90" in lines[0] and "nothing fits" in lines[1] and lines[1].endswith("infeasible")
+    assert lines[2].split()[-1] in ("kept", "BROKEN") and code == (1 if "BROKEN" in out else 0)
+    assert main([*args, "--json"]) == code
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert (rows[0]["promised"], rows[0]["kept"], rows[0]["requests"]) == (0, None, 12)
+    assert (rows[1]["promised"], rows[1]["late"], rows[1]["late_rate"]) == (12, 0, 0.0)  # 10 s: nothing is late
+
+
+def test_a_promise_is_broken_only_beyond_what_chance_explains():
+    from anytime.promises import judge, late_p_value
+
+    assert late_p_value(0, 300, 0.01) == 1.0 and late_p_value(1, 1, 0.01) == pytest.approx(0.01)
+    assert late_p_value(1, 17, 0.01) == pytest.approx(1 - 0.99**17)
+    assert late_p_value(60, 10_000, 0.01) > 0.5  # large counts stay finite
+    assert judge(3, 300, 290, 0.95, 0.99, 0.01) is True  # 1% late, as promised
+    assert judge(8, 300, 290, 0.95, 0.99, 0.01) is False  # 2.7% late: p = 0.011
+    assert judge(0, 300, 250, 0.95, 0.99, 0.01) is False  # 83% delivered where 95% was promised
+    assert judge(0, 0, 0, math.nan, 0.99, 0.01) is None  # nothing promised: infeasible, not broken
 
 
 def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):

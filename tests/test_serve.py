@@ -12,6 +12,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -281,7 +282,8 @@ def test_schedule_healthz_and_metrics(server):
 
     status, answer = _call(server, "GET", "/schedule?deadline_ms=1000&quantile=0.9")
     scheduler, path = scheduler_for_run(server.run)
-    assert status == 200 and answer == json.loads(json.dumps(schedule_answer(scheduler, path, 1000.0, 0.9, 1)))
+    expected = {**schedule_answer(scheduler, path, 1000.0, 0.9, 1), "serving_overhead_ms": 0.0}  # none profiled
+    assert status == 200 and answer == json.loads(json.dumps(expected))
     status, health = _call(server, "GET", "/healthz")
     assert status == 200 and health["status"] == "ok" and health["steps"][0] == "exit0"
     assert health["input"] == "32x32 grayscale images" and health["max_batch"] == 2 and health["policy"] is not None
@@ -323,3 +325,25 @@ def test_a_batch_that_fails_fails_its_requests_and_the_worker_goes_on():
         first.result(timeout=30)
     assert second.result(timeout=30).met
     service.stop()
+
+
+def test_the_serving_overhead_is_measured_kept_in_the_profile_and_kept_free(server, tmp_path):
+    from anytime.profile import DeviceProfile
+    from anytime.serve import ServeOptions, build_app
+    from anytime.serve.overhead import measure_serving_overhead
+
+    samples = measure_serving_overhead(server.run, requests=8, warmup=2, gap_ms=0.0)
+    assert samples.shape == (8,) and (samples >= 0).all() and np.isfinite(samples).all()
+    path = next(server.run.glob("profile-*.json"))
+    profile = DeviceProfile.load(path)
+    profiled = tmp_path / "profile.json"
+    replace(profile, serving=np.array([0.5] * 9 + [3.0])).save(profiled)
+    again = DeviceProfile.load(profiled)
+    assert again.serving is not None and again.serving.tolist() == [0.5] * 9 + [3.0]
+    app, service = build_app(ServeOptions(run=str(server.run), profile=str(profiled), quantile=0.9))
+    try:
+        assert service.runner.margin_ms == pytest.approx(0.5)  # the profile's p90 of the overhead
+    finally:
+        service.stop()
+    with pytest.raises(AnytimeError, match="requests >= 1"):
+        measure_serving_overhead(server.run, requests=0)
