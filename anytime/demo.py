@@ -4,7 +4,8 @@ It trains a multi-exit CIFAR-style ResNet on scikit-learn's handwritten digits, 
 outputs, sweeps the exit thresholds, calibrates them on validation for at most one point of accuracy
 below the last exit, runs real early exit on the test split, profiles every exit's latency on this
 machine with the runtime's own answer prices, replays test images one at a time through the anytime runtime at a
-few deadlines and sets what it promised beside what it delivered, plots the run, and times one training mini-batch at several batch sizes.
+few deadlines and sets what it promised beside what it delivered, plots the run, and times one training mini-batch
+at several batch sizes.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from anytime.calibrate import (
     select_exits,
     sweep,
 )
+from anytime.calibrate.criteria import get_criterion
 from anytime.data import DatasetSplits, make_loader
 from anytime.data.text import TOKENIZER_FILE
 from anytime.ensembles import EnsembleModel
@@ -33,7 +34,6 @@ from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.energy import EnergySettings, open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, device_slug
-from anytime.calibrate.criteria import get_criterion
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
 from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
 from anytime.scheduler.query import (
