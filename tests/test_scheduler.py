@@ -173,6 +173,19 @@ def test_stalls_add_time_rather_than_scale_it():
     assert drift.estimate(1.2, 0.99) == 1.2 and not drift.ready
 
 
+def test_a_rise_only_estimate_never_prices_below_the_profile_when_the_median_runs_fast():
+    free = DriftEstimator(window=100, min_observations=10)
+    rising = DriftEstimator(window=100, min_observations=10, rise_only=True)
+    for _ in range(110):  # profiled: median 1 ms, p99 1.2 ms; now every answer takes 0.8 ms
+        for d in (free, rising):
+            d.observe(0.8, 1.0, 1.2)
+    assert free.estimate(1.2, 0.99) == pytest.approx(0.96)  # the tail scaled down with the median
+    assert rising.estimate(1.2, 0.99) == pytest.approx(1.2)  # the runtime's promise: never below the profile
+    for _ in range(100):  # a slower device still raises it
+        rising.observe(1.5, 1.0, 1.2)
+    assert rising.estimate(1.2, 0.99) >= 1.8  # the level, 1.5, and the excess its rise left in the window
+
+
 def test_a_pessimistic_profile_tail_comes_down_at_the_tracked_quantile_only():
     drift = DriftEstimator(window=100, min_observations=10, tracked_quantile=0.99)
     untracked = DriftEstimator(window=100, min_observations=10)

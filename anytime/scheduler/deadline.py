@@ -109,8 +109,9 @@ class DeadlineScheduler:
     ``observe(option, seconds)`` feeds measured latencies back; with ``adapt`` the profiled latencies are
     corrected by the drift they reveal (see :class:`DriftEstimator`; ``tracked_quantile`` is the level its
     stall excess is measured at), so choices follow a device that slows down, speeds up or stalls; with
-    ``come_down`` a tail the measured latencies show to be pessimistic comes down to them too, and without it a price
-    goes below the profile's only with the median level. The scheduler checks that the profile has as many steps as the options name; that
+    ``come_down`` a tail the measured latencies show to be pessimistic comes down to them too, and so do all prices
+    when the median runs faster than profiled; without it no price ever goes below the profile's (the runtime's
+    promise: a faster median does not shorten an idle core's wake-up, and a price scaled down by it was late). The scheduler checks that the profile has as many steps as the options name; that
     the profile was measured on these very weights is checked where both are loaded (``scheduler_for_run``).
     """
 
@@ -138,7 +139,8 @@ class DeadlineScheduler:
             tracked_quantile if tracked_quantile is not None else profile.highest_quantile()
         )
         self.drift = DriftEstimator(window=window, min_observations=min_observations,
-                                    tracked_quantile=self.tracked_quantile if come_down else None)
+                                    tracked_quantile=self.tracked_quantile if come_down else None,
+                                    rise_only=not come_down)  # fmt: skip
 
     @classmethod
     def from_accuracies(

@@ -84,9 +84,11 @@ class DriftEstimator:
 
     ``tracked_quantile`` is the quantile of the ``tracked_ms`` each observation comes with (the runtime's,
     e.g. 0.99). Given it, an estimate at that quantile may come below the profile's scaled tail where the
-    measured latencies show that tail to be pessimistic; without it, estimates never do."""
+    measured latencies show that tail to be pessimistic; without it, estimates never do. ``rise_only``: the level
+    never comes below 1 either, so that no estimate is below the profile's figure."""
 
-    def __init__(self, *, window: int = 200, min_observations: int = 20, tracked_quantile: float | None = None) -> None:
+    def __init__(self, *, window: int = 200, min_observations: int = 20, tracked_quantile: float | None = None,
+                 rise_only: bool = False) -> None:  # fmt: skip
         if window < 1 or not 1 <= min_observations <= window:
             raise AnytimeError(f"need window >= 1 and 1 <= min_observations <= window (got {window}, {min_observations})")
         if tracked_quantile is not None and not 0 < tracked_quantile < 1:
@@ -94,6 +96,7 @@ class DriftEstimator:
         self.window = window
         self.min_observations = min_observations
         self.tracked_quantile = tracked_quantile
+        self.rise_only = rise_only
         self._ratios = SortedWindow(window)
         self._excess = SortedWindow(window)
         self._tail = SortedWindow(window)
@@ -122,7 +125,8 @@ class DriftEstimator:
         if not all(v > 0 and math.isfinite(v) for v in (measured_ms, median_ms, tracked_ms)):
             return
         if len(self._ratios) >= self.min_observations:
-            scaled = self._ratios.quantile(0.5) * tracked_ms
+            level = self._ratios.quantile(0.5)
+            scaled = (max(1.0, level) if self.rise_only else level) * tracked_ms
             self._excess.add(measured_ms - scaled)
             self._tail.add(measured_ms / scaled)
             if key is not None:
@@ -148,6 +152,8 @@ class DriftEstimator:
         version, read_q, level, excess = self._reading
         if version != self.version or read_q != q:
             level, excess = self._ratios.quantile(0.5), self._excess.quantile(q)
+            if self.rise_only:
+                level = max(1.0, level)
             self._reading = (self.version, q, level, excess)
         if excess >= 0.0 or q != self.tracked_quantile:
             return level, max(0.0, excess)
