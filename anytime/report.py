@@ -20,9 +20,11 @@ from typing import Any
 from anytime.errors import AnytimeError
 from anytime.train.records import ensemble_record, precision_record, require_run, run_title
 from anytime.utils.io import write_text
+from anytime.utils.outputs import check_output_file
 from anytime.utils.stats import expected_calibration_error, softmax, wilson
 
 REPORT = "report.html"
+REPORT_TAG = "anytime-report-v1"  # the page's generator tag: what marks a file anytime may replace
 SECTIONS = ("recipe", "training", "steps", "pareto", "reliability", "classes", "calibration", "exits", "latency",
             "deadlines", "precision", "ensemble")  # fmt: skip
 _STYLE = """
@@ -123,7 +125,7 @@ def _training(page: _Page, title: str) -> None:
 
 
 def _steps(page: _Page, summary: dict[str, Any] | None) -> None:
-    import numpy as np
+    from anytime.outputs import OutputCache
 
     caches = {split: page.run / "outputs" / f"{split}.npz" for split in ("val", "test")}
     if summary is None:
@@ -134,8 +136,12 @@ def _steps(page: _Page, summary: dict[str, Any] | None) -> None:
     figures: dict[str, Any] = {}
     for split, path in caches.items():
         if path.is_file():
-            with np.load(path) as z:
-                figures[split] = (z["logits"], z["labels"])
+            try:
+                cache = OutputCache.load(path)
+            except AnytimeError as exc:  # a damaged cache leaves its column to the summary's figures
+                page.missing.append(str(exc))
+                continue
+            figures[split] = (cache.logits, cache.labels)
     header = ["step", "point", "FLOPs (% of backbone)", "validation [95% CI]", "test [95% CI]", "test ECE"]
     rows = []
     for e in exits:
@@ -247,8 +253,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> ReportRe
     target = Path(out) if out else run / REPORT
     if target.suffix != ".html":
         raise AnytimeError(f"the report is an HTML page: give --out a .html file name (got {target})")
-    if target.exists() and not target.is_file():
-        raise AnytimeError(f"{target} exists and is not a file; give --out another name")
+    # The run's own page is replaced whatever wrote it (earlier versions did not tag it); a page elsewhere only if tagged.
+    target = check_output_file(target, what="report", format_tag=REPORT_TAG if out else None,
+                               flag="--out" if out else "", create_parents=False, example=REPORT)  # fmt: skip
     title = run_title(run)
     page = _Page(run)
     _recipe(page, config)
@@ -280,7 +287,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> ReportRe
     _precision(page, summary)
     _ensemble(page)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    document = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}: anytime '
+    document = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{REPORT_TAG}"><title>{html.escape(title)}: anytime '
                 f"report</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
                 f'<p class="meta">Run <code>{html.escape(str(run))}</code>, page written {now} by <code>anytime report'
                 f"</code>.</p>{''.join(page.parts)}</body></html>\n")  # fmt: skip

@@ -44,6 +44,40 @@ def test_report_refuses_bad_input_in_one_line(tmp_path, cli_error, exit_run):
     cli_error(["report", str(exit_run), "--out", str(tmp_path / "page.txt")], ".html")
 
 
+def test_report_never_replaces_a_users_page_and_writes_through_a_link(exit_run, tmp_path, cli_error):
+    mine = tmp_path / "my.html"
+    mine.write_text("<!DOCTYPE html><p>my own notes</p>")
+    cli_error(["report", str(exit_run), "--out", str(mine)], "not an anytime report", "never overwrites")
+    assert mine.read_text() == "<!DOCTYPE html><p>my own notes</p>"
+    page = tmp_path / "page.html"
+    assert main(["report", str(exit_run), "--out", str(page)]) == 0
+    assert main(["report", str(exit_run), "--out", str(page)]) == 0  # its own page, replaced
+    link = tmp_path / "link.html"
+    link.symlink_to(page)
+    assert main(["report", str(exit_run), "--out", str(link)]) == 0
+    assert link.is_symlink() and link.resolve() == page.resolve()  # the link kept, the page it names rewritten
+
+
+@pytest.mark.parametrize("damage", ["truncated", "object array"])
+def test_report_on_a_damaged_outputs_cache_says_so_without_a_traceback(exit_run, tmp_path, capsys, damage):
+    import numpy as np
+
+    from anytime.pipeline import collect_run
+
+    run = tmp_path / "run"
+    shutil.copytree(exit_run, run)
+    cache = collect_run(run, "val")
+    path = run / "outputs" / "val.npz"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        np.savez(path, logits=np.array([{"a": 1}], dtype=object), labels=np.zeros(3))
+    assert main(["report", str(run)]) == 0, cache
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    assert "collect it again" in (run / "report.html").read_text() or "collect it again" in captured.out
+
+
 def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_run, tmp_path):
     from anytime.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, profile_run
 

@@ -153,6 +153,27 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares ``width`` x ``height`` pixels (its one data chunk holds a few bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _npy_declaring(shape: tuple[int, ...]) -> bytes:
+    """An ``.npy`` header declaring float32 data of ``shape``, followed by a few bytes."""
+    from numpy.lib import format as npy
+
+    buffer = io.BytesIO()
+    npy.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return buffer.getvalue() + b"\0" * 64
+
+
 @pytest.fixture(scope="module")
 def server(exit_run, tmp_path_factory):
     """`anytime serve` of a calibrated, profiled digits run, on a free port of 127.0.0.1."""
@@ -177,7 +198,9 @@ def listening(app, service):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    from anytime.serve.http import SERVER_SETTINGS
+
+    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", **SERVER_SETTINGS))
     thread = threading.Thread(target=instance.run, daemon=True)
     thread.start()
     for _ in range(600):
@@ -263,18 +286,75 @@ def test_a_deadline_already_gone_is_answered_as_missed_with_the_cheapest_answer_
     ("POST", "/predict?deadline_ms=5&energy_mj=3", "PNG", {}, 400, "no energy figures"),
     ("GET", "/schedule?deadline_ms=5&energy_mj=-1", b"", {}, 400, "finite positive number of millijoules"),
     ("GET", "/schedule?deadline_ms=5&energy_mj=3&quantile=0.9", b"", {}, 400, "no energy figures"),
+    ("POST", "/predict?deadline_ms=5", "BOMB", {}, 413, "far more pixels"),
+    ("POST", "/predict?deadline_ms=5", "HUGENPY", {}, 400, "shape [1000000000000000000]"),
+    ("POST", "/predict?deadline_ms=5", "TIBNPY", {}, 400, "shape [1024, 1024, 1024, 1024]"),
+    ("POST", "/predict?deadline_ms=5", "SHORTNPY", {}, 400, "truncated"),
+    ("POST", "/predict", b"[" * 60_000, {"Content-Type": "application/json"}, 400, "nests 60000 levels"),
+    ("POST", "/predict", b'{"deadline_ms": 5, "x": ' + b"[" * 100 + b"]" * 100 + b"}",
+     {"Content-Type": "application/json"}, 400, "nests 101 levels"),
+    ("POST", "/predict", "MANYPARTS", {"Content-Type": "multipart/form-data; boundary=b"}, 400, "parts"),
+    ("POST", "/predict?deadline_ms=5", "PNG", {"Content-Type": "text/plain"}, 415, "not an image"),
 ])  # fmt: skip
 def test_bad_requests_get_a_4xx_sentence_and_the_server_keeps_serving(server, method, path, body, headers, status, words):
     made = {
         "PNG": _png(np.zeros((32, 32), np.uint8)), "PNG16": _png(np.zeros((16, 16), np.uint8)),
         "RGB": _png(np.zeros((32, 32, 3), np.uint8)), "NPY3": _npy(np.zeros((3, 3), np.uint8)),
         "OBJECT": _npy(np.array([{"a": 1}], dtype=object)), "NANARRAY": _npy(np.full((1, 32, 32), np.nan, np.float32)),
+        "BOMB": _png_declaring(30000, 30000), "HUGENPY": _npy_declaring((10**18,)),
+        "TIBNPY": _npy_declaring((1024,) * 4), "SHORTNPY": _npy(np.zeros((32, 32), np.uint8))[:-100],
+        "MANYPARTS": b"".join(b"--b\r\nContent-Disposition: form-data; name=p\r\n\r\nx\r\n" for _ in range(1000)) + b"--b--",
     }  # fmt: skip
     got, answer = _call(server, method, path, made.get(body, body) if isinstance(body, str) else body, headers)
     assert got == status and isinstance(answer, dict) and words in answer["error"], answer
     assert "\n" not in answer["error"] and "Traceback" not in answer["error"]
     ok, good = _call(server, "POST", "/predict?deadline_ms=1000", made["PNG"])
     assert ok == 200 and good["class"] is not None
+
+
+def test_an_oversized_body_is_answered_413_even_to_a_client_still_sending_it(server):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/predict?deadline_ms=5", data=b"\0" * (512 << 10),
+                                     method="POST")  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 413 and "limit" in json.loads(refused.value.read())["error"]
+
+
+def test_a_stalled_client_is_cut_off_and_does_not_hold_the_server(server, monkeypatch):
+    import anytime.serve.http as served
+    from anytime.serve.protocol import HeaderDeadline
+
+    monkeypatch.setattr(served, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(HeaderDeadline, "header_timeout_s", 0.5)
+    silent = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    half = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    half.sendall(b"POST /predict?deadline_ms=5 HTTP/1.1\r\nHost: x\r\nContent-Le")
+    short = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    short.sendall(b"POST /predict?deadline_ms=5 HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"\0" * 10)
+    ok, good = _call(server, "POST", "/predict?deadline_ms=1000", _png(np.zeros((32, 32), np.uint8)))
+    assert ok == 200 and good["class"] is not None  # served while three connections stall
+    for sock in (silent, half):
+        assert sock.recv(1024) == b""  # closed by the server, without an answer to a request never finished
+        sock.close()
+    reply = short.recv(4096).decode()
+    short.close()
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in reply
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--port", "70000"], ("--port 70000", "0-65535")),
+    (["--host", "256.1.1.1"], ("--host 256.1.1.1",)),
+    (["--port", "BUSY"], ("cannot listen", "choose another")),
+])  # fmt: skip
+def test_serve_refuses_an_address_it_cannot_listen_on_before_saying_serving(exit_run, cli_error, capsys, argv, words):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        cli_error(["serve", str(exit_run), *argv], *words)
 
 
 def test_schedule_healthz_and_metrics(server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import struct
 import threading
 
 import numpy as np
@@ -407,6 +408,11 @@ def test_the_server_refuses_bad_requests_in_one_sentence_and_keeps_serving(split
         raw.sendall(b"\x00\x00\x00\x05\x00\x00\x00\x00hello")
         header, _ = read_frame(raw, 1 << 16)
         assert header["ok"] is False and "JSON" in header["error"]
+    deep = b"[" * 30_000
+    with socket.create_connection(server.address) as raw:  # a header nested past any parser's stack: refused, answered
+        raw.sendall(struct.pack(">II", len(deep), 0) + deep)
+        header, _ = read_frame(raw, 1 << 16)
+        assert header["ok"] is False and "nests 30000 levels" in header["error"]
     assert client.request(good, payload).header["ok"] is True
 
 

@@ -12,6 +12,7 @@ import csv
 import hashlib
 import io
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,11 +184,11 @@ def _cached_ids(  # type: ignore[no-untyped-def]
 ) -> tuple[np.ndarray, int]:
     if cache is not None:
         try:
-            with np.load(cache) as stored:
+            with np.load(cache, allow_pickle=False) as stored:
                 ids, cut = stored["ids"], int(stored["cut"])
             if ids.shape == (len(texts), max_length) and ids.dtype == np.int64:
                 return ids, cut
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             pass  # absent or damaged: encode again
     ids, cut = encode(tokenizer, texts, max_length)
     if cache is not None:

@@ -16,6 +16,8 @@ import email.policy
 import json
 import math
 import os
+import re
+import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,8 +27,15 @@ from anytime.errors import AnytimeError
 from anytime.profile.stats import quantile_of
 from anytime.serve.inputs import Inputs, InputSpec, TextSpec
 from anytime.serve.service import BadRequest, Request, Service, parse_deadline, parse_energy_budget
+from anytime.utils.jsonsafe import loads_bounded
 
 ROUTES = "POST /predict, GET /schedule?deadline_ms=D, GET /healthz, GET /metrics"
+MAX_FORM_PARTS = 16  # the image or sentence, deadline_ms, energy_mj, cheapest, and room to spare
+BODY_TIMEOUT_S = 10.0  # a body not finished within this is answered 408 (a stalled client holds nothing longer)
+DRAIN_LIMIT = 8 << 20  # an oversized body is read and dropped up to this many bytes, so the client sees the 413
+MAX_CONNECTIONS = 512  # open connections and tasks beyond which uvicorn answers 503 at once
+SERVER_SETTINGS = {"http": "anytime.serve.protocol:HeaderDeadline", "limit_concurrency": MAX_CONNECTIONS}  # uvicorn's
+_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 _TRUE = ("1", "true", "yes", "on")
 ENVIRONMENT = "ANYTIME_SERVE"  # how `--workers N` hands its options to each worker process
 
@@ -46,6 +55,12 @@ class ServeOptions:
 
 
 def _multipart_fields(body: bytes, content_type: str, field: str) -> dict[str, bytes]:
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        raise BadRequest(f"the multipart body has no boundary: send the {field} in a form field named '{field}'")
+    parts = body.count(b"--" + found.group(1).encode("latin-1")) - 1
+    if parts > MAX_FORM_PARTS:  # the parser's cost grows with the parts, and it runs on the event loop
+        raise BadRequest(f"the form has {parts} parts; at most {MAX_FORM_PARTS} are read")
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         f"Content-Type: {content_type}\r\n\r\n".encode("latin-1") + body
     )
@@ -63,9 +78,9 @@ def _multipart_fields(body: bytes, content_type: str, field: str) -> dict[str, b
 def _json_fields(body: bytes, field: str) -> dict[str, bytes]:
     """A JSON object's fields as the form's would be (numbers and booleans as their text); ``field`` must be text."""
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest(f'the body is not valid JSON: send {{"{field}": ..., "deadline_ms": 10}}') from None
+        doc = loads_bounded(body)
+    except ValueError as exc:
+        raise BadRequest(f'{exc}: send {{"{field}": ..., "deadline_ms": 10}}') from None
     if not isinstance(doc, dict):
         raise BadRequest(f'the JSON body must be an object: {{"{field}": ..., "deadline_ms": 10}}')
     if field == "image" and "image" in doc:
@@ -127,17 +142,39 @@ def create_app(service: Service, spec: Inputs,
         return JSONResponse({"error": f"the server failed to answer ({type(exc).__name__}: {str(exc)[:200]})"},
                             status_code=500)  # fmt: skip
 
-    async def read_body(request: HttpRequest) -> bytes:
+    async def drain(stream: Any, read: int) -> None:
+        """Read and drop what is left of an oversized body, up to a bound, so that a client still sending it
+        reads the 413 instead of a reset connection."""
+        with contextlib.suppress(Exception):
+            async for chunk in stream:
+                read += len(chunk)
+                if read > DRAIN_LIMIT:
+                    break
+
+    async def read_chunks(request: HttpRequest) -> bytes:
         declared = request.headers.get("content-length")
+        stream = request.stream()
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            if int(declared) <= DRAIN_LIMIT:
+                await drain(stream, 0)
             raise BadRequest(f"the body is {int(declared)} bytes; the limit is {max_body_bytes} (--max-body-kb)", 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
+        async for chunk in stream:
             size += len(chunk)
             if size > max_body_bytes:
+                await drain(stream, size)
                 raise BadRequest(f"the body is over the limit of {max_body_bytes} bytes (--max-body-kb)", 413)
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def read_body(request: HttpRequest) -> bytes:
+        try:
+            if hasattr(asyncio, "timeout"):  # Python 3.11: no task per request, unlike wait_for
+                async with asyncio.timeout(BODY_TIMEOUT_S):
+                    return await read_chunks(request)
+            return await asyncio.wait_for(read_chunks(request), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the body did not arrive within {BODY_TIMEOUT_S:g} s", 408) from None
 
     @app.post("/predict")
     async def predict(request: HttpRequest) -> JSONResponse:
@@ -157,6 +194,8 @@ def create_app(service: Service, spec: Inputs,
                     '{"text": "a sentence", "deadline_ms": 10}')  # fmt: skip
                 raise BadRequest(f"the request has no '{field}' field: send {example}")
             body = fields[field]
+        elif field == "image" and content_type.startswith("text/"):
+            raise BadRequest(f"a {content_type.split(';')[0]} body is not an image: send PNG, JPEG or .npy bytes", 415)
         text = {k: v.decode("utf-8", "replace") for k, v in fields.items() if k != field}
         deadline = parse_deadline(text.get("deadline_ms") or request.query_params.get("deadline_ms")
                                   or request.headers.get("x-deadline-ms"))  # fmt: skip
@@ -272,29 +311,60 @@ def app_from_environment() -> Any:
     return app
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening; :class:`AnytimeError` with one sentence otherwise (a port out
+    of range, an address that is not this machine's, a port taken)."""
+    if not 0 <= port <= 65535:
+        raise AnytimeError(f"--port {port} is not a port number (0-65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise AnytimeError(f"--host {host} is not an address this machine can listen on ({exc})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise AnytimeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --host or --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(options: ServeOptions, *, host: str, port: int, workers: int = 1, on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until interrupted; with ``workers`` > 1, that many processes, each with its own model."""
+    """Serve until interrupted; with ``workers`` > 1, that many processes, each with its own model. The address is
+    bound before the run is loaded, and ``on_ready`` is told only once both succeeded."""
     try:
         import uvicorn
     except ImportError:
         raise AnytimeError("anytime serve needs FastAPI and uvicorn: pip install 'anytime[serve]'") from None
-    if workers > 1:
-        from anytime.utils.threads import choose_threads, usable_cores
-
-        cores = choose_threads().threads if options.threads == "auto" else usable_cores()
-        threads = options.threads if isinstance(options.threads, int) else max(1, cores // workers)
-        os.environ[ENVIRONMENT] = json.dumps(asdict(ServeOptions(**{**asdict(options), "threads": threads})))
-        _, service = build_app(options)  # every error (a missing profile, a bad calibration) here, once
-        service.stop()
-        if on_ready:
-            on_ready(f"http://{host}:{port} ({workers} workers, {threads} threads each)")
-        uvicorn.run("anytime.serve.http:app_from_environment", factory=True, host=host, port=port, workers=workers,
-                    log_level="warning")  # fmt: skip
-        return
-    app, service = build_app(options)
-    if on_ready:
-        on_ready(f"http://{host}:{port}")
+    sock = listen(host, port)
+    bound = sock.getsockname()[1]
+    limits = {**SERVER_SETTINGS, "log_level": "warning"}
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        if workers > 1:
+            from anytime.utils.threads import choose_threads, usable_cores
+
+            cores = choose_threads().threads if options.threads == "auto" else usable_cores()
+            threads = options.threads if isinstance(options.threads, int) else max(1, cores // workers)
+            os.environ[ENVIRONMENT] = json.dumps(asdict(ServeOptions(**{**asdict(options), "threads": threads})))
+            _, service = build_app(options)  # every error (a missing profile, a bad calibration) here, once
+            service.stop()
+            if on_ready:
+                on_ready(f"http://{host}:{bound} ({workers} workers, {threads} threads each)")
+            config = uvicorn.Config("anytime.serve.http:app_from_environment", factory=True, workers=workers, **limits)
+            from uvicorn.supervisors import Multiprocess
+
+            Multiprocess(config, sockets=[sock]).run()
+            return
+        app, service = build_app(options)
+        if on_ready:
+            on_ready(f"http://{host}:{bound}")
+        try:
+            uvicorn.Server(uvicorn.Config(app, **limits)).run(sockets=[sock])
+        finally:
+            service.stop()
     finally:
-        service.stop()
+        sock.close()

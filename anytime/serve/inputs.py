@@ -12,6 +12,8 @@ cut at the run's maximum length, as in training; it keeps its own length, so it 
 from __future__ import annotations
 
 import io
+import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -85,6 +87,7 @@ class InputSpec:
     def _from_array(self, body: bytes) -> torch.Tensor:
         import numpy as np
 
+        self._check_array_header(body)
         try:
             array = np.load(io.BytesIO(body), allow_pickle=False)
         except (ValueError, OSError, EOFError):
@@ -100,6 +103,30 @@ class InputSpec:
 
         return torch.from_numpy(np.ascontiguousarray(chw))
 
+    def _check_array_header(self, body: bytes) -> None:
+        """Refuse an array whose header declares another size than the model's input, or more data than the body
+        holds, before numpy allocates what the header asks for."""
+        import numpy as np
+        from numpy.lib import format as npy
+
+        stream = io.BytesIO(body)
+        try:
+            version = npy.read_magic(stream)
+            read = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+            if read is None:
+                raise BadRequest(f".npy format version {version[0]}.{version[1]} is not accepted; save with numpy.save")
+            shape, _, dtype = read(stream)
+        except (ValueError, OSError, EOFError, SyntaxError, TypeError):
+            raise BadRequest("the .npy header could not be read (truncated or malformed)") from None
+        if dtype.hasobject:
+            raise BadRequest("the .npy array is an object array, which is refused; send uint8 pixels or float32 inputs")
+        expected = self.channels * self.height * self.width
+        if not all(isinstance(n, int) and n >= 0 for n in shape) or math.prod(shape) != expected:
+            raise BadRequest(f"the array has shape {list(shape)}; the model takes {self.describe()} "
+                             f"([{self.channels}, {self.height}, {self.width}])")  # fmt: skip
+        if len(body) - stream.tell() < expected * np.dtype(dtype).itemsize:
+            raise BadRequest("the .npy array could not be read (truncated, or an object array, which is refused)")
+
     def _from_image(self, body: bytes) -> torch.Tensor:
         try:
             from PIL import Image, UnidentifiedImageError
@@ -109,7 +136,9 @@ class InputSpec:
         import numpy as np
 
         try:
-            image = Image.open(io.BytesIO(body))
+            with warnings.catch_warnings():  # a header declaring a huge image: refused here, not logged
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(body))
             if image.format not in ("PNG", "JPEG"):
                 raise BadRequest(f"{image.format} images are not accepted; send PNG, JPEG or .npy", status=415)
             if image.size != (self.width, self.height):
@@ -117,6 +146,9 @@ class InputSpec:
             if image.mode not in _IMAGE_MODES.get(self.channels, ()):
                 raise BadRequest(f"the image is {image.mode}; the model takes {self.describe()}")
             pixels = np.array(image.convert("L" if self.channels == 1 else "RGB"), dtype=np.uint8)  # writable, for torch
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise BadRequest(f"the image's header declares far more pixels than the model takes ({self.describe()})",
+                             status=413) from None  # fmt: skip
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
             raise BadRequest("the body is neither a readable PNG or JPEG image nor an .npy array", status=415) from None
         return self._normalised(self._chw(pixels, "image"))

@@ -28,6 +28,7 @@ from anytime.errors import AnytimeError
 from anytime.profile.stats import quantile_of
 from anytime.scheduler.online import SortedWindow
 from anytime.split.plan import Link
+from anytime.utils.jsonsafe import loads_bounded
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER = 64 * 1024
@@ -64,9 +65,9 @@ def read_frame(sock: socket.socket, max_payload: int) -> tuple[dict[str, Any], b
     if payload_len > max_payload:
         raise ValueError(f"a payload of {payload_len} bytes is over the server's {max_payload}-byte limit")
     try:
-        header = json.loads(_read_exact(sock, head_len).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError("the header is not JSON") from None
+        header = loads_bounded(_read_exact(sock, head_len))
+    except ValueError as exc:
+        raise ValueError(f"the header: {exc}") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     return header, _read_exact(sock, payload_len)

@@ -156,9 +156,11 @@ class SplitServer:
 
     def __init__(self, service: SplitService, host: str = "127.0.0.1", port: int = 0, *,
                  max_payload: int = 64 << 20) -> None:  # fmt: skip
+        if not 0 <= port <= 65535:
+            raise AnytimeError(f"--port {port} is not a port number (0-65535)")
         try:
             self._server = _TCPServer((host, port), service, max_payload)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:
             raise AnytimeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
         self.service = service
 

@@ -333,9 +333,13 @@ def check_output_file(
 
 
 def _has_format(path: Path, tag: str) -> bool:
+    """Whether ``path`` is anytime's file of ``tag``: a JSON document with that ``format``, or an HTML page with
+    that ``generator``."""
     try:
         with open(path, "rb") as handle:
             head = handle.read(1 << 20)
+        if head.lstrip()[:15].lower() == b"<!doctype html>":
+            return f'<meta name="generator" content="{tag}">'.encode() in head[:4096]
         doc = json.loads(head)
     except (OSError, ValueError):
         return False
