@@ -141,7 +141,7 @@ def cam_run(
     step's own answer) or ``label`` (the true class; images of a split only)."""
     from anytime.train.records import class_names, run_title
     from anytime.train.runs import load_run, require_images
-    from anytime.utils.outputs import check_output_file, output_lock, staged_files
+    from anytime.utils.outputs import check_figure_folder, output_lock, staged_files
 
     check_image_source(images, split)
     if explain not in ("predicted", "label"):
@@ -151,14 +151,14 @@ def cam_run(
     run = load_run(run_dir, device)
     require_images(run, "anytime cam")
     folder = Path(out) if out is not None else Path(run_dir) / "cam"
-    check_output_file(folder / "cam.npz", what="class activation maps", flag="--out" if out is not None else "")
+    check_figure_folder(folder, "cam.npz", kind="class activation maps", given=out is not None)
     x, labels, sources, shown = chosen_images(run, images, split, count)
     maps = step_maps(run.model, x, steps=steps, labels=labels if explain == "label" else None)
     from anytime.profile.steps import step_names
 
     names = step_names(run.model, step_count(run.model))
     summary = [{"step": m.step, "name": names[m.step], "method": m.method, "layer": m.layer} for m in maps]
-    with output_lock(folder), staged_files(folder) as work:
+    with output_lock(folder), staged_files(folder, "class activation maps" if out is not None else None) as work:
         from anytime.plotting.cam import plot_step_maps
         from anytime.utils.io import atomic_path, write_json
 

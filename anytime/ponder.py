@@ -44,7 +44,7 @@ def ponder_run(
     from anytime.cam import check_image_source, chosen_images
     from anytime.train.records import run_title
     from anytime.train.runs import load_run, require_images
-    from anytime.utils.outputs import check_output_file, output_lock, staged_files
+    from anytime.utils.outputs import check_figure_folder, output_lock, staged_files
     from anytime.wrappers.sact import SACTResNet
 
     check_image_source(images, split)
@@ -59,7 +59,7 @@ def ponder_run(
     if bad or not chosen:
         raise AnytimeError(f"--steps {bad or 'none'}: this SACT run has steps 0..{model.num_steps - 1}")
     folder = Path(out) if out is not None else Path(run_dir) / "ponder"
-    check_output_file(folder / "ponder.npz", what="ponder maps", flag="--out" if out is not None else "")
+    check_figure_folder(folder, "ponder.npz", kind="ponder maps", given=out is not None)
     x, _, sources, shown = chosen_images(run, images, split, count)
     totals, stages, summary = [], [], []
     for k in chosen:
@@ -68,7 +68,7 @@ def ponder_run(
         totals.append(sum(F.interpolate(m[:, None], size=x.shape[-2:], mode="nearest")[:, 0] for m in maps).cpu().numpy())
         stages.append([m.cpu().numpy() for m in maps])
         summary.append(StepPonder(k, model.exit_info[k].name, model.thresholds[k], tuple(float(m.mean()) for m in maps)))
-    with output_lock(folder), staged_files(folder) as work:
+    with output_lock(folder), staged_files(folder, "ponder maps" if out is not None else None) as work:
         from anytime.plotting.ponder import plot_ponder_maps
         from anytime.utils.io import atomic_path, write_json
 

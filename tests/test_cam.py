@@ -99,3 +99,11 @@ def test_cam_command_on_a_trained_run(exit_run, tmp_path, capsys, cli_error):
     cli_error(["cam", str(exit_run), "--split", "test", "--steps", "0,9", "--out", str(tmp_path / "x")], "step 9")
     cli_error(["cam", str(exit_run), "--split", "test", "--steps", "a", "--out", str(tmp_path / "x")], "--steps")
     assert not (tmp_path / "x").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "cam.png").write_bytes(b"my own figure")
+    cli_error(["cam", str(exit_run), "--split", "test", "--count", "1", "--out", str(mine)], "did not write", "cam.png")
+    assert (mine / "cam.png").read_bytes() == b"my own figure" and sorted(p.name for p in mine.iterdir()) == ["cam.png"]
+    assert main(["cam", str(exit_run), "--split", "test", "--count", "2", "--out", str(out)]) == 0  # its own: replaced
+    (out / "notes.txt").write_text("mine")
+    cli_error(["cam", str(exit_run), "--split", "test", "--count", "2", "--out", str(out)], "did not write", "notes.txt")

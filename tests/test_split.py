@@ -497,6 +497,12 @@ def test_split_run_over_a_real_server(split_setup, server, tmp_path, capsys):
     assert first["link_overhead_ms"] >= 0 and first["bandwidth_mbps"] > 0
     saved = json.loads(out.read_text())
     assert len(saved["answers"]) == 12 and all("label" in a for a in saved["answers"])
+    mine = tmp_path / "mine.txt"
+    mine.write_text("my notes")
+    assert main(["split-run", str(run_dir), "--server", "{}:{}".format(*server.address), "--device-profile", str(dev),
+                 "--server-profile", str(srv), "--bandwidth-mbps", "50", "--deadline-ms", "200", "--requests", "2",
+                 "--out", str(mine)]) == 2  # fmt: skip
+    assert mine.read_text() == "my notes" and "never overwrites" in capsys.readouterr().err
 
 
 def test_an_emulated_slower_board_waits_in_proportion():

@@ -20,6 +20,7 @@ from anytime.split.plan import Link, SplitPlan
 from anytime.utils.collector import collect_due, serving_gc
 
 WARMUP = 5  # answers before the timed ones, on images not counted
+SESSION_FORMAT = "anytime-split-session-v1"  # the tag of a session's --out file, which a later session may replace
 LINK_SAMPLES = 100  # exchanges that measure the link before the first plan (its overhead's p99 needs about 100)
 
 
@@ -167,7 +168,7 @@ class SessionResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The summary and every answer with its label."""
-        return {"summary": self.summary(),
+        return {"format": SESSION_FORMAT, "summary": self.summary(),
                 "answers": [a.to_dict() | {"label": y} for a, y in zip(self.answers, self.labels)]}  # fmt: skip
 
 
@@ -198,7 +199,8 @@ def run_split_session(
         raise AnytimeError(f"--link-samples is a number of exchanges >= 0 (got {link_samples!r})")
     if not (math.isfinite(timeout_ms) and timeout_ms > 0):
         raise AnytimeError(f"--timeout-ms must be a positive number (got {timeout_ms})")
-    target = None if out is None else check_output_file(out, what="split-run result", example="split.json")
+    target = None if out is None else check_output_file(out, what="split-run result", format_tag=SESSION_FORMAT,
+                                                        example="split.json")  # fmt: skip
     phases = schedule or [(link.bandwidth_mbps, requests)]
     measured_at = float(DeviceProfile.load(device_profile).settings.get("emulated_slowdown", 1.0))
     if abs(measured_at - slowdown) > 1e-9:

@@ -466,9 +466,11 @@ def _put_in_place(work: Path, final: Path, kind: str, flag: str) -> None:
 
 
 @contextlib.contextmanager
-def staged_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
+def staged_files(folder: str | os.PathLike[str], kind: str | None = None) -> Iterator[Path]:
     """Yield a temporary folder beside ``folder``; when the block succeeds, every file written there is moved
-    into ``folder`` (replacing files of the same names). A failed block writes nothing into ``folder``."""
+    into ``folder`` (replacing files of the same names). A failed block writes nothing into ``folder``. Given
+    ``kind``, ``folder`` is a user's output folder: marked as anytime's ``kind`` holding what was moved in (so that
+    :func:`check_output_dir` lets a later command of that kind replace it, and nobody else's files)."""
     final = Path(folder)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(final.parent)
@@ -476,7 +478,21 @@ def staged_files(folder: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield work
         final.mkdir(exist_ok=True)
-        for name in sorted(os.listdir(work)):
+        names = sorted(os.listdir(work))
+        for name in names:
             os.replace(work / name, final / name)
+        if kind is not None:
+            earlier = read_marker(final)
+            write_marker(final, kind, [*names, *(earlier.entries if earlier and earlier.kind == kind else ())])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def check_figure_folder(folder: Path, first: str, *, kind: str, given: bool) -> None:
+    """Check where a figure command writes before any work: a folder the user gave (``given``) must be new, empty
+    or anytime's of ``kind`` (see :func:`check_output_dir`); the run's own default folder only has to take
+    ``first``, the first file written there."""
+    if given:
+        check_output_dir(folder, kind)
+    else:
+        check_output_file(folder / first, what=kind, flag="")
