@@ -119,12 +119,14 @@ def judge(late: int, promised: int, correct: int, promised_accuracy: float, quan
 
 
 def check_promises(
-    run_dir: str | Path, *, deadlines: Sequence[float] | None = None, count: int = DEFAULT_REQUESTS,
+    run_dir: str | Path, *, deadlines: Sequence[float] | None = None, deadline_count: int = DEFAULT_DEADLINES,
+    count: int = DEFAULT_REQUESTS,
     split: str = "test", quantile: float = 0.99, gap_ms: float = DEFAULT_GAP_MS, accuracy_tolerance: float = 0.01,
     seed: int = 0, sleep: Callable[[float], None] | None = None,
 ) -> PromiseCheck:  # fmt: skip
-    """Replay ``count`` inputs of ``split`` one at a time at every deadline (default :func:`default_deadlines` on
-    the run's profile), spaced by exponential idle gaps of mean ``gap_ms`` (as Poisson arrivals), through the
+    """Replay ``count`` inputs of ``split`` one at a time at every deadline (default: ``deadline_count`` of
+    :func:`default_deadlines` between the cheapest and the dearest price of every option the runtime may answer
+    with, so that the lowest lies below every promise and the highest above), spaced by exponential idle gaps of mean ``gap_ms`` (as Poisson arrivals), through the
     run's anytime runtime at ``quantile``, and hold each answer to its promise."""
     from anytime.data import make_loader
     from anytime.pipeline import _splits_of, runner_for_run
@@ -143,7 +145,7 @@ def check_promises(
     inputs = [(x.to(run.device), int(y)) for x, y in loader]
     if deadlines is None:
         prices = [runner.scheduler.latency(o, quantile) for o in runner.scheduler.options.values()]
-        deadlines = default_deadlines(min(prices), max(prices))
+        deadlines = default_deadlines(min(prices), max(prices), deadline_count)
     wait = sleep or time.sleep
     rng = np.random.default_rng(seed)
     accuracy_of = {name: o.accuracy for name, o in runner.scheduler.options.items()}

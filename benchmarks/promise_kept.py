@@ -83,13 +83,7 @@ def main() -> int:
     for name in args.runs.split(","):
         run = Path(name)
         _prepare(run, args.quick)
-        from anytime.pipeline import runner_for_run
-        from anytime.promises import default_deadlines
-
-        runner, _ = runner_for_run(run, quantile=QUANTILE)
-        prices = [runner.scheduler.latency(o, QUANTILE) for o in runner.scheduler.options.values()]
-        grid = default_deadlines(min(prices), max(prices), deadlines)
-        quiet = check_promises(run, deadlines=grid, count=requests, quantile=QUANTILE, gap_ms=GAP_MS)
+        quiet = check_promises(run, deadline_count=deadlines, count=requests, quantile=QUANTILE, gap_ms=GAP_MS)
         print(f"{run} (quiet):")
         for line in promise_lines(quiet):
             print(f"  {line}")
@@ -99,8 +93,8 @@ def main() -> int:
             spinner = multiprocessing.Process(target=_spin, daemon=True)
             spinner.start()
             try:
-                busy = check_promises(run, deadlines=default_deadlines(min(prices), max(prices), busy_deadlines),
-                                      count=requests, quantile=QUANTILE, gap_ms=GAP_MS)  # fmt: skip
+                busy = check_promises(run, deadline_count=busy_deadlines, count=requests, quantile=QUANTILE,
+                                      gap_ms=GAP_MS)  # fmt: skip
             finally:
                 spinner.terminate()
                 spinner.join()

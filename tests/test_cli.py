@@ -174,8 +174,8 @@ def test_demo_writes_results_and_plots(capsys, tmp_path, monkeypatch):
     assert "test accuracy" in out and str(out_dir) in out and "deadlines at batch 1" in out
     demo = json.loads((out_dir / "demo.json").read_text())
     assert [int(r["batch_size"]) for r in demo["batch_time"]] == [8, 16, 32, 64]
-    # The lowest deadline is half the first exit's p99: nothing fits (no promise, so none broken); the highest is
-    # above every exit's: every request there was promised.
+    # The lowest deadline is half the cheapest price of any option: nothing fits (no promise, none broken); the highest is
+    # above every option's: every request there was promised.
     rows = demo["deadlines"]["rows"]
     assert rows[0]["promised"] == 0 and rows[0]["kept"] is None and rows[0]["requests"] == 20
     assert rows[-1]["promised"] == 20 and rows[-1]["kept"] is not None

@@ -735,6 +735,15 @@ def test_the_promise_check_sets_delivery_beside_the_promise(profiled, capsys):
     assert (rows[1]["promised"], rows[1]["late"], rows[1]["late_rate"]) == (12, 0, 0.0)  # 10 s: nothing is late
 
 
+def test_the_default_deadlines_run_from_below_every_promise_to_above_every_one(profiled):
+    # Spanning every option the runtime may answer with (a calibrated policy can be priced below the first exit
+    # alone), the lowest deadline promises nothing and the highest promises every request.
+    from anytime.promises import check_promises
+
+    check = check_promises(profiled, deadline_count=3, count=12, split="val", quantile=0.9, gap_ms=0)
+    assert [r.promised for r in (check.rows[0], check.rows[-1])] == [0, 12] and len(check.rows) == 3
+
+
 def test_a_promise_is_broken_only_beyond_what_chance_explains():
     from anytime.promises import judge, late_p_value
 
