@@ -9,13 +9,13 @@ PYTHON310 ?= $(shell for p in python3.10 $$HOME/.pyenv/versions/3.10*/bin/python
 VENV310 ?= .venv310
 STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo test test-all test-slow test-py310 install clean
+.PHONY: demo test test-all test-slow test-py310 install clean lint docs
 
 install: $(STAMP)
 
 $(STAMP): setup.cfg setup.py pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all,test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[all,test,lint,docs]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -42,5 +42,16 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ""
 
+# ruff (lint and format), mypy on the package, import-linter's layer contract (see setup.cfg)
+lint: $(STAMP)
+	$(BIN)/ruff check anytime tests benchmarks experiments models
+	$(BIN)/ruff format --check anytime tests benchmarks experiments models
+	$(BIN)/mypy anytime
+	$(BIN)/lint-imports
+
+# The documentation site (MkDocs), built strictly: a broken link or a stale page fails it
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) $(VENV310) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV310) build *.egg-info .pytest_cache site
