@@ -1,8 +1,9 @@
-"""What every benchmark shares: arguments, the machine record and the --json report."""
+"""What every benchmark shares: arguments, the machine record, the --json report and the results folder."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from anytime.utils.machine import describe_machine, git_sha
 from anytime.utils.memory import allocator_state, hold_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"  # RESULTS/<machine>/<benchmark>.json: the latest full run per machine
 EXITS_CARD = REPO / "models" / "cifar10-resnet32-exits.toml"
 
 
@@ -32,22 +34,38 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def machine_name(machine: dict[str, Any]) -> str:
+    """The folder a machine's results go in: its CPU model and core count, and its GPU where it has one (a
+    host name says nothing about speed and changes with every lease)."""
+    parts = [str(machine.get("cpu_model") or "cpu"), f"{machine.get('cpu_count') or 0}c"]
+    if machine.get("gpu"):
+        parts.append(str(machine["gpu"]))
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")
+
+
 def report(
-    name: str, args: argparse.Namespace, figures: dict[str, Any], ratio: float, target: str, passed: bool | None
+    name: str, args: argparse.Namespace, figures: dict[str, Any], ratio: float, target: str, passed: bool | None,
+    *, results: Path = RESULTS,
 ) -> int:
-    """Print the verdict and, with --json, write the whole report; exit status 0 either way (a figure, not a test).
-    ``passed=None``: a comparison with no target, reported as "info"."""
+    """Print the verdict and write the whole report: a full run (not ``--quick``) to ``results/<machine>/NAME.json``,
+    where ``benchmarks/page.py`` renders it into ``docs/benchmarks.md``, and to ``--json PATH`` if given. Exit status 0
+    either way (a figure, not a test). ``passed=None``: a comparison with no target, reported as "info"."""
     verdict = "info" if passed is None else "pass" if passed else "fail"
     print(f"{name}: ratio {ratio:.3f} (target {target}): {verdict}")
+    machine = describe_machine()
+    document = {
+        "benchmark": name, "ratio": ratio, "target": target, "verdict": verdict, "figures": figures,
+        "quick": args.quick, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(), "machine": machine, "allocator": allocator_state(),
+    }  # fmt: skip
+    if not args.quick:
+        recorded = results / machine_name(machine) / f"{name}.json"
+        recorded.parent.mkdir(parents=True, exist_ok=True)
+        write_json(recorded, document)
+        print(f"recorded in {recorded.relative_to(REPO) if recorded.is_relative_to(REPO) else recorded}; "
+              "render the page with `python benchmarks/page.py`")  # fmt: skip
     if args.json:
-        write_json(
-            args.json,
-            {
-                "benchmark": name, "ratio": ratio, "target": target, "verdict": verdict, "figures": figures,
-                "quick": args.quick, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "git_sha": git_sha(), "machine": describe_machine(), "allocator": allocator_state(),
-            },
-        )  # fmt: skip
+        write_json(args.json, document)
         print(f"report written to {args.json}")
     return 0
 

@@ -22,7 +22,7 @@ from common import REPO, fuser_share, member_runs, parser, report, run
 from anytime.ensemble import build_ensemble
 
 # Hyper-parameters
-# in runs/: trained on a lent H200 (BENCHMARKS.md, 2026-11-27), four architectures of comparable accuracy
+# in runs/: trained on a lent H200 (docs/benchmarks-archive.md, 2026-11-27), four architectures of comparable accuracy
 MEMBERS = ("cifar10-resnet20-30ep", "cifar10-resnet32-exits-16ep", "cifar10-vgg11-30ep", "cifar10-resnet18-12ep")
 FOLDS = 5  # cross-fitting folds of the validation split
 TIMED = 300  # batch-1 timings of the fuser and of the whole ensemble

@@ -30,7 +30,7 @@ from anytime.scheduler.query import run_options
 from anytime.scheduler import DeadlineScheduler
 
 # Hyper-parameters
-# in runs/: trained on a lent H200 (BENCHMARKS.md, 2026-11-27), four architectures of comparable accuracy
+# in runs/: trained on a lent H200 (docs/benchmarks-archive.md, 2026-11-27), four architectures of comparable accuracy
 MEMBERS = ("cifar10-resnet20-30ep", "cifar10-resnet32-exits-16ep", "cifar10-vgg11-30ep", "cifar10-resnet18-12ep")
 REPEATS = 300  # batch-1 timings per step (a p99 needs at least 100)
 QUANTILE = 0.99

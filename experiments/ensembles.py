@@ -33,7 +33,7 @@ from anytime.utils.progress import StudyProgress
 from anytime.utils.results import study_output, study_parser, write_study_config
 
 # ---- hyper-parameters -------------------------------------------------------------------------------
-# float runs, trained on a lent H200 (BENCHMARKS.md, 2026-11-27)
+# float runs, trained on a lent H200 (docs/benchmarks-archive.md, 2026-11-27)
 MEMBERS = ("runs/cifar10-resnet20-30ep", "runs/cifar10-resnet32-exits-16ep", "runs/cifar10-vgg11-30ep",
            "runs/cifar10-resnet18-12ep")  # fmt: skip
 EXIT_RUN = "runs/cifar10-resnet32-exits-16ep"  # the early-exit ladder compared at matched latency

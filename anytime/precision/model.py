@@ -106,7 +106,7 @@ def backend_for(precision: str, device: torch.device) -> str:
             )
         return X86_7BIT if x86_without_vnni() else X86_FULL
     if precision == "int8-dynamic":
-        # torchao's int8 dynamic Linear ran 8-25x slower than fp32 on this x86 CPU (AVX2; BENCHMARKS.md, "int8-dynamic
+        # torchao's int8 dynamic Linear ran 8-25x slower than fp32 on this x86 CPU (AVX2; docs/benchmarks-archive.md, "int8-dynamic
         # on an x86 CPU"; pytorch/ao#4365); torch.ao's fbgemm kernels run about as fast as fp32 with int8 weights.
         return FBGEMM_DYNAMIC if device.type == "cpu" and x86 and _has_fbgemm() else TORCHAO_DYNAMIC
     if precision == "fp16" and device.type == "cpu":

@@ -262,7 +262,7 @@ class SACTResNet(SeparateSteps):
         self.mode = mode
         self.ponder_cost = float(ponder_cost)
         self.input_shape = input_shape
-        self._execution = "dense"  # the faster on this machine's CPU (BENCHMARKS.md, sact_cifar10)
+        self._execution = "dense"  # the faster on this machine's CPU (docs/benchmarks-archive.md, sact_cifar10)
         channels = [self._out_channels(stage[0]) for stage in stages]
         self.halting = nn.ModuleList(
             nn.ModuleList(HaltingUnit(c, mode == "spatial") for _ in range(len(stage) - 1)) for c, stage in zip(channels, stages)
