@@ -6,66 +6,55 @@ import pytest
 import torch
 from torch import nn
 
-from anytime.backbones import create_model
 from anytime.calibrate import ExitPolicy
 from anytime.contract import is_anytime, is_incremental, is_segmented, run_step, step_count
-from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo, cross_fit
+from anytime.errors import AnytimeError
 from anytime.precision import convert
 from anytime.profile import profile_model
-from anytime.wrappers import BlockDropLadder, attach_exits, slice_model
+from anytime.wrappers.registry import Family, get_family, list_families
 
-SHAPE = (3, 32, 32)
-
-
-def _ensemble() -> nn.Module:
-    members = [nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10)) for _ in range(3)]
-    infos = [MemberInfo(f"m{i}", None, 1000 * (i + 1), 30730) for i in range(3)]
-    x = torch.randn(60, *SHAPE, generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 10, (60,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        logps = torch.stack([m(x).log_softmax(-1) for m in members])
-    fit = cross_fit("mean", logps, labels, folds=3)
-    return EnsembleModel(members, infos, FuserBank.of(fit.fusers, fit.fold_fusers, torch.from_numpy(fit.folds)))
+PRECISION_FORMS = {  # family: precision (eager: compiling takes 30 s per batch size here; the compiled form is test_precision's)
+    "exits-bf16": ("exits", "bf16"),
+}
 
 
-def _exits() -> nn.Module:
-    return attach_exits(create_model("resnet20", num_classes=10), "auto", num_classes=10, input_shape=SHAPE)
+def _build(case: str) -> tuple[nn.Module, torch.Tensor, Family]:
+    family = get_family(PRECISION_FORMS.get(case, (case,))[0])
+    model, x = family.example()
+    if case in PRECISION_FORMS:
+        model = convert(model.eval(), PRECISION_FORMS[case][1], input_shape=tuple(x.shape[1:]), compile=False)[0]
+    return model, x, family
 
 
-FAMILIES = {  # name: (builder, incremental, segmented)
-    "exits": (_exits, True, True),
-    "slices": (lambda: slice_model(create_model("resnet20", num_classes=10), (0.5, 1.0), input_shape=SHAPE), False, False),
-    "ladder": (lambda: BlockDropLadder(create_model("resnet20", num_classes=10), input_shape=SHAPE), False, False),
-    "ensemble": (_ensemble, True, True),
-    # eager: compiling takes 30 s per batch size here, and the compiled form is test_precision's
-    "exits-bf16": (lambda: convert(_exits().eval(), "bf16", input_shape=SHAPE, compile=False)[0], True, True),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_keeps_the_step_contract(family):
-    build, incremental, segmented = FAMILIES[family]
+@pytest.mark.parametrize("case", [*list_families(), *PRECISION_FORMS])
+def test_every_family_keeps_the_step_contract(case):
     torch.manual_seed(0)
-    model = build().eval()
-    assert is_anytime(model) and is_incremental(model) == incremental
-    assert is_segmented(model) == segmented
+    model, x, family = _build(case)
+    model = model.eval()
+    assert is_anytime(model) and is_incremental(model) == family.incremental
+    assert is_segmented(model) == family.segmented
     k_steps = step_count(model)
     assert k_steps >= 2
-    x = torch.randn(4, *SHAPE, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         everything = model.forward_all(x).float()
         one_by_one = torch.stack([run_step(model, x, k).float() for k in range(k_steps)])
         streamed = torch.stack([s.float() for s in model.steps(x)])
-    assert everything.shape == (k_steps, 4, 10)
-    tolerance = 5e-2 if "bf16" in family else 1e-5
+    assert everything.shape == (k_steps, x.shape[0], 10)
+    tolerance = 5e-2 if case in PRECISION_FORMS else 1e-5
     torch.testing.assert_close(one_by_one, everything, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(streamed, everything, atol=tolerance, rtol=tolerance)
-    if segmented:  # real early exit with nobody leaving early answers as the last step does
+    if family.segmented:  # real early exit with nobody leaving early answers as the last step does
         policy = ExitPolicy("confidence", (None,) * (k_steps - 1))
         out = policy.run(model, x)
         assert torch.equal(out.predictions, everything[-1].argmax(dim=1)) and bool((out.exits == k_steps - 1).all())
-    profile = profile_model(model, SHAPE, batch_sizes=(1,), repeats=2, warmup=0)
-    assert profile.num_steps == k_steps and profile.incremental == incremental
+    profile = profile_model(model, tuple(x.shape[1:]), batch_sizes=(1,), repeats=2, warmup=0)
+    assert profile.num_steps == k_steps and profile.incremental == family.incremental
+
+
+def test_the_registry_names_every_family_the_package_builds():
+    assert set(list_families()) >= {"exits", "slices", "cuts", "resolution", "sact", "ensemble", "text"}
+    with pytest.raises(AnytimeError, match="unknown family 'nope'; registered: cuts"):
+        get_family("nope")
 
 
 def test_a_plain_module_is_one_step():
