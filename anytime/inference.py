@@ -235,7 +235,7 @@ class PooledLinear(nn.Module):
         elif x.numel() * self.classes <= WHOLE_MAP_MACS:
             pool, weight, values = "none", self._whole_map_weight(channels, height, width, nchw), channels * height * width
         elif size == 1 and x.dtype != torch.float16:  # a half-precision sum of a large map can overflow
-            pool, weight = "sum", weight / (height * width)
+            pool, weight = "sum", weight / (height * width)  # type: ignore[assignment]
         return _Plan(x.shape, x.stride(), pool, window, matrix, nchw, (batch, values), weight.t().contiguous(), self.bias)
 
     def _window_matrix(self, height: int, width: int, nchw: bool) -> Tensor:

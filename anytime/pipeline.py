@@ -33,7 +33,7 @@ from anytime.ensembles import EnsembleModel
 from anytime.errors import AnytimeError
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.energy import EnergySettings, open_energy_reader
-from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, device_slug
+from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, Steadiness, device_slug
 from anytime.scheduler import AnytimeRunner, DeadlineScheduler
 from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
 from anytime.scheduler.query import (
@@ -643,6 +643,7 @@ def profile_run(
     try:
         with output_lock(target):
             profile: DeviceProfile | None = None
+            kept: Steadiness | None = None
             for attempt in range(1, tries + 1):
                 taken = profile_model(
                     model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
@@ -655,7 +656,7 @@ def profile_run(
                 steady = taken.steadiness()
                 if profile is None:
                     first = taken
-                elif steady.spread >= kept.spread:
+                elif kept is not None and steady.spread >= kept.spread:
                     continue
                 profile, kept = taken, steady
                 if steady_within is not None and steady.spread <= steady_within:
@@ -725,7 +726,7 @@ def runner_for_run(
     hold_freed_memory()  # as profile_run does, so the latencies the profile holds are the ones met here
     run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
     if "execution" in loaded.settings and hasattr(run.model, "execution"):
-        run.model.execution = str(loaded.settings["execution"])
+        run.model.execution = str(loaded.settings["execution"])  # type: ignore[assignment]
     loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
     for length, bucket in buckets.items():
         bucket.check_model(run.fingerprint, run.num_steps, where=f"the profile of {length} tokens in {run_dir}")

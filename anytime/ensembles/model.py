@@ -173,7 +173,7 @@ class EnsembleModel(nn.Module):
         for fold, fusers in enumerate(self.bank.fold_fusers):
             rows = folds == fold
             if rows.any():
-                for k, fuser in enumerate(fusers):
+                for k, fuser in enumerate(fusers):  # type: ignore[var-annotated]
                     out[k, rows] = fuser(answers[: k + 1, rows])
         return out
 

@@ -60,7 +60,7 @@ def _faster_alone(threaded: Any, single: Any, name: str, shape: tuple[int, ...],
     """Whether ``single`` (one thread) answers a batch of 1 faster than ``threaded``: median of interleaved runs.
     On a small graph waking a second thread for every operator costs more than the thread saves (a LeNet in
     ONNX Runtime at batch 1: about 0.185 ms with 2 threads, 0.127 ms with 1), on a large one it pays."""
-    x = np.zeros((1, *shape), dtype=dtype)
+    x: np.ndarray = np.zeros((1, *shape), dtype=dtype)
     for session in (threaded, single, threaded):
         session.run(None, {name: x})
     start = clock()
@@ -230,7 +230,8 @@ def _decision(criterion: str, temperature: float, threshold: float, num_classes:
     from onnx import TensorProto, helper
 
     def const(name: str, value: float | list[int], dtype: int = TensorProto.DOUBLE) -> str:
-        dims, values = ([len(value)], value) if isinstance(value, list) else ([], [value])  # a list: 1-D, else a scalar
+        dims: list[int] = [len(value)] if isinstance(value, list) else []
+        values: list[float] | list[int] = value if isinstance(value, list) else [value]  # a list: 1-D, else a scalar
         g.initializer.append(helper.make_tensor(f"policy/{name}", dtype, dims, values))
         return f"policy/{name}"
 

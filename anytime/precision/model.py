@@ -598,5 +598,5 @@ def convert(
         converted, state = float_parts(copied), {}
     if compile and precision != "int8":
         room_for_compiled_parts(len(converted))
-        converted = [torch.compile(p) for p in converted]
-    return PrecisionModel(model, converted, spec, flops), state
+        converted = [torch.compile(p) for p in converted]  # type: ignore[misc]  # a compiled module is one
+    return PrecisionModel(model, converted, spec, flops), state or {}

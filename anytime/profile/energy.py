@@ -254,6 +254,7 @@ class NvmlReader:
         except nvml.NVMLError:
             mode = None
         self._sampled: SampledPower | None = None
+        self._counter: WrappingCounter | None
         try:
             self._counter = WrappingCounter(float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle)), 2.0**64)
             self.source = EnergySource("nvml", f"GPU {index} {name}: total-energy counter", 1e-3, 0.1, False, mode)

@@ -21,7 +21,7 @@ def quantile_of(samples: np.ndarray, q: float, weights: np.ndarray | None = None
     return float(values[min(index, values.size - 1)])
 
 
-def latency_summary(seconds: np.ndarray) -> dict[str, float]:
+def latency_summary(seconds: np.ndarray) -> dict[str, float | list[float]]:
     """Mean, std, p50, p90, p99 (milliseconds, quantiles as :func:`quantile_of`), count, and 95% bootstrap
     intervals of the p50 and p99 of a latency sample."""
     from anytime.utils.stats import bootstrap_quantile

@@ -185,7 +185,7 @@ class DeadlineScheduler:
         self._frontier(quantile, batch_size)
         costs = self._costs[(quantile, batch_size)]
         energies = self._energies(batch_size)
-        return _pareto([(self.options[n], costs[n], energies[n]) for n in self.options])
+        return [*_pareto([(self.options[n], costs[n], energies[n]) for n in self.options])]
 
     def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1, *,
                energy_mj: float | None = None) -> Selection:  # fmt: skip
@@ -433,7 +433,7 @@ class PrecisionScheduler:
             return [(o, latency, None) for o, latency in self.frontier(quantile, batch_size)]
         costs, options = self._costs(quantile, batch_size)
         energies = self._energies(batch_size)
-        return _pareto([(options[n], costs[n], energies[n]) for n in options])
+        return [*_pareto([(options[n], costs[n], energies[n]) for n in options])]
 
     def select(self, deadline_ms: float, quantile: float = 0.99, batch_size: int = 1, *,
                energy_mj: float | None = None) -> Selection:  # fmt: skip

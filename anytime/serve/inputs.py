@@ -33,8 +33,11 @@ class Inputs(Protocol):
     """What the server needs of a run's input: ``field`` (the form or JSON field that carries it), the class
     names, a description for error messages, an example to warm up with, and :meth:`decode`."""
 
-    field: str
-    class_names: tuple[str, ...] | None
+    @property
+    def field(self) -> str: ...
+
+    @property
+    def class_names(self) -> tuple[str, ...] | None: ...
 
     def describe(self) -> str: ...
 

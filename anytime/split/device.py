@@ -252,11 +252,11 @@ def slowed_model(model: Any, factor: float, *, clock: Callable[[], float] = time
 
         @property
         def segments(self) -> tuple[torch.nn.Module, ...]:
-            return self._segments
+            return self._segments  # type: ignore[return-value]
 
         @property
         def heads(self) -> list[torch.nn.Module]:
-            return self._heads
+            return self._heads  # type: ignore[return-value]
 
         @property
         def num_steps(self) -> int:

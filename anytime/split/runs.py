@@ -65,7 +65,7 @@ def _fp32_only(model: Any, cache: Any, run_dir: str | Path) -> SplitTables:
     _, dataset = run_config(run_dir)
     size = dataset.get("image_size") or [32, 32]
     shape = (int(dataset["in_channels"]), int(size[0]), int(size[1]))
-    shapes = {-1: shape}
+    shapes: dict[int, tuple[int, ...]] = {-1: shape}
     segments = list(model.segments)
     with torch.inference_mode():
         h = torch.zeros(1, *shape, device=next(iter(model.parameters())).device)

@@ -147,7 +147,7 @@ def _shrink_module(module: nn.Module, name: str, out_keep: tuple[int, ...] | Non
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = new.shape[0], new.shape[1]
         else:
-            module.out_channels, module.in_channels = new.shape[0], new.shape[1]
+            module.out_channels, module.in_channels = new.shape[0], new.shape[1]  # type: ignore[assignment]
     module.weight = nn.Parameter(new, requires_grad=weight.requires_grad)
     if module.bias is not None:
         module.bias = nn.Parameter(_select(module.bias.data, 0, out_keep, name), requires_grad=module.bias.requires_grad)
@@ -212,7 +212,7 @@ def plan_channels(
     total_keep = round((1.0 - sparsity) * sum(counts.values()))
     keep_positions = _choose(groups, counts, total_keep, sparsity, scope)
     keep: dict[str, list[list[int] | None]] = {}
-    for (root, members, _), positions in zip(groups, keep_positions):
+    for (_, members, _), positions in zip(groups, keep_positions):
         for module, side, idxs in members:
             entry = keep.setdefault(module, [None, None])
             entry[0 if side == "out" else 1] = [idxs[p] for p in positions]

@@ -572,13 +572,15 @@ class Trainer:
         summary["augment"] = augment.describe()
         summary["processes"] = 1 if ctx is None else ctx.world_size
         if mask is not None:
+            nonzero: int = sum(int(p.count_nonzero()) for p in final.parameters())  # type: ignore[misc]
             summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": dense_run,
                                  "sparsity": mask.sparsity, "reset_epoch": cfg.reset_epoch, "scope": cfg.prune_scope,
-                                 "nonzero_parameters": sum(int(p.count_nonzero()) for p in final.parameters())}  # fmt: skip
+                                 "nonzero_parameters": nonzero}  # fmt: skip
         if plan is not None:
+            parameters: int = sum(p.numel() for p in final.parameters())  # type: ignore[misc]
             summary["ticket"] = {"prune_from": cfg.prune_from, "dense_run": dense_run, "unit": "channels",
                                  "sparsity": plan.sparsity, "reset_epoch": cfg.reset_epoch, "scope": cfg.prune_scope,
-                                 "parameters": sum(p.numel() for p in final.parameters()),
+                                 "parameters": parameters,
                                  "dense_parameters": dense_parameters}  # fmt: skip
         if cfg.tta:
             _, mirrored = evaluate_exits(final, test_loader, device, mirror=True, reduce=reduce)
@@ -700,14 +702,14 @@ class Trainer:
             raise AnytimeError(
                 f"training diverged in epoch {epoch + 1} (mean loss is {train_loss}); lower --lr (now {cfg.lr})"
             )
-        totals = log.totals()
+        phase_totals = log.totals()
         previous = history[-1]["metrics"]["elapsed_s"] if history else 0.0
         cuda_peak = cuda_peak_bytes(device)
         record: dict[str, Any] = {
             "epoch": epoch, "lr": cfg.lr * lr_factor(cfg, epoch), "train_loss": train_loss,
             "train_acc": int(correct) / max(seen, 1), "val_loss": val_loss, "val_acc": val_acc,
             "epoch_s": epoch_s, "train_s": train_s, "eval_s": epoch_s - train_s, "elapsed_s": previous + epoch_s,
-            **{f"{phase}_s": totals[phase] for phase in PHASES},
+            **{f"{phase}_s": phase_totals[phase] for phase in PHASES},
             "images_per_s": seen / train_s if train_s > 0 else float("nan"),
             "peak_rss_mb": peak_rss_bytes() / 2**20,
             "cuda_peak_mb": None if cuda_peak is None else cuda_peak / 2**20,

@@ -181,7 +181,7 @@ class BlockDropLadder(SeparateSteps):
         info: list[ExitInfo] = []
         cumulative = 0
         for k, dropped in enumerate(self.configs):
-            flops = count_flops(self, lambda x, k=k: self.forward_until(x, k), self.input_shape)
+            flops = count_flops(self, lambda x, k=k: self.forward_until(x, k), self.input_shape)  # type: ignore[misc]
             cumulative += flops
             skipped = sum(p.numel() for i in dropped for p in _branch_parameters(self._blocks[i]))
             kept = len(self._blocks) - len(dropped)

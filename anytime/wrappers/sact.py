@@ -141,7 +141,7 @@ def residual_stages(backbone: nn.Module) -> tuple[tuple[str, ...], list[list[_Un
                 stages = []
                 break
             stages.append([_Unit(b, found) for b, found in zip(blocks, layers)])  # type: ignore[arg-type]
-        stem, head = ("stem",), ("head",)
+        stem, head = ("stem",), ("head",)  # type: tuple[str, ...], tuple[str, ...]
     elif isinstance(backbone, TorchvisionResNet):
         for name in ("layer1", "layer2", "layer3", "layer4"):
             blocks = list(getattr(backbone, name).children())

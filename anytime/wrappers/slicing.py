@@ -435,11 +435,11 @@ def slice_model(
     for name, module in list(backbone.named_modules()):
         if isinstance(module, nn.Conv2d):
             module.__class__ = SlicedConv2d
-            module.scale_out = scaled is None or id(module) in scaled  # type: ignore[attr-defined]
+            module.scale_out = scaled is None or id(module) in scaled  # type: ignore[attr-defined, assignment]
             object.__setattr__(module, "_context", context)
         elif isinstance(module, PadShortcut):
             module.__class__ = SlicedPadShortcut
-            module.out_full = module.extra + _pad_input(backbone, name)  # type: ignore[attr-defined]
+            module.out_full = module.extra + _pad_input(backbone, name)  # type: ignore[attr-defined, assignment]
             object.__setattr__(module, "_context", context)
         elif isinstance(module, nn.BatchNorm2d):
             norms[name] = module
@@ -474,13 +474,13 @@ def _step_info(model: SlicedModel, dense_flops: int) -> tuple[ExitInfo, ...]:
     cumulative = 0
     context = model._context
     for k, ratio in enumerate(model.ratios):
-        flops = count_flops(model, lambda x, k=k: model.forward_until(x, k), context.shape)
+        flops = count_flops(model, lambda x, k=k: model.forward_until(x, k), context.shape)  # type: ignore[misc]
         cumulative += flops
         context.step, context.ratio, context.probe = k, ratio, True
         try:
             with torch.no_grad():
                 device = next(model.parameters()).device
-                model.backbone(torch.zeros(1, *context.shape, device=device))
+                model.backbone(torch.zeros(1, *context.shape, device=device))  # type: ignore[misc]
         finally:
             context.probe = False
         params = 0

@@ -93,7 +93,7 @@ def staged_chain(backbone: StagedBackbone, sample: Tensor) -> Chain:
         starts = [0, *bounds]
         ends = [*bounds, len(units)]
         segments: list[nn.Module] = [nn.Sequential(*(u[1] for u in units[a:b])) for a, b in zip(starts, ends)]
-        segments[-1] = nn.Sequential(*segments[-1], backbone.head)
+        segments[-1] = nn.Sequential(*segments[-1], backbone.head)  # type: ignore[misc]
         return segments
 
     return Chain(cuts, flops + head_flops, make, aliases)
@@ -292,5 +292,5 @@ def _segment(root: fx.GraphModule, span: list[fx.Node], inp: fx.Node | None, out
             env[node] = x
         elif node.op != "output":
             env[node] = graph.node_copy(node, lookup)
-    graph.output(fx.node.map_arg(out, lookup))  # type: ignore[arg-type]
+    graph.output(fx.node.map_arg(out, lookup))  # type: ignore[type-var]
     return fx.GraphModule(root, graph)
