@@ -157,7 +157,7 @@ THREADS_HELP = "auto: the cores other processes leave free (measured over 0.25 s
 
 
 def _form(text: str) -> str:
-    from anytime.inference import InferenceForm
+    from anytime.deploy.inference import InferenceForm
 
     try:
         return InferenceForm.parse(text).name
@@ -966,7 +966,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
-    from anytime.jobs import JobOutcome, load_sweep, run_sweep
+    from anytime.train.jobs import JobOutcome, load_sweep, run_sweep
 
     out = Path(args.out or Path("runs") / "sweeps" / Path(args.sweep).stem)
     sweep = load_sweep(args.sweep, out)
@@ -999,7 +999,7 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def _cmd_ticket(args: argparse.Namespace) -> int:
-    from anytime.jobs import Sweep, run_sweep, ticket_jobs
+    from anytime.train.jobs import Sweep, run_sweep, ticket_jobs
 
     dense = Path(args.dense)
     named = dense.resolve()
@@ -1060,9 +1060,8 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from anytime.demo import DEMO_CONFIG, DEMO_REQUESTS, run_demo
-    from anytime.promises import promise_lines
-
+    from anytime.tasks.demo import DEMO_CONFIG, DEMO_REQUESTS, run_demo
+    from anytime.tasks.promises import promise_lines
     from anytime.utils.outputs import check_replaceable
 
     out = Path(args.out) if args.out else Path("runs") / "demo"
@@ -1104,10 +1103,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_exits(args: argparse.Namespace) -> int:
     from anytime.backbones import create_model, example_input, model_modality
-    from anytime.wrappers import attach_exits
-    from anytime.wrappers.tracing import split_points
-
-    from anytime.utils.resources import check_forward_memory, check_input_memory
+    from anytime.backbones.footprint import check_forward_memory
+    from anytime.families import attach_exits
+    from anytime.families.tracing import split_points
+    from anytime.utils.resources import check_input_memory
 
     shape: tuple[int, ...] = (args.in_channels, args.image_size, args.image_size)
     size = f"a {args.image_size}x{args.image_size} input"
@@ -1151,7 +1150,7 @@ def _cmd_exits(args: argparse.Namespace) -> int:
 
 def _cmd_collect(args: argparse.Namespace) -> int:
     from anytime.outputs import cache_path
-    from anytime.pipeline import collect_run
+    from anytime.tasks.pipeline import collect_run
 
     cache = collect_run(args.run, args.split, device=args.device, batch_size=args.batch_size,
                         progress=sys.stderr.isatty())
@@ -1169,7 +1168,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from anytime.pipeline import sweep_run
+    from anytime.tasks.pipeline import sweep_run
 
     criteria = args.criterion or list(_CRITERIA)
     report = sweep_run(args.run, criteria, settings=args.settings, split=args.split)
@@ -1206,7 +1205,7 @@ def _print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from anytime.pipeline import CALIBRATION, calibrate_run
+    from anytime.tasks.pipeline import CALIBRATION, calibrate_run
 
     if args.rule is not None and args.max_drop is not None:
         raise AnytimeError("--rule chooses how to meet --budget-flops; it does not apply to --max-drop")
@@ -1247,7 +1246,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from anytime.pipeline import evaluate_run
+    from anytime.tasks.pipeline import evaluate_run
 
     report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
                           latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty(),
@@ -1277,7 +1276,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from anytime.pipeline import plot_run
+    from anytime.tasks.pipeline import plot_run
 
     report = plot_run(args.run, profile=args.profile, figure_size=args.figure_size)
     if args.json:
@@ -1362,8 +1361,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             raise AnytimeError("--energy measures on this machine; trtexec's timings come from the board, so measure "
                                "energy there (anytime profile RUN --energy on the board)")  # fmt: skip
         return _trtexec_profile(args)
-    from anytime.pipeline import profile_run
     from anytime.profile.energy import EnergySettings
+    from anytime.tasks.pipeline import profile_run
 
     energy = None
     if args.energy:
@@ -1472,8 +1471,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _schedule_check(args: argparse.Namespace) -> int:
-    from anytime.promises import check_promises, promise_lines
     from anytime.scheduler.deadline import check_deadline
+    from anytime.tasks.promises import check_promises, promise_lines
 
     for flag in ("deadline_ms", "variants", "energy_mj", "length", "profile"):
         if getattr(args, flag) is not None:
@@ -1531,7 +1530,7 @@ def _step_list(text: str | None) -> list[int] | None:
 
 
 def _cmd_cam(args: argparse.Namespace) -> int:
-    from anytime.cam import cam_run
+    from anytime.tasks.cam import cam_run
 
     report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=_step_list(args.steps),
                      explain=args.explain, out=args.out, device=args.device)  # fmt: skip
@@ -1545,7 +1544,7 @@ def _cmd_cam(args: argparse.Namespace) -> int:
 
 
 def _cmd_ponder(args: argparse.Namespace) -> int:
-    from anytime.ponder import ponder_run
+    from anytime.tasks.ponder import ponder_run
 
     report = ponder_run(args.run, images=args.images, split=args.split, count=args.count, steps=_step_list(args.steps),
                         out=args.out, device=args.device)  # fmt: skip
@@ -1560,7 +1559,7 @@ def _cmd_ponder(args: argparse.Namespace) -> int:
 
 
 def _cmd_seeds(args: argparse.Namespace) -> int:
-    from anytime.seeds import summarise_seeds
+    from anytime.tasks.seeds import summarise_seeds
 
     summary = summarise_seeds(args.runs)
     if args.json:
@@ -1576,7 +1575,7 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from anytime.report import write_report
+    from anytime.tasks.report import write_report
 
     result = write_report(args.run, args.out)
     if args.json:
@@ -1699,7 +1698,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_cut(args: argparse.Namespace) -> int:
-    from anytime.cut import cut_study, make_ladder_run
+    from anytime.tasks.cut import cut_study, make_ladder_run
 
     if args.ladder:
         if args.out is None:
@@ -1737,7 +1736,7 @@ def _cmd_cut(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from anytime.quantize import quantize_run
+    from anytime.tasks.quantize import quantize_run
 
     summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
                            compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
@@ -1776,8 +1775,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_ensemble(args: argparse.Namespace) -> int:
-    from anytime.ensemble import build_ensemble
-    from anytime.ensembles import FUSERS, FitSettings
+    from anytime.families import FUSERS, FitSettings
+    from anytime.tasks.ensemble import build_ensemble
 
     members = [m for m in args.members.split(",") if m.strip()]
     report = build_ensemble(members, args.out, order=args.order, fuser=args.fuser, folds=args.folds,
@@ -1807,7 +1806,7 @@ def _cmd_ensemble(args: argparse.Namespace) -> int:
 
 
 def _cmd_ensemble_baseline(args: argparse.Namespace) -> int:
-    from anytime.baseline import train_baseline
+    from anytime.tasks.baseline import train_baseline
     from anytime.train import TrainConfig
 
     config = TrainConfig(model=args.model, data=args.data, data_root=args.data_root, limit_train=args.limit_train,
@@ -1826,7 +1825,7 @@ def _cmd_ensemble_baseline(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from anytime.export import export_run
+    from anytime.tasks.export import export_run
 
     report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
                         calibration_images=args.calibration_images, parity_images=args.parity_images,
@@ -1961,7 +1960,7 @@ def _run_command(args: argparse.Namespace) -> int:
             print(f"anytime {args.command}: error{where}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path the user gave that cannot be read or written
-        from anytime.utils.outputs import user_path
+        from anytime.utils.tempnames import user_path
 
         where = f" ({user_path(exc.filename)})" if exc.filename else ""
         print(f"anytime {args.command}: error: {exc.strerror or exc}{where}; check the path and its permissions",

@@ -14,3 +14,12 @@ class AnytimeError(Exception):
 class PeerStopped(AnytimeError):
     """Raised in the other data-parallel processes when process 0 refused to start a run; process 0 has said why,
     so the CLI prints nothing more."""
+
+
+class BadRequest(AnytimeError):
+    """An input the server refuses (answered with a 4xx and this one-sentence message): raised where a request's
+    input is decoded, below the server, so it is declared here."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status

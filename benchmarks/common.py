@@ -126,7 +126,7 @@ def prepare_exit_run(
     on 2000 images: a smoke run, not figures."""
     from anytime.calibrate import CRITERIA, get_criterion
     from anytime.outputs import load_cache
-    from anytime.pipeline import calibrate_run, collect_run, run_fingerprint
+    from anytime.tasks.pipeline import calibrate_run, collect_run, run_fingerprint
 
     train_card(run_dir, quick, card_path)
     fingerprint = run_fingerprint(run_dir)
@@ -182,7 +182,7 @@ def onnx_programs(model: Any, policy: Any, folder: Path, *, input_shape: tuple[i
     import torch
 
     from anytime.calibrate import ExitPolicy
-    from anytime.precision.export import export_model, load_export
+    from anytime.deploy.export import export_model, load_export
 
     exports = []
     for name, part in (("exits", model), ("plain", model.backbone)):

@@ -57,9 +57,9 @@ from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run,
 
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
-from anytime.pipeline import profile_run
 from anytime.plotting import plot_deadline_runs
 from anytime.scheduler import AnytimeRunner
+from anytime.tasks.pipeline import profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv

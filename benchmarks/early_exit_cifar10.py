@@ -28,8 +28,8 @@ from common import add_exit_run_options, exit_run_dir, onnx_programs, parser, pr
 
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
-from anytime.pipeline import calibrate_run, evaluate_run, plot_run, profile_run
 from anytime.profile import latency_summary, per_sample_latency
+from anytime.tasks.pipeline import calibrate_run, evaluate_run, plot_run, profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 

@@ -18,9 +18,9 @@ import torch
 from common import REPO, parser, report, run, train_card
 
 from anytime.calibrate import CRITERIA
-from anytime.outputs import load_cache
 from anytime.errors import AnytimeError
-from anytime.pipeline import calibrate_run, collect_run, evaluate_run, run_fingerprint
+from anytime.outputs import load_cache
+from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, run_fingerprint
 
 CARD = REPO / "models" / "sst2-mobilebert-exits.toml"
 TARGET = 1.5  # mean latency speed-up at batch 1

@@ -22,8 +22,8 @@ import torch
 from common import parser, report, run
 
 from anytime.backbones.registry import create_model
+from anytime.families import attach_exits
 from anytime.profile.energy import EnergySettings, EnergySource, SampledPower, measure_energy
-from anytime.wrappers import attach_exits
 
 # Hyper-parameters
 TARGET = 1.05  # p50 latency with the sampler / without

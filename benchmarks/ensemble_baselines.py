@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from common import parser, report, run
 
-from anytime.baseline import train_baseline
 from anytime.data import make_loader
-from anytime.ensembles import cross_fit, member_log_probs
-from anytime.pipeline import _splits_of
+from anytime.families import cross_fit, member_log_probs
+from anytime.tasks.baseline import train_baseline
 from anytime.train import TrainConfig
 from anytime.train.runs import load_run
+from anytime.train.splits import run_splits
 
 # Hyper-parameters
 MODEL = "lenet"
@@ -36,7 +36,7 @@ FOLDS = 5
 @torch.no_grad()
 def _member_answers(run_dir: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     loaded = load_run(run_dir)
-    splits = _splits_of(loaded)
+    splits = run_splits(loaded)
     loader = make_loader(getattr(splits, split), splits.info, batch_size=500, train=False, seed=loaded.config.seed)
     chunks, labels = [], []
     for x, y in loader:

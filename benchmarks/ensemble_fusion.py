@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from common import REPO, fuser_share, member_runs, parser, report, run
 
-from anytime.ensemble import build_ensemble
+from anytime.tasks.ensemble import build_ensemble
 
 # Hyper-parameters
 # in runs/: trained on a lent H200 (docs/benchmarks-archive.md, 2026-11-27), four architectures of comparable accuracy

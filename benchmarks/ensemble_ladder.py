@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from common import REPO, fuser_share, member_runs, parser, report, run
 
-from anytime.ensemble import build_ensemble
-from anytime.ensembles import member_log_probs
+from anytime.families import member_log_probs
 from anytime.profile.latency import per_sample_latency
-from anytime.train.runs import load_run
-from anytime.pipeline import profile_run
-from anytime.scheduler.query import run_options
 from anytime.scheduler import DeadlineScheduler
+from anytime.scheduler.query import run_options
+from anytime.tasks.ensemble import build_ensemble
+from anytime.tasks.pipeline import profile_run
+from anytime.train.runs import load_run
 
 # Hyper-parameters
 # in runs/: trained on a lent H200 (docs/benchmarks-archive.md, 2026-11-27), four architectures of comparable accuracy

@@ -33,10 +33,10 @@ from common import onnx_programs, parser, report, run
 
 from anytime.backbones import create_model
 from anytime.calibrate import ExitPolicy, get_criterion
+from anytime.deploy.inference import InferenceForm, inference_form
 from anytime.errors import AnytimeError
-from anytime.inference import InferenceForm, inference_form
+from anytime.families import attach_exits
 from anytime.profile import latency_summary, per_sample_latency
-from anytime.wrappers import attach_exits
 
 TARGET = 1.05
 SHAPE = (3, 32, 32)  # one CIFAR image

@@ -29,8 +29,8 @@ from typing import Any
 
 from common import REPO, parser, report, run
 
-from anytime.export import export_run
-from anytime.quantize import quantize_run
+from anytime.tasks.export import export_run
+from anytime.tasks.quantize import quantize_run
 
 # Hyper-parameters
 RUNS = ("runs/cifar10-resnet20", "runs/cifar10-resnet32-exits")  # trained runs, relative to the repository

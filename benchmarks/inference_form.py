@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
-from anytime.inference import InferenceForm, inference_form
+from anytime.deploy.inference import InferenceForm, inference_form
 from anytime.profile import latency_summary, per_sample_latency
 from anytime.train.runs import load_run
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from common import REPO, parser, report, run
 
-from anytime.compare import matched_table
 from anytime.plotting.cut import plot_step_families
+from anytime.tasks.compare import matched_table
 from anytime.utils.io import write_csv
 
 

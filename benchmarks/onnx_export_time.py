@@ -2,7 +2,7 @@
 
 ``torch.onnx.export`` builds its table of ATen-to-ONNX functions for every graph it writes; a multi-exit run is
 exported as one graph per segment and per exit head. The export shares one table among its graphs and among the
-exports that follow in the same process (:func:`anytime.precision.export._one_onnx_table`). Side by side, in
+exports that follow in the same process (:func:`anytime.deploy.export._one_onnx_table`). Side by side, in
 alternating fresh processes, ROUNDS times each: the export as shipped, and the same with the table built for
 every graph (the sharing turned off). Each process exports the network EXPORTS times. The model is a ResNet-20 with
 exits after its first two stages at 32x32 (three segments and two heads: five graphs), random weights. Ratio: the
@@ -28,9 +28,9 @@ ROUNDS = 3  # fresh processes per variant (--quick: 1)
 _CHILD = """
 import contextlib, json, sys, tempfile, time
 from pathlib import Path
-import anytime.precision.export as export
+import anytime.deploy.export as export
 from anytime.backbones import create_model
-from anytime.wrappers import attach_exits
+from anytime.families import attach_exits
 
 if sys.argv[2] == "per-graph":
     export._one_onnx_table = contextlib.nullcontext

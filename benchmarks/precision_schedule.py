@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
-from anytime.pipeline import calibrate_run, collect_run, profile_run
 from anytime.scheduler.query import precision_scheduler, scheduler_for_run
+from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
 
 # Hyper-parameters
 MAX_DROP = 1.0  # accuracy points below the last exit that a calibrated policy may give up (validation)
@@ -40,7 +40,7 @@ def main() -> int:
     args = p.parse_args()
     run_dir = exit_run_dir(args.run, args.quick, args.card)
     prepare_exit_run(run_dir, args.quick, max_drop=MAX_DROP, card_path=args.card)
-    from anytime.quantize import quantize_run
+    from anytime.tasks.quantize import quantize_run
     from anytime.train.records import precision_record, run_weights_fingerprint
 
     qrun = run_dir.with_name(f"{run_dir.name}-int8")

@@ -46,8 +46,8 @@ def _spin() -> None:
 
 def _prepare(run: Path, quick: bool) -> None:
     from anytime.outputs import cache_path
-    from anytime.pipeline import calibrate_run, collect_run, profile_run
     from anytime.scheduler.query import CALIBRATION
+    from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
 
     for split in ("val", "test"):
         if not cache_path(run, split).is_file():
@@ -59,7 +59,7 @@ def _prepare(run: Path, quick: bool) -> None:
 
 
 def _verdicts(check: Any, late_target: float) -> dict[str, Any]:
-    from anytime.promises import late_p_value
+    from anytime.tasks.promises import late_p_value
 
     promised = [r for r in check.rows if r.kept is not None]
     late_ok = all(late_p_value(r.late, r.promised, late_target) >= 0.05 for r in promised)
@@ -75,7 +75,7 @@ def main() -> int:
     p.add_argument("--runs", required=True, help="comma-separated finished multi-exit runs")
     p.add_argument("--no-busy", action="store_true", help="skip the one-core-busy replay")
     args = p.parse_args()
-    from anytime.promises import check_promises, promise_lines
+    from anytime.tasks.promises import check_promises, promise_lines
 
     requests, deadlines, busy_deadlines = (60, 6, 4) if args.quick else (REQUESTS, DEADLINES, BUSY_DEADLINES)
     figures: dict[str, Any] = {"requests": requests, "gap_ms": GAP_MS, "quantile": QUANTILE, "runs": {}}

@@ -43,7 +43,7 @@ def _ensure_run(run_dir: Path, quick: bool) -> None:
 
 
 def _quantized(run_dir: Path) -> Path:
-    from anytime.quantize import quantize_run
+    from anytime.tasks.quantize import quantize_run
     from anytime.train.records import precision_record, run_weights_fingerprint
 
     target = run_dir.with_name(f"{run_dir.name}-int8")

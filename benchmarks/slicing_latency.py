@@ -29,7 +29,7 @@ def _dense_at(sliced: torch.nn.Module, k: int) -> torch.nn.Module:
     slice's weights, so it runs the same arithmetic without the slicing machinery."""
     import copy
 
-    from anytime.wrappers.slicing import SlicedConv2d, SwitchableBatchNorm2d, SwitchableLinear, _set_module
+    from anytime.families.slicing import SlicedConv2d, SwitchableBatchNorm2d, SwitchableLinear, _set_module
 
     model = copy.deepcopy(sliced)
     model._context.step, model._context.ratio = k, model.ratios[k]  # the bare backbone now runs step k

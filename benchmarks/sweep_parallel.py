@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common import parser, report, run
 
-from anytime.jobs import load_sweep, run_sweep
+from anytime.train.jobs import load_sweep, run_sweep
 from anytime.utils.threads import usable_cores
 
 TARGET = 1.5

@@ -12,10 +12,10 @@ cores). Writes: results.csv, results.json, config.json, and baselines.png/.svg (
 
 from __future__ import annotations
 
-from anytime.baseline import METHODS, train_baseline
 from anytime.data import load_dataset
 from anytime.errors import AnytimeError
 from anytime.plotting.ensembles import plot_baselines
+from anytime.tasks.baseline import METHODS, train_baseline
 from anytime.train import TrainConfig
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir

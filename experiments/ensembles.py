@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from anytime.ensemble import build_ensemble
-from anytime.ensembles import FUSERS
 from anytime.errors import AnytimeError
-from anytime.pipeline import profile_run
+from anytime.families import FUSERS
 from anytime.plotting.ensembles import plot_ensemble_study
-from anytime.quantize import quantize_run
+from anytime.tasks.ensemble import build_ensemble
+from anytime.tasks.pipeline import profile_run
+from anytime.tasks.quantize import quantize_run
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir

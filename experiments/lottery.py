@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from anytime.errors import AnytimeError
-from anytime.jobs import Job, JobOutcome, Sweep, run_job, run_sweep
 from anytime.train import TrainConfig
+from anytime.train.jobs import Job, JobOutcome, Sweep, run_job, run_sweep
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import staged_dir
 from anytime.utils.progress import StudyProgress

@@ -34,12 +34,12 @@ from torch import Tensor, nn
 
 from anytime.backbones import create_model
 from anytime.data import make_loader
+from anytime.deploy.export import export_model, load_export, onnxruntime_providers
 from anytime.plotting.precision import plot_precision
 from anytime.precision import convert
-from anytime.precision.export import export_model, load_export, onnxruntime_providers
 from anytime.profile import per_sample_latency
 from anytime.profile.stats import quantile_of
-from anytime.quantize import calibration_batches, quantize_run
+from anytime.tasks.quantize import calibration_batches, quantize_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv, write_json

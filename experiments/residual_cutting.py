@@ -30,11 +30,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from anytime.compare import StepPoint, matched_table, measured_side_by_side
-from anytime.cut import cut_study, make_ladder_run
 from anytime.data import load_dataset
 from anytime.errors import AnytimeError
 from anytime.plotting.cut import plot_cut_study, plot_step_families
+from anytime.tasks.compare import StepPoint, matched_table, measured_side_by_side
+from anytime.tasks.cut import cut_study, make_ladder_run
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import bf16_emulated, device_label, resolve_device

@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from anytime.backbones import (
-    StagedBackbone, create_model, get_spec, list_models, model_cost, model_modality, register_model,
+    StagedBackbone,
+    create_model,
+    get_spec,
+    list_models,
+    model_cost,
+    model_modality,
+    register_model,
 )  # fmt: skip
 from anytime.backbones.resnet import ResidualBlock
 from anytime.errors import AnytimeError

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from anytime.backbones.registry import create_model
-from anytime.cam import step_maps
 from anytime.errors import AnytimeError
-from anytime.wrappers import attach_exits
+from anytime.families import attach_exits
+from anytime.tasks.cam import step_maps
 
 
 class Bright(nn.Module):

@@ -9,8 +9,8 @@ import pytest
 
 from anytime.backbones import list_models
 from anytime.data import DATASETS
-from anytime.demo import DEMO_CONFIG
 from anytime.errors import AnytimeError
+from anytime.tasks.demo import DEMO_CONFIG
 from anytime.train import load_card, record_results
 
 CARDS = sorted((Path(__file__).resolve().parents[1] / "models").glob("*.toml"))

@@ -13,9 +13,9 @@ from torch import nn
 from anytime.backbones.registry import create_model
 from anytime.cli import main
 from anytime.errors import AnytimeError
+from anytime.families import attach_exits
 from anytime.train import TrainConfig, Trainer
 from anytime.train.channels import CHANNELS_FILE, ChannelPlan, plan_channels, run_channel_plan, shrink
-from anytime.wrappers import attach_exits
 
 DENSE = TrainConfig(model="resnet8", data="digits", epochs=3, batch_size=64, lr=0.05, exits="auto",
                     keep_checkpoints=(0, 1))  # fmt: skip
@@ -134,7 +134,7 @@ def test_structured_ticket_refusals(dense_and_ticket, tmp_path):
 def test_tickets_join_the_dense_run_in_one_frontier(dense_and_ticket, tmp_path, capsys):
     import shutil
 
-    from anytime.pipeline import profile_run
+    from anytime.tasks.pipeline import profile_run
 
     dense, ticket, _ = dense_and_ticket
     unrelated = tmp_path / "unrelated"

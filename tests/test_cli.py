@@ -156,12 +156,12 @@ def _shorter_demo(monkeypatch, **changes) -> None:
     """Make `anytime demo` train a LeNet for one epoch on 256 images, with fewer timings and requests."""
     import functools
 
-    import anytime.demo
+    import anytime.tasks.demo
 
-    short = anytime.demo.DEMO_CONFIG.replace(**{"model": "lenet", "epochs": 1, "limit_train": 256, **changes})
-    monkeypatch.setattr(anytime.demo, "run_demo", functools.partial(anytime.demo.run_demo, config=short))
-    monkeypatch.setattr(anytime.demo, "DEMO_TIMINGS", 100)  # the fewest a p99 needs
-    monkeypatch.setattr(anytime.demo, "DEMO_REQUESTS", 20)
+    short = anytime.tasks.demo.DEMO_CONFIG.replace(**{"model": "lenet", "epochs": 1, "limit_train": 256, **changes})
+    monkeypatch.setattr(anytime.tasks.demo, "run_demo", functools.partial(anytime.tasks.demo.run_demo, config=short))
+    monkeypatch.setattr(anytime.tasks.demo, "DEMO_TIMINGS", 100)  # the fewest a p99 needs
+    monkeypatch.setattr(anytime.tasks.demo, "DEMO_REQUESTS", 20)
 
 
 def test_demo_writes_results_and_plots(capsys, tmp_path, monkeypatch):

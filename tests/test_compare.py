@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from anytime.compare import matched_table, measured_side_by_side
 from anytime.errors import AnytimeError
+from anytime.tasks.compare import matched_table, measured_side_by_side
 
 
 def test_every_step_of_every_family_is_timed_in_one_measurement(exit_run):
@@ -52,8 +52,8 @@ def test_fresh_processes_pool_their_timings(exit_run):
 def test_points_from_a_saved_profile_where_the_target_device_is_elsewhere(exit_run, tmp_path):
     from dataclasses import replace
 
-    from anytime.compare import step_points
-    from anytime.pipeline import profile_run
+    from anytime.tasks.compare import step_points
+    from anytime.tasks.pipeline import profile_run
 
     profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=0, memory=False, steady_within=None,
                              out=tmp_path / "profile.json")  # fmt: skip

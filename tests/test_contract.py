@@ -9,9 +9,9 @@ from torch import nn
 from anytime.calibrate import ExitPolicy
 from anytime.contract import is_anytime, is_incremental, is_segmented, run_step, step_count
 from anytime.errors import AnytimeError
+from anytime.families.registry import Family, get_family, list_families
 from anytime.precision import convert
 from anytime.profile import profile_model
-from anytime.wrappers.registry import Family, get_family, list_families
 
 PRECISION_FORMS = {  # family: precision (eager: compiling takes 30 s per batch size here; the compiled form is test_precision's)
     "exits-bf16": ("exits", "bf16"),

@@ -26,7 +26,7 @@ def _input_shape(run) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def half_runs(exit_run, tmp_path_factory) -> tuple[Path, Path, Path]:
     """The trained multi-exit digits run and its fp16 (compiled) and bf16 (eager) forms, converted on the GPU."""
-    from anytime.quantize import quantize_run
+    from anytime.tasks.quantize import quantize_run
 
     parent = tmp_path_factory.mktemp("half") / "run"
     shutil.copytree(exit_run, parent)
@@ -80,7 +80,7 @@ def test_one_schedule_spans_fp32_fp16_and_bf16_on_the_gpu(half_runs, capsys):
 
 
 def test_real_early_exit_and_the_runtime_run_on_the_gpu(half_runs, capsys):
-    from anytime.pipeline import runner_for_run
+    from anytime.scheduler.runs import runner_for_run
     from anytime.train.runs import load_run
 
     parent, fp16, _ = half_runs

@@ -12,8 +12,8 @@ from torch import nn
 
 from anytime import AnytimeError, BlockDropLadder, create_model
 from anytime.cli import main
+from anytime.families import apply_cuts, residual_blocks, set_stochastic_depth
 from anytime.train import TrainConfig, Trainer
-from anytime.wrappers import apply_cuts, residual_blocks, set_stochastic_depth
 
 
 def _eval(name: str) -> nn.Module:
@@ -162,7 +162,8 @@ def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys, m
 
 
 def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run, tmp_path, capsys):
-    from anytime.pipeline import collect_run, profile_run, runner_for_run, sweep_run
+    from anytime.scheduler.runs import runner_for_run
+    from anytime.tasks.pipeline import collect_run, profile_run, sweep_run
 
     ladder = tmp_path / "ladder"
     assert main(["cut", str(plain_run), "--ladder", "--out", str(ladder)]) == 0
@@ -198,8 +199,8 @@ def test_cut_refuses_bad_input_in_one_line(plain_run, exit_run, cli_error, tmp_p
 
 
 def test_fine_tuning_a_cut_network_changes_only_what_it_uses(plain_run):
-    from anytime.cut import _finetune
     from anytime.data import make_loader
+    from anytime.tasks.cut import _finetune
     from anytime.train import load_splits
     from anytime.train.runs import load_run
 

@@ -294,7 +294,7 @@ def _write_tree(
 ) -> None:
     rng = np.random.default_rng(0)
     for split in ("train", "test"):
-        for k, cls in enumerate(classes):
+        for cls in classes:
             folder = root / split / cls
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(per_class):

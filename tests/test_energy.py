@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from test_scheduler import FakeClock, TimedLadder, make_profile
 
 from anytime import AnytimeRunner
 from anytime.calibrate import ExitPolicy
@@ -37,9 +38,6 @@ from anytime.profile.energy import (
 )
 from anytime.scheduler import DeadlineScheduler, Option
 from anytime.scheduler.deadline import PrecisionScheduler
-
-from test_scheduler import FakeClock, TimedLadder, make_profile
-
 
 # ---------------------------------------------------------------- readers on recorded fixtures
 
@@ -492,7 +490,7 @@ def test_a_chosen_step_fits_the_energy_budget(energetic):
 
 @pytest.fixture(scope="module")
 def energy_run(exit_run, tmp_path_factory):
-    from anytime.pipeline import calibrate_run, collect_run
+    from anytime.tasks.pipeline import calibrate_run, collect_run
 
     run = tmp_path_factory.mktemp("energy") / "run"
     shutil.copytree(exit_run, run)
@@ -523,7 +521,7 @@ class WallMeter:
 def test_profile_with_energy_schedule_and_plot_commands(energy_run, capsys, monkeypatch):
     from anytime.cli import main
 
-    monkeypatch.setattr("anytime.pipeline.open_energy_reader", lambda kind, index: WallMeter())
+    monkeypatch.setattr("anytime.tasks.pipeline.open_energy_reader", lambda kind, index: WallMeter())
     argv = ["profile", str(energy_run), "--batch-sizes", "1,2", "--repeats", "20", "--no-memory", "--energy",
             "--energy-windows", "3", "--energy-window-s", "0.01", "--idle-s", "0.01"]  # fmt: skip
     assert main(argv) == 0
@@ -559,7 +557,7 @@ def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path,
         cli_error(["schedule", str(energy_run), "--deadline-ms", "10", "--energy-mj", bad], "energy budget")
     plain = tmp_path / "plain"
     shutil.copytree(exit_run, plain)
-    from anytime.pipeline import profile_run
+    from anytime.tasks.pipeline import profile_run
 
     profile_run(plain, batch_sizes=[1], repeats=5, warmup=1, memory=False)
     cli_error(["schedule", str(plain), "--deadline-ms", "10", "--quantile", "0.5", "--energy-mj", "5"], "no energy figures", "--energy")

@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-import anytime.ensemble as ensemble_module
+import anytime.tasks.ensemble as ensemble_module
 from anytime.calibrate import ExitPolicy
 from anytime.cli import main
-from anytime.ensemble import build_ensemble
-from anytime.ensembles import FitSettings, FuserBank, EnsembleModel, MemberInfo, cross_fit, fit_fuser, make_fuser
-from anytime.ensembles.fusers import fold_assignment
 from anytime.errors import AnytimeError
+from anytime.families import EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, fit_fuser, make_fuser
+from anytime.families.fusers import fold_assignment
 from anytime.outputs.cache import OutputCache, cache_path
+from anytime.tasks.ensemble import build_ensemble
 from anytime.train import TrainConfig, Trainer
 from anytime.train.runs import load_run
 
@@ -89,9 +89,9 @@ def test_the_mlp_fuser_gives_a_right_but_soft_member_its_say():
         assert accuracy(make_fuser("mean", 2, 4)(logps[:, test])) < soft_alone - 0.2
         assert accuracy(fused(logps[:, test])) >= soft_alone - 0.01
     assert fused.weights[0] > 5 * fused.weights[1]
-    from anytime.ensemble import stacking_check
-
     import warnings
+
+    from anytime.tasks.ensemble import stacking_check
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # converged, and nothing for the user's terminal
@@ -137,7 +137,7 @@ def test_cross_fitted_fusers_never_train_on_their_own_fold(monkeypatch):
         seen.append(int(labels.numel()))
         return real(fuser, logps, labels, settings)
 
-    monkeypatch.setattr("anytime.ensembles.fusers.fit_fuser", spy)
+    monkeypatch.setattr("anytime.families.fusers.fit_fuser", spy)
     logps = torch.randn(2, 50, 3).log_softmax(-1)
     cross_fit("weighted", logps, torch.randint(0, 3, (50,)), folds=5, settings=FAST)
     assert seen == [50, 50] + [40] * 10  # the deployed fusers see all; every fold fuser 4 folds of 5
@@ -255,7 +255,7 @@ def test_an_ensemble_run_records_members_fusers_and_caches(ensemble_run, members
 
 
 def test_fusers_are_fit_on_validation_labels_only(members, tmp_path, monkeypatch):
-    from anytime.pipeline import _splits_of
+    from anytime.train.splits import run_splits
 
     fitted_on: list[np.ndarray] = []
     real = ensemble_module.cross_fit
@@ -266,7 +266,7 @@ def test_fusers_are_fit_on_validation_labels_only(members, tmp_path, monkeypatch
 
     monkeypatch.setattr(ensemble_module, "cross_fit", spy)
     build_ensemble(members[:2], tmp_path / "E", fuser="weighted", folds=2, settings=FAST, order="given")
-    splits = _splits_of(load_run(members[0]))
+    splits = run_splits(load_run(members[0]))
     assert fitted_on and all(len(f) == len(splits.val) != len(splits.test) for f in fitted_on)
 
 
@@ -316,8 +316,9 @@ def test_ensemble_refuses_bad_requests_in_one_line(members, ensemble_run, tmp_pa
 
 
 def test_a_member_changed_after_the_build_is_refused(members, tmp_path, cli_error):
-    from anytime.train.checkpoint import read_weights
     from safetensors.torch import save_file
+
+    from anytime.train.checkpoint import read_weights
 
     lenet = tmp_path / "lenet"
     shutil.copytree(members[1], lenet)
@@ -334,7 +335,7 @@ def test_a_member_changed_after_the_build_is_refused(members, tmp_path, cli_erro
 
 @pytest.mark.parametrize("method", ["fusion", "voting", "bagging", "gradient-boosting", "snapshot"])
 def test_torchensemble_methods_train_on_the_cpu_and_become_a_ladder_run(method, tmp_path):
-    from anytime.baseline import train_baseline
+    from anytime.tasks.baseline import train_baseline
 
     config = TrainConfig(model="lenet", data="digits", epochs=2, batch_size=32, lr=0.05, limit_train=300, device="cpu")
     out = tmp_path / method
@@ -359,7 +360,7 @@ def test_ensemble_baseline_refuses_bad_requests_in_one_line(tmp_path, cli_error)
     cli_error([*base, "--method", "voting", "--estimators", "1", "--epochs", "2"], "at least 2 estimators")
     cli_error([*base, "--method", "gradient-boosting", "--estimators", "2", "--epochs", "1", "--shrinkage", "0"], "--shrinkage")
     assert not (tmp_path / "B").exists()
-    from anytime.baseline import train_baseline
+    from anytime.tasks.baseline import train_baseline
 
     with pytest.raises(AnytimeError, match="unknown method"):
         train_baseline("stacking", TrainConfig(), estimators=2, out=tmp_path / "B")
@@ -376,8 +377,9 @@ def test_an_ensemble_moved_with_its_members_still_loads(members, tmp_path):
 
 
 def test_an_mlp_ensemble_from_before_the_pool_is_refused_in_one_line(ensemble_run, tmp_path, cli_error):
-    from anytime.train.checkpoint import read_weights
     from safetensors.torch import save_file
+
+    from anytime.train.checkpoint import read_weights
 
     old = tmp_path / "old"
     shutil.copytree(ensemble_run[0], old)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from anytime.cli import main
+from anytime.deploy.export import MANIFEST, ExportedModel, export_model, load_export, read_manifest
+from anytime.deploy.runtimes import sha256_of
 from anytime.errors import AnytimeError
-from anytime.export import export_run
-from anytime.precision.export import MANIFEST, ExportedModel, export_model, load_export, read_manifest, sha256_of
+from anytime.tasks.export import export_run
 from tests.test_precision import SHAPE, _families
 
 pytest.importorskip("onnxruntime")
@@ -62,7 +63,7 @@ def test_an_exported_early_exit_does_not_run_later_stages(tmp_path):
 def test_the_graphs_of_onnx_exports_share_one_table_of_the_exporters_functions(tmp_path, monkeypatch):
     from torch.onnx._internal.exporter import _registration
 
-    import anytime.precision.export as export_module
+    import anytime.deploy.export as export_module
 
     built: list[int] = []
     build = vars(_registration.ONNXRegistry)["from_torchlib"].__func__
@@ -155,7 +156,7 @@ def test_a_batch_of_one_runs_each_graph_on_one_thread_where_that_measured_faster
 
     _export(_families()["exits"], "onnx", tmp_path / "export")
     exported = load_export(tmp_path / "export", threads=2)
-    monkeypatch.setattr("anytime.precision.exit_program._faster_alone", lambda *args: alone_is_faster)
+    monkeypatch.setattr("anytime.deploy.exit_program._faster_alone", lambda *args: alone_is_faster)
     samples = torch.randn(10, *SHAPE, generator=torch.Generator().manual_seed(9))
     policy = _policy_at_medians(exported, samples, "confidence")
     program = exported.exit_program(policy)
@@ -170,7 +171,7 @@ def test_a_batch_of_one_runs_each_graph_on_one_thread_where_that_measured_faster
 
 
 def test_the_thread_choice_compares_medians_of_interleaved_runs():
-    from anytime.precision.exit_program import _TRIALS, _faster_alone
+    from anytime.deploy.exit_program import _TRIALS, _faster_alone
 
     class Session:
         def __init__(self, cost: float) -> None:
@@ -199,7 +200,7 @@ def test_a_policy_onnx_cannot_take_runs_apart_and_a_changed_artifact_is_refused(
     def refuse(*args: object) -> bytes:
         raise ValueError("other IR versions")
 
-    monkeypatch.setattr("anytime.precision.exit_program._answering", refuse)
+    monkeypatch.setattr("anytime.deploy.exit_program._answering", refuse)
     assert exported.exit_program(policy) is None
     with torch.inference_mode():
         expected = policy._run(exported, samples)
@@ -240,7 +241,10 @@ def test_adaptive_poolings_export_as_plain_poolings_or_two_products_and_answer_t
     quantized = _export(model, "onnx", tmp_path / "int8", (3, 16, 16), precision="int8", calibration=calibration)
     ops = [node.op_type for node in onnx.load(str(tmp_path / "int8" / quantized.manifest.parts[0].file)).graph.node]
     assert ops.count("AveragePool") == 1 and ops.count("MatMul") == 0  # no pooling matrices for the quantizer to round
-    from anytime.inference import InferenceForm, inference_form  # a head the fold form fused is unfused to export
+    from anytime.deploy.inference import (  # a head the fold form fused is unfused to export
+        InferenceForm,
+        inference_form,
+    )
 
     head = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, 10)).eval()
     folded = inference_form(head, InferenceForm(fold=True))
@@ -433,7 +437,7 @@ def test_export_refuses_bad_requests_in_one_line(exit_run, exported_run, tmp_pat
 
 
 def test_a_converted_run_exports_at_its_own_precision(exit_run, tmp_path, cli_error):
-    from anytime.quantize import quantize_run
+    from anytime.tasks.quantize import quantize_run
 
     parent = tmp_path / "run"
     shutil.copytree(exit_run, parent)
@@ -597,8 +601,8 @@ def test_int8_onnx_answers_with_logits_that_are_not_rounded(tmp_path):
 
 
 def test_int8_export_chooses_the_layers_kept_in_float_for_its_own_quantizer(exit_run, tmp_path, capsys, cli_error):
-    from anytime.export import TUNING, _compare
-    from anytime.quantize import tuning_images
+    from anytime.tasks.export import TUNING, _compare
+    from anytime.tasks.quantize import tuning_images
     from anytime.train.runs import load_run
 
     out = tmp_path / "tuned"
@@ -635,8 +639,8 @@ def lenet_run(tmp_path_factory) -> Path:
 
 
 def test_a_size_ratio_bounds_the_weights_the_search_keeps_in_float(lenet_run, tmp_path, cli_error):
-    from anytime.export import TUNING
     from anytime.precision.model import quantizable_layers
+    from anytime.tasks.export import TUNING
     from anytime.train.runs import load_run
 
     model = load_run(lenet_run, "cpu", converted=False).model.eval()

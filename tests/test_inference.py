@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from anytime.deploy.inference import InferenceForm, fold_batchnorm, inference_form
 from anytime.errors import AnytimeError
-from anytime.inference import InferenceForm, fold_batchnorm, inference_form
 
 
 def _randomise_norms(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -71,8 +71,8 @@ def test_folding_needs_eval_mode():
 
 def test_multi_exit_and_ladder_steps_keep_their_outputs_and_flags_after_folding():
     from anytime.backbones import create_model
-    from anytime.wrappers import attach_exits
-    from anytime.wrappers.residual import BlockDropLadder
+    from anytime.families import attach_exits
+    from anytime.families.residual import BlockDropLadder
 
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     exits = _randomise_norms(attach_exits(create_model("resnet20", num_classes=10), "auto"))
@@ -101,7 +101,7 @@ def test_every_compiled_part_stays_compiled_at_every_batch_size(monkeypatch):
     from torch._dynamo.utils import counters
 
     from anytime.backbones import create_model
-    from anytime.wrappers import attach_exits
+    from anytime.families import attach_exits
 
     compile_ = torch.compile  # TorchDynamo's graphs without inductor's code: it is the graphs' count that falls short
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_(*args, **{**kwargs, "backend": "eager"}))
@@ -116,7 +116,7 @@ def test_every_compiled_part_stays_compiled_at_every_batch_size(monkeypatch):
 
 
 def test_a_wrong_fold_is_refused_by_the_probe(monkeypatch):
-    from anytime import inference
+    from anytime.deploy import inference
 
     def break_it(model):
         for m in model.modules():
@@ -144,7 +144,8 @@ def test_an_unknown_form_is_a_clear_error(text):
 
 
 def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path, monkeypatch):
-    from anytime.pipeline import profile_run, runner_for_run
+    from anytime.scheduler.runs import runner_for_run
+    from anytime.tasks.pipeline import profile_run
     from anytime.train.runs import load_run
     from anytime.utils import memory
 
@@ -172,7 +173,8 @@ def test_cli_form_option_refuses_an_unknown_form(capsys):
 
 
 def test_the_runtime_runs_with_the_profiled_thread_count(exit_run, tmp_path):
-    from anytime.pipeline import profile_run, runner_for_run
+    from anytime.scheduler.runs import runner_for_run
+    from anytime.tasks.pipeline import profile_run
 
     before = torch.get_num_threads()
     try:
@@ -195,8 +197,8 @@ def test_the_runtime_runs_with_the_profiled_thread_count(exit_run, tmp_path):
 @pytest.mark.parametrize("head", ["pool", "linear", "scaled", "conv"])
 def test_pooled_exit_heads_fold_into_one_module_and_answer_the_same(head):
     from anytime.backbones import create_model
-    from anytime.inference import PooledLinear
-    from anytime.wrappers import attach_exits
+    from anytime.deploy.inference import PooledLinear
+    from anytime.families import attach_exits
 
     model = _randomise_norms(attach_exits(create_model("resnet20", num_classes=10), "auto", head=head))
     for form in ("fold", "fold+channels-last"):
@@ -215,7 +217,7 @@ def test_pooled_exit_heads_fold_into_one_module_and_answer_the_same(head):
 
 
 def test_a_small_pooled_head_answers_as_one_linear_map_over_the_whole_map():
-    from anytime.inference import WHOLE_MAP_MACS, PooledLinear
+    from anytime.deploy.inference import WHOLE_MAP_MACS, PooledLinear
 
     torch.manual_seed(0)
     head = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(6 * 16, 10)).eval()
@@ -249,7 +251,7 @@ def test_a_small_pooled_head_answers_as_one_linear_map_over_the_whole_map():
 def test_a_map_pooled_to_one_value_per_channel_is_summed_and_answers_the_same_in_either_layout(monkeypatch):
     import torch.nn.functional as F
 
-    from anytime.inference import WHOLE_MAP_MACS, PooledLinear
+    from anytime.deploy.inference import WHOLE_MAP_MACS, PooledLinear
 
     torch.manual_seed(0)
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
@@ -273,8 +275,8 @@ def test_a_map_pooled_to_one_value_per_channel_is_summed_and_answers_the_same_in
 
 def test_the_fold_form_puts_a_lone_fused_head_in_its_container_s_place():
     from anytime.backbones import create_model
-    from anytime.inference import PooledLinear
-    from anytime.wrappers import attach_exits
+    from anytime.deploy.inference import PooledLinear
+    from anytime.families import attach_exits
 
     model = attach_exits(create_model("lenet"), "stages.0").eval()
     converted = inference_form(model, InferenceForm.parse("fold"))
@@ -285,7 +287,7 @@ def test_the_fold_form_puts_a_lone_fused_head_in_its_container_s_place():
 
 
 def test_a_map_the_size_does_not_divide_is_pooled_by_one_product_for_one_sample():
-    from anytime.inference import MATRIX_POOL_MACS, PooledLinear
+    from anytime.deploy.inference import MATRIX_POOL_MACS, PooledLinear
 
     torch.manual_seed(0)
     head = nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 10)).eval()  # fastcnn's exits
@@ -301,7 +303,7 @@ def test_a_map_the_size_does_not_divide_is_pooled_by_one_product_for_one_sample(
 
 
 def test_a_pooled_linear_reads_either_layout_and_maps_that_its_size_does_not_divide():
-    from anytime.inference import PooledLinear, fuse_pooled_heads
+    from anytime.deploy.inference import PooledLinear, fuse_pooled_heads
 
     torch.manual_seed(0)
     for height, size in ((8, 4), (6, 4), (5, 1)):

@@ -12,8 +12,8 @@ import pytest
 
 from anytime.cli import main
 from anytime.errors import AnytimeError
-from anytime.jobs import load_sweep, numeric_axis, run_sweep
 from anytime.train import TrainConfig, Trainer
+from anytime.train.jobs import load_sweep, numeric_axis, run_sweep
 
 TINY = 'model = "lenet"\nepochs = 2\nbatch_size = 64\nlimit_train = 256\n'
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from anytime.backbones import create_model
 from anytime.backbones.msdnet import CoarsestScale, Layout, MSDNet, pack, unpack
+from anytime.deploy.inference import InferenceForm, inference_form
 from anytime.errors import AnytimeError
-from anytime.inference import InferenceForm, inference_form
-from anytime.wrappers import HEADS, attach_exits
+from anytime.families import HEADS, attach_exits
 
 
 def _small(**kwargs) -> MSDNet:
@@ -103,7 +103,7 @@ def test_inference_forms_equal_eager(form):
 
 
 def test_width_slicing_is_refused_in_one_line():
-    from anytime.wrappers import slice_model
+    from anytime.families import slice_model
 
     with pytest.raises(AnytimeError, match="concatenated"):
         slice_model(_small(), [0.5, 1.0])
@@ -115,7 +115,7 @@ def test_width_slicing_is_refused_in_one_line():
 )
 def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, precision, tmp_path):
     pytest.importorskip("onnxruntime")
-    from anytime.precision.export import export_model, load_export
+    from anytime.deploy.export import export_model, load_export
 
     torch.manual_seed(0)
     # one exit, where all three scales cross into the next graph: each graph costs seconds to export

@@ -16,7 +16,7 @@ from anytime.cli import build_parser, main
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, load_cache
-from anytime.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, sweep_run
+from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits
 from anytime.train.runs import load_run
 
@@ -165,8 +165,8 @@ def test_evaluate_reports_accuracy_agreement_and_latency(collected, capsys):
 def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collected, tmp_path, capsys):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from anytime.export import export_run
-    from anytime.precision.export import EXPORT
+    from anytime.deploy.export import EXPORT
+    from anytime.tasks.export import export_run
     from anytime.utils.outputs import DirState, check_replaceable
 
     calibrate_run(collected, max_drop=1.0)
@@ -337,8 +337,8 @@ def test_a_plain_run_has_no_exits_to_collect(tmp_path, capsys):
 def test_cli_choices_match_the_library():
     from anytime.calibrate import CRITERIA, RULES
     from anytime.cli import _CRITERIA
+    from anytime.families import GRADED, HEADS
     from anytime.train.config import EXIT_MODES
-    from anytime.wrappers import GRADED, HEADS
 
     assert tuple(_CRITERIA) == CRITERIA
     parsers = [p for sub in build_parser()._subparsers._group_actions for p in sub.choices.values()]  # noqa: SLF001
@@ -351,7 +351,7 @@ def test_cli_choices_match_the_library():
 
 
 def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, capsys):
-    from anytime.pipeline import profile_run
+    from anytime.tasks.pipeline import profile_run
 
     profile_path = tmp_path / "profile.json"
     profile_run(collected, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=profile_path)

@@ -12,8 +12,8 @@ import torch
 from anytime.backbones import create_model
 from anytime.cli import main
 from anytime.errors import AnytimeError
+from anytime.families import BlockDropLadder, attach_exits, slice_model
 from anytime.precision import PrecisionModel, backend_for, convert
-from anytime.wrappers import BlockDropLadder, attach_exits, slice_model
 
 SHAPE = (3, 32, 32)
 
@@ -154,7 +154,7 @@ def test_a_precision_the_device_cannot_run_is_refused():
 
 
 def _quantized(exit_run, folder, *, compile: bool):
-    from anytime.quantize import quantize_run
+    from anytime.tasks.quantize import quantize_run
 
     parent = folder / "run"
     shutil.copytree(exit_run, parent)
@@ -184,7 +184,7 @@ def test_a_quantized_run_reports_every_step_beside_its_parent(quantized):
 
 
 def test_int8_calibration_reads_training_images_only(exit_run, tmp_path, monkeypatch):
-    import anytime.quantize as quantize
+    import anytime.tasks.quantize as quantize
 
     parent = tmp_path / "run"
     shutil.copytree(exit_run, parent)

@@ -25,8 +25,8 @@ def test_int8_weights_count_at_their_stored_size_not_as_the_float_they_report():
 
     from torch import nn
 
-    from anytime.precision.model import quiet_torchao
     from anytime.profile.steps import weights_bytes
+    from anytime.utils.quiet import quiet_torchao
 
     with quiet_torchao():
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_

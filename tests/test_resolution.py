@@ -11,8 +11,8 @@ import torch
 from anytime.backbones.registry import create_model
 from anytime.cli import main
 from anytime.errors import AnytimeError
+from anytime.families.resolution import Resolution, ResolutionBatchNorm, ResolutionLadder, parse_resolutions
 from anytime.train import TrainConfig, Trainer
-from anytime.wrappers.resolution import Resolution, ResolutionBatchNorm, ResolutionLadder, parse_resolutions
 
 
 def test_resolutions_parse_and_refuse():
@@ -57,7 +57,7 @@ def test_ladders_that_cannot_work_are_refused():
 
 
 def test_a_resolution_ladder_goes_through_the_pipeline(tmp_path, capsys):
-    from anytime.pipeline import collect_run, profile_run
+    from anytime.tasks.pipeline import collect_run, profile_run
 
     run = tmp_path / "ladder"
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,

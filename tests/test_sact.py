@@ -13,8 +13,8 @@ from torch import nn
 from anytime.backbones import create_model
 from anytime.cli import main
 from anytime.errors import AnytimeError
+from anytime.families.sact import SACTResNet, parse_thresholds
 from anytime.train import TrainConfig, Trainer
-from anytime.wrappers.sact import SACTResNet, parse_thresholds
 
 
 def _with_varied_halting(model: SACTResNet, seed: int = 0) -> SACTResNet:
@@ -159,7 +159,7 @@ def test_backbones_without_residual_stages_are_refused():
 
 
 def test_a_sact_run_goes_through_the_pipeline(tmp_path, capsys, cli_error, exit_run):
-    from anytime.pipeline import collect_run, profile_run
+    from anytime.tasks.pipeline import collect_run, profile_run
 
     run = tmp_path / "sact"
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
@@ -192,7 +192,7 @@ def test_a_sact_run_goes_through_the_pipeline(tmp_path, capsys, cli_error, exit_
 
 @pytest.mark.parametrize("name", ["resnet20", "tv:resnet18"])
 def test_sparse_execution_sees_batch_norm_folded_by_an_inference_form(name):
-    from anytime.inference import InferenceForm, inference_form
+    from anytime.deploy.inference import InferenceForm, inference_form
 
     model = _with_varied_halting(SACTResNet(create_model(name), (0.3, 0.99), input_shape=(3, 32, 32)))
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))

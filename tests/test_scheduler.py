@@ -626,7 +626,7 @@ MEMORY = {"peak_mb": 1.0, "activations_mb": 0.5}  # measured with the first prof
 
 def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, monkeypatch, tmp_path, capsys):
     import anytime.profile
-    from anytime.pipeline import profile_run
+    from anytime.tasks.pipeline import profile_run
 
     spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 2.1), (2.0, 2.0)])
     calls = []
@@ -638,8 +638,8 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
         return replace(taken, latency={1: replace(taken.at(1), memory=MEMORY if memory else None)})
 
     monkeypatch.setattr(anytime.profile, "profile_model", fake, raising=False)
-    monkeypatch.setattr("anytime.pipeline._pricing_policy", lambda *args: None)  # the fake has 2 steps, the run 3
-    monkeypatch.setattr("anytime.pipeline.price_answers", lambda model, profile, **kwargs: profile)
+    monkeypatch.setattr("anytime.tasks.pipeline._pricing_policy", lambda *args: None)  # the fake has 2 steps, the run 3
+    monkeypatch.setattr("anytime.tasks.pipeline.price_answers", lambda model, profile, **kwargs: profile)
     profile, _ = profile_run(profiled, batch_sizes=[1], memory=False, out=tmp_path / "a.json")
     assert calls == [False, False, False] and profile.settings["steadiness"]["attempts"] == 3
     assert profile.settings["steadiness"]["spread"] == pytest.approx(0.05)  # the third, within 0.25
@@ -659,7 +659,7 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
 
 @pytest.fixture(scope="module")
 def profiled(exit_run, tmp_path_factory):
-    from anytime.pipeline import calibrate_run, collect_run, profile_run
+    from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
 
     run = tmp_path_factory.mktemp("profiled") / "run"
     shutil.copytree(exit_run, run)
@@ -670,7 +670,7 @@ def profiled(exit_run, tmp_path_factory):
 
 
 def test_the_runtime_on_a_trained_run(profiled):
-    from anytime.pipeline import runner_for_run
+    from anytime.scheduler.runs import runner_for_run
 
     runner, run = runner_for_run(profiled, quantile=0.9)
     assert runner.policy is not None and runner.incremental
@@ -738,14 +738,14 @@ def test_the_promise_check_sets_delivery_beside_the_promise(profiled, capsys):
 def test_the_default_deadlines_run_from_below_every_promise_to_above_every_one(profiled):
     # Spanning every option the runtime may answer with (a calibrated policy can be priced below the first exit
     # alone), the lowest deadline promises nothing and the highest promises every request.
-    from anytime.promises import check_promises
+    from anytime.tasks.promises import check_promises
 
     check = check_promises(profiled, deadline_count=3, count=12, split="val", quantile=0.9, gap_ms=0)
     assert [r.promised for r in (check.rows[0], check.rows[-1])] == [0, 12] and len(check.rows) == 3
 
 
 def test_a_promise_is_broken_only_beyond_what_chance_explains():
-    from anytime.promises import judge, late_p_value
+    from anytime.tasks.promises import judge, late_p_value
 
     assert late_p_value(0, 300, 0.01) == 1.0 and late_p_value(1, 1, 0.01) == pytest.approx(0.01)
     assert late_p_value(1, 17, 0.01) == pytest.approx(1 - 0.99**17)
@@ -757,7 +757,7 @@ def test_a_promise_is_broken_only_beyond_what_chance_explains():
 
 
 def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
-    from anytime.pipeline import calibrate_run, scheduler_for_run
+    from anytime.tasks.pipeline import calibrate_run, scheduler_for_run
 
     run = tmp_path / "run"
     shutil.copytree(profiled, run)
@@ -773,7 +773,7 @@ def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
 
 
 def test_deadline_plots(profiled):
-    from anytime.pipeline import plot_run
+    from anytime.tasks.pipeline import plot_run
 
     names = {p.name for p in plot_run(profiled).paths}
     assert {"deadline_accuracy.png", "latency.png"} <= names

@@ -9,7 +9,7 @@ import pytest
 
 from anytime.cli import main
 from anytime.errors import AnytimeError
-from anytime.seeds import summarise_seeds
+from anytime.tasks.seeds import summarise_seeds
 
 
 def _run(folder: Path, seed: int, accuracies: list[tuple[float, float]], **train: object) -> Path:

@@ -177,8 +177,8 @@ def _npy_declaring(shape: tuple[int, ...]) -> bytes:
 @pytest.fixture(scope="module")
 def server(exit_run, tmp_path_factory):
     """`anytime serve` of a calibrated, profiled digits run, on a free port of 127.0.0.1."""
-    from anytime.pipeline import calibrate_run, collect_run, profile_run
     from anytime.serve import ServeOptions, build_app
+    from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
 
     run = tmp_path_factory.mktemp("served") / "run"
     shutil.copytree(exit_run, run)

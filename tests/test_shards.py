@@ -229,7 +229,7 @@ def test_an_interrupted_preparation_resumes(tree, packed, tmp_path, monkeypatch)
 
 
 def shards_module_host() -> str:
-    from anytime.utils.outputs import host_tag
+    from anytime.utils.tempnames import host_tag
 
     return host_tag()
 

@@ -21,8 +21,17 @@ from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 from anytime.profile import BatchLatency, DeviceProfile
 from anytime.split import (
-    Link, LinkError, LinkEstimator, LinkShaper, SplitClient, SplitDevice, SplitPlanner, SplitServer, SplitService,
-    SplitTables, TokenBucket,
+    Link,
+    LinkError,
+    LinkEstimator,
+    LinkShaper,
+    SplitClient,
+    SplitDevice,
+    SplitPlanner,
+    SplitServer,
+    SplitService,
+    SplitTables,
+    TokenBucket,
 )  # fmt: skip
 from anytime.split.codec import decode, encode, payload_bytes, roundtrip
 from anytime.split.link import Reply, frame, read_frame
@@ -131,7 +140,7 @@ def test_the_estimator_follows_a_slower_link_faster_than_a_faster_one():
 def test_the_estimator_prices_a_stall_as_overhead_not_as_a_slower_link():
     est = LinkEstimator(Link(8.0, 1.0, 0.25), quantile=0.95, window=50, min_observations=10)
     est.ping(1.0)
-    for i in range(9):
+    for _ in range(9):
         est.transfer(1000, 1.0 + 1.0 + 0.5, 0.0)  # 1 byte = 1 us, and 0.5 ms beyond the bytes
     assert est.overhead_ms == 0.25  # the assumed overhead, until 10 exchanges are in
     for i in range(100):
@@ -317,7 +326,7 @@ def test_the_device_measures_the_links_stalls_before_it_plans():
 
 @pytest.fixture(scope="module")
 def split_setup(exit_run, tmp_path_factory):
-    from anytime.pipeline import collect_run, profile_run
+    from anytime.tasks.pipeline import collect_run, profile_run
 
     folder = tmp_path_factory.mktemp("split")
     run = shutil.copytree(exit_run, folder / "run")  # the session's run stays as trained, for the other modules
@@ -506,7 +515,7 @@ def test_split_run_over_a_real_server(split_setup, server, tmp_path, capsys):
 
 
 def test_an_emulated_slower_board_waits_in_proportion():
-    from anytime.split.device import slowed_model
+    from anytime.profile.slowed import slowed_model
 
     clock = FakeClock()
 

@@ -16,7 +16,7 @@ from anytime.calibrate import ExitPolicy
 from anytime.data import load_dataset, make_loader
 from anytime.data.text import TOKENIZER_FILE, read_table
 from anytime.errors import AnytimeError
-from anytime.wrappers import attach_exits
+from anytime.families import attach_exits
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 GOOD = ("good", "great", "fine", "lovely", "superb", "warm")
@@ -249,10 +249,11 @@ def test_text_runs_of_one_tokenizer_make_an_ensemble_that_goes_through_the_pipel
     assert json.loads(profiled.read_text())["steps"][-1]["flops"] < built[-1]["flops"]  # counted at 8 tokens, not 16
     evaluation = json.loads((out / "evaluation-test.json").read_text())
     assert evaluation["samples"] == 80 and evaluation["agreement_with_cache"]["predictions"] >= 0.95
-    from anytime.serve.inputs import TextSpec
+    from anytime.data.inputs import TextSpec
     from anytime.train.runs import run_config
+    from anytime.train.splits import run_tokenizer
 
-    assert TextSpec.from_run(out, run_config(out)[1]).max_length == 16  # what `anytime serve` reads first
+    assert TextSpec.from_tokenizer(run_tokenizer(out), run_config(out)[1], out).max_length == 16  # what `anytime serve` reads first
     other = tmp_path / "own-tokenizer"  # a tokenizer of its own: other token ids for the same words
     Trainer(TrainConfig(model="bert_mini", **{**recipe, "vocab_size": 150}), other).fit()
     cli_error(["ensemble", "--members", f"{text_run},{other}", "--out", str(tmp_path / "e2")], "encode sentences differently")
@@ -293,8 +294,8 @@ def test_patience_early_exit_matches_its_offline_assignment():
 
 def test_length_buckets_price_each_request(text_run, tmp_path, capsys):
     from anytime.cli import main
-    from anytime.pipeline import runner_for_run
     from anytime.scheduler import AnytimeRunner
+    from anytime.scheduler.runs import runner_for_run
 
     run = tmp_path / "run"
     shutil.copytree(text_run, run, ignore=shutil.ignore_patterns("profile-*"))

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from anytime.errors import AnytimeError
 from anytime.train.memory import TreeMemorySampler, peak_rss_bytes, tree_memory
 from anytime.utils.io import write_json, write_text
 from anytime.utils.machine import describe_machine, git_sha, resolve_device, storage_of
-from anytime.errors import AnytimeError
 from anytime.utils.outputs import staged_dir
 from anytime.utils.seed import derive_seed
 

@@ -9,8 +9,8 @@ from torch import nn
 from anytime import attach_exits
 from anytime.backbones import create_model, example_input, list_models, model_modality
 from anytime.errors import AnytimeError
-from anytime.wrappers import HEADS, MultiExitModel
-from anytime.wrappers.tracing import traced_chain
+from anytime.families import HEADS, MultiExitModel
+from anytime.families.tracing import traced_chain
 
 TORCHVISION_FAMILIES = [
     "tv:resnet18", "tv:vgg11_bn", "tv:mobilenet_v2", "tv:mobilenet_v3_small", "tv:densenet121", "tv:efficientnet_b0",
@@ -252,7 +252,7 @@ def test_gradient_equilibrium_gives_shared_layers_the_mean_of_the_exits_gradient
 
 
 def test_heads_per_exit_by_name_or_graded_by_position():
-    from anytime.wrappers import head_kinds
+    from anytime.families import head_kinds
 
     assert head_kinds("pool", [0.2, 0.5]) == ["pool", "pool"]
     assert head_kinds("conv2, pool", [0.2, 0.5]) == ["conv2", "pool"]
@@ -278,7 +278,7 @@ def test_graded_heads_give_the_earliest_exits_the_most_layers():
 
 
 def test_a_graded_head_that_would_cost_too_much_is_made_shallower():
-    from anytime.wrappers.exits import GRADED_HEAD_SHARE
+    from anytime.families.exits import GRADED_HEAD_SHARE
 
     # fastcnn's exit after its first 256-channel block sits in the second third: a conv layer there would cost
     # a quarter of the backbone, so it gets the pooled head.
@@ -289,7 +289,7 @@ def test_a_graded_head_that_would_cost_too_much_is_made_shallower():
 
 
 def test_convolutional_heads_are_refused_on_text_features_in_one_line():
-    from anytime.wrappers import exit_head
+    from anytime.families import exit_head
 
     with pytest.raises(AnytimeError, match="'conv2' is made of convolutions"):
         exit_head("conv2", (16, 32), 2)

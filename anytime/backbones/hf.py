@@ -117,7 +117,7 @@ class HFEncoder(StagedBackbone):
 
 
 def _classifier(kind: str, config: dict[str, Any]) -> nn.Module:
-    from anytime.precision.model import quiet_torchao
+    from anytime.utils.quiet import quiet_torchao
 
     lib = _transformers()
     config_class = {"bert": lib.BertConfig, "mobilebert": lib.MobileBertConfig}[kind]

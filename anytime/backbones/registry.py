@@ -183,7 +183,7 @@ def model_cost(
         from anytime.backbones.base import example_input
 
         text = model_modality(name) == "text"
-        shape = (int(getattr(model, "max_length")),) if text else (in_channels, image_size, image_size)
+        shape = (int(model.max_length),) if text else (in_channels, image_size, image_size)
         try:
             with torch.no_grad(), counter:
                 model.eval()(example_input(shape, 1, tokens=text, device=device))

@@ -239,7 +239,7 @@ def load_text_dataset(
     if "test" not in tables:
         raise AnytimeError(f"{folder} has no test.tsv or test.csv; a text dataset needs labelled train and test files")
     values = np.unique(tables["train"].labels)
-    for split, table in tables.items():
+    for table in tables.values():
         unknown = np.setdiff1d(np.unique(table.labels), values)
         if unknown.size:
             raise AnytimeError(f"{table.path} has label(s) {unknown.tolist()} that the training file never uses")

@@ -13,7 +13,7 @@ from anytime.plotting.figures import save_figure
 from anytime.plotting.layout import scaled
 
 if TYPE_CHECKING:
-    from anytime.cam import StepMaps
+    from anytime.tasks.cam import StepMaps
 
 
 def plot_step_maps(

@@ -64,7 +64,7 @@ def plot_step_families(
     budgets: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Path]:  # fmt: skip
     """Test accuracy against measured mean latency of every step, one line per family (``{label: StepPoints}``);
-    with ``budgets`` (rows of :func:`anytime.compare.matched_table`), a second panel of each family's accuracy
+    with ``budgets`` (rows of :func:`anytime.tasks.compare.matched_table`), a second panel of each family's accuracy
     at matched latency budgets."""
     fig, axes = panels(2 if budgets else 1, (6 if budgets else 6.5, 4.5))
     ax = axes[0]

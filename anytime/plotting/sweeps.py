@@ -8,9 +8,9 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from anytime.jobs import JobOutcome, numeric_axis
 from anytime.plotting.figures import save_figure
 from anytime.plotting.layout import panels
+from anytime.train.jobs import JobOutcome, numeric_axis
 
 
 def plot_sweep(outcomes: Sequence[JobOutcome], stem: str | os.PathLike[str], title: str) -> list[Path]:

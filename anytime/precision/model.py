@@ -6,9 +6,7 @@ each stage and each exit head of a multi-exit model is a graph of its own.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
 import platform
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -21,6 +19,7 @@ from torch import Tensor, nn
 from anytime.backbones.base import example_input, takes_tokens
 from anytime.contract import is_segmented, step_count
 from anytime.errors import AnytimeError
+from anytime.utils.quiet import quiet_torchao
 
 PRECISIONS: tuple[str, ...] = ("int8", "int8-dynamic", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -112,22 +111,6 @@ def backend_for(precision: str, device: torch.device) -> str:
     if precision == "fp16" and device.type == "cpu":
         raise AnytimeError("fp16 runs on CUDA devices; on this CPU choose bf16, int8 or int8-dynamic")
     return "cast"
-
-
-def quiet_torchao() -> contextlib.AbstractContextManager[None]:
-    """torchao logs a deprecation notice of torch's at import; it is not the user's concern."""
-    logger = logging.getLogger("torch.utils._pytree")
-
-    @contextlib.contextmanager
-    def quiet() -> Iterator[None]:
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            logger.setLevel(level)
-
-    return quiet()
 
 
 class _Step(nn.Module):

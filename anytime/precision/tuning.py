@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
 from anytime.precision.model import (
-    PrecisionModel,
     X86_7BIT,
+    PrecisionModel,
     backend_for,
     convert,
     float_parts,
@@ -220,7 +220,7 @@ def search_float_layers(
     in float, so that the int8 artifact stays small. The search starts at the fewest layers of that order whose
     simulation meets the target, and keeps one more in float at a time until the target is met,
     ``max_float_layers`` are float, or no layer left fits in ``max_float_weights`` (the size budget: see
-    :func:`anytime.precision.export.float_weight_budget`).
+    :func:`anytime.deploy.export.float_weight_budget`).
 
     ``measure(layers)`` builds the real int8 form with ``layers`` in float and returns each step's agreement on
     all the images and whatever the caller keeps of it; the best one's comes back with the :class:`Int8Tuning`.

@@ -122,9 +122,9 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     ``ru_maxrss`` is read, which also counts loading. ``activations_mb`` is the peak above the RSS with the
     model and the input loaded.
     """
-    from anytime.contract import run_step, step_count
-    from anytime.precision.export import MANIFEST, load_export
     from anytime.backbones.base import example_input
+    from anytime.contract import run_step, step_count
+    from anytime.deploy.export import MANIFEST, load_export
     from anytime.train.runs import dataset_input_shape, load_run
 
     if threads is not None:

@@ -26,9 +26,9 @@ from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergyReader, Energ
 from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
+from anytime.utils.machine import describe_machine, device_label
 from anytime.utils.memory import allocator_state
 from anytime.utils.timer import Clock, monotonic
-from anytime.utils.machine import describe_machine, device_label
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 8, 16, 32)
 
@@ -379,7 +379,7 @@ def _precision(model: nn.Module) -> dict[str, Any]:
 def step_names(model: nn.Module, num_steps: int) -> tuple[str, ...]:
     """``exit0``, ``exit1``... for exits (their own names are points in the backbone); the names other
     families give their steps (``x0.5``, ``4/9 blocks``); ``step0``... for anything else."""
-    from anytime.wrappers import MultiExitModel
+    from anytime.families import MultiExitModel
 
     info = getattr(model, "exit_info", None)
     if info is not None and len(info) == num_steps:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
-from multiprocessing.connection import wait
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any, TypeVar
 
 import numpy as np

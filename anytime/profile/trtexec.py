@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anytime.deploy.export import read_manifest
 from anytime.errors import AnytimeError
-from anytime.precision.export import read_manifest
 from anytime.profile.store import BatchLatency, DeviceProfile
 
 

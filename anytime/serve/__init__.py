@@ -5,8 +5,9 @@ from __future__ import annotations
 from anytime.utils.lazy import lazy_exports
 
 _EXPORTS = {name: module for module, names in {
-    "anytime.serve.service": ("Answer", "BadRequest", "Request", "Service", "parse_deadline"),
-    "anytime.serve.inputs": ("InputSpec",),
+    "anytime.errors": ("BadRequest",),
+    "anytime.serve.service": ("Answer", "Request", "Service", "parse_deadline"),
+    "anytime.data.inputs": ("InputSpec",),
     "anytime.serve.metrics": ("Metrics",),
     "anytime.serve.http": ("ServeOptions", "build_app", "create_app", "serve"),
 }.items() for name in names}

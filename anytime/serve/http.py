@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from anytime.errors import AnytimeError
+from anytime.data.inputs import Inputs, InputSpec, TextSpec
+from anytime.errors import AnytimeError, BadRequest
 from anytime.profile.stats import quantile_of
-from anytime.serve.inputs import Inputs, InputSpec, TextSpec
-from anytime.serve.service import BadRequest, Request, Service, parse_deadline, parse_energy_budget
+from anytime.serve.service import Request, Service, parse_deadline, parse_energy_budget
 from anytime.utils.jsonsafe import loads_bounded
 
 ROUTES = "POST /predict, GET /schedule?deadline_ms=D, GET /healthz, GET /metrics"
@@ -259,8 +259,9 @@ class ArrivalStamp:
 def build_app(options: ServeOptions) -> tuple[Any, Service]:
     """Load the run (its model, profile and calibration) and make the application and its started service."""
     from anytime import __version__
-    from anytime.pipeline import runner_for_run
     from anytime.scheduler.query import schedule_answer, scheduler_for_run
+    from anytime.scheduler.runs import runner_for_run
+    from anytime.train.splits import run_tokenizer
 
     if options.max_body_kb < 1:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
@@ -269,7 +270,7 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
     if runner.profile.serving is not None:  # what the HTTP stack adds beyond the server's count, kept free
         runner.margin_ms = quantile_of(runner.profile.serving, options.quantile)
     text = run.dataset.get("modality") == "text"
-    spec: Inputs = TextSpec.from_run(options.run, run.dataset) if text else InputSpec.from_dataset(run.dataset)
+    spec: Inputs = TextSpec.from_tokenizer(run_tokenizer(options.run), run.dataset, options.run) if text else InputSpec.from_dataset(run.dataset)
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip
     longest = max(runner.length_profiles) if text and runner.length_profiles else None

@@ -35,15 +35,16 @@ def measure_serving_overhead(
         import uvicorn
     except ImportError:
         raise AnytimeError("measuring the server's overhead needs FastAPI and uvicorn: pip install 'anytime[serve]'") from None
+    from anytime.data.inputs import InputSpec, TextSpec
     from anytime.serve.http import ServeOptions, build_app
-    from anytime.serve.inputs import InputSpec, TextSpec
     from anytime.train.records import read_record
+    from anytime.train.splits import run_tokenizer
 
     if requests < 1 or warmup < 0 or not 0 <= gap_ms < 60_000:
         raise AnytimeError(f"need requests >= 1, warmup >= 0 and a gap of 0 to 60000 ms (got {requests}, {warmup}, {gap_ms})")
     dataset = read_record(run_dir).get("dataset", {})
     text = dataset.get("modality") == "text"
-    spec = TextSpec.from_run(str(run_dir), dataset) if text else InputSpec.from_dataset(dataset)
+    spec = TextSpec.from_tokenizer(run_tokenizer(run_dir), dataset, run_dir) if text else InputSpec.from_dataset(dataset)
     app, service = build_app(ServeOptions(run=str(run_dir), profile=None if profile is None else str(profile),
                                           max_batch=1, threads=threads, device="cpu"))  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))

@@ -16,10 +16,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from anytime.errors import AnytimeError
+from anytime.errors import AnytimeError, BadRequest
+from anytime.serve.metrics import Metrics
 from anytime.utils.collector import collect_due, serving_gc
 from anytime.utils.timer import Clock, monotonic
-from anytime.serve.metrics import Metrics
 
 if TYPE_CHECKING:
     import torch
@@ -29,14 +29,6 @@ if TYPE_CHECKING:
 #: Reasons an answer gives for where it stopped: the runtime's own, plus ``expired`` (the deadline had passed
 #: while the request queued, so no step was run for it unless the cheapest answer was asked for).
 REASONS = ("confident", "deadline", "energy", "last", "chosen", "expired")
-
-
-class BadRequest(AnytimeError):
-    """A request the server refuses (answered with a 4xx and this one-sentence message)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

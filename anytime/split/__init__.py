@@ -2,7 +2,7 @@
 a link, and carry requests between a device process and a server process over TCP."""
 
 from anytime.split.codec import CODECS
-from anytime.split.device import SplitAnswer, SplitDevice, slowed_model
+from anytime.split.device import SplitAnswer, SplitDevice
 from anytime.split.link import LinkError, LinkEstimator, LinkShaper, SplitClient, TokenBucket
 from anytime.split.plan import Link, SplitOption, SplitPlan, SplitPlanner
 from anytime.split.server import SplitServer, SplitService
@@ -11,5 +11,4 @@ from anytime.split.tables import SplitTables
 __all__ = [
     "CODECS", "Link", "LinkError", "LinkEstimator", "LinkShaper", "SplitAnswer", "SplitClient", "SplitDevice",
     "SplitOption", "SplitPlan", "SplitPlanner", "SplitServer", "SplitService", "SplitTables", "TokenBucket",
-    "slowed_model",
 ]  # fmt: skip

@@ -22,10 +22,10 @@ def split_tables(run_dir: str | Path, codecs: tuple[str, ...], *, device: str = 
     """The run's split tables with at least ``codecs``: read from ``RUN/outputs/split-val.npz``, or computed from
     the validation split (one pass per partition point and codec) and saved there."""
     from anytime.data import make_loader
-    from anytime.ensembles import EnsembleModel
-    from anytime.pipeline import _splits_of
+    from anytime.families import EnsembleModel
     from anytime.scheduler.query import run_fingerprint
     from anytime.train.runs import load_run, require_images
+    from anytime.train.splits import run_splits
     from anytime.utils.outputs import check_output_file, output_lock
 
     fingerprint = run_fingerprint(run_dir)
@@ -48,7 +48,7 @@ def split_tables(run_dir: str | Path, codecs: tuple[str, ...], *, device: str = 
         from anytime.outputs import load_cache
 
         cache = load_cache(run_dir, "val", fingerprint=fingerprint)
-        splits = _splits_of(run)
+        splits = run_splits(run)
         loader = make_loader(splits.val, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
         batches = ((x.to(run.device), y) for x, y in loader)
         tables = compute_tables(run.model, batches, cache, wanted)

@@ -17,7 +17,7 @@ from typing import Any
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.split.codec import decode
-from anytime.split.link import read_frame, frame
+from anytime.split.link import frame, read_frame
 from anytime.utils.collector import collect_due
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from anytime.errors import AnytimeError
+from anytime.profile.slowed import slowed_model
 from anytime.profile.stats import quantile_of
-from anytime.split.device import SplitAnswer, SplitDevice, slowed_model
+from anytime.split.device import SplitAnswer, SplitDevice
 from anytime.split.link import LinkError, LinkShaper, SplitClient
 from anytime.split.plan import Link, SplitPlan
 from anytime.utils.collector import collect_due, serving_gc
@@ -185,11 +186,11 @@ def run_split_session(
     import torch
 
     from anytime.data.augment import normalize
-    from anytime.pipeline import _splits_of
     from anytime.profile.store import DeviceProfile
     from anytime.scheduler.deadline import check_deadline
     from anytime.split.runs import planner_for_run
     from anytime.train.runs import load_run
+    from anytime.train.splits import run_splits
     from anytime.utils.io import write_json
     from anytime.utils.outputs import check_output_file
     from anytime.utils.threads import set_threads
@@ -212,7 +213,7 @@ def run_split_session(
     run = load_run(run_dir, "cpu")
     model = slowed_model(run.model, slowdown)
     model.eval()
-    splits = _splits_of(run)
+    splits = run_splits(run)
     data = getattr(splits, split)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))  # splits are stored class by class
     if requests + WARMUP > len(order):

@@ -9,9 +9,9 @@ from typing import Any
 
 from anytime.data.augment import DEFAULT_PADDING, Augment, default_augment
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import GRADED, HEADS, exit_head_error
-from anytime.wrappers.sact import SACT_MODES, parse_thresholds
-from anytime.wrappers.slicing import SLICE_KINDS
+from anytime.families.exits import GRADED, HEADS, exit_head_error
+from anytime.families.sact import SACT_MODES, parse_thresholds
+from anytime.families.slicing import SLICE_KINDS
 
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step", "onecycle")
 AMP: tuple[str, ...] = ("off", "bf16")
@@ -50,10 +50,10 @@ class TrainConfig:
     block skips its branch in training (linear in depth). ``ladder`` marks a block-drop ladder (written by
     ``anytime cut --ladder``), whose steps are configurations of skipped blocks. ``resolutions`` (``"16,24,32"``,
     ``cN`` a central crop) makes the steps input resolutions of one network, with batch-norm statistics per
-    resolution (:mod:`anytime.wrappers.resolution`); every step weighs 1 and ``distill`` distils the largest into the
+    resolution (:mod:`anytime.families.resolution`); every step weighs 1 and ``distill`` distils the largest into the
     others. ``sact`` (halting thresholds, ``"0.5,0.75,0.9,0.99"``) makes a ResNet's residual stages halt per
     position (``sact_mode`` ``spatial``) or per image (``image``), as spatially adaptive computation time
-    (:mod:`anytime.wrappers.sact`): training halts at the last threshold and adds ``ponder_cost`` times the
+    (:mod:`anytime.families.sact`): training halts at the last threshold and adds ``ponder_cost`` times the
     ponder cost to the loss; each threshold is a step.
 
     The fast recipes add: ``augment`` (a policy of :data:`~anytime.data.augment.AUGMENT_POLICIES`, None for the

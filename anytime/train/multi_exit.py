@@ -84,7 +84,7 @@ def build_model(
     ``hf_config`` (the one its run recorded), else from a Hugging Face checkpoint directory given as ``config.init``,
     else from its small default."""
     from anytime.backbones import model_modality
-    from anytime.wrappers import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
+    from anytime.families import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
     modality = model_modality(config.model)
     if (text is not None) != (modality == "text"):
@@ -118,7 +118,7 @@ def build_model(
     if config.ladder is not None:
         return BlockDropLadder(backbone, input_shape=(in_channels, *image_size))
     if config.resolutions is not None:
-        from anytime.wrappers.resolution import ResolutionLadder, parse_resolutions
+        from anytime.families.resolution import ResolutionLadder, parse_resolutions
 
         ladder = ResolutionLadder(backbone, parse_resolutions(config.resolutions, image_size),
                                   input_shape=(in_channels, *image_size))  # fmt: skip
@@ -126,7 +126,7 @@ def build_model(
             raise AnytimeError(f"{len(config.exit_weights)} loss weights given for {ladder.num_steps} resolutions; give one per resolution")
         return ladder
     if config.sact is not None:
-        from anytime.wrappers.sact import SACTResNet, parse_thresholds
+        from anytime.families.sact import SACTResNet, parse_thresholds
 
         return SACTResNet(backbone, parse_thresholds(config.sact), input_shape=(in_channels, *image_size),
                           ponder_cost=config.ponder_cost, mode=config.sact_mode)  # fmt: skip
@@ -158,7 +158,7 @@ def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
     backbone's FLOPs it has run (the last exit weighs 1), so that cheap early exits do not pull the shared
     layers away from the final classifier. A plain model has one weight, 1; the steps of other families
     (slices, ladders) weigh 1 each, as slimmable networks train them."""
-    from anytime.wrappers import MultiExitModel
+    from anytime.families import MultiExitModel
 
     if config.exit_weights is not None:
         return torch.tensor(config.exit_weights, dtype=torch.float32)

@@ -14,15 +14,20 @@ from torch import nn
 from anytime.backbones.base import example_input
 from anytime.contract import step_count
 from anytime.errors import AnytimeError
+from anytime.train.channels import run_channel_plan, shrink
 from anytime.train.checkpoint import load_weights
 from anytime.train.config import TrainConfig
-from anytime.train.channels import run_channel_plan, shrink
 from anytime.train.multi_exit import build_model
 from anytime.train.records import (
-    QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record, read_record, run_weights_fingerprint,
+    QUANT_STATE,
+    WEIGHTS,
+    baseline_record,
+    ensemble_record,
+    precision_record,
+    read_record,
+    run_weights_fingerprint,
 )  # fmt: skip
 from anytime.utils.machine import resolve_device
-
 
 
 @dataclass
@@ -75,12 +80,12 @@ def load_run(
 ) -> LoadedRun:
     """Rebuild a finished run's model from its recipe and load its final weights (``model.safetensors``); a
     converted run's model is converted to its precision unless ``converted=False`` (its float weights).
-    ``form`` is the inference form it runs in (:class:`~anytime.inference.InferenceForm`: ``eager``, or e.g.
+    ``form`` is the inference form it runs in (:class:`~anytime.deploy.inference.InferenceForm`: ``eager``, or e.g.
     ``fold+channels-last``), checked against the eager model on a probe batch."""
     loaded = _load_run(run_dir, device, converted)
     if form == "eager":
         return loaded
-    from anytime.inference import InferenceForm, inference_form
+    from anytime.deploy.inference import InferenceForm, inference_form
 
     probe = example_input(dataset_input_shape(loaded.dataset), 2, tokens=loaded.dataset.get("modality") == "text",
                           generator=torch.Generator().manual_seed(0))
@@ -166,7 +171,7 @@ def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple
 def _ensemble(run: Path, record: dict[str, Any], num_classes: int, device: torch.device) -> tuple[nn.Module, str]:
     """An ensemble run's model: every member loaded from its own run (refused if it changed since the ensemble
     was built) and the fusers from the ensemble's weights."""
-    from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
+    from anytime.families import EnsembleModel, FuserBank, MemberInfo
 
     try:
         entries = list(record["members"])
@@ -205,7 +210,7 @@ def _baseline(config: TrainConfig, record: dict[str, Any], num_classes: int, in_
     """A torchensemble baseline run's model (``anytime ensemble-baseline``): its members rebuilt from the recipe,
     fused as its method fuses them; the caller loads the weights."""
     from anytime.backbones import create_model
-    from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
+    from anytime.families import EnsembleModel, FuserBank, MemberInfo
 
     try:
         count, kind, scale = int(record["estimators"]), str(record["fuser"]), float(record["scale"])

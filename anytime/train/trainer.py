@@ -17,16 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from anytime.data import Augment, BatchLoader, DatasetSplits, load_dataset, make_loader
-from anytime.data.text import TEXT_DATASETS, TOKENIZER_FILE
+from anytime.backbones.footprint import check_forward_memory, model_bytes
+from anytime.data import Augment, BatchLoader, DatasetSplits, make_loader
+from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
+from anytime.train.channels import CHANNELS_FILE, ChannelPlan, shrink
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
 from anytime.train.distributed import Distributed, sync_batch_norms
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
-from anytime.train.channels import CHANNELS_FILE, ChannelPlan, shrink
 from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_channel_ticket, make_ticket
+from anytime.train.splits import load_splits
 from anytime.train.timing import PHASES, Clock, PhaseLog
 from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json, write_text
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -41,7 +43,7 @@ from anytime.utils.outputs import (
     write_marker,
 )
 from anytime.utils.progress import progress_bar
-from anytime.utils.resources import check_disk, check_forward_memory, model_bytes
+from anytime.utils.resources import check_disk
 from anytime.utils.seed import derive_seed, seed_everything
 
 CHECKPOINT = "checkpoint.pt"
@@ -160,41 +162,6 @@ def require_checkpoint(run_dir: str | Path, verb: str) -> Path:
     if not path.is_file():
         raise AnytimeError(f"no run to {verb} at {run_dir} (no {CHECKPOINT}); train one with `anytime train --out {run_dir}`")
     return path
-
-
-def load_splits(config: TrainConfig, run_dir: str | Path | None = None) -> DatasetSplits:
-    """The train / validation / test splits a recipe trains on. Text is encoded with the tokenizer ``run_dir``
-    holds (``tokenizer.json``), else the recipe's ``tokenizer`` file, else a new one trained on the split."""
-    tokenizer = None
-    if config.data in TEXT_DATASETS:
-        tokenizer = read_tokenizer(config, run_dir)
-    return load_dataset(
-        config.data, config.data_root, val_fraction=config.val_fraction, seed=config.seed,
-        image_size=config.image_size, limit_train=config.limit_train, vocab_size=config.vocab_size,
-        max_length=config.max_length, tokenizer=tokenizer,
-    )  # fmt: skip
-
-
-def read_tokenizer(config: TrainConfig, run_dir: str | Path | None) -> str | None:
-    """The JSON of the tokenizer a text run uses: the run's own ``tokenizer.json`` (refused if it is gone), or for a
-    new run (``run_dir`` None) the recipe's ``tokenizer`` file, else the ``tokenizer.json`` of the checkpoint
-    directory it starts from (``--init``); None when there is none (a new run trains one)."""
-    if run_dir is not None:
-        path = Path(run_dir) / TOKENIZER_FILE
-        if not path.is_file():
-            raise AnytimeError(f"{run_dir} has no {TOKENIZER_FILE}, which its token ids were made with; restore it "
-                               "from a copy of the run, or train again")  # fmt: skip
-    elif config.tokenizer is not None:
-        path = Path(config.tokenizer).expanduser()
-    elif config.init is not None and (Path(config.init).expanduser() / TOKENIZER_FILE).is_file():
-        path = Path(config.init).expanduser() / TOKENIZER_FILE  # a Hugging Face checkpoint's own vocabulary
-    else:
-        return None
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AnytimeError(f"cannot read the tokenizer {path} ({exc}); give a tokenizer.json `anytime train` "
-                           "wrote") from None  # fmt: skip
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

@@ -24,7 +24,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     the temporary files of dead processes in the same folder are removed first. A failure to write (no space,
     no permission) is reported as an :class:`AnytimeError` that names ``path``, never the temporary file.
     """
-    from anytime.utils.outputs import remove_stale, temp_prefix
+    from anytime.utils.tempnames import remove_stale, temp_prefix
 
     target = Path(path)
     try:
@@ -62,8 +62,8 @@ class DiskFullError(AnytimeError):
 def write_error(target: Path, exc: BaseException) -> AnytimeError:
     """The one-line error for a failed write of ``target``: the path, the reason and, when the disk is full,
     the free space left."""
-    from anytime.utils.outputs import user_path
     from anytime.utils.resources import format_bytes, free_space
+    from anytime.utils.tempnames import user_path
 
     code = getattr(exc, "errno", None)
     free = free_space(target.parent)

@@ -41,11 +41,11 @@ def ponder_run(
 ) -> PonderReport:  # fmt: skip
     """Maps of units run per position for image files (``images``) or ``count`` images of a split drawn at random
     (seeded), at ``steps`` (default all), written to ``out`` (default ``RUN/ponder``) together or not at all."""
-    from anytime.cam import check_image_source, chosen_images
+    from anytime.families.sact import SACTResNet
+    from anytime.tasks.cam import check_image_source, chosen_images
     from anytime.train.records import run_title
     from anytime.train.runs import load_run, require_images
     from anytime.utils.outputs import check_figure_folder, output_lock, staged_files
-    from anytime.wrappers.sact import SACTResNet
 
     check_image_source(images, split)
     run = load_run(run_dir, device)

@@ -31,12 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from anytime.contract import step_count
+from anytime.deploy.runtimes import DEPLOY_HINT, PROVIDERS, first_line, onnx_modules, ort_session, sha256_of
 from anytime.errors import AnytimeError
-from anytime.precision.model import X86_7BIT, PartsModel, lower_int8, quiet_torchao, x86_without_vnni
+from anytime.precision.model import X86_7BIT, PartsModel, lower_int8, x86_without_vnni
+from anytime.utils.quiet import quiet_torchao
 
 if TYPE_CHECKING:
     from anytime.calibrate.policy import ExitPolicy
-    from anytime.precision.exit_program import ExitProgram
+    from anytime.deploy.exit_program import ExitProgram
 
 FORMATS: tuple[str, ...] = ("pt2", "onnx")
 EXPORTABLE: dict[str, tuple[str, ...]] = {"pt2": ("fp32", "int8", "bf16", "fp16"), "onnx": ("fp32", "int8")}
@@ -44,9 +46,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "anytime-export-v1"
 EXPORT = "export"  # the kind of results folder an export is
 MAX_BATCH = 4096  # the largest batch an artifact's dynamic batch dimension admits
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 _DTYPES = {"fp32": torch.float32, "int8": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEPLOY_HINT = "pip install 'anytime[deploy]' (onnx, onnxscript, onnxruntime)"
 
 
 @dataclass(frozen=True)
@@ -166,20 +166,6 @@ def _roles(layout: str, count: int) -> list[tuple[str, int]]:
     return [("model", 0)]
 
 
-def sha256_of(path: Path) -> str:
-    """The full SHA-256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _without_unused_state(part: nn.Module) -> nn.Module:
     """A converted int8 graph keeps the float weights it no longer reads (the int8 copies replaced them);
     ``torch.export`` would store them all, so an int8 artifact would be no smaller than the float one."""
@@ -210,7 +196,7 @@ def _export_pt2(part: nn.Module, example: Tensor, path: Path, what: str) -> None
         program.example_inputs = None  # a pickled tensor: the manifest names the input shape instead
         torch.export.save(program, str(path))
     except Exception as exc:  # noqa: BLE001  torch.export fails in many ways; name the part and the first line
-        raise AnytimeError(f"{what} cannot be exported as a .pt2 program ({_first_line(exc)})") from None
+        raise AnytimeError(f"{what} cannot be exported as a .pt2 program ({first_line(exc)})") from None
     _deflate_descriptions(path)
 
 
@@ -226,15 +212,6 @@ def _deflate_descriptions(path: Path) -> None:
             packed = zipfile.ZIP_DEFLATED if info.filename.endswith(".json") else zipfile.ZIP_STORED
             target.writestr(info, source.read(info), compress_type=packed)
     os.replace(staged, path)
-
-
-def _onnx_modules() -> tuple[Any, Any]:
-    try:
-        import onnx
-        import onnxruntime
-    except ImportError:
-        raise AnytimeError(f"ONNX artifacts need onnx and onnxruntime, which are not installed; {DEPLOY_HINT}") from None
-    return onnx, onnxruntime
 
 
 class _MatrixPooling(nn.Module):
@@ -271,8 +248,8 @@ def _with_modules(part: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
 
 
 def _unfused(part: nn.Module) -> nn.Module:
-    """``part``, or a copy whose :class:`~anytime.inference.PooledLinear` modules are the three they stand for."""
-    from anytime.inference import PooledLinear
+    """``part``, or a copy whose :class:`~anytime.deploy.inference.PooledLinear` modules are the three they stand for."""
+    from anytime.deploy.inference import PooledLinear
 
     if isinstance(part, PooledLinear):
         return part.unfused()
@@ -357,7 +334,7 @@ def _one_onnx_table() -> Iterator[None]:
 def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str, *, to_quantize: bool = False) -> None:
     """``part`` as an fp32 ONNX graph; ``to_quantize``: the float graph ONNX Runtime's quantizer starts from (it
     keeps the exporter's debug names, which map nodes to modules)."""
-    _onnx_modules()
+    onnx_modules()
     part = _plain_poolings(part, example, matrices=not to_quantize)
     try:
         # the exporter reports its progress on stdout; a library stays quiet
@@ -369,7 +346,7 @@ def _export_onnx(part: nn.Module, example: Tensor, path: Path, what: str, *, to_
     except ImportError as exc:
         raise AnytimeError(f"ONNX export needs {exc.name or 'onnxscript'}; {DEPLOY_HINT}") from None
     except Exception as exc:  # noqa: BLE001
-        raise AnytimeError(f"{what} cannot be exported as an ONNX graph ({_first_line(exc)})") from None
+        raise AnytimeError(f"{what} cannot be exported as an ONNX graph ({first_line(exc)})") from None
     if not to_quantize:
         _without_debug_info(path)
 
@@ -405,7 +382,7 @@ def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str]
     it, and its input is not rounded on its way from float layers or the graph's input."""
     if not modules:
         return []
-    onnx, _ = _onnx_modules()
+    onnx, _ = onnx_modules()
     graph = onnx.load(str(path)).graph
     wanted, found = set(modules), []
     wanted |= {bn for bn, conv in (folded or {}).items() if conv in wanted}
@@ -445,7 +422,7 @@ def _logits_tail(path: Path) -> list[str]:
     output, when that output is logits (``[N, C]``): left in float, with the linear layers' outputs, so that the
     answer is not rounded to 256 levels, where near-tied classes swap (PT2E leaves a linear layer's output
     float too). Empty for a graph whose output is a feature map; only called on graphs that answer logits."""
-    onnx, _ = _onnx_modules()
+    onnx, _ = onnx_modules()
     graph = onnx.load(str(path)).graph
     if any(len(v.type.tensor_type.shape.dim) != 2 for v in graph.output):
         return []
@@ -462,7 +439,7 @@ def _logits_tail(path: Path) -> list[str]:
 
 def _without_debug_info(path: Path) -> None:
     """The exporter annotates every node with its Python stack and module path; a deployed graph needs neither."""
-    onnx, _ = _onnx_modules()
+    onnx, _ = onnx_modules()
     model = onnx.load(str(path))
     for node in model.graph.node:
         del node.metadata_props[:]
@@ -499,7 +476,7 @@ def _compact_names(graph: Any) -> None:
 def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], what: str,
                    float_modules: Sequence[str] = (), folded: dict[str, str] | None = None, *, logits: bool = True,
                    ) -> None:  # fmt: skip
-    _onnx_modules()
+    onnx_modules()
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -527,7 +504,7 @@ def _quantize_onnx(float_path: Path, path: Path, batches: Sequence[np.ndarray], 
             nodes_to_exclude=excluded, extra_options={"OpTypesToExcludeOutputQuantization": ["Gemm", "MatMul"]},
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
-        raise AnytimeError(f"ONNX Runtime could not quantize {what} ({_first_line(exc)})") from None
+        raise AnytimeError(f"ONNX Runtime could not quantize {what} ({first_line(exc)})") from None
     else:
         _without_debug_info(path)
     finally:
@@ -733,7 +710,7 @@ def _load_pt2(path: Path, precision: str) -> nn.Module:
         with _weights_only():
             return torch.export.load(str(path)).module()
     except Exception as exc:  # noqa: BLE001
-        raise AnytimeError(f"{path} could not be loaded as a .pt2 program ({_first_line(exc)}); export the run again") from None
+        raise AnytimeError(f"{path} could not be loaded as a .pt2 program ({first_line(exc)}); export the run again") from None
     finally:
         logger.setLevel(level)
 
@@ -760,30 +737,6 @@ def onnxruntime_providers() -> tuple[str, ...]:
     return tuple(onnxruntime.get_available_providers())
 
 
-def _ort_session(path: Path, provider: str, threads: int, graph: bytes | None = None) -> Any:
-    """An ONNX Runtime session of ``path`` (or of the serialized ``graph``, made from ``path``)."""
-    _, ort = _onnx_modules()
-    wanted = PROVIDERS.get(provider)
-    if wanted is None:
-        raise AnytimeError(f"unknown ONNX Runtime provider '{provider}'; choose one of {', '.join(PROVIDERS)}")
-    available = ort.get_available_providers()
-    if wanted not in available:
-        raise AnytimeError(f"ONNX Runtime here has no {wanted} (it has {', '.join(available)}); install the onnxruntime build "
-                           "for that device, or run with the cpu provider")  # fmt: skip
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    # ONNX Runtime's threads spin after each run by default, taking the cores from whatever runs next in this
-    # process (PyTorch steps timed beside it, a server's other work); they sleep instead
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    try:
-        return ort.InferenceSession(graph if graph is not None else str(path), options,
-                                    providers=list(dict.fromkeys([wanted, "CPUExecutionProvider"])))  # fmt: skip
-    except Exception as exc:  # noqa: BLE001
-        raise AnytimeError(f"ONNX Runtime could not load {path} ({_first_line(exc)}); export the run again") from None
-
-
 class ExportedModel(PartsModel):
     """An export's artifacts under the step contract: ``.pt2`` programs (int8 lowered to oneDNN kernels unless
     ``lower=False``) or ONNX graphs run by ONNX Runtime. ``manifest`` says what they are."""
@@ -805,7 +758,7 @@ class ExportedModel(PartsModel):
         """``policy`` compiled into this export's ONNX graphs (made on first use, then kept): what
         ``policy.run(self, x)`` runs; ``None`` where it cannot be compiled (see :func:`compile_policy`)."""
         if policy not in self._programs:
-            from anytime.precision.exit_program import compile_policy
+            from anytime.deploy.exit_program import compile_policy
 
             self._programs[policy] = compile_policy(self, policy)
         return self._programs[policy]
@@ -837,7 +790,7 @@ def load_export(
         backend = "torch (oneDNN int8)" if manifest.precision == "int8" and lower else "torch"
     else:
         count = threads or torch.get_num_threads()
-        parts = [_OrtPart(_ort_session(root / part.file, provider, count)) for part in manifest.parts]
+        parts = [_OrtPart(ort_session(root / part.file, provider, count)) for part in manifest.parts]
         backend = f"onnxruntime ({PROVIDERS[provider]})"
         return ExportedModel(manifest, parts, backend, onnx=(root, provider, count))
     return ExportedModel(manifest, parts, backend)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from anytime.backbones.footprint import check_forward_memory
 from anytime.calibrate import (
     Calibration,
     ExitPolicy,
@@ -27,41 +28,30 @@ from anytime.calibrate import (
     sweep,
 )
 from anytime.calibrate.criteria import get_criterion
-from anytime.data import DatasetSplits, make_loader
-from anytime.data.text import TOKENIZER_FILE
-from anytime.ensembles import EnsembleModel
+from anytime.data import make_loader
 from anytime.errors import AnytimeError
+from anytime.families import EnsembleModel
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
 from anytime.profile.energy import EnergySettings, open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, Steadiness, device_slug
-from anytime.scheduler import AnytimeRunner, DeadlineScheduler
+from anytime.scheduler import DeadlineScheduler
 from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
 from anytime.scheduler.query import (
-    CALIBRATION, CALIBRATION_FORMAT, find_profile, load_calibration, profiled_lengths, run_fingerprint, run_options,
+    CALIBRATION,
+    CALIBRATION_FORMAT,
+    find_profile,
+    load_calibration,
+    run_fingerprint,
     scheduler_for_run,
 )  # fmt: skip
-from anytime.train import load_splits
-from anytime.train.records import class_names, read_record, run_title, step_labels
+from anytime.train.records import class_names, run_title, step_labels
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, require_images
+from anytime.train.splits import load_splits, run_splits
 from anytime.utils.io import write_csv, write_json
-from anytime.utils.memory import hold_freed_memory
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
+from anytime.utils.memory import hold_freed_memory
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
-from anytime.utils.resources import check_forward_memory
 from anytime.utils.threads import set_threads
-
-def _splits_of(run: LoadedRun) -> DatasetSplits:
-    splits = load_splits(run.config, run.run_dir)
-    trained_on = run.dataset.get("fingerprint")
-    if trained_on is not None and splits.info.fingerprint != trained_on:
-        raise AnytimeError(
-            f"the {splits.info.name} data at {splits.info.source} changed since {run.run_dir} was trained; "
-            "its validation split may no longer be held out, so train again on the current data"
-        )
-    if splits.info.tokenizer != run.dataset.get("tokenizer", ""):
-        raise AnytimeError(f"{run.run_dir / TOKENIZER_FILE} is not the tokenizer {run.run_dir} was trained with "
-                           "(another run's?); put the run's own tokenizer.json back, or train again")  # fmt: skip
-    return splits
 
 
 def _check_split(split: str) -> None:
@@ -82,7 +72,7 @@ def collect_run(
     check_forward_memory(run.model, _input_shape(run), batch_size, what=f"collecting at batch {batch_size}",
                          hint="lower --batch-size")  # fmt: skip
     with output_lock(target):
-        splits = _splits_of(run)
+        splits = run_splits(run)
         data = splits.split(split)
         loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
         model = run.model
@@ -281,7 +271,7 @@ def evaluate_run(
     ``RUN/evaluation-SPLIT.json`` (a progress bar on stderr with ``progress``).
 
     ``export``: a folder ``anytime export`` wrote from this run. Early exit then runs as deployed, on the CPU: an
-    ONNX export with the policy compiled into its graphs (:meth:`~anytime.precision.export.ExportedModel.exit_program`),
+    ONNX export with the policy compiled into its graphs (:meth:`~anytime.deploy.export.ExportedModel.exit_program`),
     a ``.pt2`` one through its programs; the backbone it is timed against is the export's segments run in turn
     (no heads). Written to ``EXPORT/evaluation-SPLIT.json``."""
     _check_split(split)
@@ -321,7 +311,7 @@ def evaluate_run(
 
 def _export_of(run: LoadedRun, folder: Path) -> torch.nn.Module:
     """The export in ``folder``, refused unless it was exported from ``run`` as it is now."""
-    from anytime.precision.export import load_export
+    from anytime.deploy.export import load_export
 
     exported = load_export(folder, threads=torch.get_num_threads())
     if exported.manifest.parent_fingerprint != run.fingerprint:
@@ -335,7 +325,7 @@ def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, split:
     from anytime.utils.progress import progress_bar
 
     run_dir = run.run_dir
-    splits = _splits_of(run)
+    splits = run_splits(run)
     data = splits.split(split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
     predictions, exits, labels = [], [], []
@@ -438,8 +428,8 @@ def plot_run(
     """
     from anytime.calibrate import CRITERIA
     from anytime.plotting.layout import figure_size as sized
-    from anytime.utils.figure_sizes import FIGURE_SIZES
     from anytime.train import read_metrics
+    from anytime.utils.figure_sizes import FIGURE_SIZES
 
     if figure_size not in FIGURE_SIZES:
         raise AnytimeError(f"unknown figure size '{figure_size}'; choose one of: {', '.join(FIGURE_SIZES)}")
@@ -560,7 +550,7 @@ def profile_run(
     device's energy source (refused before any measurement when none is readable). A model whose cost depends on
     the image (SACT) is timed on the run's validation images instead (so its data must be on this machine), in its
     ``execution`` (``sparse`` or ``dense``; default the model's own), which the profile records and the runtime
-    runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.split.device.slowed_model`),
+    runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.profile.slowed.slowed_model`),
     recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``. ``gap_ms`` idles before every
     timed repetition, as a server idles between sporadic requests; ``suffixes`` also times what a split-computing
     server runs after each partition point (``anytime split`` prices the server's part from it). A text run is
@@ -579,7 +569,7 @@ def profile_run(
     calibrated policy consulted on the way through the heads where it has one), requests spaced by idle gaps of
     mean ``answer_gap_ms`` (0: back to back; None: no prices, the model's own latencies price the options).
     """
-    from anytime.precision.export import MANIFEST
+    from anytime.deploy.export import MANIFEST
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
@@ -615,7 +605,7 @@ def profile_run(
             raise AnytimeError("--execution chooses how a SACT run skips positions; this run has no such choice")
         model.execution = execution  # type: ignore[assignment]
     if slowdown != 1:
-        from anytime.split.device import slowed_model
+        from anytime.profile.slowed import slowed_model
 
         if train or energy is not None:
             raise AnytimeError("--emulate-slowdown emulates a board's inference time; profile --train or --energy "
@@ -685,7 +675,7 @@ def _export_target(
     folder: str | Path, device: str, train: bool
 ) -> tuple[torch.nn.Module, tuple[int, ...], str, str, int, torch.device]:
     """An export's artifacts as ``profile_run`` measures them: on the CPU (ONNX through ONNX Runtime)."""
-    from anytime.precision.export import load_export
+    from anytime.deploy.export import load_export
 
     if train:
         raise AnytimeError(f"{folder} is an export (inference artifacts); profile training with its float run")
@@ -696,48 +686,3 @@ def _export_target(
     manifest = exported.manifest
     name = f"{manifest.model} ({manifest.format} {manifest.precision}, {exported.backend})"
     return exported, manifest.input_shape, name, manifest.fingerprint, manifest.num_classes, torch.device("cpu")
-
-
-def runner_for_run(
-    run_dir: str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
-    device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True, threads: int | str | None = None,
-) -> tuple[AnytimeRunner, LoadedRun]:  # fmt: skip
-    """The anytime runtime for a run: its model, its device profile and (if calibrated) its early-exit policy.
-
-    It runs what the profile measured: the profile's inference form, and on a CPU its torch thread count unless
-    ``threads`` says otherwise (a number, or ``auto``: chosen from the cores the machine leaves free now). A text
-    run without ``profile`` takes every length profile it has (``anytime profile RUN --length T``): each request
-    is priced by its length bucket."""
-    record = read_record(run_dir)  # "not a run" before "no profile"
-    buckets: dict[int, DeviceProfile] = {}
-    if profile is None and record.get("dataset", {}).get("modality") == "text":
-        lengths = profiled_lengths(sorted(Path(run_dir).glob("profile-*.json")))
-        for length, paths in lengths.items():
-            if len(paths) > 1:
-                raise AnytimeError(f"{run_dir} has several profiles of {length} tokens "
-                                   f"({', '.join(p.name for p in paths)}); keep one per length")  # fmt: skip
-            buckets[length] = DeviceProfile.load(paths[0])
-    path = lengths[max(lengths)][0] if buckets else find_profile(run_dir, profile)
-    loaded = DeviceProfile.load(path)
-    profiled_threads = loaded.settings.get("threads")
-    if threads is None and loaded.device.get("type") == "cpu" and isinstance(profiled_threads, int):
-        threads = profiled_threads
-    set_threads(threads)
-    hold_freed_memory()  # as profile_run does, so the latencies the profile holds are the ones met here
-    run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
-    if "execution" in loaded.settings and hasattr(run.model, "execution"):
-        run.model.execution = str(loaded.settings["execution"])  # type: ignore[assignment]
-    loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
-    for length, bucket in buckets.items():
-        bucket.check_model(run.fingerprint, run.num_steps, where=f"the profile of {length} tokens in {run_dir}")
-    exit_policy, policy_accuracy, exit_share = None, None, None
-    calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
-    if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
-        exit_policy, report = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
-        policy_accuracy = float(report["validation"]["accuracy"])
-        exit_share = [float(v) for v in report["validation"]["exit_share"]]
-    accuracy = [o.accuracy for o in run_options(run_dir, loaded.step_names) if o.step is not None]
-    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy,
-                           policy_accuracy=policy_accuracy, exit_share=exit_share,
-                           length_profiles=buckets or None)  # fmt: skip
-    return runner, run

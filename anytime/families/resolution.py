@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import ExitInfo
-from anytime.wrappers.separate import SeparateSteps, count_flops
+from anytime.families.exits import ExitInfo
+from anytime.families.separate import SeparateSteps, count_flops
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from anytime.backbones import create_model
 from anytime.data import make_loader
 from anytime.data.augment import apply_augment, default_augment, normalize
 from anytime.data.base import DatasetInfo, Split
-from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo
 from anytime.errors import AnytimeError
+from anytime.families import EnsembleModel, FuserBank, MemberInfo
 from anytime.precision.model import float_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.config import TrainConfig

@@ -129,7 +129,8 @@ def check_promises(
     with, so that the lowest lies below every promise and the highest above), spaced by exponential idle gaps of mean ``gap_ms`` (as Poisson arrivals), through the
     run's anytime runtime at ``quantile``, and hold each answer to its promise."""
     from anytime.data import make_loader
-    from anytime.pipeline import _splits_of, runner_for_run
+    from anytime.scheduler.runs import runner_for_run
+    from anytime.train.splits import run_splits
 
     if split not in ("val", "test"):
         raise AnytimeError(f"split '{split}' is not one of val, test")
@@ -139,7 +140,7 @@ def check_promises(
         raise AnytimeError(f"the gap is 0 to 60000 ms and the accuracy tolerance a share below 1 (got {gap_ms}, "
                            f"{accuracy_tolerance})")  # fmt: skip
     runner, run = runner_for_run(run_dir, quantile=quantile)
-    splits = _splits_of(run)
+    splits = run_splits(run)
     chosen = splits.split(split).sample(count, seed=seed)
     loader = make_loader(chosen, splits.info, batch_size=1, train=False, seed=seed)
     inputs = [(x.to(run.device), int(y)) for x, y in loader]

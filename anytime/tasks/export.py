@@ -20,10 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from anytime.contract import step_count
-from anytime.errors import AnytimeError
-from anytime.pipeline import _splits_of
-from anytime.precision import backend_for
-from anytime.precision.export import (
+from anytime.deploy.export import (
     EXPORT,
     MANIFEST,
     ExportedModel,
@@ -33,10 +30,12 @@ from anytime.precision.export import (
     float_weight_budget,
     load_export,
 )
+from anytime.errors import AnytimeError
+from anytime.precision import backend_for
 from anytime.precision.tuning import Int8Tuning, search_float_layers
 from anytime.profile.latency import per_sample_latency
 from anytime.profile.stats import quantile_of
-from anytime.quantize import (
+from anytime.tasks.quantize import (
     DEFAULT_AGREEMENT_IMAGES,
     DEFAULT_CALIBRATION_IMAGES,
     calibration_batches,
@@ -45,6 +44,7 @@ from anytime.quantize import (
 )
 from anytime.train.records import QUANT_STATE, precision_record, run_weights_fingerprint
 from anytime.train.runs import LoadedRun, load_run, require_images, run_config
+from anytime.train.splits import run_splits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import check_replaceable, staged_dir
 
@@ -237,6 +237,6 @@ def _activation_levels(fmt: str) -> int:
 def _test_images(run: LoadedRun, count: int) -> Tensor:
     from anytime.data import make_loader
 
-    splits = _splits_of(run)
+    splits = run_splits(run)
     chosen = splits.test.sample(min(count, len(splits.test)), run.config.seed)
     return torch.cat([x for x, _ in make_loader(chosen, splits.info, batch_size=256, train=False, seed=run.config.seed)])

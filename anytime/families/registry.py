@@ -12,13 +12,13 @@ import torch
 from torch import Tensor, nn
 
 from anytime.backbones import create_model
-from anytime.ensembles import EnsembleModel, FuserBank, MemberInfo, cross_fit
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import attach_exits
-from anytime.wrappers.residual import BlockDropLadder
-from anytime.wrappers.resolution import ResolutionLadder, parse_resolutions
-from anytime.wrappers.sact import SACTResNet
-from anytime.wrappers.slicing import slice_model
+from anytime.families import EnsembleModel, FuserBank, MemberInfo, cross_fit
+from anytime.families.exits import attach_exits
+from anytime.families.residual import BlockDropLadder
+from anytime.families.resolution import ResolutionLadder, parse_resolutions
+from anytime.families.sact import SACTResNet
+from anytime.families.slicing import slice_model
 
 IMAGE = (3, 32, 32)
 BATCH = 4

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import ExitInfo
-from anytime.wrappers.separate import SeparateSteps, count_flops
+from anytime.families.exits import ExitInfo
+from anytime.families.separate import SeparateSteps, count_flops
 
 SACT_MODES: tuple[str, ...] = ("spatial", "image")  # halting per position (SACT) or per image (ACT)
 EXECUTIONS: tuple[str, ...] = ("sparse", "dense")
@@ -353,7 +353,7 @@ class SACTResNet(SeparateSteps):
         for name in self._stem:
             x = getattr(self.backbone, name)(x)
         ponder = []
-        for s, (units, halts) in enumerate(zip(self._stages, self.halting)):
+        for units, halts in zip(self._stages, self.halting):
             if execution == "sparse" and self.mode == "spatial":
                 x, stats = self._stage_sparse(x, units, halts, threshold)
             else:

@@ -9,12 +9,12 @@ step's validation and test accuracy beside the parent's.
 
 from __future__ import annotations
 
+import math
 import shutil
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-import math
-from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,16 +23,17 @@ from torch import Tensor
 from anytime.data import make_loader
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
-from anytime.pipeline import _splits_of
 from anytime.precision import backend_for, convert
-from anytime.precision.model import graph_state, layout_of, prepare_qat, quiet_torchao, run_parts
+from anytime.precision.model import graph_state, layout_of, prepare_qat, run_parts
 from anytime.precision.tuning import tune_int8
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
+from anytime.train.splits import run_splits
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
+from anytime.utils.quiet import quiet_torchao
 
 DEFAULT_CALIBRATION_IMAGES = 512
 DEFAULT_AGREEMENT_IMAGES = 1000  # validation images accuracy-aware int8 measures agreement on
@@ -84,7 +85,7 @@ def _parent_accuracy(run_dir: Path, num_steps: int) -> tuple[list[dict[str, Any]
 def calibration_batches(run: LoadedRun, count: int) -> Iterator[Tensor]:
     """``count`` training images of the run's data (seeded), in batches: what int8 calibration sees. Never
     validation (it picks thresholds) or test (it is only reported)."""
-    splits = _splits_of(run)
+    splits = run_splits(run)
     chosen = splits.train.sample(min(count, len(splits.train)), run.config.seed)
     return (x for x, _ in make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=run.config.seed))
 
@@ -92,7 +93,7 @@ def calibration_batches(run: LoadedRun, count: int) -> Iterator[Tensor]:
 def tuning_images(run: LoadedRun, count: int) -> Tensor:
     """``count`` validation images of the run's data (seeded), on which accuracy-aware int8 measures each step's
     agreement with the float model; their labels are not read, and calibration never sees them."""
-    splits = _splits_of(run)
+    splits = run_splits(run)
     chosen = splits.val.sample(min(count, len(splits.val)), run.config.seed)
     loader = make_loader(chosen, splits.info, batch_size=_BATCH, train=False, seed=run.config.seed)
     return torch.cat([x for x, _ in loader])
@@ -117,7 +118,7 @@ def fine_tune_int8(
     with torch.no_grad():
         for x in calibration_batches(run, calibration_images):
             run_parts(layout, prepared, x)
-    splits = _splits_of(run)
+    splits = run_splits(run)
     config = run.config
     params = [p for part in prepared for p in part.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=config.weight_decay)
@@ -189,14 +190,14 @@ def quantize_run(
                            "graph; quantize it with --precision int8-dynamic, bf16 or fp16")  # fmt: skip
     shape = dataset_input_shape(run.dataset)
     parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
-    splits = _splits_of(run)
+    splits = run_splits(run)
     seed = run.config.seed
     calibration = list(calibration_batches(run, calibration_images)) if precision == "int8" else None
     tuning = None
     if min_agreement is not None:
         budget = None
         if min_size_ratio is not None:
-            from anytime.precision.export import float_weight_budget
+            from anytime.deploy.export import float_weight_budget
 
             budget = float_weight_budget(run.model.eval(), "pt2", input_shape=shape, name=run.config.model,
                                          num_classes=int(run.dataset["num_classes"]), calibration=calibration or [],

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from anytime.backbones.preact_resnet import PreActBlock
 from anytime.backbones.resnet import ResidualBlock, drop_path
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import ExitInfo
-from anytime.wrappers.separate import SeparateSteps, count_flops
+from anytime.families.exits import ExitInfo
+from anytime.families.separate import SeparateSteps, count_flops
 
 CUT_KINDS: tuple[str, ...] = ("shortcut", "branch")
 

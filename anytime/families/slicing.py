@@ -27,9 +27,9 @@ from torch import Tensor, nn
 
 from anytime.backbones.cifar_resnet import PadShortcut
 from anytime.errors import AnytimeError
-from anytime.wrappers.batchnorm import recompute_bn_statistics
-from anytime.wrappers.exits import ExitInfo
-from anytime.wrappers.separate import SeparateSteps, count_flops
+from anytime.families.batchnorm import recompute_bn_statistics
+from anytime.families.exits import ExitInfo
+from anytime.families.separate import SeparateSteps, count_flops
 
 SLICE_KINDS: tuple[str, ...] = ("width", "cardinality")
 
@@ -213,7 +213,7 @@ def _params(module: nn.Module) -> int:
 class SlicedModel(SeparateSteps):
     """A backbone whose steps are nested slices of it: step k runs the ``ratios[k]`` slice, cheapest first.
 
-    Obeys the step contract like :class:`~anytime.wrappers.MultiExitModel`: ``forward_until(x, k)`` runs step
+    Obeys the step contract like :class:`~anytime.families.MultiExitModel`: ``forward_until(x, k)`` runs step
     k alone, ``forward_all(x)`` gives ``[K, B, C]``, ``exit_info`` describes each step. Steps are not
     incremental (step k+1 does not reuse step k's work), so the runtime chooses one step per request.
     With ``sandwich``, :meth:`training_steps` picks the widest, the narrowest and one other at random each

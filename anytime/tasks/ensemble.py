@@ -25,16 +25,17 @@ from torch import Tensor
 
 from anytime.backbones.base import example_input, takes_tokens
 from anytime.data import make_loader
-from anytime.data.text import TOKENIZER_FILE
 from anytime.data.base import DatasetSplits
-from anytime.ensembles import FUSERS, EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, member_log_probs
+from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
+from anytime.families import FUSERS, EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, member_log_probs
 from anytime.outputs.cache import OutputCache, cache_path
-from anytime.pipeline import _splits_of, default_profile_path
 from anytime.precision.model import float_flops
+from anytime.tasks.pipeline import default_profile_path
 from anytime.train.checkpoint import save_weights
 from anytime.train.records import WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
+from anytime.train.splits import run_splits
 from anytime.utils.io import atomic_path, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
@@ -269,7 +270,7 @@ def build_ensemble(
     infos = [d[0] for d in described]
     costs, cost_source = _costs(runs, infos, shape) if order != "given" else ([float("nan")] * len(runs), "not measured")
     say("running every member over the validation and test splits...")
-    splits = _splits_of(runs[0])
+    splits = run_splits(runs[0])
     val_logps, val_labels = _member_outputs(runs, infos, splits, "val", batch_size)
     test_logps, test_labels = _member_outputs(runs, infos, splits, "test", batch_size)
     ranked = {"given": lambda: list(range(len(runs))),

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from anytime.backbones.base import takes_tokens
-from anytime.ensembles.fusers import Fuser, is_fitted_kind, log_probs, make_fuser
 from anytime.errors import AnytimeError
-from anytime.wrappers.exits import ExitInfo
+from anytime.families.exits import ExitInfo
+from anytime.families.fusers import Fuser, is_fitted_kind, log_probs, make_fuser
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class FuserBank(nn.Module):
 
     @classmethod
     def of(cls, fusers: Sequence[Fuser], fold_fusers: Sequence[Sequence[Fuser]], folds: Tensor) -> FuserBank:
-        """A bank holding fusers already fit (see :func:`anytime.ensembles.cross_fit`)."""
+        """A bank holding fusers already fit (see :func:`anytime.families.cross_fit`)."""
         first = fusers[0]
         bank = cls(first.kind, len(fusers), first.num_classes, hidden=getattr(first, "hidden", 32))
         bank.fusers = nn.ModuleList(fusers)

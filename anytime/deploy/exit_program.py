@@ -23,7 +23,7 @@ from anytime.errors import AnytimeError
 
 if TYPE_CHECKING:
     from anytime.calibrate.policy import ExitPolicy
-    from anytime.precision.export import ExportedModel
+    from anytime.deploy.export import ExportedModel
 
 _MIN_OPSET = 13  # ReduceSum takes its axes as an input from here on
 _NUMPY_OF_ONNX = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -95,7 +95,7 @@ class ExitProgram:
     def _one(self, x: np.ndarray) -> ArrayAnswer:
         # One sample: one boolean read per exit, nothing else (the latency path).
         h = x
-        for k, graph in enumerate(self._graphs):
+        for k, graph in enumerate(self._graphs):  # noqa: B007 (k: the exit that answered, read after the loop)
             outputs = graph.one.run(None, {graph.input_name: h})
             if graph.last:
                 logits, prediction = outputs
@@ -141,7 +141,7 @@ def compile_policy(model: ExportedModel, policy: ExitPolicy) -> ExitProgram | No
     """``policy`` compiled into ``model``'s ONNX graphs, or ``None`` where it cannot be (a ``.pt2`` export, a
     stateful or combining policy, a graph ONNX cannot extend): run ``policy.run(model, x)`` there. The artifacts
     are checked against the manifest again first; a changed artifact is refused in one line."""
-    from anytime.precision.export import _onnx_modules, _ort_session, sha256_of
+    from anytime.deploy.runtimes import onnx_modules, ort_session, sha256_of
 
     location = model.onnx_location
     crit = get_criterion(policy.criterion)
@@ -154,7 +154,7 @@ def compile_policy(model: ExportedModel, policy: ExitPolicy) -> ExitProgram | No
     for path, part in zip(parts, model.manifest.parts):
         if sha256_of(path) != part.sha256:
             raise AnytimeError(f"{path} changed since the export was loaded; load the export again")
-    onnx, _ = _onnx_modules()
+    onnx, _ = onnx_modules()
     temps = policy.temperatures or (1.0,) * policy.num_steps
     classes = model.manifest.num_classes
     graphs: list[_Graph] = []
@@ -171,12 +171,12 @@ def compile_policy(model: ExportedModel, policy: ExitPolicy) -> ExitProgram | No
                 graph = _answering(segment, head, policy.criterion, temps[k], policy.thresholds[k], classes)
             if graph is not None and not graph:
                 return None
-            session = _ort_session(parts[2 * k], provider, threads, graph)
+            session = ort_session(parts[2 * k], provider, threads, graph)
             name, kind = session.get_inputs()[0].name, session.get_inputs()[0].type
             dtype = _NUMPY_OF_ONNX.get(kind, np.float32)
             one = session
             if threads > 1 and provider == "cpu":
-                single = _ort_session(parts[2 * k], provider, 1, graph)
+                single = ort_session(parts[2 * k], provider, 1, graph)
                 shape = model.manifest.parts[2 * k].input_shape
                 one = single if _faster_alone(session, single, name, shape, dtype) else session
             graphs.append(_Graph(session, one, name, graph is not None and k < model.num_steps - 1,

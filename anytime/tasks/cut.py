@@ -23,19 +23,19 @@ from torch import Tensor, nn
 
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
-from anytime.pipeline import _splits_of
+from anytime.families import CUT_KINDS, apply_cuts, residual_blocks
+from anytime.families.batchnorm import recompute_bn_statistics
+from anytime.families.separate import count_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.multi_exit import build_model
 from anytime.train.records import WEIGHTS
 from anytime.train.runs import LoadedRun, load_run, require_images
+from anytime.train.splits import run_splits
 from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
 from anytime.utils.progress import progress_bar
-from anytime.wrappers import CUT_KINDS, apply_cuts, residual_blocks
-from anytime.wrappers.batchnorm import recompute_bn_statistics
-from anytime.wrappers.separate import count_flops
 
 CUT_STUDY = "cut study"
 CUT_COLUMNS: tuple[str, ...] = (
@@ -147,7 +147,7 @@ def cut_study(
     folder = Path(out) if out is not None else Path(run_dir) / "cut"
     run = _plain_run(run_dir, device)
     check_replaceable(folder, CUT_STUDY, overwrite=overwrite, create_parents=out is None)
-    splits = _splits_of(run)
+    splits = run_splits(run)
     info = splits.info
     seed = run.config.seed
     scored = getattr(splits, split).sample(images, seed)
@@ -229,7 +229,7 @@ def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu"
                          image_size=(int(size[0]), int(size[1])), load_init=False)  # fmt: skip
     ladder.backbone.load_state_dict(run.model.state_dict())  # type: ignore[union-attr]
     ladder = ladder.to(run.device).eval()
-    splits = _splits_of(run)
+    splits = run_splits(run)
     loader_kw = {"batch_size": 500, "train": False, "seed": run.config.seed}
     _, val_accs = evaluate_exits(ladder, make_loader(splits.val, splits.info, **loader_kw), run.device)
     _, test_accs = evaluate_exits(ladder, make_loader(splits.test, splits.info, **loader_kw), run.device)

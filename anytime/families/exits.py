@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from anytime.backbones.base import Scale, StagedBackbone, example_input, takes_tokens
 from anytime.errors import AnytimeError
-from anytime.wrappers.tracing import Chain, Cut, count_flops, refresh_attributes, split_points
+from anytime.families.tracing import Chain, Cut, count_flops, refresh_attributes, split_points
 
 HEADS: tuple[str, ...] = ("pool", "scaled", "linear", "conv", "conv2", "msdnet")
 GRADED = "graded"  # a head per exit by its position: see head_kinds

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from anytime.errors import AnytimeError
-from anytime.serve.service import BadRequest
+from anytime.errors import AnytimeError, BadRequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -190,14 +189,11 @@ class TextSpec:
         self.class_names = class_names
 
     @classmethod
-    def from_run(cls, run_dir: Any, dataset: Mapping[str, Any]) -> TextSpec:
-        """From a text run: its ``tokenizer.json`` (refused when missing or not the one it was trained with)."""
+    def from_tokenizer(cls, text: str | None, dataset: Mapping[str, Any], run_dir: Any) -> TextSpec:
+        """From a text run's tokenizer JSON ``text`` (:func:`anytime.train.splits.run_tokenizer`), refused when
+        missing or not the one the run recorded in ``dataset``."""
         from anytime.data.text import parse_tokenizer, tokenizer_sha
-        from anytime.train.trainer import read_tokenizer
-        from anytime.train.runs import run_config
 
-        config, _ = run_config(run_dir)
-        text = read_tokenizer(config, run_dir)
         if text is None or tokenizer_sha(text) != dataset.get("tokenizer"):
             raise AnytimeError(f"{run_dir}/tokenizer.json is not the tokenizer {run_dir} was trained with (another "
                                "run's?); put the run's own tokenizer.json back, or train again")  # fmt: skip

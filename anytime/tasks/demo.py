@@ -19,7 +19,9 @@ import torch
 from anytime.backbones import create_model
 from anytime.calibrate import CRITERIA
 from anytime.data import make_loader
-from anytime.pipeline import (
+from anytime.plotting import plot_batch_time, plot_training_curves
+from anytime.profile import measure_train_step
+from anytime.tasks.pipeline import (
     calibrate_run,
     collect_run,
     evaluate_run,
@@ -27,9 +29,7 @@ from anytime.pipeline import (
     profile_run,
     sweep_run,
 )
-from anytime.plotting import plot_batch_time, plot_training_curves
-from anytime.profile import measure_train_step
-from anytime.promises import PromiseCheck, check_promises
+from anytime.tasks.promises import PromiseCheck, check_promises
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha

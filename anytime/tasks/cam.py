@@ -188,7 +188,7 @@ def chosen_images(run: Any, images: Sequence[str | Path], split: str | None,
     """The images a figure of ``run`` shows: files (``images``) or ``count`` of a ``split`` drawn at random (seeded),
     on the run's device; their true classes (None for files), where each came from, and how they look
     (``[N, H, W, C]`` in [0, 1])."""
-    from anytime.serve.inputs import InputSpec
+    from anytime.data.inputs import InputSpec
 
     check_image_source(images, split)
     spec = InputSpec.from_dataset(run.dataset)

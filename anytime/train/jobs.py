@@ -145,7 +145,7 @@ def load_sweep(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Swe
                 raise AnytimeError(f"{sweep_path}: job name {name!r} must be letters, digits and . _ = + - only")
             variants.append((name, entry))
     jobs: list[Job] = []
-    for index, (name, params) in enumerate(variants):
+    for name, params in variants:
         job_name = name or _job_name(params)
         where = f"{sweep_path} job {job_name}"
         config, card = _recipe({**base, **params}, where)

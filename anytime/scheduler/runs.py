@@ -1,0 +1,60 @@
+"""Open a trained run for answering under deadlines: its model, device profile(s) and calibrated policy, loaded
+once into the anytime runtime (what ``anytime serve``, ``schedule --check`` and split runs answer with)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from anytime.errors import AnytimeError
+from anytime.profile.store import DeviceProfile
+from anytime.scheduler.query import CALIBRATION, find_profile, load_calibration, profiled_lengths, run_options
+from anytime.scheduler.runtime import AnytimeRunner
+from anytime.train.records import read_record
+from anytime.train.runs import LoadedRun, load_run
+from anytime.utils.memory import hold_freed_memory
+from anytime.utils.threads import set_threads
+
+
+def runner_for_run(
+    run_dir: str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
+    device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True, threads: int | str | None = None,
+) -> tuple[AnytimeRunner, LoadedRun]:  # fmt: skip
+    """The anytime runtime for a run: its model, its device profile and (if calibrated) its early-exit policy.
+
+    It runs what the profile measured: the profile's inference form, and on a CPU its torch thread count unless
+    ``threads`` says otherwise (a number, or ``auto``: chosen from the cores the machine leaves free now). A text
+    run without ``profile`` takes every length profile it has (``anytime profile RUN --length T``): each request
+    is priced by its length bucket."""
+    record = read_record(run_dir)  # "not a run" before "no profile"
+    buckets: dict[int, DeviceProfile] = {}
+    if profile is None and record.get("dataset", {}).get("modality") == "text":
+        lengths = profiled_lengths(sorted(Path(run_dir).glob("profile-*.json")))
+        for length, paths in lengths.items():
+            if len(paths) > 1:
+                raise AnytimeError(f"{run_dir} has several profiles of {length} tokens "
+                                   f"({', '.join(p.name for p in paths)}); keep one per length")  # fmt: skip
+            buckets[length] = DeviceProfile.load(paths[0])
+    path = lengths[max(lengths)][0] if buckets else find_profile(run_dir, profile)
+    loaded = DeviceProfile.load(path)
+    profiled_threads = loaded.settings.get("threads")
+    if threads is None and loaded.device.get("type") == "cpu" and isinstance(profiled_threads, int):
+        threads = profiled_threads
+    set_threads(threads)
+    hold_freed_memory()  # as profile_run does, so the latencies the profile holds are the ones met here
+    run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
+    if "execution" in loaded.settings and hasattr(run.model, "execution"):
+        run.model.execution = str(loaded.settings["execution"])  # type: ignore[assignment]
+    loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
+    for length, bucket in buckets.items():
+        bucket.check_model(run.fingerprint, run.num_steps, where=f"the profile of {length} tokens in {run_dir}")
+    exit_policy, policy_accuracy, exit_share = None, None, None
+    calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
+    if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
+        exit_policy, report = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
+        policy_accuracy = float(report["validation"]["accuracy"])
+        exit_share = [float(v) for v in report["validation"]["exit_share"]]
+    accuracy = [o.accuracy for o in run_options(run_dir, loaded.step_names) if o.step is not None]
+    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy,
+                           policy_accuracy=policy_accuracy, exit_share=exit_share,
+                           length_profiles=buckets or None)  # fmt: skip
+    return runner, run
