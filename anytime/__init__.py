@@ -9,11 +9,15 @@ from __future__ import annotations
 from anytime.errors import AnytimeError
 from anytime.utils.lazy import lazy_exports
 
-_EXPORTS = {name: module for module, names in {
-    "anytime.backbones": ("create_model", "list_models"),
-    "anytime.scheduler": ("AnytimeRunner", "DeadlineScheduler"),
-    "anytime.families": ("BlockDropLadder", "attach_exits", "slice_model"),
-}.items() for name in names}
+_EXPORTS = {
+    name: module
+    for module, names in {
+        "anytime.backbones": ("create_model", "list_models"),
+        "anytime.scheduler": ("AnytimeRunner", "DeadlineScheduler"),
+        "anytime.families": ("BlockDropLadder", "attach_exits", "slice_model"),
+    }.items()
+    for name in names
+}
 __all__ = sorted(_EXPORTS) + ["AnytimeError"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"

@@ -29,7 +29,7 @@ COMMANDS: dict[str, str] = {
     "evaluate": "real early exit on a split: accuracy, exit shares, latency per sample vs the plain backbone",
     "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy, deadlines",
     "cam": "class activation maps of every step (CAM for global-pooled heads, Grad-CAM otherwise) for the same images: "
-           "a figure side by side and the arrays",
+    "a figure side by side and the arrays",
     "ponder": "maps of the residual units a SACT run spends at every position of an image, at each halting threshold",
     "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
     "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
@@ -39,22 +39,22 @@ COMMANDS: dict[str, str] = {
     "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
     "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
     "ticket": "lottery tickets by iterative magnitude pruning of a dense run, rewound to its epoch K (late "
-              "resetting): one ordinary run per round",
+    "resetting): one ordinary run per round",
     "seeds": "several seeds of one recipe: every step's validation and test accuracy as mean, spread and range",
     "jobs": "a sweep of training runs (a grid or a list in TOML) on local joblib workers or SLURM job arrays "
-            "(submitit): resumable, one run folder per job, results table and plot",
+    "(submitit): resumable, one run folder per job, results table and plot",
     "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
     "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted); "
-             "--role server finishes split-computing requests over TCP",
+    "--role server finishes split-computing requests over TCP",
     "split": "split computing: the partition point, codec and exit thresholds that answer most accurately within a "
-             "deadline over a link, from the device's and the server's profiles (JSON)",
+    "deadline over a link, from the device's and the server's profiles (JSON)",
     "split-run": "the device's half of split computing: answer images, sending activations to a --role server over "
-                 "a shaped link, and measure end-to-end time, misses and accuracy",
+    "a shaped link, and measure end-to-end time, misses and accuracy",
     "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
-                  "ensemble-baselines, ensembles, lottery)",
+    "ensemble-baselines, ensembles, lottery)",
     "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
     "prepare-data": "pack an image folder into shards of resized uint8 images (resumable, parallel) that training "
-                    "reads batch by batch (--data shards)",
+    "reads batch by batch (--data shards)",
 }
 
 
@@ -91,18 +91,41 @@ _non_negative_int = _int_at_least(0)
 
 def _add_float_layer_options(command: argparse.ArgumentParser, scope: str, artifact: str) -> None:
     """The options of accuracy-aware int8, shared by quantize and export."""
-    command.add_argument("--float-layers", type=_name_list, default=(), metavar="NAME,NAME,...",
-                         help=f"{scope}: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float")
-    command.add_argument("--min-agreement", type=_finite_float, metavar="A",
-                         help=f"{scope}: keep the layers int8 hurts most in float, fewest first, until every step agrees "
-                              "with the float run on at least this share of validation images (e.g. 0.99)")
-    command.add_argument("--max-float-layers", type=_int_at_least(0), default=8, metavar="N",
-                         help="--min-agreement keeps at most N layers in float (default 8)")
-    command.add_argument("--agreement-images", type=_positive_int, default=1000, metavar="N",
-                         help="--min-agreement measures on N validation images, labels unread (default 1000)")
-    command.add_argument("--min-size-ratio", type=_finite_float, metavar="R",
-                         help=f"--min-agreement keeps no more weights in float than leave the int8 {artifact} at least "
-                              "R times smaller than the fp32 one (e.g. 3.5; default: no limit)")
+    command.add_argument(
+        "--float-layers",
+        type=_name_list,
+        default=(),
+        metavar="NAME,NAME,...",
+        help=f"{scope}: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float",
+    )
+    command.add_argument(
+        "--min-agreement",
+        type=_finite_float,
+        metavar="A",
+        help=f"{scope}: keep the layers int8 hurts most in float, fewest first, until every step agrees "
+        "with the float run on at least this share of validation images (e.g. 0.99)",
+    )
+    command.add_argument(
+        "--max-float-layers",
+        type=_int_at_least(0),
+        default=8,
+        metavar="N",
+        help="--min-agreement keeps at most N layers in float (default 8)",
+    )
+    command.add_argument(
+        "--agreement-images",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="--min-agreement measures on N validation images, labels unread (default 1000)",
+    )
+    command.add_argument(
+        "--min-size-ratio",
+        type=_finite_float,
+        metavar="R",
+        help=f"--min-agreement keeps no more weights in float than leave the int8 {artifact} at least "
+        "R times smaller than the fp32 one (e.g. 3.5; default: no limit)",
+    )
 
 
 def _name_list(text: str) -> tuple[str, ...]:
@@ -166,8 +189,10 @@ def _form(text: str) -> str:
 
 
 FIGURE_SIZE_HELP = "figure size: " + "; ".join(f"{s.name}: {s.description}" for s in FIGURE_SIZES.values())
-FORM_HELP = ("inference form: eager (default), or any of fold (batch norm into the convolutions), channels-last, "
-             "compile, joined by '+'")
+FORM_HELP = (
+    "inference form: eager (default), or any of fold (batch norm into the convolutions), channels-last, "
+    "compile, joined by '+'"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="anytime",
         description="Anytime inference research in PyTorch: train, measure and schedule models on a device.",
         formatter_class=_Formatter,
-        epilog="commands:\n" + "\n".join(f"  {name:<18} {text}" for name, text in COMMANDS.items())
+        epilog="commands:\n"
+        + "\n".join(f"  {name:<18} {text}" for name, text in COMMANDS.items())
         + "\n\nrun 'anytime COMMAND --help' for a command's options",
     )
     from anytime import __version__
@@ -207,25 +233,52 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     train = sub.add_parser("train", description=COMMANDS["train"])
-    train.add_argument("--card", metavar="CARD",
-                       help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
-                            "other options override it")
+    train.add_argument(
+        "--card",
+        metavar="CARD",
+        help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
+        "other options override it",
+    )
     train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
-    train.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream",
-                                          "sst2", "textfolder"],
-                       help="default digits; shards: a folder made by 'anytime prepare-data'; folder-stream: an image "
-                            "folder decoded batch by batch (needs --image-size); sst2 and textfolder: sentences in "
-                            "train/dev/test .tsv or .csv files with a label and a content (or sentence, text) column")
-    train.add_argument("--data-root", metavar="PATH",
-                       help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
-                            "cifar100 and sst2 likewise)")
+    train.add_argument(
+        "--data",
+        choices=[
+            "digits",
+            "cifar10",
+            "cifar100",
+            "folder",
+            "synthetic",
+            "shards",
+            "folder-stream",
+            "sst2",
+            "textfolder",
+        ],
+        help="default digits; shards: a folder made by 'anytime prepare-data'; folder-stream: an image "
+        "folder decoded batch by batch (needs --image-size); sst2 and textfolder: sentences in "
+        "train/dev/test .tsv or .csv files with a label and a content (or sentence, text) column",
+    )
+    train.add_argument(
+        "--data-root",
+        metavar="PATH",
+        help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
+        "cifar100 and sst2 likewise)",
+    )
     train.add_argument("--image-size", type=_positive_int, metavar="PX", help="resize images (folder data)")
-    train.add_argument("--vocab-size", type=_positive_int, metavar="N",
-                       help="text: entries of the WordPiece tokenizer trained on the training split (default 8000)")
-    train.add_argument("--max-length", type=_positive_int, metavar="T",
-                       help="text: tokens per sentence, [CLS] included; longer ones are cut and counted (default 64)")
-    train.add_argument("--tokenizer", metavar="FILE",
-                       help="text: use this tokenizer.json (e.g. another run's) instead of training one")
+    train.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        metavar="N",
+        help="text: entries of the WordPiece tokenizer trained on the training split (default 8000)",
+    )
+    train.add_argument(
+        "--max-length",
+        type=_positive_int,
+        metavar="T",
+        help="text: tokens per sentence, [CLS] included; longer ones are cut and counted (default 64)",
+    )
+    train.add_argument(
+        "--tokenizer", metavar="FILE", help="text: use this tokenizer.json (e.g. another run's) instead of training one"
+    )
     train.add_argument("--val-fraction", type=_finite_float, metavar="F", help="share of training data held out")
     train.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only (quick runs)")
     train.add_argument("--epochs", type=_positive_int, metavar="N")
@@ -234,123 +287,253 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", choices=["sgd", "adamw"], help="default sgd; adamw for transformers")
     train.add_argument("--momentum", type=_finite_float, metavar="M", help="default 0.9 (AdamW: its first beta)")
     train.add_argument("--weight-decay", type=_finite_float, metavar="WD", help="default 5e-4")
-    train.add_argument("--schedule", choices=["constant", "cosine", "step", "onecycle"],
-                       help="lr schedule (default cosine; onecycle: linear rise over --warmup, then linear fall to 0)")
-    train.add_argument("--warmup", type=_finite_float, metavar="F",
-                       help="share of the run over which the lr rises linearly from 0 (default 0)")
-    train.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None,
-                       help="Nesterov momentum (default off)")
-    train.add_argument("--label-smoothing", type=_finite_float, metavar="E", help="cross-entropy label smoothing (default 0)")
-    train.add_argument("--ema", type=_finite_float, metavar="DECAY",
-                       help="validate and keep an exponential moving average of the weights, this decay per step "
-                            "(e.g. 0.99; default 0: off)")
-    train.add_argument("--norm-bias-lr-scale", type=_finite_float, metavar="X",
-                       help="multiply the lr of normalisation layers' biases by X and divide their weight decay by X "
-                            "(airbench uses 64; default 1)")
-    train.add_argument("--amp", choices=["off", "bf16"],
-                       help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs, "
-                            "emulated and many times slower on AVX2-only CPUs; weights stay float32; default off)")
-    train.add_argument("--augment", choices=["none", "crop", "flip", "crop+flip"],
-                       help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
-                            "crop for digits)")
-    train.add_argument("--padding", type=_non_negative_int, metavar="PX", help="zero padding of random crops (default 4)")
-    train.add_argument("--cutout", type=_non_negative_int, metavar="PX",
-                       help="hide a PX x PX square of every training image, at a random place, in the mean colour "
-                            "(cutout; default 0: none)")
-    train.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                       help="channels-last memory layout (faster convolutions on CPUs with oneDNN; the same results up to "
-                            "float rounding)")
-    train.add_argument("--tta", action=argparse.BooleanOptionalAction, default=None,
-                       help="also report test accuracy averaged over each image and its mirror, apart")
+    train.add_argument(
+        "--schedule",
+        choices=["constant", "cosine", "step", "onecycle"],
+        help="lr schedule (default cosine; onecycle: linear rise over --warmup, then linear fall to 0)",
+    )
+    train.add_argument(
+        "--warmup",
+        type=_finite_float,
+        metavar="F",
+        help="share of the run over which the lr rises linearly from 0 (default 0)",
+    )
+    train.add_argument(
+        "--nesterov", action=argparse.BooleanOptionalAction, default=None, help="Nesterov momentum (default off)"
+    )
+    train.add_argument(
+        "--label-smoothing", type=_finite_float, metavar="E", help="cross-entropy label smoothing (default 0)"
+    )
+    train.add_argument(
+        "--ema",
+        type=_finite_float,
+        metavar="DECAY",
+        help="validate and keep an exponential moving average of the weights, this decay per step "
+        "(e.g. 0.99; default 0: off)",
+    )
+    train.add_argument(
+        "--norm-bias-lr-scale",
+        type=_finite_float,
+        metavar="X",
+        help="multiply the lr of normalisation layers' biases by X and divide their weight decay by X "
+        "(airbench uses 64; default 1)",
+    )
+    train.add_argument(
+        "--amp",
+        choices=["off", "bf16"],
+        help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs, "
+        "emulated and many times slower on AVX2-only CPUs; weights stay float32; default off)",
+    )
+    train.add_argument(
+        "--augment",
+        choices=["none", "crop", "flip", "crop+flip"],
+        help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
+        "crop for digits)",
+    )
+    train.add_argument(
+        "--padding", type=_non_negative_int, metavar="PX", help="zero padding of random crops (default 4)"
+    )
+    train.add_argument(
+        "--cutout",
+        type=_non_negative_int,
+        metavar="PX",
+        help="hide a PX x PX square of every training image, at a random place, in the mean colour "
+        "(cutout; default 0: none)",
+    )
+    train.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="channels-last memory layout (faster convolutions on CPUs with oneDNN; the same results up to "
+        "float rounding)",
+    )
+    train.add_argument(
+        "--tta",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also report test accuracy averaged over each image and its mirror, apart",
+    )
     train.add_argument("--seed", type=_non_negative_int, metavar="S")
     train.add_argument("--device", help=DEVICE_HELP)
     train.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader worker processes")
     train.add_argument("--prefetch-factor", type=_positive_int, metavar="N", help="batches prefetched per worker")
-    train.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
-                       help="pin host memory for faster copies to a CUDA GPU")
+    train.add_argument(
+        "--pin-memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin host memory for faster copies to a CUDA GPU",
+    )
     train.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/MODEL-DATA or runs/CARD)")
-    train.add_argument("--nproc", type=_positive_int, metavar="N",
-                       help="train with N data-parallel processes on this machine (as `torchrun --nproc-per-node N -m "
-                            "anytime train ...` does): the global batch is --batch-size, the cores are shared out")
-    train.add_argument("--sync-bn", action="store_true",
-                       help="with several processes, batch norm over the global batch, so they train the model one "
-                            "process would (two all-reduces per batch-norm layer and step); default: each process's "
-                            "own rows, as torch's DDP")
+    train.add_argument(
+        "--nproc",
+        type=_positive_int,
+        metavar="N",
+        help="train with N data-parallel processes on this machine (as `torchrun --nproc-per-node N -m "
+        "anytime train ...` does): the global batch is --batch-size, the cores are shared out",
+    )
+    train.add_argument(
+        "--sync-bn",
+        action="store_true",
+        help="with several processes, batch norm over the global batch, so they train the model one "
+        "process would (two all-reduces per batch-norm layer and step); default: each process's "
+        "own rows, as torch's DDP",
+    )
     again = train.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the interrupted run in --out, exactly")
-    again.add_argument("--extend", action="store_true",
-                       help="train the run in --out longer: to --epochs N (more than it has), the learning-rate "
-                            "schedule recomputed for the new length")
-    again.add_argument("--overwrite", action="store_true",
-                       help="replace the earlier run in --out (only if the folder holds nothing but that run)")
+    again.add_argument(
+        "--extend",
+        action="store_true",
+        help="train the run in --out longer: to --epochs N (more than it has), the learning-rate "
+        "schedule recomputed for the new length",
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the earlier run in --out (only if the folder holds nothing but that run)",
+    )
     train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     exits = train.add_argument_group("early exits")
-    exits.add_argument("--exits", metavar="POINTS",
-                       help="attach exits: auto (after each stage), sdn (15-90%% of FLOPs), N (exits in all), "
-                            "fractions of FLOPs (0.25,0.5) or point names (stages.0,stages.1.2; see 'anytime exits')")
-    exits.add_argument("--exit-mode", choices=["joint", "heads-only"],
-                       help="joint: train everything (default); heads-only: only the exits, backbone frozen (needs --init)")
-    exits.add_argument("--exit-head", metavar="HEAD",
-                       help="exit head design: pool (default), scaled, linear, conv, conv2 or msdnet; one per early exit "
-                            "(conv2,pool,pool); or graded (conv2, conv, pool by thirds of the FLOPs)")
-    exits.add_argument("--exit-weights", metavar="W,W,...",
-                       help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)")
-    exits.add_argument("--distill", type=_finite_float, metavar="WEIGHT", nargs="?", const=1.0,
-                       help="distil the last exit (or the widest slice) into the others: their cross-entropy plus this "
-                            "weight times the KL divergence to its softened output (1 if given alone; default 0)")
-    exits.add_argument("--distill-teacher", choices=["last", "later"],
-                       help="what each exit distils from: last (the last exit, default) or later (the mean of the "
-                            "softened outputs of every exit after it)")
-    exits.add_argument("--gradient-equilibrium", action=argparse.BooleanOptionalAction, default=None,
-                       help="rescale gradients where exits branch off, so shared layers get the mean of the exits' "
-                            "gradients, not their sum (Li et al. 2019; default off)")
-    exits.add_argument("--init", metavar="CHECKPOINT",
-                       help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict")
+    exits.add_argument(
+        "--exits",
+        metavar="POINTS",
+        help="attach exits: auto (after each stage), sdn (15-90%% of FLOPs), N (exits in all), "
+        "fractions of FLOPs (0.25,0.5) or point names (stages.0,stages.1.2; see 'anytime exits')",
+    )
+    exits.add_argument(
+        "--exit-mode",
+        choices=["joint", "heads-only"],
+        help="joint: train everything (default); heads-only: only the exits, backbone frozen (needs --init)",
+    )
+    exits.add_argument(
+        "--exit-head",
+        metavar="HEAD",
+        help="exit head design: pool (default), scaled, linear, conv, conv2 or msdnet; one per early exit "
+        "(conv2,pool,pool); or graded (conv2, conv, pool by thirds of the FLOPs)",
+    )
+    exits.add_argument(
+        "--exit-weights",
+        metavar="W,W,...",
+        help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)",
+    )
+    exits.add_argument(
+        "--distill",
+        type=_finite_float,
+        metavar="WEIGHT",
+        nargs="?",
+        const=1.0,
+        help="distil the last exit (or the widest slice) into the others: their cross-entropy plus this "
+        "weight times the KL divergence to its softened output (1 if given alone; default 0)",
+    )
+    exits.add_argument(
+        "--distill-teacher",
+        choices=["last", "later"],
+        help="what each exit distils from: last (the last exit, default) or later (the mean of the "
+        "softened outputs of every exit after it)",
+    )
+    exits.add_argument(
+        "--gradient-equilibrium",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rescale gradients where exits branch off, so shared layers get the mean of the exits' "
+        "gradients, not their sum (Li et al. 2019; default off)",
+    )
+    exits.add_argument(
+        "--init",
+        metavar="CHECKPOINT",
+        help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict",
+    )
 
     sliced = train.add_argument_group("sliced networks and residual blocks")
-    sliced.add_argument("--slices", metavar="R,R,...",
-                        help="train a sliced network, one step per fraction (e.g. 0.25,0.5,0.75,1.0)")
-    sliced.add_argument("--slice-kind", choices=["width", "cardinality"],
-                        help="width: channels of every layer (ResNets, MobileNetV2, VGG); cardinality: groups of "
-                             "every ResNeXt block (default width)")
-    sliced.add_argument("--sandwich", action="store_true", default=None,
-                        help="train the narrowest, the widest and one random slice per mini-batch, not all")
-    sliced.add_argument("--resolutions", metavar="S,S,...",
-                        help="train a resolution ladder: one step per input size in pixels, cN a central N x N crop "
-                             "(e.g. 16,24,c24,32), batch-norm statistics per step")
-    sliced.add_argument("--sact", metavar="T,T,...",
-                        help="train a SACT ResNet (spatially adaptive computation time): residual stages halt per "
-                             "position once its halting scores reach the threshold; one step per threshold, rising, "
-                             "the last one trained (e.g. 0.5,0.75,0.9,0.99)")
-    sliced.add_argument("--sact-mode", choices=["spatial", "image"],
-                        help="halt per position (SACT, the default) or per image (ACT)")
-    sliced.add_argument("--ponder-cost", type=_finite_float, metavar="TAU",
-                        help="weight of the ponder cost in the loss: units run plus the remainder, averaged over "
-                             "positions and summed over stages (default 0.01)")
-    sliced.add_argument("--stochastic-depth", type=_finite_float, metavar="P",
-                        help="residual branches skipped at random in training, up to P for the last block")
+    sliced.add_argument(
+        "--slices", metavar="R,R,...", help="train a sliced network, one step per fraction (e.g. 0.25,0.5,0.75,1.0)"
+    )
+    sliced.add_argument(
+        "--slice-kind",
+        choices=["width", "cardinality"],
+        help="width: channels of every layer (ResNets, MobileNetV2, VGG); cardinality: groups of "
+        "every ResNeXt block (default width)",
+    )
+    sliced.add_argument(
+        "--sandwich",
+        action="store_true",
+        default=None,
+        help="train the narrowest, the widest and one random slice per mini-batch, not all",
+    )
+    sliced.add_argument(
+        "--resolutions",
+        metavar="S,S,...",
+        help="train a resolution ladder: one step per input size in pixels, cN a central N x N crop "
+        "(e.g. 16,24,c24,32), batch-norm statistics per step",
+    )
+    sliced.add_argument(
+        "--sact",
+        metavar="T,T,...",
+        help="train a SACT ResNet (spatially adaptive computation time): residual stages halt per "
+        "position once its halting scores reach the threshold; one step per threshold, rising, "
+        "the last one trained (e.g. 0.5,0.75,0.9,0.99)",
+    )
+    sliced.add_argument(
+        "--sact-mode", choices=["spatial", "image"], help="halt per position (SACT, the default) or per image (ACT)"
+    )
+    sliced.add_argument(
+        "--ponder-cost",
+        type=_finite_float,
+        metavar="TAU",
+        help="weight of the ponder cost in the loss: units run plus the remainder, averaged over "
+        "positions and summed over stages (default 0.01)",
+    )
+    sliced.add_argument(
+        "--stochastic-depth",
+        type=_finite_float,
+        metavar="P",
+        help="residual branches skipped at random in training, up to P for the last block",
+    )
 
     tickets = train.add_argument_group("lottery tickets (see also `anytime ticket`)")
-    tickets.add_argument("--keep-checkpoints", metavar="K,K,...",
-                         help="keep the full checkpoint after these epochs (0: before the first), for tickets to rewind to")
-    tickets.add_argument("--prune-from", metavar="RUN",
-                         help="train a lottery ticket: prune RUN's final weights (the dense run, or the ticket before)")
-    tickets.add_argument("--sparsity", type=_finite_float, metavar="S",
-                         help="share of convolution and linear weights pruned, in all (e.g. 0.8)")
-    tickets.add_argument("--reset-epoch", type=_non_negative_int, metavar="K",
-                         help="rewind the surviving weights to the dense run's after K epochs (late resetting; 0: init)")
-    tickets.add_argument("--prune-unit", choices=["weights", "channels"],
-                         help="prune single weights (masked; the default) or whole channels (a smaller network)")
-    tickets.add_argument("--prune-scope", choices=["global", "layer"],
-                         help="rank weights over all layers at once (default) or prune each layer alike")
+    tickets.add_argument(
+        "--keep-checkpoints",
+        metavar="K,K,...",
+        help="keep the full checkpoint after these epochs (0: before the first), for tickets to rewind to",
+    )
+    tickets.add_argument(
+        "--prune-from",
+        metavar="RUN",
+        help="train a lottery ticket: prune RUN's final weights (the dense run, or the ticket before)",
+    )
+    tickets.add_argument(
+        "--sparsity",
+        type=_finite_float,
+        metavar="S",
+        help="share of convolution and linear weights pruned, in all (e.g. 0.8)",
+    )
+    tickets.add_argument(
+        "--reset-epoch",
+        type=_non_negative_int,
+        metavar="K",
+        help="rewind the surviving weights to the dense run's after K epochs (late resetting; 0: init)",
+    )
+    tickets.add_argument(
+        "--prune-unit",
+        choices=["weights", "channels"],
+        help="prune single weights (masked; the default) or whole channels (a smaller network)",
+    )
+    tickets.add_argument(
+        "--prune-scope",
+        choices=["global", "layer"],
+        help="rank weights over all layers at once (default) or prune each layer alike",
+    )
 
     exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
     exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
     exits_cmd.add_argument("--exits", default="auto", metavar="POINTS", help="exit points (default auto)")
-    exits_cmd.add_argument("--exit-head", default="pool", metavar="HEAD",
-                           help="pool, scaled, linear, conv, conv2 or msdnet; one per early exit; or graded")
+    exits_cmd.add_argument(
+        "--exit-head",
+        default="pool",
+        metavar="HEAD",
+        help="pool, scaled, linear, conv, conv2 or msdnet; one per early exit; or graded",
+    )
     exits_cmd.add_argument("--in-channels", type=_positive_int, default=3, metavar="C")
     exits_cmd.add_argument("--num-classes", type=_int_at_least(2), default=10, metavar="N")
     exits_cmd.add_argument("--image-size", type=_positive_int, default=32, metavar="PX")
@@ -366,30 +549,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep_cmd = sub.add_parser("sweep", description=COMMANDS["sweep"])
     sweep_cmd.add_argument("run", metavar="RUN")
-    sweep_cmd.add_argument("--criterion", action="append", choices=list(_CRITERIA),
-                           help="exit criterion (repeat for several; default all four)")
-    sweep_cmd.add_argument("--settings", type=_int_at_least(2), default=1000, metavar="S",
-                           help="threshold settings to sweep (default 1000)")
+    sweep_cmd.add_argument(
+        "--criterion",
+        action="append",
+        choices=list(_CRITERIA),
+        help="exit criterion (repeat for several; default all four)",
+    )
+    sweep_cmd.add_argument(
+        "--settings",
+        type=_int_at_least(2),
+        default=1000,
+        metavar="S",
+        help="threshold settings to sweep (default 1000)",
+    )
     sweep_cmd.add_argument("--split", choices=["val", "test", "dev"], default="val")
     sweep_cmd.add_argument("--json", action="store_true", help="print the Pareto fronts as JSON")
 
     calibrate = sub.add_parser("calibrate", description=COMMANDS["calibrate"])
     calibrate.add_argument("run", metavar="RUN")
     target = calibrate.add_mutually_exclusive_group(required=True)
-    target.add_argument("--max-drop", type=_finite_float, metavar="POINTS",
-                        help="cheapest thresholds within POINTS accuracy points of the last exit (validation)")
-    target.add_argument("--budget-flops", type=_finite_float, metavar="FRACTION",
-                        help="most accurate thresholds whose mean FLOPs are at most FRACTION of the backbone's")
+    target.add_argument(
+        "--max-drop",
+        type=_finite_float,
+        metavar="POINTS",
+        help="cheapest thresholds within POINTS accuracy points of the last exit (validation)",
+    )
+    target.add_argument(
+        "--budget-flops",
+        type=_finite_float,
+        metavar="FRACTION",
+        help="most accurate thresholds whose mean FLOPs are at most FRACTION of the backbone's",
+    )
     calibrate.add_argument("--criterion", choices=list(_CRITERIA), default="entropy")
-    calibrate.add_argument("--rule", choices=["search", "msdnet"],
-                           help="with --budget-flops: direct search (default) or MSDNet's shares proportional to q^k")
+    calibrate.add_argument(
+        "--rule",
+        choices=["search", "msdnet"],
+        help="with --budget-flops: direct search (default) or MSDNet's shares proportional to q^k",
+    )
     calibrate.add_argument("--temperature", action="store_true", help="fit a temperature per exit first")
-    calibrate.add_argument("--combine-exits", action="store_true",
-                           help="every exit answers with a weighted ensemble of itself and the earlier exits "
-                           "(Zero Time Waste), weights fit on validation; the heads it weighs always run")
-    calibrate.add_argument("--select-exits", action="store_true",
-                           help="with --max-drop: also choose which exits to keep, every subset costed in the time the "
-                                "run's profile measured at batch 1 (dropped exits' heads never run)")
+    calibrate.add_argument(
+        "--combine-exits",
+        action="store_true",
+        help="every exit answers with a weighted ensemble of itself and the earlier exits "
+        "(Zero Time Waste), weights fit on validation; the heads it weighs always run",
+    )
+    calibrate.add_argument(
+        "--select-exits",
+        action="store_true",
+        help="with --max-drop: also choose which exits to keep, every subset costed in the time the "
+        "run's profile measured at batch 1 (dropped exits' heads never run)",
+    )
     calibrate.add_argument("--profile", metavar="FILE", help="with --select-exits: default the run's only profile")
     calibrate.add_argument("--out", metavar="FILE", help="default RUN/calibration.json")
     calibrate.add_argument("--json", action="store_true", help="print the whole report as JSON")
@@ -399,8 +608,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--calibration", metavar="FILE", help="default RUN/calibration.json")
     evaluate.add_argument("--split", choices=["val", "test", "dev"], default="test")
     evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
-    evaluate.add_argument("--latency-samples", type=_non_negative_int, default=1000, metavar="N",
-                          help="samples timed one by one against the plain backbone (default 1000; 0 skips)")
+    evaluate.add_argument(
+        "--latency-samples",
+        type=_non_negative_int,
+        default=1000,
+        metavar="N",
+        help="samples timed one by one against the plain backbone (default 1000; 0 skips)",
+    )
     evaluate.add_argument("--form", type=_form, default="eager", help=FORM_HELP)
     evaluate.add_argument("--export", metavar="DIR", help="an export of RUN (anytime export): early exit as deployed, on "
                           "the CPU (ONNX: the policy compiled into its graphs where it can be), timed against the "
@@ -409,169 +623,362 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", description=COMMANDS["plot"])
     plot.add_argument("run", metavar="RUN")
-    plot.add_argument("--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)")
+    plot.add_argument(
+        "--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)"
+    )
     plot.add_argument("--figure-size", default="screen", choices=list(FIGURE_SIZES),
                       help=FIGURE_SIZE_HELP + " (default screen; a paper's size goes into RUN/plots/SIZE/)")  # fmt: skip
     plot.add_argument("--json", action="store_true", help="print the figures drawn and the sections skipped as JSON")
 
-    cam = sub.add_parser("cam", description=COMMANDS["cam"],
-                         usage="anytime cam RUN (--images FILE [FILE ...] | --split test [--count N]) [options]")
+    cam = sub.add_parser(
+        "cam",
+        description=COMMANDS["cam"],
+        usage="anytime cam RUN (--images FILE [FILE ...] | --split test [--count N]) [options]",
+    )
     cam.add_argument("run", metavar="RUN")
-    cam.add_argument("--images", nargs="+", default=[], metavar="FILE",
-                     help="PNG or JPEG images (or .npy arrays) of the run's input size")
+    cam.add_argument(
+        "--images",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="PNG or JPEG images (or .npy arrays) of the run's input size",
+    )
     cam.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
-    cam.add_argument("--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)")
+    cam.add_argument(
+        "--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
+    )
     cam.add_argument("--steps", metavar="K,K,...", help="the steps to map (default every one)")
-    cam.add_argument("--explain", choices=["predicted", "label"], default="predicted",
-                     help="map the class each step answered (default) or the true class (--split only)")
+    cam.add_argument(
+        "--explain",
+        choices=["predicted", "label"],
+        default="predicted",
+        help="map the class each step answered (default) or the true class (--split only)",
+    )
     cam.add_argument("--device", default="auto", help=DEVICE_HELP)
-    cam.add_argument("--out", metavar="DIR", help="default RUN/cam (cam.png/.svg, cam.npz, cam.json, replaced together)")
+    cam.add_argument(
+        "--out", metavar="DIR", help="default RUN/cam (cam.png/.svg, cam.npz, cam.json, replaced together)"
+    )
     cam.add_argument("--json", action="store_true", help="print the files and the method of each step as JSON")
 
-    ponder = sub.add_parser("ponder", description=COMMANDS["ponder"],
-                            usage="anytime ponder RUN (--images FILE [FILE ...] | --split test [--count N]) [options]")
+    ponder = sub.add_parser(
+        "ponder",
+        description=COMMANDS["ponder"],
+        usage="anytime ponder RUN (--images FILE [FILE ...] | --split test [--count N]) [options]",
+    )
     ponder.add_argument("run", metavar="RUN", help="a SACT run (trained with --sact)")
-    ponder.add_argument("--images", nargs="+", default=[], metavar="FILE",
-                        help="PNG or JPEG images (or .npy arrays) of the run's input size")
+    ponder.add_argument(
+        "--images",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="PNG or JPEG images (or .npy arrays) of the run's input size",
+    )
     ponder.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
-    ponder.add_argument("--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)")
+    ponder.add_argument(
+        "--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
+    )
     ponder.add_argument("--steps", metavar="K,K,...", help="the steps (halting thresholds) to map (default every one)")
     ponder.add_argument("--device", default="auto", help=DEVICE_HELP)
-    ponder.add_argument("--out", metavar="DIR", help="default RUN/ponder (ponder.png/.svg, ponder.npz, ponder.json, replaced together)")
-    ponder.add_argument("--json", action="store_true", help="print the files and each step's mean units per stage as JSON")
+    ponder.add_argument(
+        "--out", metavar="DIR", help="default RUN/ponder (ponder.png/.svg, ponder.npz, ponder.json, replaced together)"
+    )
+    ponder.add_argument(
+        "--json", action="store_true", help="print the files and each step's mean units per stage as JSON"
+    )
 
-    profile = sub.add_parser("profile", description=COMMANDS["profile"],
-                             usage="anytime profile RUN [options] | anytime profile --compare A.json B.json")
-    profile.add_argument("run", metavar="RUN", nargs="?", help="a finished run directory, or an export (anytime export)")
+    profile = sub.add_parser(
+        "profile",
+        description=COMMANDS["profile"],
+        usage="anytime profile RUN [options] | anytime profile --compare A.json B.json",
+    )
+    profile.add_argument(
+        "run", metavar="RUN", nargs="?", help="a finished run directory, or an export (anytime export)"
+    )
     profile.add_argument("--batch-sizes", default="1,8,16,32", metavar="B,B,...", help="default 1,8,16,32")
-    profile.add_argument("--repeats", type=_positive_int, default=200, metavar="N",
-                         help="timed repetitions per batch size (default 200; a p99 needs at least 100)")
+    profile.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=200,
+        metavar="N",
+        help="timed repetitions per batch size (default 200; a p99 needs at least 100)",
+    )
     profile.add_argument("--warmup", type=_non_negative_int, default=10, metavar="N", help="untimed repetitions first")
     profile.add_argument("--device", default="auto", help=DEVICE_HELP)
-    profile.add_argument("--threads", type=_threads, metavar="N|auto", help="torch CPU threads (default: torch's; "
-                         + THREADS_HELP + "); recorded, and run by the runtime")
+    profile.add_argument(
+        "--threads",
+        type=_threads,
+        metavar="N|auto",
+        help="torch CPU threads (default: torch's; " + THREADS_HELP + "); recorded, and run by the runtime",
+    )
     profile.add_argument("--form", type=_form, default="eager", help=FORM_HELP + "; recorded, and run by the runtime")
-    profile.add_argument("--execution", choices=["sparse", "dense"],
-                         help="SACT runs: compute only the positions still active (sparse) or every unit everywhere "
-                              "(dense, the default); timed on the run's validation images either way")
-    profile.add_argument("--emulate-slowdown", type=_finite_float, default=1.0, metavar="F",
-                         help="runs with exits or ensembles: emulate a board F times slower than this machine (each "
-                              "segment waits F-1 times its own time); for anytime split-run --emulate-slowdown F")
-    profile.add_argument("--gap-ms", type=_finite_float, default=0.0, metavar="MS",
-                         help="idle this long before every timed repetition, as a server idles between sporadic "
-                              "requests (default 0: back to back)")
-    profile.add_argument("--answer-gap-ms", type=_ms_or_off, default=5.0, metavar="MS|off",
-                         help="then time the runtime's own answers at every step (what the scheduler and the runtime "
-                              "price options with), each after an idle gap of this mean, exponential as Poisson "
-                              "arrivals (default 5; 0: back to back; off: no answer prices)")
-    profile.add_argument("--serve", action="store_true",
-                         help="then serve the run on 127.0.0.1 and time what a client waits beyond the server's own "
-                              "count (HTTP parsing, the answer's serialisation and sending), kept in the profile: "
-                              "anytime serve keeps its quantile free at the end of every deadline")
-    profile.add_argument("--length", metavar="T[,T2...]",
-                         help="text runs: time sentences of T tokens (default the run's maximum length), one profile "
-                              "per length bucket, RUN/profile-<device>-T<T>.json each")
-    profile.add_argument("--suffixes", action="store_true",
-                         help="runs with exits or ensembles: also time the stages after each partition point, started "
-                              "from a stored activation after the --gap-ms idle, as a split-computing server runs them "
-                              "(anytime split prices the server's part from them)")
-    profile.add_argument("--steady-within", type=_share_or_off, default=0.25, metavar="S|off",
-                         help="take the profile again (3 in all, the steadiest kept) when the tails of the repetitions' "
-                              "two halves part by more than this share: other work came and went (default 0.25)")
+    profile.add_argument(
+        "--execution",
+        choices=["sparse", "dense"],
+        help="SACT runs: compute only the positions still active (sparse) or every unit everywhere "
+        "(dense, the default); timed on the run's validation images either way",
+    )
+    profile.add_argument(
+        "--emulate-slowdown",
+        type=_finite_float,
+        default=1.0,
+        metavar="F",
+        help="runs with exits or ensembles: emulate a board F times slower than this machine (each "
+        "segment waits F-1 times its own time); for anytime split-run --emulate-slowdown F",
+    )
+    profile.add_argument(
+        "--gap-ms",
+        type=_finite_float,
+        default=0.0,
+        metavar="MS",
+        help="idle this long before every timed repetition, as a server idles between sporadic "
+        "requests (default 0: back to back)",
+    )
+    profile.add_argument(
+        "--answer-gap-ms",
+        type=_ms_or_off,
+        default=5.0,
+        metavar="MS|off",
+        help="then time the runtime's own answers at every step (what the scheduler and the runtime "
+        "price options with), each after an idle gap of this mean, exponential as Poisson "
+        "arrivals (default 5; 0: back to back; off: no answer prices)",
+    )
+    profile.add_argument(
+        "--serve",
+        action="store_true",
+        help="then serve the run on 127.0.0.1 and time what a client waits beyond the server's own "
+        "count (HTTP parsing, the answer's serialisation and sending), kept in the profile: "
+        "anytime serve keeps its quantile free at the end of every deadline",
+    )
+    profile.add_argument(
+        "--length",
+        metavar="T[,T2...]",
+        help="text runs: time sentences of T tokens (default the run's maximum length), one profile "
+        "per length bucket, RUN/profile-<device>-T<T>.json each",
+    )
+    profile.add_argument(
+        "--suffixes",
+        action="store_true",
+        help="runs with exits or ensembles: also time the stages after each partition point, started "
+        "from a stored activation after the --gap-ms idle, as a split-computing server runs them "
+        "(anytime split prices the server's part from them)",
+    )
+    profile.add_argument(
+        "--steady-within",
+        type=_share_or_off,
+        default=0.25,
+        metavar="S|off",
+        help="take the profile again (3 in all, the steadiest kept) when the tails of the repetitions' "
+        "two halves part by more than this share: other work came and went (default 0.25)",
+    )
     profile.add_argument("--train", action="store_true", help="also time a training mini-batch (forward, backward)")
     profile.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     profile.add_argument("--out", metavar="FILE", help="default RUN/profile-<device>.json")
     profile.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two profiles side by side")
-    joules = profile.add_argument_group("energy per inference (RAPL on an x86 CPU, NVML on an NVIDIA GPU, a Jetson's power rails)")
-    joules.add_argument("--energy", action="store_true",
-                        help="also measure joules per inference of every step at every batch size (refused, naming what "
-                             "was tried, where no energy source is readable)")
-    joules.add_argument("--energy-windows", type=_int_at_least(2), default=20, metavar="N",
-                        help="measurement windows per step and batch size (default 20)")
-    joules.add_argument("--energy-window-s", type=float, default=0.25, metavar="S",
-                        help="a window's shortest length (default 0.25 s; longer where the counter is coarse)")
-    joules.add_argument("--energy-max-window-s", type=float, default=20.0, metavar="S",
-                        help="a window's longest length before the counter is called too coarse (default 20 s)")
-    joules.add_argument("--idle-s", type=float, default=1.0, metavar="S",
-                        help="seconds of idle power measured first, recorded as the baseline (default 1; 0 skips)")
+    joules = profile.add_argument_group(
+        "energy per inference (RAPL on an x86 CPU, NVML on an NVIDIA GPU, a Jetson's power rails)"
+    )
+    joules.add_argument(
+        "--energy",
+        action="store_true",
+        help="also measure joules per inference of every step at every batch size (refused, naming what "
+        "was tried, where no energy source is readable)",
+    )
+    joules.add_argument(
+        "--energy-windows",
+        type=_int_at_least(2),
+        default=20,
+        metavar="N",
+        help="measurement windows per step and batch size (default 20)",
+    )
+    joules.add_argument(
+        "--energy-window-s",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="a window's shortest length (default 0.25 s; longer where the counter is coarse)",
+    )
+    joules.add_argument(
+        "--energy-max-window-s",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="a window's longest length before the counter is called too coarse (default 20 s)",
+    )
+    joules.add_argument(
+        "--idle-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds of idle power measured first, recorded as the baseline (default 1; 0 skips)",
+    )
     profile.add_argument("--json", action="store_true", help="print the summary as JSON")
     trt = profile.add_argument_group("timings from a board (an ONNX export timed by TensorRT's trtexec)")
-    trt.add_argument("--trtexec-times", metavar="DIR",
-                     help="DIR/<artifact>.json from `trtexec --onnx=<artifact>.onnx --exportTimes=<artifact>.json`, one per "
-                          "artifact of the export RUN: written as its profile instead of measuring here")
-    trt.add_argument("--engine-precision", choices=["fp32", "fp16", "int8"],
-                     help="what the engines were built for (trtexec --fp16/--int8; default the export's)")
-    trt.add_argument("--device-label", default="TensorRT (trtexec)", metavar="TEXT",
-                     help="the board, as the profile names it (e.g. 'Jetson Orin Nano 15W')")
-    trt.add_argument("--trtexec-batch", type=_positive_int, default=1, metavar="B", help="the engines' batch size (default 1)")
+    trt.add_argument(
+        "--trtexec-times",
+        metavar="DIR",
+        help="DIR/<artifact>.json from `trtexec --onnx=<artifact>.onnx --exportTimes=<artifact>.json`, one per "
+        "artifact of the export RUN: written as its profile instead of measuring here",
+    )
+    trt.add_argument(
+        "--engine-precision",
+        choices=["fp32", "fp16", "int8"],
+        help="what the engines were built for (trtexec --fp16/--int8; default the export's)",
+    )
+    trt.add_argument(
+        "--device-label",
+        default="TensorRT (trtexec)",
+        metavar="TEXT",
+        help="the board, as the profile names it (e.g. 'Jetson Orin Nano 15W')",
+    )
+    trt.add_argument(
+        "--trtexec-batch", type=_positive_int, default=1, metavar="B", help="the engines' batch size (default 1)"
+    )
 
     schedule = sub.add_parser("schedule", description=COMMANDS["schedule"])
     schedule.add_argument("run", metavar="RUN")
-    schedule.add_argument("--deadline-ms", type=float, metavar="D",
-                          help="the time budget of one request (required, unless --check)")
-    schedule.add_argument("--quantile", type=float, default=0.99, metavar="Q",
-                          help="the latency quantile that must fit (default 0.99)")
+    schedule.add_argument(
+        "--deadline-ms", type=float, metavar="D", help="the time budget of one request (required, unless --check)"
+    )
+    schedule.add_argument(
+        "--quantile", type=float, default=0.99, metavar="Q", help="the latency quantile that must fit (default 0.99)"
+    )
     schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
     schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
-    schedule.add_argument("--length", type=_positive_int, metavar="TOKENS",
-                          help="text runs: the request's tokens; the profile of the shortest profiled length that "
-                               "holds it is used (profile each bucket with `anytime profile RUN --length T`)")
-    schedule.add_argument("--energy-mj", type=float, metavar="E",
-                          help="an energy budget: the mean millijoules per inference must fit too (a profile measured "
-                               "with --energy)")
-    schedule.add_argument("--with", dest="variants", metavar="RUN2[,RUN3]",
-                          help="runs of the same model at other precisions (anytime quantize) or its structured tickets "
-                               "(anytime ticket --unit channels), each with its own profile on this device: one "
-                               "frontier over (step, variant)")
-    schedule.add_argument("--check", action="store_true",
-                          help="hold the runtime to its promises: replay test inputs one at a time at a set of deadlines "
-                               "(--deadlines), print promise and delivery side by side, exit 1 where a promise broke")
-    schedule.add_argument("--deadlines", metavar="D,D,...",
-                          help="with --check: the deadlines in ms (default 20, log-spaced from half the cheapest "
-                               "option's price to 1.5x the dearest)")
-    schedule.add_argument("--requests", type=_positive_int, default=300, metavar="N",
-                          help="with --check: inputs replayed at each deadline (default 300)")
-    schedule.add_argument("--gap-ms", type=float, default=5.0, metavar="MS",
-                          help="with --check: mean idle gap between requests, exponential as Poisson arrivals (default 5)")
+    schedule.add_argument(
+        "--length",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="text runs: the request's tokens; the profile of the shortest profiled length that "
+        "holds it is used (profile each bucket with `anytime profile RUN --length T`)",
+    )
+    schedule.add_argument(
+        "--energy-mj",
+        type=float,
+        metavar="E",
+        help="an energy budget: the mean millijoules per inference must fit too (a profile measured with --energy)",
+    )
+    schedule.add_argument(
+        "--with",
+        dest="variants",
+        metavar="RUN2[,RUN3]",
+        help="runs of the same model at other precisions (anytime quantize) or its structured tickets "
+        "(anytime ticket --unit channels), each with its own profile on this device: one "
+        "frontier over (step, variant)",
+    )
+    schedule.add_argument(
+        "--check",
+        action="store_true",
+        help="hold the runtime to its promises: replay test inputs one at a time at a set of deadlines "
+        "(--deadlines), print promise and delivery side by side, exit 1 where a promise broke",
+    )
+    schedule.add_argument(
+        "--deadlines",
+        metavar="D,D,...",
+        help="with --check: the deadlines in ms (default 20, log-spaced from half the cheapest "
+        "option's price to 1.5x the dearest)",
+    )
+    schedule.add_argument(
+        "--requests",
+        type=_positive_int,
+        default=300,
+        metavar="N",
+        help="with --check: inputs replayed at each deadline (default 300)",
+    )
+    schedule.add_argument(
+        "--gap-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="with --check: mean idle gap between requests, exponential as Poisson arrivals (default 5)",
+    )
     schedule.add_argument("--split", choices=["val", "test"], default="test", help="with --check: the inputs' split")
-    schedule.add_argument("--accuracy-tolerance", type=float, default=1.0, metavar="POINTS",
-                          help="with --check: how far below the promised accuracy delivery may fall (default 1 point)")
+    schedule.add_argument(
+        "--accuracy-tolerance",
+        type=float,
+        default=1.0,
+        metavar="POINTS",
+        help="with --check: how far below the promised accuracy delivery may fall (default 1 point)",
+    )
     schedule.add_argument("--json", action="store_true", help="with --check: the check as JSON")
 
     cut = sub.add_parser("cut", description=COMMANDS["cut"])
     cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
-    cut.add_argument("--kind", choices=["shortcut", "branch", "both"],
-                     help="shortcut: cut the link (the block keeps its branch); branch: skip the branch (the block "
-                          "keeps its shortcut); default both")
-    cut.add_argument("--recalibrate-bn", action="store_true",
-                     help="also measure each cut after recomputing the batch-norm statistics on training images")
-    cut.add_argument("--finetune-epochs", type=_non_negative_int, default=0, metavar="N",
-                     help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)")
+    cut.add_argument(
+        "--kind",
+        choices=["shortcut", "branch", "both"],
+        help="shortcut: cut the link (the block keeps its branch); branch: skip the branch (the block "
+        "keeps its shortcut); default both",
+    )
+    cut.add_argument(
+        "--recalibrate-bn",
+        action="store_true",
+        help="also measure each cut after recomputing the batch-norm statistics on training images",
+    )
+    cut.add_argument(
+        "--finetune-epochs",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)",
+    )
     cut.add_argument("--split", choices=["val", "test"], help="where the study scores each cut (default test)")
-    cut.add_argument("--images", type=_positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)")
-    cut.add_argument("--repeats", type=_positive_int, metavar="N", help="batch-1 timings per configuration (default 30)")
+    cut.add_argument(
+        "--images", type=_positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)"
+    )
+    cut.add_argument(
+        "--repeats", type=_positive_int, metavar="N", help="batch-1 timings per configuration (default 30)"
+    )
     cut.add_argument("--device", default="auto", help=DEVICE_HELP)
-    cut.add_argument("--ladder", action="store_true",
-                     help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder")
-    cut.add_argument("--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)")
+    cut.add_argument(
+        "--ladder",
+        action="store_true",
+        help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder",
+    )
+    cut.add_argument(
+        "--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)"
+    )
     cut.add_argument("--overwrite", action="store_true", help="replace an earlier study (or ladder run) in --out")
-    cut.add_argument("--json", action="store_true", help="print the study's files (or the ladder run's summary) as JSON")
+    cut.add_argument(
+        "--json", action="store_true", help="print the study's files (or the ladder run's summary) as JSON"
+    )
 
     quantize = sub.add_parser("quantize", description=COMMANDS["quantize"])
     quantize.add_argument("run", metavar="RUN", help="a finished float run (exits, slices, a ladder or a plain model)")
-    quantize.add_argument("--precision", required=True, choices=["int8", "int8-dynamic", "bf16", "fp16"],
-                          help="int8: PT2E static, X86InductorQuantizer, each stage and exit head a graph of its own; "
-                               "int8-dynamic: Linear layers (torchao); bf16/fp16: casts (fp16 on CUDA)")
-    quantize.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
-                          help="int8: training images that calibrate the activations (default 512; never validation or test)")
-    quantize.add_argument("--qat-epochs", type=_int_at_least(0), default=0, metavar="N",
-                          help="int8: then N epochs of quantization-aware training (PT2E QAT) on the training split; "
-                               "the summary shows every step after PTQ and after QAT")
-    quantize.add_argument("--qat-lr", type=_finite_float, default=1e-3, metavar="LR",
-                          help="QAT's initial learning rate (SGD, cosine; default 0.001)")
+    quantize.add_argument(
+        "--precision",
+        required=True,
+        choices=["int8", "int8-dynamic", "bf16", "fp16"],
+        help="int8: PT2E static, X86InductorQuantizer, each stage and exit head a graph of its own; "
+        "int8-dynamic: Linear layers (torchao); bf16/fp16: casts (fp16 on CUDA)",
+    )
+    quantize.add_argument(
+        "--calibration-images",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="int8: training images that calibrate the activations (default 512; never validation or test)",
+    )
+    quantize.add_argument(
+        "--qat-epochs",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="int8: then N epochs of quantization-aware training (PT2E QAT) on the training split; "
+        "the summary shows every step after PTQ and after QAT",
+    )
+    quantize.add_argument(
+        "--qat-lr",
+        type=_finite_float,
+        default=1e-3,
+        metavar="LR",
+        help="QAT's initial learning rate (SGD, cosine; default 0.001)",
+    )
     _add_float_layer_options(quantize, "int8", "artifact (.pt2, as `anytime export` writes it)")
-    quantize.add_argument("--no-compile", action="store_true",
-                          help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)")
+    quantize.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)",
+    )
     quantize.add_argument("--device", default="auto", help=DEVICE_HELP)
     quantize.add_argument("--out", metavar="DIR", help="the new run (default RUN-PRECISION beside RUN)")
     quantize.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
@@ -579,85 +986,172 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", description=COMMANDS["export"])
     export.add_argument("run", metavar="RUN", help="a finished run: float, or converted by 'anytime quantize'")
-    export.add_argument("--format", required=True, choices=["pt2", "onnx"],
-                        help="pt2: torch.export programs (fp32, int8 PT2E, bf16, fp16); onnx: ONNX graphs for ONNX Runtime or "
-                             "TensorRT (fp32, int8 QDQ by ONNX Runtime's quantize_static; needs anytime[deploy])")
-    export.add_argument("--precision", choices=["fp32", "int8", "bf16", "fp16"],
-                        help="default: the run's own (fp32 for a float run)")
+    export.add_argument(
+        "--format",
+        required=True,
+        choices=["pt2", "onnx"],
+        help="pt2: torch.export programs (fp32, int8 PT2E, bf16, fp16); onnx: ONNX graphs for ONNX Runtime or "
+        "TensorRT (fp32, int8 QDQ by ONNX Runtime's quantize_static; needs anytime[deploy])",
+    )
+    export.add_argument(
+        "--precision", choices=["fp32", "int8", "bf16", "fp16"], help="default: the run's own (fp32 for a float run)"
+    )
     export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
-    export.add_argument("--calibration-images", type=_positive_int, default=512, metavar="N",
-                        help="int8 from a float run: training images that calibrate it (default 512)")
+    export.add_argument(
+        "--calibration-images",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="int8 from a float run: training images that calibrate it (default 512)",
+    )
     _add_float_layer_options(export, "int8 from a float run (a quantized run keeps its own)", "artifact")
-    export.add_argument("--parity-images", type=_int_at_least(0), default=1000, metavar="N",
-                        help="test images the parity table compares on (default 1000; 0: no table)")
+    export.add_argument(
+        "--parity-images",
+        type=_int_at_least(0),
+        default=1000,
+        metavar="N",
+        help="test images the parity table compares on (default 1000; 0: no table)",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     export.add_argument("--json", action="store_true", help="print the manifest and the parity table as JSON")
 
     ensemble = sub.add_parser("ensemble", description=COMMANDS["ensemble"])
-    ensemble.add_argument("--members", required=True, metavar="RUN,RUN,...",
-                          help="finished runs trained on the same data and split (a multi-exit run answers with its "
-                               "last exit; a quantized run at its precision)")
-    ensemble.add_argument("--order", choices=["cost", "greedy", "given"], default="cost",
-                          help="cost: cheapest first (batch-1 latency, from the members' profiles or measured); greedy: "
-                               "most validation accuracy per millisecond first; given: as listed (default cost)")
-    ensemble.add_argument("--fuser", choices=["mlp", "mean", "vote", "weighted"], default="mlp",
-                          help="the fuser the run deploys (all four are fit and reported; default mlp)")
-    ensemble.add_argument("--folds", type=_int_at_least(2), default=5, metavar="K",
-                          help="cross-fitting folds of the validation split (default 5)")
-    ensemble.add_argument("--fit-split", default="val", metavar="SPLIT",
-                          help="where fusers are fit: the validation split, held out of every member (the only choice)")
-    ensemble.add_argument("--hidden", type=_positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)")
+    ensemble.add_argument(
+        "--members",
+        required=True,
+        metavar="RUN,RUN,...",
+        help="finished runs trained on the same data and split (a multi-exit run answers with its "
+        "last exit; a quantized run at its precision)",
+    )
+    ensemble.add_argument(
+        "--order",
+        choices=["cost", "greedy", "given"],
+        default="cost",
+        help="cost: cheapest first (batch-1 latency, from the members' profiles or measured); greedy: "
+        "most validation accuracy per millisecond first; given: as listed (default cost)",
+    )
+    ensemble.add_argument(
+        "--fuser",
+        choices=["mlp", "mean", "vote", "weighted"],
+        default="mlp",
+        help="the fuser the run deploys (all four are fit and reported; default mlp)",
+    )
+    ensemble.add_argument(
+        "--folds",
+        type=_int_at_least(2),
+        default=5,
+        metavar="K",
+        help="cross-fitting folds of the validation split (default 5)",
+    )
+    ensemble.add_argument(
+        "--fit-split",
+        default="val",
+        metavar="SPLIT",
+        help="where fusers are fit: the validation split, held out of every member (the only choice)",
+    )
+    ensemble.add_argument(
+        "--hidden", type=_positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)"
+    )
     ensemble.add_argument("--device", default="auto", help=DEVICE_HELP)
     ensemble.add_argument("--out", required=True, metavar="DIR", help="the ensemble run (a new or empty folder)")
     ensemble.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     ensemble.add_argument("--json", action="store_true", help="print the ensemble's report as JSON")
 
     baseline = sub.add_parser("ensemble-baseline", description=COMMANDS["ensemble-baseline"])
-    baseline.add_argument("--method", required=True, choices=["fusion", "voting", "bagging", "gradient-boosting", "snapshot"])
+    baseline.add_argument(
+        "--method", required=True, choices=["fusion", "voting", "bagging", "gradient-boosting", "snapshot"]
+    )
     baseline.add_argument("--model", required=True, help="the members' zoo model (each member a fresh copy)")
     baseline.add_argument("--estimators", required=True, type=_positive_int, metavar="N", help="members")
-    baseline.add_argument("--epochs", required=True, type=_positive_int, metavar="E",
-                          help="training epochs (snapshot: a multiple of --estimators)")
+    baseline.add_argument(
+        "--epochs",
+        required=True,
+        type=_positive_int,
+        metavar="E",
+        help="training epochs (snapshot: a multiple of --estimators)",
+    )
     baseline.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic"], default="digits")
     baseline.add_argument("--data-root", metavar="PATH", help="dataset folder (as for train)")
     baseline.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only")
     baseline.add_argument("--batch-size", type=_positive_int, default=128, metavar="B")
-    baseline.add_argument("--lr", type=_finite_float, default=0.05, metavar="LR", help="SGD learning rate (default 0.05)")
+    baseline.add_argument(
+        "--lr", type=_finite_float, default=0.05, metavar="LR", help="SGD learning rate (default 0.05)"
+    )
     baseline.add_argument("--seed", type=_non_negative_int, default=0, metavar="S")
-    baseline.add_argument("--shrinkage", type=_finite_float, default=1.0, metavar="R",
-                          help="gradient boosting's shrinkage rate (default 1)")
+    baseline.add_argument(
+        "--shrinkage",
+        type=_finite_float,
+        default=1.0,
+        metavar="R",
+        help="gradient boosting's shrinkage rate (default 1)",
+    )
     baseline.add_argument("--device", default="auto", help=DEVICE_HELP + " (never torchensemble's own cuda=True)")
     baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
     baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
     baseline.add_argument("--json", action="store_true", help="print the baseline's report as JSON")
 
     jobs = sub.add_parser("jobs", description=COMMANDS["jobs"])
-    jobs.add_argument("sweep", metavar="SWEEP.toml", help="[base] recipe (or card = NAME), then [grid] lists or [[job]] tables")
-    jobs.add_argument("--backend", choices=["local", "slurm", "submitit-local"], default="local",
-                      help="local: joblib processes on this machine (default); slurm: a job array through submitit "
-                           "([slurm] table: partition, time_min, gpus_per_job, cpus_per_job, mem_gb, max_parallel); "
-                           "submitit-local: the slurm path run on this machine")
-    jobs.add_argument("--workers", type=_positive_int, metavar="N",
-                      help="jobs at once (local: default 1, the cores shared out as threads; slurm: array tasks at "
-                           "once, default [slurm] max_parallel, else all)")
-    jobs.add_argument("--out", metavar="DIR", help="the sweep's folder, one run folder per job (default runs/sweeps/NAME)")
+    jobs.add_argument(
+        "sweep", metavar="SWEEP.toml", help="[base] recipe (or card = NAME), then [grid] lists or [[job]] tables"
+    )
+    jobs.add_argument(
+        "--backend",
+        choices=["local", "slurm", "submitit-local"],
+        default="local",
+        help="local: joblib processes on this machine (default); slurm: a job array through submitit "
+        "([slurm] table: partition, time_min, gpus_per_job, cpus_per_job, mem_gb, max_parallel); "
+        "submitit-local: the slurm path run on this machine",
+    )
+    jobs.add_argument(
+        "--workers",
+        type=_positive_int,
+        metavar="N",
+        help="jobs at once (local: default 1, the cores shared out as threads; slurm: array tasks at "
+        "once, default [slurm] max_parallel, else all)",
+    )
+    jobs.add_argument(
+        "--out", metavar="DIR", help="the sweep's folder, one run folder per job (default runs/sweeps/NAME)"
+    )
     jobs.add_argument("--no-plot", action="store_true", help="write the results table only")
     jobs.add_argument("--json", action="store_true", help="print the results table as JSON")
 
     ticket = sub.add_parser("ticket", description=COMMANDS["ticket"])
     ticket.add_argument("dense", metavar="DENSE_RUN", help="a finished run trained with --keep-checkpoints K")
-    ticket.add_argument("--sparsity", type=_finite_float, required=True, metavar="S",
-                        help="share of convolution and linear weights (with --unit channels: of the prunable channels) "
-                             "pruned at the end, e.g. 0.9")
-    ticket.add_argument("--reset-epoch", type=_non_negative_int, default=0, metavar="K",
-                        help="rewind the surviving weights to the dense run's after K epochs (default 0: init)")
-    ticket.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
-                        help="prune in R rounds, each the same share of what is left (default 1: one shot)")
-    ticket.add_argument("--scope", choices=["global", "layer"], default="global",
-                        help="rank weights over all layers at once (default) or prune each layer alike")
-    ticket.add_argument("--unit", choices=["weights", "channels"], default="weights",
-                        help="prune single weights (masked, default) or whole channels: a smaller, faster network "
-                             "(Torch-Pruning's dependency graph; residual streams and classifiers are kept whole)")
+    ticket.add_argument(
+        "--sparsity",
+        type=_finite_float,
+        required=True,
+        metavar="S",
+        help="share of convolution and linear weights (with --unit channels: of the prunable channels) "
+        "pruned at the end, e.g. 0.9",
+    )
+    ticket.add_argument(
+        "--reset-epoch",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="rewind the surviving weights to the dense run's after K epochs (default 0: init)",
+    )
+    ticket.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        metavar="R",
+        help="prune in R rounds, each the same share of what is left (default 1: one shot)",
+    )
+    ticket.add_argument(
+        "--scope",
+        choices=["global", "layer"],
+        default="global",
+        help="rank weights over all layers at once (default) or prune each layer alike",
+    )
+    ticket.add_argument(
+        "--unit",
+        choices=["weights", "channels"],
+        default="weights",
+        help="prune single weights (masked, default) or whole channels: a smaller, faster network "
+        "(Torch-Pruning's dependency graph; residual streams and classifiers are kept whole)",
+    )
     ticket.add_argument("--out", metavar="DIR", help="one run folder per round, DIR/round-R (default DENSE_RUN-ticket)")
     ticket.add_argument("--json", action="store_true", help="print the rounds' results as JSON")
 
@@ -672,27 +1166,59 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", description=COMMANDS["serve"])
     serve.add_argument("run", metavar="RUN", help="a finished, profiled run (anytime profile RUN)")
-    serve.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json (a text run: every length bucket it has)")
-    serve.add_argument("--calibration", metavar="FILE",
-                       help="early-exit thresholds (default RUN/calibration.json when there is one)")
+    serve.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="default: the run's only profile-*.json (a text run: every length bucket it has)",
+    )
+    serve.add_argument(
+        "--calibration", metavar="FILE", help="early-exit thresholds (default RUN/calibration.json when there is one)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000, help="default 8000")
-    serve.add_argument("--max-batch", type=_positive_int, metavar="B",
-                       help="requests answered together when several are queued (default: the largest profiled batch "
-                            "size, up to 8)")
-    serve.add_argument("--workers", type=_positive_int, default=1, metavar="N",
-                       help="server processes, each with its own model and queue (default 1)")
-    serve.add_argument("--threads", type=_threads, metavar="N|auto",
-                       help="torch CPU threads per process (default: the profile's; with --workers, cores / workers; "
-                            + THREADS_HELP + ")")
+    serve.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        metavar="B",
+        help="requests answered together when several are queued (default: the largest profiled batch size, up to 8)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="server processes, each with its own model and queue (default 1)",
+    )
+    serve.add_argument(
+        "--threads",
+        type=_threads,
+        metavar="N|auto",
+        help="torch CPU threads per process (default: the profile's; with --workers, cores / workers; "
+        + THREADS_HELP
+        + ")",
+    )
     serve.add_argument("--device", default="auto", help=DEVICE_HELP)
-    serve.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
-                       help="the latency quantile a step must fit at before it starts (default 0.99)")
-    serve.add_argument("--max-body-kb", type=_positive_int, default=1024, metavar="KB",
-                       help="larger request bodies are refused with 413 (default 1024)")
-    serve.add_argument("--role", choices=["http", "server"], default="http",
-                       help="http: POST /predict (default); server: split computing's server, finishing the "
-                            "activations an `anytime split-run` device sends over TCP")
+    serve.add_argument(
+        "--quantile",
+        type=_finite_float,
+        default=0.99,
+        metavar="Q",
+        help="the latency quantile a step must fit at before it starts (default 0.99)",
+    )
+    serve.add_argument(
+        "--max-body-kb",
+        type=_positive_int,
+        default=1024,
+        metavar="KB",
+        help="larger request bodies are refused with 413 (default 1024)",
+    )
+    serve.add_argument(
+        "--role",
+        choices=["http", "server"],
+        default="http",
+        help="http: POST /predict (default); server: split computing's server, finishing the "
+        "activations an `anytime split-run` device sends over TCP",
+    )
 
     split = sub.add_parser("split", description=COMMANDS["split"])
     split.add_argument("run", metavar="RUN", help="a run with exits (or an ensemble), validation outputs collected")
@@ -703,28 +1229,55 @@ def build_parser() -> argparse.ArgumentParser:
     split_run.add_argument("run", metavar="RUN")
     split_run.add_argument("--server", required=True, metavar="HOST:PORT", help="an `anytime serve RUN --role server`")
     _split_plan_arguments(split_run)
-    split_run.add_argument("--split", dest="data_split", choices=["val", "test"], default="test",
-                           help="images answered, in the split's order (default test)")
-    split_run.add_argument("--requests", type=_positive_int, default=200, metavar="N", help="images answered (default 200)")
-    split_run.add_argument("--shape-bandwidth", metavar="MBPS[:N],...",
-                           help="pace the link at these Mbit/s, each for N requests (e.g. 100:100,1:100); default: "
-                                "--bandwidth-mbps for every request")
-    split_run.add_argument("--shape-delay-ms", type=_finite_float, metavar="MS",
-                           help="round trip added on the link (default: --rtt-ms)")
-    split_run.add_argument("--emulate-slowdown", type=_finite_float, default=1.0, metavar="F",
-                           help="the device is a board F times slower than this machine; its profile must be measured "
-                                "with the same factor (anytime profile --emulate-slowdown F)")
-    split_run.add_argument("--fixed", action="store_true",
-                           help="keep the first plan: do not follow the bandwidth the device measures")
-    split_run.add_argument("--timeout-ms", type=_finite_float, default=2000.0, metavar="MS",
-                           help="a server that has not answered by then is given up on: the device answers itself "
-                                "(default 2000)")
-    split_run.add_argument("--threads", type=_threads, default=1, metavar="N|auto",
-                           help="torch CPU threads of the device (default 1)")
-    split_run.add_argument("--link-samples", type=_non_negative_int, default=100, metavar="N",
-                           help="exchanges with the server that measure the link (bandwidth, and the overhead per "
-                                "exchange at the quantile) before the first plan (default 100; 0: plan with "
-                                "--bandwidth-mbps, --rtt-ms and --overhead-ms as given)")
+    split_run.add_argument(
+        "--split",
+        dest="data_split",
+        choices=["val", "test"],
+        default="test",
+        help="images answered, in the split's order (default test)",
+    )
+    split_run.add_argument(
+        "--requests", type=_positive_int, default=200, metavar="N", help="images answered (default 200)"
+    )
+    split_run.add_argument(
+        "--shape-bandwidth",
+        metavar="MBPS[:N],...",
+        help="pace the link at these Mbit/s, each for N requests (e.g. 100:100,1:100); default: "
+        "--bandwidth-mbps for every request",
+    )
+    split_run.add_argument(
+        "--shape-delay-ms", type=_finite_float, metavar="MS", help="round trip added on the link (default: --rtt-ms)"
+    )
+    split_run.add_argument(
+        "--emulate-slowdown",
+        type=_finite_float,
+        default=1.0,
+        metavar="F",
+        help="the device is a board F times slower than this machine; its profile must be measured "
+        "with the same factor (anytime profile --emulate-slowdown F)",
+    )
+    split_run.add_argument(
+        "--fixed", action="store_true", help="keep the first plan: do not follow the bandwidth the device measures"
+    )
+    split_run.add_argument(
+        "--timeout-ms",
+        type=_finite_float,
+        default=2000.0,
+        metavar="MS",
+        help="a server that has not answered by then is given up on: the device answers itself (default 2000)",
+    )
+    split_run.add_argument(
+        "--threads", type=_threads, default=1, metavar="N|auto", help="torch CPU threads of the device (default 1)"
+    )
+    split_run.add_argument(
+        "--link-samples",
+        type=_non_negative_int,
+        default=100,
+        metavar="N",
+        help="exchanges with the server that measure the link (bandwidth, and the overhead per "
+        "exchange at the quantile) before the first plan (default 100; 0: plan with "
+        "--bandwidth-mbps, --rtt-ms and --overhead-ms as given)",
+    )
     split_run.add_argument("--out", metavar="FILE", help="also write every answer and the summary as JSON here")
 
     experiment = sub.add_parser("experiment", description=COMMANDS["experiment"])
@@ -732,14 +1285,18 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--quick", action="store_true", help="a few minutes on a laptop-class CPU")
     experiment.add_argument("--out", metavar="DIR", help="results folder (default results/NAME)")
     experiment.add_argument("--overwrite", action="store_true", help="replace the study's earlier results in --out")
-    experiment.add_argument("--drop-caches", action="store_true",
-                            help="studies that read from disk (batch-time, memory, time-accuracy): drop the OS page "
-                                 "cache first (root; it affects the whole machine)")
+    experiment.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="studies that read from disk (batch-time, memory, time-accuracy): drop the OS page "
+        "cache first (root; it affects the whole machine)",
+    )
     experiment.add_argument("--device", help="studies that time a device (precision): cpu (default) or cuda[:N]")
     experiment.add_argument("--figure-size", default="screen", choices=list(FIGURE_SIZES),
                             help=FIGURE_SIZE_HELP + " (default screen)")  # fmt: skip
-    experiment.add_argument("--json", action="store_true",
-                            help="print the study's results.json (its progress goes to stderr)")
+    experiment.add_argument(
+        "--json", action="store_true", help="print the study's results.json (its progress goes to stderr)"
+    )
 
     demo = sub.add_parser("demo", description=COMMANDS["demo"])
     demo.add_argument("--out", metavar="DIR", help="results folder (default runs/demo)")
@@ -748,16 +1305,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     prepare = sub.add_parser("prepare-data", description=COMMANDS["prepare-data"])
     prepare.add_argument("src", metavar="SRC", help="an image folder holding train/<class>/* and test/<class>/*")
-    prepare.add_argument("--image-size", type=_positive_int, required=True, metavar="S",
-                         help="every image is resized to SxS (PIL bilinear)")
-    prepare.add_argument("--out", required=True, metavar="SHARDS",
-                         help="the shard folder (new, empty, or an unfinished one of the same arguments to resume)")
-    prepare.add_argument("--workers", type=_positive_int, metavar="N",
-                         help="processes decoding shards in parallel (default: the cores, at most 8)")
-    prepare.add_argument("--shard-size", type=_positive_int, metavar="N",
-                         help="images per shard (default: as many as fill 64 MiB)")
-    prepare.add_argument("--verify", action="store_true",
-                         help="also check the finished shards' checksums and rewrite those that differ")
+    prepare.add_argument(
+        "--image-size",
+        type=_positive_int,
+        required=True,
+        metavar="S",
+        help="every image is resized to SxS (PIL bilinear)",
+    )
+    prepare.add_argument(
+        "--out",
+        required=True,
+        metavar="SHARDS",
+        help="the shard folder (new, empty, or an unfinished one of the same arguments to resume)",
+    )
+    prepare.add_argument(
+        "--workers",
+        type=_positive_int,
+        metavar="N",
+        help="processes decoding shards in parallel (default: the cores, at most 8)",
+    )
+    prepare.add_argument(
+        "--shard-size", type=_positive_int, metavar="N", help="images per shard (default: as many as fill 64 MiB)"
+    )
+    prepare.add_argument(
+        "--verify", action="store_true", help="also check the finished shards' checksums and rewrite those that differ"
+    )
     prepare.add_argument("--json", action="store_true", help="print the manifest as JSON")
     for command in sub.choices.values():
         command.formatter_class = _Formatter
@@ -847,7 +1419,9 @@ def _launch_train(args: argparse.Namespace) -> int:
     from anytime.train.launch import launch_local
 
     result = launch_local(_without_option(args.argv, "--nproc"), args.nproc)
-    if result.failed_rank is not None and (result.signalled or result.returncode not in (2, 130)):  # else it has said why
+    if result.failed_rank is not None and (
+        result.signalled or result.returncode not in (2, 130)
+    ):  # else it has said why
         how = "was killed by a signal" if result.signalled else f"failed (exit status {result.returncode})"
         print(f"anytime train: error: process {result.failed_rank} of {args.nproc} {how}, so the others were stopped; "
               "the run keeps its last complete epoch: add --resume to the same command to continue",
@@ -943,8 +1517,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"forward {100 * steady['forward_mean_s'] / it:.0f}%  backward {100 * steady['backward_mean_s'] / it:.0f}%  "
           f"step {100 * steady['step_mean_s'] / it:.0f}%  ({steady['images_per_s']:.0f} images/s"
           f"{', steady state' if summary['timing']['steady'] else ', epoch 0 only'})")  # fmt: skip
-    print(f"memory     peak RSS {summary['peak_rss_mb']:.0f} MiB"
-          + (f", CUDA peak {summary['cuda_peak_mb']:.0f} MiB" if summary["cuda_peak_mb"] is not None else ""))
+    print(
+        f"memory     peak RSS {summary['peak_rss_mb']:.0f} MiB"
+        + (f", CUDA peak {summary['cuda_peak_mb']:.0f} MiB" if summary["cuda_peak_mb"] is not None else "")
+    )
     for e in summary.get("exits", []):
         print(f"exit {e['index']:<5} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
               f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
@@ -992,8 +1568,11 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     else:
         print(f"results    {', '.join(str(p) for p in written)}")
     if result.failed:
-        print(f"anytime jobs: error: {len(result.failed)} of {len(result.outcomes)} job(s) failed (their logs are "
-              f"named above); fix the cause and run the same command again: finished jobs are kept", file=sys.stderr)
+        print(
+            f"anytime jobs: error: {len(result.failed)} of {len(result.outcomes)} job(s) failed (their logs are "
+            f"named above); fix the cause and run the same command again: finished jobs are kept",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -1028,7 +1607,9 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     names = _experiment_names()
     if args.name not in names:
         where = _experiments_dir()
-        hint = f"one of: {', '.join(names)}" if names else f"no experiments found in {where} (run from a source checkout)"
+        hint = (
+            f"one of: {', '.join(names)}" if names else f"no experiments found in {where} (run from a source checkout)"
+        )
         raise AnytimeError(f"unknown experiment '{args.name}'; {hint}")
     path = _experiments_dir() / f"{args.name.replace('-', '_')}.py"
     spec = importlib.util.spec_from_file_location(f"anytime_experiment_{path.stem}", path)
@@ -1143,8 +1724,10 @@ def _cmd_exits(args: argparse.Namespace) -> int:
         print(f"{e.index:<5} {e.name:<30} {'x'.join(map(str, e.shape)):<12} {e.flops / 1e6:>9.2f} "
               f"{100 * e.flops / base:>7.1f}% {e.params:>10,} {e.head or '-':<7} {e.head_flops / 1e6:>12.3f} "
               f"{e.head_params:>12,}")  # fmt: skip
-    print(f"FLOPs for one {'sentence' if len(shape) == 1 else 'image'}, a multiply-add counted as 2; cumulative: the "
-          "backbone up to the exit and its head")
+    print(
+        f"FLOPs for one {'sentence' if len(shape) == 1 else 'image'}, a multiply-add counted as 2; cumulative: the "
+        "backbone up to the exit and its head"
+    )
     return 0
 
 
@@ -1152,16 +1735,21 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     from anytime.outputs import cache_path
     from anytime.tasks.pipeline import collect_run
 
-    cache = collect_run(args.run, args.split, device=args.device, batch_size=args.batch_size,
-                        progress=sys.stderr.isatty())
+    cache = collect_run(
+        args.run, args.split, device=args.device, batch_size=args.batch_size, progress=sys.stderr.isatty()
+    )
     acc = cache.step_accuracy()
     if args.json:
         return _print_json({"cache": cache_path(args.run, args.split), "split": args.split, "samples": cache.num_samples,
                             "steps": [{"index": k, "name": n, "flops": int(cache.step_flops[k]), "accuracy": float(acc[k])}
                                       for k, n in enumerate(cache.step_names)]})  # fmt: skip
-    print(f"collected {cache.num_samples} {args.split} samples x {cache.num_steps} exits -> {cache_path(args.run, args.split)}")
+    print(
+        f"collected {cache.num_samples} {args.split} samples x {cache.num_steps} exits -> {cache_path(args.run, args.split)}"
+    )
     for k, name in enumerate(cache.step_names):
-        print(f"  exit {k} {name:<16} {100 * cache.step_flops[k] / cache.base_flops:5.1f}% FLOPs  accuracy {100 * acc[k]:.2f}%")
+        print(
+            f"  exit {k} {name:<16} {100 * cache.step_flops[k] / cache.base_flops:5.1f}% FLOPs  accuracy {100 * acc[k]:.2f}%"
+        )
     return 0
 
 
@@ -1219,8 +1807,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return 0
     if "selection" in report:
         chosen = report["selection"]
-        print(f"exit subsets, costed in the time measured by {chosen['profile']} (backbone "
-              f"{chosen['backbone_ms']:.3f} ms at batch 1):")
+        print(
+            f"exit subsets, costed in the time measured by {chosen['profile']} (backbone "
+            f"{chosen['backbone_ms']:.3f} ms at batch 1):"
+        )
         for subset in sorted(chosen["subsets"], key=lambda t: t["val_mean_ms"]):
             print(f"  exits {subset['exits'] or 'none'}: validation {100 * subset['val_accuracy']:.2f}% at "
                   f"{subset['val_mean_ms']:.3f} ms ({subset['val_speedup']:.2f}x)")  # fmt: skip
@@ -1262,11 +1852,15 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
           f"FLOPs {report['flops_ratio']:.3f}x of the backbone, exits % [{shares}]")  # fmt: skip
     if "agreement_with_cache" in report:
         a = report["agreement_with_cache"]
-        print(f"agreement with the cached sweep: exits {100 * a['exits']:.2f}%, predictions {100 * a['predictions']:.2f}%")
+        print(
+            f"agreement with the cached sweep: exits {100 * a['exits']:.2f}%, predictions {100 * a['predictions']:.2f}%"
+        )
     if "latency" in report:
         lat = report["latency"]
         e, b = lat["early_exit"], lat["backbone"]
-        print(f"latency per sample at batch 1 ({e['count']} samples, {report['torch_threads']} threads, {report['device']}):")
+        print(
+            f"latency per sample at batch 1 ({e['count']} samples, {report['torch_threads']} threads, {report['device']}):"
+        )
         print(f"  early exit {e['mean_ms']:.3f} ms mean, p50 {e['p50_ms']:.3f}, p99 {e['p99_ms']:.3f}")
         backbone = "segments " if args.export else "backbone "  # an export's plain network is its segments in turn
         print(f"  {backbone}  {b['mean_ms']:.3f} ms mean, p50 {b['p50_ms']:.3f}, p99 {b['p99_ms']:.3f}")
@@ -1304,13 +1898,23 @@ def _print_profile(profile: Any, path: Path) -> None:
     d = profile.device
     power = f", power mode {d['jetson_power_mode']}" if d.get("jetson_power_mode") else ""
     steady = profile.settings.get("steadiness")
-    halves = "" if not steady else (f", halves within {100 * steady['spread']:.0f}%"
-                                    + (f" ({steady['attempts']} profiles taken)" if steady["attempts"] > 1 else ""))
+    halves = (
+        ""
+        if not steady
+        else (
+            f", halves within {100 * steady['spread']:.0f}%"
+            + (f" ({steady['attempts']} profiles taken)" if steady["attempts"] > 1 else "")
+        )
+    )
     print(f"{profile.model} ({profile.model_fingerprint}) on {d.get('label')} [{d.get('type')}], "
           f"{profile.settings.get('threads')} threads{power}, {profile.settings.get('repeats')} repeats{halves}")  # fmt: skip
     for b in profile.batch_sizes:
         at = profile.at(b)
-        mem = f", peak memory {at.memory['peak_mb']:.0f} MB ({at.memory['activations_mb']:.1f} MB in the forward)" if at.memory else ""
+        mem = (
+            f", peak memory {at.memory['peak_mb']:.0f} MB ({at.memory['activations_mb']:.1f} MB in the forward)"
+            if at.memory
+            else ""
+        )
         train = (f", train fwd {1000 * at.training['forward_p50_s']:.2f} ms bwd {1000 * at.training['backward_p50_s']:.2f} ms"
                  if at.training else "")  # fmt: skip
         print(f"batch {b}{mem}{train}")
@@ -1322,9 +1926,14 @@ def _print_profile(profile: Any, path: Path) -> None:
             stage = f" {profile.stage_quantile(k, 0.99, b):10.3f}" if at.stages else ""
             answer = f" {quantile_of(profile.answer_samples(k, b), 0.99):11.3f}" if priced else ""
             heads = f" {quantile_of(profile.answer_path_samples(k, b), 0.99):10.3f}" if at.answer_paths else ""
-            print(f"  {name:<8} {profile.step_flops[k] / 1e9:8.4f} {q[0]:9.3f} {q[1]:9.3f} {q[2]:9.3f}{stage}{answer}{heads}")
+            print(
+                f"  {name:<8} {profile.step_flops[k] / 1e9:8.4f} {q[0]:9.3f} {q[1]:9.3f} {q[2]:9.3f}{stage}{answer}{heads}"
+            )
         if at.energy is not None:
-            print(f"  {'step':<8} {'mJ mean':>9} {'mJ p50':>9} {'mJ p99':>9} {'power W':>8}" + (f" {'path mJ':>9}" if at.energy.paths else ""))
+            print(
+                f"  {'step':<8} {'mJ mean':>9} {'mJ p50':>9} {'mJ p99':>9} {'power W':>8}"
+                + (f" {'path mJ':>9}" if at.energy.paths else "")
+            )
             for k, name in enumerate(profile.step_names):
                 w = at.energy.steps[k]
                 path_mj = f" {1000 * at.energy.paths[k].mean_j:9.4g}" if at.energy.paths else ""
@@ -1401,7 +2010,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         summary = profile.to_dict()
         for batch in summary["batches"]:
-            for block in (batch["steps"], batch["stages"] or [], batch.get("answers", []), batch.get("answer_paths", [])):
+            for block in (
+                batch["steps"],
+                batch["stages"] or [],
+                batch.get("answers", []),
+                batch.get("answer_paths", []),
+            ):
                 for entry in block:
                     entry.pop("samples_ms")
         print(json.dumps(summary, indent=2))
@@ -1428,10 +2042,14 @@ def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
     if a.num_steps != b.num_steps:
         raise AnytimeError(f"{paths[0]} has {a.num_steps} steps and {paths[1]} has {b.num_steps}: not the same model")
     for tag, path, p in (("A", paths[0], a), ("B", paths[1], b)):
-        print(f"{tag}: {path}: {p.device.get('label')} [{p.device.get('type')}], {p.settings.get('threads')} threads, "
-              f"torch {p.device.get('torch')}")
+        print(
+            f"{tag}: {path}: {p.device.get('label')} [{p.device.get('type')}], {p.settings.get('threads')} threads, "
+            f"torch {p.device.get('torch')}"
+        )
     if a.model_fingerprint != b.model_fingerprint:
-        print(f"note: different weights ({a.model_fingerprint} vs {b.model_fingerprint}); latencies compare, accuracies may not")
+        print(
+            f"note: different weights ({a.model_fingerprint} vs {b.model_fingerprint}); latencies compare, accuracies may not"
+        )
     common = [s for s in a.batch_sizes if s in b.batch_sizes]
     if not common:
         raise AnytimeError(f"the profiles share no batch size ({list(a.batch_sizes)} vs {list(b.batch_sizes)})")
@@ -1441,7 +2059,9 @@ def _compare_profiles(a: Any, b: Any, paths: list[str]) -> int:
         for k, name in enumerate(a.step_names):
             a50, b50 = a.step_quantile(k, 0.5, size), b.step_quantile(k, 0.5, size)
             a99, b99 = a.step_quantile(k, 0.99, size), b.step_quantile(k, 0.99, size)
-            print(f"  {name:<8} {a50:9.3f} {b50:9.3f} {a99:9.3f} {b99:9.3f} {b99 / a99 if a99 > 0 else float('nan'):8.2f}")
+            print(
+                f"  {name:<8} {a50:9.3f} {b50:9.3f} {a99:9.3f} {b99:9.3f} {b99 / a99 if a99 > 0 else float('nan'):8.2f}"
+            )
         if a.at(size).energy is not None and b.at(size).energy is not None:
             print(f"  {'step':<8} {'A mJ':>9} {'B mJ':>9} {'B/A mJ':>8}")
             for k, name in enumerate(a.step_names):
@@ -1465,7 +2085,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if args.variants:
         return _schedule_variants(args)
     scheduler, path = scheduler_for_run(args.run, args.profile, length=args.length)
-    answer = schedule_answer(scheduler, path, args.deadline_ms, args.quantile, args.batch_size, energy_mj=args.energy_mj)
+    answer = schedule_answer(
+        scheduler, path, args.deadline_ms, args.quantile, args.batch_size, energy_mj=args.energy_mj
+    )
     print(json.dumps(answer, indent=2))
     return 0
 
@@ -1485,7 +2107,9 @@ def _schedule_check(args: argparse.Namespace) -> int:
         try:
             deadlines = [check_deadline(float(v)) for v in args.deadlines.split(",") if v.strip()]
         except ValueError:
-            raise AnytimeError(f"--deadlines '{args.deadlines}' is not a comma-separated list of milliseconds") from None
+            raise AnytimeError(
+                f"--deadlines '{args.deadlines}' is not a comma-separated list of milliseconds"
+            ) from None
         if not deadlines or not all(math.isfinite(d) for d in deadlines):
             raise AnytimeError(f"--deadlines '{args.deadlines}' holds no finite positive deadline")
     check = check_promises(args.run, deadlines=deadlines, count=args.requests, split=args.split,
@@ -1567,7 +2191,10 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
     print(f"{summary.model} on {summary.data}: {len(summary.runs)} seeds ({', '.join(map(str, summary.seeds))})")
     print(f"{'step':<8} {'validation: mean ± std [min, max]':<36} {'test: mean ± std [min, max]':<36}")
     for s in summary.steps:
-        cells = [f"{100 * f.mean:.2f} ± {100 * f.std:.2f} [{100 * f.low:.2f}, {100 * f.high:.2f}]" for f in (s.val_acc, s.test_acc)]
+        cells = [
+            f"{100 * f.mean:.2f} ± {100 * f.std:.2f} [{100 * f.low:.2f}, {100 * f.high:.2f}]"
+            for f in (s.val_acc, s.test_acc)
+        ]
         print(f"{s.name:<8} {cells[0]:<36} {cells[1]:<36}")
     t = summary.train_time_s
     print(f"training time {t.mean:.1f} ± {t.std:.1f} s")
@@ -1590,21 +2217,46 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _split_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-profile", required=True, metavar="A.json", help="the run profiled on the device")
     parser.add_argument("--server-profile", required=True, metavar="B.json", help="the run profiled on the server")
-    parser.add_argument("--bandwidth-mbps", type=_finite_float, required=True, metavar="W", help="link bandwidth, Mbit/s")
-    parser.add_argument("--rtt-ms", type=_finite_float, default=0.0, metavar="R", help="link round trip, ms (default 0)")
-    parser.add_argument("--overhead-ms", type=_finite_float, default=0.0, metavar="O",
-                        help="what one exchange takes beyond the round trip and its bytes at the bandwidth, at the "
-                             "quantile (encoding, framing, waits), ms (default 0; split-run measures it, see "
-                             "--link-samples)")
-    parser.add_argument("--deadline-ms", type=_finite_float, required=True, metavar="D", help="the time budget of one request")
-    parser.add_argument("--quantile", type=_finite_float, default=0.99, metavar="Q",
-                        help="the latency quantile that must fit (default 0.99)")
-    parser.add_argument("--codecs", default="fp32,fp16,int8", metavar="C,C",
-                        help="how an activation may travel: fp32, fp16, int8 (per-channel affine); default all three")
-    parser.add_argument("--criterion", choices=list(_CRITERIA), default="entropy", help="exit criterion (default entropy)")
-    parser.add_argument("--partitions", metavar="P,P",
-                        help="only these partition points: server (send the input), device (send nothing) or K (after "
-                             "exit K); default all")
+    parser.add_argument(
+        "--bandwidth-mbps", type=_finite_float, required=True, metavar="W", help="link bandwidth, Mbit/s"
+    )
+    parser.add_argument(
+        "--rtt-ms", type=_finite_float, default=0.0, metavar="R", help="link round trip, ms (default 0)"
+    )
+    parser.add_argument(
+        "--overhead-ms",
+        type=_finite_float,
+        default=0.0,
+        metavar="O",
+        help="what one exchange takes beyond the round trip and its bytes at the bandwidth, at the "
+        "quantile (encoding, framing, waits), ms (default 0; split-run measures it, see "
+        "--link-samples)",
+    )
+    parser.add_argument(
+        "--deadline-ms", type=_finite_float, required=True, metavar="D", help="the time budget of one request"
+    )
+    parser.add_argument(
+        "--quantile",
+        type=_finite_float,
+        default=0.99,
+        metavar="Q",
+        help="the latency quantile that must fit (default 0.99)",
+    )
+    parser.add_argument(
+        "--codecs",
+        default="fp32,fp16,int8",
+        metavar="C,C",
+        help="how an activation may travel: fp32, fp16, int8 (per-channel affine); default all three",
+    )
+    parser.add_argument(
+        "--criterion", choices=list(_CRITERIA), default="entropy", help="exit criterion (default entropy)"
+    )
+    parser.add_argument(
+        "--partitions",
+        metavar="P,P",
+        help="only these partition points: server (send the input), device (send nothing) or K (after "
+        "exit K); default all",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -1704,13 +2356,17 @@ def _cmd_cut(args: argparse.Namespace) -> int:
         if args.out is None:
             raise AnytimeError("--ladder writes a new run: give it a folder with --out LADDER_RUN")
         if args.recalibrate_bn or args.finetune_epochs:
-            raise AnytimeError("the ladder shares one set of weights and statistics across its steps; "
-                               "--recalibrate-bn and --finetune-epochs apply to the study (train with --stochastic-depth instead)")
+            raise AnytimeError(
+                "the ladder shares one set of weights and statistics across its steps; "
+                "--recalibrate-bn and --finetune-epochs apply to the study (train with --stochastic-depth instead)"
+            )
         study_only = [flag for flag, value in (("--kind", args.kind), ("--split", args.split), ("--images", args.images),
                                                ("--repeats", args.repeats)) if value is not None]  # fmt: skip
         if study_only:
-            raise AnytimeError(f"{', '.join(study_only)} set the study; the ladder run skips branches from the top and "
-                               "is scored on validation and test in full (collect and profile it next)")
+            raise AnytimeError(
+                f"{', '.join(study_only)} set the study; the ladder run skips branches from the top and "
+                "is scored on validation and test in full (collect and profile it next)"
+            )
         summary = make_ladder_run(args.run, args.out, device=args.device, overwrite=args.overwrite)
         if args.json:
             return _print_json(summary)
@@ -1764,7 +2420,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     qat = bool(record.get("qat_epochs"))
     if qat:
         print(f"fine-tuned by {record['qat_epochs']} epochs of quantization-aware training (lr {record['qat_lr']})")
-    print(f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}" + (f" {'PTQ val':>8} {'PTQ test':>9}" if qat else ""))
+    print(
+        f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}"
+        + (f" {'PTQ val':>8} {'PTQ test':>9}" if qat else "")
+    )
     rows = summary.get("exits") or [{"name": "model", **summary["final"]}]
     for row, flops in zip(rows, summary["step_flops"]):
         ptq = f" {100 * row['ptq_val_acc']:7.2f}% {100 * row['ptq_test_acc']:8.2f}%" if qat else ""
@@ -1784,7 +2443,9 @@ def _cmd_ensemble(args: argparse.Namespace) -> int:
                             overwrite=args.overwrite, progress=_progress_printer(args))  # fmt: skip
     if args.json:
         return _print_json(report)
-    print(f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} fuser")
+    print(
+        f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} fuser"
+    )
     print(f"{'#':<3} {'member':<20} {'precision':<9} {'val':>7} {'test':>7} {'ms (b1)':>8}  run")
     for k, m in enumerate(report.members):
         cost = f"{m.cost_ms:8.3f}" if m.cost_ms is not None else f"{'-':>8}"
@@ -1801,7 +2462,9 @@ def _cmd_ensemble(args: argparse.Namespace) -> int:
         print(f"scikit-learn cross-check, LogisticRegression on all members: test {100 * test:.2f}% ({100 * val:.2f}%)")
     best = report.best_member
     print(f"best single member (by validation): {best.name}, test {100 * best.test_acc:.2f}%")
-    print(f"next: anytime profile {report.out}; anytime calibrate {report.out} ...; anytime schedule {report.out} --deadline-ms D")
+    print(
+        f"next: anytime profile {report.out}; anytime calibrate {report.out} ...; anytime schedule {report.out} --deadline-ms D"
+    )
     return 0
 
 
@@ -1835,26 +2498,40 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         return _print_json(report)
     manifest = report.manifest
-    print(f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
-          f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else ""))
+    print(
+        f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
+        f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else "")
+    )
     if report.tuning is not None:
         tuning = report.tuning
-        print(f"agreement with the float run on {tuning.images} validation images: lowest step "
-              f"{100 * min(tuning.agreement):.2f}% (target {100 * tuning.target:.2f}%{'' if tuning.met else ': not met'})")
+        print(
+            f"agreement with the float run on {tuning.images} validation images: lowest step "
+            f"{100 * min(tuning.agreement):.2f}% (target {100 * tuning.target:.2f}%{'' if tuning.met else ': not met'})"
+        )
         if tuning.max_float_weights is not None:
-            print(f"weights kept in float: {tuning.float_weights:,} of the {tuning.max_float_weights:,} --min-size-ratio allows")
+            print(
+                f"weights kept in float: {tuning.float_weights:,} of the {tuning.max_float_weights:,} --min-size-ratio allows"
+            )
     if manifest.float_layers:
         print(f"kept in float: {', '.join(manifest.float_layers)}")
     for part in manifest.parts:
-        print(f"  {part.file:<16} {part.role:<8} step {part.step}  in {'x'.join(map(str, part.input_shape)):<10} "
-              f"out {'x'.join(map(str, part.output_shape)):<10} {part.bytes / 1e6:8.3f} MB")
+        print(
+            f"  {part.file:<16} {part.role:<8} step {part.step}  in {'x'.join(map(str, part.input_shape)):<10} "
+            f"out {'x'.join(map(str, part.output_shape)):<10} {part.bytes / 1e6:8.3f} MB"
+        )
     if report.parity:
-        print(f"{'step':<5} {'dtype':<6} {'input':<10} {'max err':>9} {'top-1 agree':>12} {'eager ms':>9} {'artifact ms':>12} "
-              f"{'eager img/s':>12} {'artifact img/s':>15}")
+        print(
+            f"{'step':<5} {'dtype':<6} {'input':<10} {'max err':>9} {'top-1 agree':>12} {'eager ms':>9} {'artifact ms':>12} "
+            f"{'eager img/s':>12} {'artifact img/s':>15}"
+        )
         for r in report.parity:
-            print(f"{r.step:<5} {r.dtype:<6} {r.input_shape:<10} {r.max_abs_err:9.2e} {100 * r.top1_agreement:11.2f}% "
-                  f"{r.eager_p50_ms:9.3f} {r.artifact_p50_ms:12.3f} {r.eager_images_per_s:12.0f} {r.artifact_images_per_s:15.0f}")
-        print(f"parity on {report.parity[0].images} test images; batch-1 p50 and batch-32 throughput, eager fp32 vs the artifact")
+            print(
+                f"{r.step:<5} {r.dtype:<6} {r.input_shape:<10} {r.max_abs_err:9.2e} {100 * r.top1_agreement:11.2f}% "
+                f"{r.eager_p50_ms:9.3f} {r.artifact_p50_ms:12.3f} {r.eager_images_per_s:12.0f} {r.artifact_images_per_s:15.0f}"
+            )
+        print(
+            f"parity on {report.parity[0].images} test images; batch-1 p50 and batch-32 throughput, eager fp32 vs the artifact"
+        )
         print(f"table {report.out / 'parity.csv'}")
     print(f"next: anytime profile {report.out}")
     return 0

@@ -28,10 +28,12 @@ TARGET_S = 1.0
 
 # Timed from a small process of its own: a child forked from this one (torch already loaded) would report
 # this process's memory as its own peak.
-_TIMER = ("import json, os, subprocess, sys, time; t = time.perf_counter(); "
-          "c = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
-          "_, s, u = os.wait4(c.pid, 0); w = time.perf_counter() - t; "
-          "print(json.dumps([w, u.ru_maxrss, s, c.stderr.read().decode()[-300:]]))")
+_TIMER = (
+    "import json, os, subprocess, sys, time; t = time.perf_counter(); "
+    "c = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
+    "_, s, u = os.wait4(c.pid, 0); w = time.perf_counter() - t; "
+    "print(json.dumps([w, u.ru_maxrss, s, c.stderr.read().decode()[-300:]]))"
+)
 
 
 def _measure(code: str, args: list[str]) -> tuple[float, float]:

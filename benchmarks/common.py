@@ -44,8 +44,14 @@ def machine_name(machine: dict[str, Any]) -> str:
 
 
 def report(
-    name: str, args: argparse.Namespace, figures: dict[str, Any], ratio: float, target: str, passed: bool | None,
-    *, results: Path = RESULTS,
+    name: str,
+    args: argparse.Namespace,
+    figures: dict[str, Any],
+    ratio: float,
+    target: str,
+    passed: bool | None,
+    *,
+    results: Path = RESULTS,
 ) -> int:
     """Print the verdict and write the whole report: a full run (not ``--quick``) to ``results/<machine>/NAME.json``,
     where ``benchmarks/page.py`` renders it into ``docs/benchmarks.md``, and to ``--json PATH`` if given. Exit status 0
@@ -175,7 +181,9 @@ def fuser_share(ensemble_dir: Path, samples: int) -> tuple[float, float]:
     return float(np.median(times["fuser"]) * 1000), float(np.median(times["ladder"]) * 1000)
 
 
-def onnx_programs(model: Any, policy: Any, folder: Path, *, input_shape: tuple[int, ...], num_classes: int) -> tuple[Any, ...]:
+def onnx_programs(
+    model: Any, policy: Any, folder: Path, *, input_shape: tuple[int, ...], num_classes: int
+) -> tuple[Any, ...]:
     """The multi-exit ``model`` and its plain backbone exported as fp32 ONNX into ``folder`` and loaded back (as many
     ONNX Runtime threads as torch has), ``policy`` compiled into the first and the plain network's argmax into the
     second: (early exit's program, the backbone's program, the multi-exit export, the plain export)."""

@@ -34,7 +34,9 @@ def _train(out: Path, recipe: list[str], *, threads: int, nproc: int, sync_bn: b
         argv += ["--nproc", str(nproc), *(["--sync-bn"] if sync_bn else [])]
     done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"training failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        raise SystemExit(
+            f"training failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        )
     rows = read_csv(out / "metrics.csv")
     rates = [float(r["images_per_s"]) for r in rows[1:]] or [float(rows[0]["images_per_s"])]
     return {"processes": nproc, "threads_per_process": threads, "images_per_s": statistics.median(rates),

@@ -101,7 +101,9 @@ def _test_images(run_dir: Path, count: int) -> tuple[torch.Tensor, torch.Tensor]
 def _answers_at(runner: AnytimeRunner, steps: int) -> list[Callable[[torch.Tensor], Any]]:
     """The runtime's answer at each exit: at exit 0 a request that a deadline nothing fits stops there, at exits
     1..K-1 a request told to go straight there (``predict_at``)."""
-    return [lambda x: runner.predict(x, NOTHING_FITS_MS)] + [lambda x, k=k: runner.predict_at(x, k) for k in range(1, steps)]
+    return [lambda x: runner.predict(x, NOTHING_FITS_MS)] + [
+        lambda x, k=k: runner.predict_at(x, k) for k in range(1, steps)
+    ]
 
 
 def _hindsight(model: torch.nn.Module, runner: AnytimeRunner, images: torch.Tensor, count: int) -> np.ndarray:
@@ -171,11 +173,21 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     add_exit_run_options(p)
     p.add_argument("--images", type=int, default=1000, help="test images answered per deadline and runtime")
-    p.add_argument("--hindsight-images", type=int, default=3000,
-                   help="test images timed per exit for the oracle (default 3000: a p99 from the 30th largest)")
-    p.add_argument("--no-policy", action="store_true", help="no confident early exits: go as deep as the deadline allows")
-    p.add_argument("--max-drop", type=float, default=MAX_DROP,
-                   help=f"calibrate the policy for at most this many points below the last exit (default {MAX_DROP})")
+    p.add_argument(
+        "--hindsight-images",
+        type=int,
+        default=3000,
+        help="test images timed per exit for the oracle (default 3000: a p99 from the 30th largest)",
+    )
+    p.add_argument(
+        "--no-policy", action="store_true", help="no confident early exits: go as deep as the deadline allows"
+    )
+    p.add_argument(
+        "--max-drop",
+        type=float,
+        default=MAX_DROP,
+        help=f"calibrate the policy for at most this many points below the last exit (default {MAX_DROP})",
+    )
     args = p.parse_args()
     run_dir = exit_run_dir(args.run, args.quick, args.card)
     count, hindsight_count = (60, 300) if args.quick else (args.images, args.hindsight_images)
@@ -218,7 +230,9 @@ def main() -> int:
                 load = f"{load}, auto threads"
             torch.set_num_threads(threads)
             profile = profiles[threads][0] if threads in profiles else profiles[default_threads][0]
-            first = AnytimeRunner(model, profile, policy, quantile=QUANTILE, adapt=True)  # as deployed: its path costs most
+            first = AnytimeRunner(
+                model, profile, policy, quantile=QUANTILE, adapt=True
+            )  # as deployed: its path costs most
             times = _hindsight(model, first, images, hindsight_count)
             steps = profile.num_steps
             p99_all = np.quantile(times, QUANTILE, axis=1, method="inverted_cdf")
@@ -251,15 +265,31 @@ def main() -> int:
                 load_oracle = float(step_accuracy[reach].max()) if reach.any() else None
                 # Where the runtime's own first answer fits, exit 0 is within reach even if, timed alone under
                 # load, its p99 came out higher (a noisy p99 under load).
-                exit_oracle = float(step_accuracy[fits].max()) if fits.any() else None if load_oracle is None else float(step_accuracy[0])
+                exit_oracle = (
+                    float(step_accuracy[fits].max())
+                    if fits.any()
+                    else None
+                    if load_oracle is None
+                    else float(step_accuracy[0])
+                )
                 sure = p99_upper <= deadline
-                sure_oracle = float(step_accuracy[sure].max()) if sure.any() else None if load_oracle is None else float(step_accuracy[0])
+                sure_oracle = (
+                    float(step_accuracy[sure].max())
+                    if sure.any()
+                    else None
+                    if load_oracle is None
+                    else float(step_accuracy[0])
+                )
                 served, answer_times = _serve(runners, images[:count], labels[:count], float(deadline), answers)
                 oracle, now_p99 = load_oracle, None
                 if answer_times is not None:
                     now_p99 = np.quantile(answer_times, QUANTILE, axis=1, method="inverted_cdf")
                     # The runtime always answers: at exit 0 at least, whatever its p99 in these minutes.
-                    oracle = float(step_accuracy[now_p99 <= deadline].max()) if (now_p99 <= deadline).any() else float(step_accuracy[0])
+                    oracle = (
+                        float(step_accuracy[now_p99 <= deadline].max())
+                        if (now_p99 <= deadline).any()
+                        else float(step_accuracy[0])
+                    )
                 for mode, result in served.items():
                     condition = f"{load}, {mode}"
                     rows.append({"condition": condition, "load": load, "adaptive": mode == "adaptive",
@@ -281,7 +311,9 @@ def main() -> int:
                 hog.terminate()
                 hog.join()
     out = run_dir / ("deadline-no-policy" if policy is None else "deadline")
-    write_csv(out / "deadline_cifar10.csv", [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows])
+    write_csv(
+        out / "deadline_cifar10.csv", [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows]
+    )
     conditions = list(dict.fromkeys(r["condition"] for r in rows))
     plot_deadline_runs(rows, out / "deadline_cifar10", f"{run_dir.name}: anytime runtime vs deadline",
                        conditions=conditions)  # fmt: skip
@@ -325,16 +357,24 @@ def main() -> int:
           f"{'keeps' if passed_load_oracle else 'misses'} the targets; against the oracle of the exits timed alone "
           f"(no runtime's answer costs that little), it {'keeps' if passed_exit_oracle else 'misses'} them")  # fmt: skip
     for condition in (c for c in conditions if c.endswith("static")):
-        print(f"{condition} (reported, not part of the verdict): the static profile "
-              f"{'keeps' if verdicts[condition]['meets_targets'] else 'misses'} the targets")
+        print(
+            f"{condition} (reported, not part of the verdict): the static profile "
+            f"{'keeps' if verdicts[condition]['meets_targets'] else 'misses'} the targets"
+        )
     print(f"results in {out}")
     figures = {"run": str(run_dir), "profile": str(profile_path), "criterion": None if policy is None else best, "thresholds": None if policy is None else list(policy.thresholds),
                "max_drop": None if policy is None else args.max_drop,
                "images": count, "hindsight_images": hindsight_count, "quantile": QUANTILE, "threads": default_threads, "form": args.form,
                "step_accuracy": step_accuracy.tolist(), "loads": loads, "verdicts": verdicts,
                "passed_load_oracle": passed_load_oracle, "passed_exit_oracle": passed_exit_oracle, "rows": rows}  # fmt: skip
-    return report("deadline_cifar10", args, figures, 100 * worst,
-                  "<= 1 (% late, adaptive, quiet and under load with auto threads, where the first exit fits)", passed)
+    return report(
+        "deadline_cifar10",
+        args,
+        figures,
+        100 * worst,
+        "<= 1 (% late, adaptive, quiet and under load with auto threads, where the first exit fits)",
+        passed,
+    )
 
 
 if __name__ == "__main__":

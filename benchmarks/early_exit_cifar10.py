@@ -47,7 +47,9 @@ def onnx_early_exit(run_dir: Path, policy: ExitPolicy, latency_samples: int) -> 
     shape = (int(loaded.dataset["in_channels"]), *(int(v) for v in (loaded.dataset.get("image_size") or [32, 32])))
     classes = int(loaded.dataset["num_classes"])
     with tempfile.TemporaryDirectory() as scratch:
-        program, plain, _, _ = onnx_programs(loaded.model, policy, Path(scratch), input_shape=shape, num_classes=classes)
+        program, plain, _, _ = onnx_programs(
+            loaded.model, policy, Path(scratch), input_shape=shape, num_classes=classes
+        )
         answered = [program(x.numpy()) for x, _ in test]
         eager = torch.cat([policy.run(loaded.model, x).exits for x, _ in test])
         predictions = torch.from_numpy(np.concatenate([a.predictions for a in answered]))
@@ -66,11 +68,16 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     add_exit_run_options(p)
     p.add_argument("--latency-samples", type=int, default=10_000, help="test images timed at batch 1")
-    p.add_argument("--select-exits", action="store_true",
-                   help="also choose the exits to keep, costed in time measured at batch 1 (calibrate --select-exits)")
-    p.add_argument("--combine-exits", action="store_true",
-                   help="every exit answers with a weighted ensemble of itself and the earlier exits (calibrate "
-                   "--combine-exits)")
+    p.add_argument(
+        "--select-exits",
+        action="store_true",
+        help="also choose the exits to keep, costed in time measured at batch 1 (calibrate --select-exits)",
+    )
+    p.add_argument(
+        "--combine-exits",
+        action="store_true",
+        help="every exit answers with a weighted ensemble of itself and the earlier exits (calibrate --combine-exits)",
+    )
     p.add_argument("--onnx", action="store_true", help="also time early exit as deployed through ONNX Runtime (the "
                    "policy compiled into the exported graphs); the verdict is then ONNX Runtime's")  # fmt: skip
     args = p.parse_args()
@@ -93,7 +100,9 @@ def main() -> int:
     plot_run(run_dir)
     val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]
     lat = evaluation["latency"]
-    print(f"last exit alone: test {100 * test['last_exit_accuracy']:.2f}% (validation {100 * val['last_exit_accuracy']:.2f}%)")
+    print(
+        f"last exit alone: test {100 * test['last_exit_accuracy']:.2f}% (validation {100 * val['last_exit_accuracy']:.2f}%)"
+    )
     print(f"oracle (first correct exit): {100 * oracle['accuracy']:.2f}% at {oracle['flops_ratio']:.3f}x FLOPs "
           f"= {oracle['flops_speedup']:.2f}x fewer (the ceiling)")  # fmt: skip
     for criterion, c in candidates.items():
@@ -129,8 +138,14 @@ def main() -> int:
               f"{deployed['early_exit']['mean_ms']:.3f} ms (p99 {deployed['early_exit']['p99_ms']:.3f}), backbone "
               f"{deployed['backbone']['mean_ms']:.3f} ms (p99 {deployed['backbone']['p99_ms']:.3f}) -> {speedup:.2f}x")  # fmt: skip
     close_enough = accuracy >= test["last_exit_accuracy"] - MAX_DROP / 100
-    return report("early_exit_cifar10", args, figures, speedup,
-                  f">= {TARGET}x at <= {MAX_DROP:g} point below the last exit on test", speedup >= TARGET and close_enough)
+    return report(
+        "early_exit_cifar10",
+        args,
+        figures,
+        speedup,
+        f">= {TARGET}x at <= {MAX_DROP:g} point below the last exit on test",
+        speedup >= TARGET and close_enough,
+    )
 
 
 if __name__ == "__main__":

@@ -84,7 +84,9 @@ def main() -> int:
         reader.close()
     figures["one_figure"] = {"wall_s": wall, "windows": settings.windows, "calls_per_window": windows.calls,
                              "mean_j_per_inference": windows.mean_j}  # fmt: skip
-    print(f"one energy figure at the default settings: {settings.windows} windows of {windows.calls} calls, {wall:.1f} s")
+    print(
+        f"one energy figure at the default settings: {settings.windows} windows of {windows.calls} calls, {wall:.1f} s"
+    )
     ratio = max(figures[f"threads_{t}"]["p50_ratio"] for t in THREADS)  # type: ignore[index]
     return report("energy_sampler", args, figures, ratio, f"<= {TARGET}", ratio <= TARGET)
 

@@ -70,7 +70,9 @@ def main() -> int:
     ratio = voting["mlp test acc"] / voting["torchensemble test acc"]
     figures = {"model": MODEL, "estimators": ESTIMATORS, "epochs": epochs, "data": data, "rows": rows,
                "threads": torch.get_num_threads()}  # fmt: skip
-    return report("ensemble_baselines", args, figures, ratio, "none (MLP vs torchensemble's own fusion, same members)", None)
+    return report(
+        "ensemble_baselines", args, figures, ratio, "none (MLP vs torchensemble's own fusion, same members)", None
+    )
 
 
 if __name__ == "__main__":

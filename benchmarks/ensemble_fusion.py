@@ -33,15 +33,20 @@ FUSER_SHARE = 0.02
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--members", default=",".join(str(REPO / "runs" / m) for m in MEMBERS),
-                   help="trained float runs, comma-separated (default: the four CIFAR-10 runs of MEMBERS in runs/)")
+    p.add_argument(
+        "--members",
+        default=",".join(str(REPO / "runs" / m) for m in MEMBERS),
+        help="trained float runs, comma-separated (default: the four CIFAR-10 runs of MEMBERS in runs/)",
+    )
     args = p.parse_args()
     members, quantized = member_runs(args.members)
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, runs in (("fp32", members), ("int8", quantized)):
             print(f"building the {name} ensemble of {', '.join(r.name for r in runs)}...", flush=True)
-            built = build_ensemble(runs, Path(scratch) / name, folds=FOLDS, progress=lambda line: print("  " + line, flush=True))
+            built = build_ensemble(
+                runs, Path(scratch) / name, folds=FOLDS, progress=lambda line: print("  " + line, flush=True)
+            )
             rows[name] = built
             best = built.best_member
             print(f"  best member (validation) {best.name}: test {100 * best.test_acc:.2f}%")
@@ -66,8 +71,14 @@ def main() -> int:
         "best member": vars(fp32.best_member), "threads": torch.get_num_threads(),
         "member test acc spread": float(np.ptp([m.test_acc for m in fp32.members])),
     }  # fmt: skip
-    return report("ensemble_fusion", args, figures, gain / GAIN_POINTS,
-                  ">= 1 (MLP +2 points over the best member), beats mean, int8 <= 1 point, fuser < 2%", all(checks.values()))
+    return report(
+        "ensemble_fusion",
+        args,
+        figures,
+        gain / GAIN_POINTS,
+        ">= 1 (MLP +2 points over the best member), beats mean, int8 <= 1 point, fuser < 2%",
+        all(checks.values()),
+    )
 
 
 if __name__ == "__main__":

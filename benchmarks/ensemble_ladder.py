@@ -40,7 +40,11 @@ PRECISION_PROBE = 200  # batch-1 timings per member and precision that decide th
 
 def _test_accuracy(run_dir: Path) -> list[float]:
     summary = json.loads((run_dir / "summary.json").read_text())
-    return [float(e["test_acc"]) for e in summary["exits"]] if "exits" in summary else [float(summary["final"]["test_acc"])]
+    return (
+        [float(e["test_acc"]) for e in summary["exits"]]
+        if "exits" in summary
+        else [float(summary["final"]["test_acc"])]
+    )
 
 
 def _faster_forms(members: list[Path], quantized: list[Path], samples: int) -> list[Path]:
@@ -49,7 +53,9 @@ def _faster_forms(members: list[Path], quantized: list[Path], samples: int) -> l
     for pair in zip(members, quantized):
         runs = [load_run(r) for r in pair]
         size = runs[0].dataset.get("image_size") or [32, 32]
-        inputs = torch.randn(samples, int(runs[0].dataset["in_channels"]), *size, generator=torch.Generator().manual_seed(0))
+        inputs = torch.randn(
+            samples, int(runs[0].dataset["in_channels"]), *size, generator=torch.Generator().manual_seed(0)
+        )
         calls = {str(i): (lambda x, r=r: member_log_probs(r.model, r.num_steps - 1 if r.num_steps > 1 else None, x))
                  for i, r in enumerate(runs)}  # fmt: skip
         with torch.inference_mode():
@@ -73,8 +79,11 @@ def _ladder(runs: list[Path], out: Path, repeats: int, deadline_ms: float) -> di
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--members", default=",".join(str(REPO / "runs" / m) for m in MEMBERS),
-                   help="trained float runs, comma-separated; their int8 forms RUN-int8 must exist beside them")
+    p.add_argument(
+        "--members",
+        default=",".join(str(REPO / "runs" / m) for m in MEMBERS),
+        help="trained float runs, comma-separated; their int8 forms RUN-int8 must exist beside them",
+    )
     args = p.parse_args()
     members, quantized = member_runs(args.members)
     repeats = 100 if args.quick else REPEATS
@@ -83,7 +92,9 @@ def main() -> int:
     ladders: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         print(f"best fp32 member (validation): {best.name}; profiling it at batch 1...", flush=True)
-        member_profile, _ = profile_run(best, batch_sizes=[1], repeats=repeats, memory=False, out=Path(scratch) / "member.json")
+        member_profile, _ = profile_run(
+            best, batch_sizes=[1], repeats=repeats, memory=False, out=Path(scratch) / "member.json"
+        )
         member_p99 = float(np.quantile(member_profile.at(1).steps[-1], QUANTILE))
         mixed = _faster_forms(members, quantized, 40 if args.quick else PRECISION_PROBE)
         for name, runs in (("int8", quantized), ("mixed", mixed)):
@@ -96,15 +107,22 @@ def main() -> int:
             print(f"  {name} ladder {row['step']:<26} p99 {row['p99 ms']:7.3f} ms  test {100 * row['test acc']:.2f}%")
         print(f"  at {member_p99:.3f} ms the {name} ladder chooses {ladder['choice']} "
               f"({'fits' if ladder['fits'] else 'nothing fits'}): test {100 * float(ladder['choice test acc']):.2f}%")  # type: ignore[arg-type]  # fmt: skip
-    print(f"fuser {fuser_ms:.4f} ms of the int8 ladder's {ladder_ms:.3f} ms at batch 1 ({100 * fuser_ms / ladder_ms:.2f}%)")
+    print(
+        f"fuser {fuser_ms:.4f} ms of the int8 ladder's {ladder_ms:.3f} ms at batch 1 ({100 * fuser_ms / ladder_ms:.2f}%)"
+    )
     int8 = ladders["int8"]
     chosen_acc = float(int8["choice test acc"])  # type: ignore[arg-type]
-    checks = {"as accurate": bool(int8["fits"] and chosen_acc >= member_acc), "fuser share": fuser_ms / ladder_ms < FUSER_SHARE}
+    checks = {
+        "as accurate": bool(int8["fits"] and chosen_acc >= member_acc),
+        "fuser share": fuser_ms / ladder_ms < FUSER_SHARE,
+    }
     figures = {"best member": str(best), "member p99 ms": member_p99, "member test acc": member_acc,
                "ladders": ladders, "fuser ms": fuser_ms, "ladder ms": ladder_ms, "checks": checks,
                "threads": torch.get_num_threads()}  # fmt: skip
     ratio = chosen_acc / member_acc if int8["fits"] else 0.0
-    return report("ensemble_ladder", args, figures, ratio, ">= 1 at no more p99 latency; fuser < 2%", all(checks.values()))
+    return report(
+        "ensemble_ladder", args, figures, ratio, ">= 1 at no more p99 latency; fuser < 2%", all(checks.values())
+    )
 
 
 if __name__ == "__main__":

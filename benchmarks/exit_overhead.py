@@ -134,7 +134,9 @@ def main() -> int:
     worst = 0.0
     with tempfile.TemporaryDirectory() as scratch:
         if args.onnx:
-            program, plain_program, _, _ = onnx_programs(model, policy, Path(scratch), input_shape=SHAPE, num_classes=10)
+            program, plain_program, _, _ = onnx_programs(
+                model, policy, Path(scratch), input_shape=SHAPE, num_classes=10
+            )
             functions = {"backbone": lambda x: plain_program(x.numpy()), "exits": lambda x: program(x.numpy())}
         else:
             functions = {"backbone": lambda x: model.backbone(x), "exits": policy.runner(model)}
@@ -168,8 +170,14 @@ def main() -> int:
     figures["threads"] = torch.get_num_threads()  # type: ignore[assignment]
     figures["small_network"] = small
     passed = worst <= TARGET and small["fraction_of_promise"] >= SMALL_TARGET
-    return report("exit_overhead", args, figures, worst,
-                  f"<= {TARGET} (and the small network saves >= {SMALL_TARGET} of its FLOPs' promise)", passed)
+    return report(
+        "exit_overhead",
+        args,
+        figures,
+        worst,
+        f"<= {TARGET} (and the small network saves >= {SMALL_TARGET} of its FLOPs' promise)",
+        passed,
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,12 @@ TARGETS = {"fp32": 0.999, "int8": 0.99, "size": 3.5}
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--runs", help="comma-separated trained runs (default: those of RUNS present)")
-    p.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT,
-                   help=f"accuracy-aware int8's target on validation images (default {MIN_AGREEMENT}; 0 skips it)")
+    p.add_argument(
+        "--min-agreement",
+        type=float,
+        default=MIN_AGREEMENT,
+        help=f"accuracy-aware int8's target on validation images (default {MIN_AGREEMENT}; 0 skips it)",
+    )
     args = p.parse_args()
     runs = [Path(r) for r in args.runs.split(",")] if args.runs else [REPO / r for r in RUNS if (REPO / r).is_dir()]
     if not runs:
@@ -104,8 +108,15 @@ def main() -> int:
     figures = {"rows": rows, "sizes": sizes, "tunings": tunings, "images": images, "targets": TARGETS,
                "min_agreement": args.min_agreement}  # fmt: skip
     passed = worst >= 1 and smallest_size >= 1
-    return report("export_parity", args, figures, worst, ">= 1 (agreement / target), and every judged int8 artifact "
-                  f"3.5x smaller (lowest size ratio / target: {smallest_size:.3f})", passed)
+    return report(
+        "export_parity",
+        args,
+        figures,
+        worst,
+        ">= 1 (agreement / target), and every judged int8 artifact "
+        f"3.5x smaller (lowest size ratio / target: {smallest_size:.3f})",
+        passed,
+    )
 
 
 if __name__ == "__main__":

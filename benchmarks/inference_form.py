@@ -47,7 +47,11 @@ def main() -> int:
     for name in FORMS:
         b1, e0, b32 = (latency_summary(single[f"{name} backbone"]), latency_summary(single[f"{name} exit 0"]),
                        latency_summary(batched[name]))  # fmt: skip
-        figures[name] = {"backbone_b1_ms": b1["mean_ms"], "exit0_b1_ms": e0["mean_ms"], "backbone_b32_ms": b32["mean_ms"]}
+        figures[name] = {
+            "backbone_b1_ms": b1["mean_ms"],
+            "exit0_b1_ms": e0["mean_ms"],
+            "backbone_b32_ms": b32["mean_ms"],
+        }
         print(f"{name:<20} batch 1: backbone {b1['mean_ms']:.3f} ms, exit 0 alone {e0['mean_ms']:.3f} ms; "
               f"batch 32: backbone {b32['mean_ms']:.2f} ms")  # fmt: skip
     fastest = min(FORMS, key=lambda n: figures[n]["backbone_b1_ms"])

@@ -42,8 +42,11 @@ def main() -> int:
     limit, epochs = quick.get("LIMIT_TRAIN", study.LIMIT_TRAIN), quick.get("EPOCHS", study.EPOCHS)
     for name in ("resnet20", "resnet20-sd", "resnet20-exits", "resnet20-sliced"):
         study.ensure_run(study.recipes(limit, epochs, study.training_amp())[name], runs / name)
-    points = study.family_points(runs, quick.get("PROFILE_REPEATS", study.PROFILE_REPEATS),
-                                 quick.get("PROFILE_PROCESSES", study.PROFILE_PROCESSES))
+    points = study.family_points(
+        runs,
+        quick.get("PROFILE_REPEATS", study.PROFILE_REPEATS),
+        quick.get("PROFILE_PROCESSES", study.PROFILE_PROCESSES),
+    )
     table = matched_table(points, study.budgets(points, study.BUDGETS_MS))
     labels = list(points)
     print(f"{'budget ms':>9}  " + "  ".join(f"{label:>30}" for label in labels))
@@ -51,7 +54,11 @@ def main() -> int:
         cells = []
         for label in labels:
             acc = row[f"{label}_acc"]
-            cells.append(f"{'-':>30}" if acc is None else f"{100 * acc:6.2f}% ({row[f'{label}_step']:>12}, {row[f'{label}_ms']:5.2f} ms)")
+            cells.append(
+                f"{'-':>30}"
+                if acc is None
+                else f"{100 * acc:6.2f}% ({row[f'{label}_step']:>12}, {row[f'{label}_ms']:5.2f} ms)"
+            )
         print(f"{row['budget_ms']:9.2f}  " + "  ".join(f"{c:>30}" for c in cells))
     stem = Path(args.plot)
     write_csv(stem.with_suffix(".csv"), table)

@@ -69,7 +69,9 @@ def main() -> int:
             first[variant].append(seconds[0])
             later[variant].extend(seconds[1:])
             graphs = int(measured["graphs"])  # type: ignore[arg-type]
-    print(f"{MODEL} with exits, {graphs} ONNX graphs per export, {rounds} process(es) per variant, {EXPORTS} exports each")
+    print(
+        f"{MODEL} with exits, {graphs} ONNX graphs per export, {rounds} process(es) per variant, {EXPORTS} exports each"
+    )
     for variant in ("per-graph", "shared"):
         print(f"  {variant:<10} first export {median(first[variant]):6.2f} s   later exports {median(later[variant]):6.2f} s "
               f"(each: {', '.join(f'{s:.2f}' for s in later[variant])})")  # fmt: skip

@@ -55,7 +55,9 @@ def main() -> int:
     _profiled(qrun, repeats)
     both, _ = precision_scheduler([run_dir, qrun])
     alone, _ = scheduler_for_run(run_dir)
-    latencies = [latency for _, latency in both.frontier(QUANTILE)] + [latency for _, latency in alone.frontier(QUANTILE)]
+    latencies = [latency for _, latency in both.frontier(QUANTILE)] + [
+        latency for _, latency in alone.frontier(QUANTILE)
+    ]
     grid = np.linspace(0.8 * min(latencies), 1.2 * max(latencies), DEADLINES)
     rows, compared, not_worse, only_int8 = [], 0, 0, []
     for deadline in grid:
@@ -72,17 +74,27 @@ def main() -> int:
               f"{'' if row['both_fits'] else '(late)'} | fp32 -> {row['fp32']:<30} {100 * row['fp32_acc']:5.2f}% "
               f"{'' if row['fp32_fits'] else '(late)'}")  # fmt: skip
     gain = [r["both_acc"] - r["fp32_acc"] for r in rows if r["both_fits"] and r["fp32_fits"]]
-    print(f"{compared} deadlines where both fit: at least as accurate at {not_worse}; mean gain "
-          f"{100 * float(np.mean(gain)) if gain else 0:.2f} points, most {100 * max(gain, default=0):.2f}")
+    print(
+        f"{compared} deadlines where both fit: at least as accurate at {not_worse}; mean gain "
+        f"{100 * float(np.mean(gain)) if gain else 0:.2f} points, most {100 * max(gain, default=0):.2f}"
+    )
     if only_int8:
-        print(f"int8 makes an option fit where fp32 has none from {min(only_int8):.3f} to {max(only_int8):.3f} ms "
-              f"({len(only_int8)} of {len(rows)} deadlines)")
+        print(
+            f"int8 makes an option fit where fp32 has none from {min(only_int8):.3f} to {max(only_int8):.3f} ms "
+            f"({len(only_int8)} of {len(rows)} deadlines)"
+        )
     frontier = [{"option": o.name, "accuracy": o.accuracy, "p99_ms": latency} for o, latency in both.frontier(QUANTILE)]
     ratio = not_worse / compared if compared else float("nan")
     figures = {"run": str(run_dir), "int8 run": str(qrun), "rows": rows, "frontier": frontier,
                "only int8 fits ms": only_int8, "mean gain points": 100 * float(np.mean(gain)) if gain else 0.0}  # fmt: skip
-    return report("precision_schedule", args, figures, ratio, "1.0 (never less accurate than fp32 alone)",
-                  compared > 0 and not_worse == compared)
+    return report(
+        "precision_schedule",
+        args,
+        figures,
+        ratio,
+        "1.0 (never less accurate than fp32 alone)",
+        compared > 0 and not_worse == compared,
+    )
 
 
 if __name__ == "__main__":

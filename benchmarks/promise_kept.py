@@ -54,8 +54,14 @@ def _prepare(run: Path, quick: bool) -> None:
             collect_run(run, split)
     if not (run / CALIBRATION).is_file():
         calibrate_run(run, max_drop=1.0)
-    profile_run(run, batch_sizes=[1], repeats=100 if quick else PROFILE_REPEATS, memory=False, steady_within=None,
-                threads=THREADS)
+    profile_run(
+        run,
+        batch_sizes=[1],
+        repeats=100 if quick else PROFILE_REPEATS,
+        memory=False,
+        steady_within=None,
+        threads=THREADS,
+    )
 
 
 def _verdicts(check: Any, late_target: float) -> dict[str, Any]:

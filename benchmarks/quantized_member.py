@@ -87,12 +87,17 @@ def main() -> int:
                          "compiled/int8": medians["compiled fp32"] / medians["int8"]}  # fmt: skip
         figures[f"batch {batch}"] = {"median ms": medians, "p99 ms": p99, "images/s": {
             name: 1000 * batch / ms for name, ms in medians.items()}, **ratios[batch]}  # fmt: skip
-        print(f"batch {batch:<3} " + "  ".join(f"{n} {ms:.3f} ms" for n, ms in medians.items())
-              + f"  eager/int8 {ratios[batch]['eager/int8']:.2f}x  compiled/int8 {ratios[batch]['compiled/int8']:.2f}x")
+        print(
+            f"batch {batch:<3} "
+            + "  ".join(f"{n} {ms:.3f} ms" for n, ms in medians.items())
+            + f"  eager/int8 {ratios[batch]['eager/int8']:.2f}x  compiled/int8 {ratios[batch]['compiled/int8']:.2f}x"
+        )
     from anytime.precision import convert
 
     # the same graphs before lowering (lowered weights are prepacked and opaque): int8 tensors at one byte each
-    reference, _ = convert(fp32, "int8", input_shape=(3, 32, 32), calibration=[torch.randn(8, 3, 32, 32)], compile=False)
+    reference, _ = convert(
+        fp32, "int8", input_shape=(3, 32, 32), calibration=[torch.randn(8, 3, 32, 32)], compile=False
+    )
     int8_bytes, fp32_bytes = _weight_bytes(reference)
     summary = json.loads((qrun / "summary.json").read_text())["final"]
     drop = 100 * (summary["parent_test_acc"] - summary["test_acc"])
@@ -106,8 +111,14 @@ def main() -> int:
               "size": fp32_bytes / int8_bytes >= TARGETS["size"], "drop": drop <= TARGETS["drop_points"]}  # fmt: skip
     figures["checks"] = checks
     print("targets: " + ", ".join(f"{k} {'pass' if v else 'fail'}" for k, v in checks.items()))
-    return report("quantized_member", args, figures, ratios[32]["eager/int8"],
-                  ">= 3x at batch 32, >= 2x at batch 1, >= 3.5x smaller, <= 1 point", all(checks.values()))
+    return report(
+        "quantized_member",
+        args,
+        figures,
+        ratios[32]["eager/int8"],
+        ">= 3x at batch 32, >= 2x at batch 1, >= 3.5x smaller, <= 1 point",
+        all(checks.values()),
+    )
 
 
 if __name__ == "__main__":

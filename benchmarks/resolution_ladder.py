@@ -21,8 +21,14 @@ from anytime.tasks.pipeline import profile_run
 from anytime.train import TrainConfig, Trainer
 
 # Hyper-parameters
-BASE = TrainConfig(model="resnet20", data="cifar10", limit_train=8_000, epochs=6, batch_size=128, lr=0.05, amp="bf16", seed=0)
-FAMILIES = {"exits": {"exits": "auto"}, "slices": {"slices": "0.5,0.75,1.0"}, "resolutions": {"resolutions": "16,24,c24,32"}}
+BASE = TrainConfig(
+    model="resnet20", data="cifar10", limit_train=8_000, epochs=6, batch_size=128, lr=0.05, amp="bf16", seed=0
+)
+FAMILIES = {
+    "exits": {"exits": "auto"},
+    "slices": {"slices": "0.5,0.75,1.0"},
+    "resolutions": {"resolutions": "16,24,c24,32"},
+}
 REPEATS = 200  # batch-1 timings per step
 QUICK = {"data": "digits", "limit_train": None, "epochs": 2, "batch_size": 64, "amp": "off"}
 
@@ -46,7 +52,9 @@ def main() -> int:
         summary = _trained(base.replace(**fields), run_dir)
         for stale in run_dir.glob("profile-*.json"):  # this benchmark's own runs: profiled anew each time
             stale.unlink()
-        profile, _ = profile_run(run_dir, batch_sizes=[1], repeats=20 if args.quick else REPEATS, warmup=10, memory=False)
+        profile, _ = profile_run(
+            run_dir, batch_sizes=[1], repeats=20 if args.quick else REPEATS, warmup=10, memory=False
+        )
         q = profile.highest_quantile()
         figures[family] = [{"step": name, "test_acc": float(entry["test_acc"]), "gflops": profile.step_flops[k] / 1e9,
                             "p50_ms": profile.step_quantile(k, 0.5), "p99_ms": profile.step_quantile(k, q)}

@@ -59,7 +59,9 @@ def train(folder: Path, base: TrainConfig) -> dict[str, dict]:
         if summary.is_file():
             summaries[family] = json.loads(summary.read_text())
         else:
-            summaries[family] = Trainer(base.replace(**fields), run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file())
+            summaries[family] = Trainer(base.replace(**fields), run_dir).fit(
+                resume=(run_dir / "checkpoint.pt").is_file()
+            )
     return summaries
 
 
@@ -125,19 +127,29 @@ def main() -> int:
           f"{'b64 dense':>9}{matched}")  # fmt: skip
     for s, d in zip(sparse, dense):
         fastest = min(s.p50_ms[1], d.p50_ms[1])
-        row = {"step": s.name, "test_acc": s.test_acc, "flops": s.flops, "p50_ms_sparse": s.p50_ms, "p50_ms_dense": d.p50_ms}
+        row = {
+            "step": s.name,
+            "test_acc": s.test_acc,
+            "flops": s.flops,
+            "p50_ms_sparse": s.p50_ms,
+            "p50_ms_dense": d.p50_ms,
+        }
         for name, steps in exits.items():
             accs = [e.test_acc for e in steps]
             row[f"{name}_acc_at_flops"] = _matched([e.flops for e in steps], accs, s.flops)
             row[f"{name}_acc_at_b1_latency"] = _matched([e.p50_ms[1] for e in steps], accs, fastest)
         rows.append(row)
-        cells = "".join(f" {_pct(row[f'{n}_acc_at_flops']):>16} {_pct(row[f'{n}_acc_at_b1_latency']):>13}" for n in exits)
+        cells = "".join(
+            f" {_pct(row[f'{n}_acc_at_flops']):>16} {_pct(row[f'{n}_acc_at_b1_latency']):>13}" for n in exits
+        )
         print(f"{s.name:<10} {100 * s.test_acc:6.2f}% {s.flops / 1e6:8.2f} {s.p50_ms[1]:9.3f} {d.p50_ms[1]:9.3f} "
               f"{s.p50_ms[64]:10.3f} {d.p50_ms[64]:9.3f}{cells}")  # fmt: skip
     print(f"{'run':<11} {'step':<8} {'test':>7} {'MFLOPs':>8} {'b1 ms':>9} {'b64 ms':>10}")
     for name, steps in [*exits.items(), ("plain", [plain])]:
         for e in steps:
-            print(f"{name:<11} {e.name:<8} {100 * e.test_acc:6.2f}% {e.flops / 1e6:8.2f} {e.p50_ms[1]:9.3f} {e.p50_ms[64]:10.3f}")
+            print(
+                f"{name:<11} {e.name:<8} {100 * e.test_acc:6.2f}% {e.flops / 1e6:8.2f} {e.p50_ms[1]:9.3f} {e.p50_ms[64]:10.3f}"
+            )
     ratio = sparse[0].p50_ms[1] / dense[0].p50_ms[1]
     figures = {"sact": rows, "dense_sact": [asdict(d) for d in dense], "plain": asdict(plain),
                **{name: [asdict(e) for e in steps] for name, steps in exits.items()},

@@ -34,6 +34,7 @@ RUNTIME_REQUESTS = 20_000
 def _profile(rng: np.random.Generator) -> DeviceProfile:
     latency = {}
     stage_ms = np.diff(np.concatenate([[0.0], STEP_MS]))
+
     def noise() -> np.ndarray:
         return rng.lognormal(0.0, 0.15, SAMPLES)
 
@@ -145,7 +146,9 @@ def main() -> int:
     print(f"runtime on 5 idle stages: {r['runtime_us_p50']:.1f} us per request (p99 {r['runtime_us_p99']:.1f}) vs "
           f"{r['bare_us_p50']:.1f} us bare: {r['overhead_us_per_stage']:.1f} us per stage")  # fmt: skip
     p99 = figures["adaptive"]["p99_us"]
-    return report("scheduler_overhead", args, figures, TARGET_US / p99, f">= 1 (p99 <= {TARGET_US:g} us)", p99 <= TARGET_US)
+    return report(
+        "scheduler_overhead", args, figures, TARGET_US / p99, f">= 1 (p99 <= {TARGET_US:g} us)", p99 <= TARGET_US
+    )
 
 
 if __name__ == "__main__":

@@ -106,7 +106,9 @@ def main() -> int:
     p.add_argument("--run", type=Path, default=RUN, help="a profiled run (default the CIFAR-10 multi-exit ResNet-32)")
     p.add_argument("--deadline-ms", type=float, default=DEADLINE_MS)
     p.add_argument("--load", type=float, default=LOAD, help=f"fraction of the profile's capacity (default {LOAD})")
-    p.add_argument("--threads", type=int, default=SERVER_THREADS, help=f"the server's torch threads (default {SERVER_THREADS})")
+    p.add_argument(
+        "--threads", type=int, default=SERVER_THREADS, help=f"the server's torch threads (default {SERVER_THREADS})"
+    )
     args = p.parse_args()
     scheduler, _ = scheduler_for_run(args.run)
     choice = scheduler.select(args.deadline_ms, 0.99, 1)

@@ -217,7 +217,9 @@ def main() -> int:
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure, args.root, args.batch_size, args.tv_workers, args.batches, args.threads)))
+        print(
+            json.dumps(measure(args.measure, args.root, args.batch_size, args.tv_workers, args.batches, args.threads))
+        )
         return 0
     if args.json is None and not args.quick:
         args.json = str(DEFAULT_JSON)
@@ -259,7 +261,9 @@ def main() -> int:
     for row in rows:
         for kind, label in PIPELINES.items():
             r = row[kind]
-            speed = {"shards": f"{row['speedup']:7.1f}x", "shards-workers": f"{row['speedup_workers']:7.1f}x"}.get(kind, "")
+            speed = {"shards": f"{row['speedup']:7.1f}x", "shards-workers": f"{row['speedup_workers']:7.1f}x"}.get(
+                kind, ""
+            )
             print(f"{row['size']:>8,} {label:<22} {r['images_per_s']:9.0f} {r['peak_pss_mib']:13.0f} "
                   f"{r['max_rss_main_mib']:13.0f} {speed:>8}")  # fmt: skip
     small, large = rows[0]["shards"]["peak_pss_mib"], rows[-1]["shards"]["peak_pss_mib"]

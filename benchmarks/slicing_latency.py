@@ -50,7 +50,9 @@ def _dense_at(sliced: torch.nn.Module, k: int) -> torch.nn.Module:
     for name, module in list(backbone.named_modules()):
         if isinstance(module, SlicedConv2d):
             cin, cout = shapes[name]
-            conv = torch.nn.Conv2d(cin, cout, module.kernel_size, module.stride, module.padding, bias=module.bias is not None)
+            conv = torch.nn.Conv2d(
+                cin, cout, module.kernel_size, module.stride, module.padding, bias=module.bias is not None
+            )
             with torch.no_grad():
                 conv.weight.copy_(module.weight[:cout, :cin])
             _set_module(backbone, name, conv)

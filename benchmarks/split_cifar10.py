@@ -54,7 +54,9 @@ DEVICE_CORE, SERVER_CORE = 0, 1
 
 
 def _cli(core: int | None) -> list[str]:
-    pin = [shutil.which("taskset") or "taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+    pin = (
+        [shutil.which("taskset") or "taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+    )
     return [*pin, sys.executable, "-m", "anytime"]
 
 
@@ -138,7 +140,9 @@ def main() -> int:
     p.add_argument("--run", type=Path, help=f"the multi-exit run (default {RUN.relative_to(REPO)})")
     args = p.parse_args()
     run_dir = args.run or (REPO / "runs" / "split-bench-quick" if args.quick else RUN)
-    folder = run_dir.with_name(run_dir.name + "-split-bench")  # profiles; beside the run, which holds only its own files
+    folder = run_dir.with_name(
+        run_dir.name + "-split-bench"
+    )  # profiles; beside the run, which holds only its own files
     folder.mkdir(parents=True, exist_ok=True)
     requests = 40 if args.quick else REQUESTS
     _prepare(run_dir, args.quick)

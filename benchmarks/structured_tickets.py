@@ -109,7 +109,9 @@ def main() -> int:
             figures[name][f"{label}: speedup_p50"] = float(np.median(times["dense"]) / np.median(times[name]))
     print(f"{'network':<18} {'test':>7} {'params':>9} {'nonzero':>9} {'GFLOPs':>7}")
     for name, f in figures.items():
-        print(f"{name:<18} {100 * f['test_acc']:6.2f}% {f['parameters']:9d} {f['nonzero_parameters']:9d} {f['gflops']:7.4f}")
+        print(
+            f"{name:<18} {100 * f['test_acc']:6.2f}% {f['parameters']:9d} {f['nonzero_parameters']:9d} {f['gflops']:7.4f}"
+        )
     for label in timed:
         print(f"{label} (per call): " + ", ".join(
             f"{name} p50 {f[f'{label}: p50_ms']:.3f} ms ({f[f'{label}: speedup_p50']:.2f}x)" for name, f in figures.items()))  # fmt: skip

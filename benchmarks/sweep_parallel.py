@@ -24,7 +24,9 @@ TARGET = 1.5
 
 
 def _sweep_file(folder: Path, quick: bool) -> Path:
-    model, lrs, seeds, epochs = ("lenet", [0.02, 0.05], [0, 1], 2) if quick else ("resnet20", [0.02, 0.05], [0, 1, 2], 2)
+    model, lrs, seeds, epochs = (
+        ("lenet", [0.02, 0.05], [0, 1], 2) if quick else ("resnet20", [0.02, 0.05], [0, 1, 2], 2)
+    )
     path = folder / "sweep.toml"
     path.write_text(f'[base]\nmodel = "{model}"\ndata = "digits"\nepochs = {epochs}\nbatch_size = 64\n\n'
                     f"[grid]\nlr = {lrs}\nseed = {seeds}\n")  # fmt: skip

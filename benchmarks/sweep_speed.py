@@ -77,10 +77,14 @@ def main() -> int:
     assert np.array_equal(result.accuracy, loop[0].numpy()) and np.array_equal(general[0].numpy(), loop[0].numpy())
     assert np.allclose(result.mean_flops, loop[1].numpy()) and np.array_equal(result.exit_share, loop[2].numpy())
     shared_ms, general_ms, loop_ms = (1000 * median(t) for t in (t_shared, t_general, t_loop))
-    print(f"{SETTINGS} settings x {SAMPLES} samples x {EXITS} exits ({torch.get_num_threads()} threads), medians of {rounds}:")
+    print(
+        f"{SETTINGS} settings x {SAMPLES} samples x {EXITS} exits ({torch.get_num_threads()} threads), medians of {rounds}:"
+    )
     print(f"  our shared-threshold sweep     {shared_ms:9.1f} ms")
     print(f"  our general per-exit sweep     {general_ms:9.1f} ms  ({loop_ms / general_ms:.1f}x faster than the loop)")
-    print(f"  per-setting loop in PyTorch    {loop_ms:9.1f} ms  ({loop_ms / shared_ms:.1f}x slower than the shared sweep)")
+    print(
+        f"  per-setting loop in PyTorch    {loop_ms:9.1f} ms  ({loop_ms / shared_ms:.1f}x slower than the shared sweep)"
+    )
     figures = {"shared_ms": shared_ms, "general_ms": general_ms, "loop_ms": loop_ms,
                "loop_over_general": loop_ms / general_ms, "threads": torch.get_num_threads()}  # fmt: skip
     return report("sweep_speed", args, figures, loop_ms / shared_ms, f"shared sweep < {TARGET_MS:.0f} ms",

@@ -86,7 +86,9 @@ def _serve(runners: dict[str, AnytimeRunner], sentences: list[torch.Tensor], lab
             late[name][i] = 1000 * (time.perf_counter() - start) > deadline
             right[name][i] = bool(out.predictions[0] == labels[i])
             steps[name][i] = out.step
-    first = {int(t): float(np.quantile(fastest[buckets == t], QUANTILE, method="inverted_cdf")) for t in np.unique(buckets)}
+    first = {
+        int(t): float(np.quantile(fastest[buckets == t], QUANTILE, method="inverted_cdf")) for t in np.unique(buckets)
+    }
     scored = np.array([first[int(t)] <= deadline for t in buckets])
     deeper = {n: scored & (steps[n] > 0) for n in runners}  # the requests that went past the first exit
     return {n: {"miss_rate_scored": float(late[n][scored].mean()) if scored.any() else None,

@@ -57,6 +57,7 @@ def main() -> int:
     config = TrainConfig(model="resnet20", data="digits", epochs=epochs, batch_size=64, lr=0.05, device="cpu")
     splits = load_dataset("digits", seed=config.seed)
     bare, ours, fit_wall = [], [], []
+
     def run_trainer() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
@@ -78,8 +79,10 @@ def main() -> int:
                "bare_rounds_s": bare, "trainer_rounds_s": ours, "trainer_fit_wall_median_s": median(fit_wall),
                "epochs": epochs, "rounds": rounds, "model": config.model, "data": config.data,
                "batch_size": config.batch_size, "steps_per_epoch": -(-len(splits.train) // config.batch_size)}  # fmt: skip
-    print(f"fastest rounds: trainer {min(ours):.2f} s vs bare loop {min(bare):.2f} s: {ratio:.3f}x "
-          f"(medians: {median(ours):.2f} s vs {median(bare):.2f} s: {median(ours) / median(bare):.3f}x)")
+    print(
+        f"fastest rounds: trainer {min(ours):.2f} s vs bare loop {min(bare):.2f} s: {ratio:.3f}x "
+        f"(medians: {median(ours):.2f} s vs {median(bare):.2f} s: {median(ours) / median(bare):.3f}x)"
+    )
     return report("trainer_overhead", args, figures, ratio, f"<= {TARGET}x", ratio <= TARGET)
 
 

@@ -90,9 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         write_study_config(
             out,
             study="batch-time",
-            hyper={"models": MODELS, "batch_sizes": batch_sizes, "warmup": warmup, "repeats": repeats, "lr": LR,
-                   "momentum": MOMENTUM, "device": str(device), "data": data_name, "seed": SEED,
-                   "quick": args.quick},  # fmt: skip
+            hyper={
+                "models": MODELS,
+                "batch_sizes": batch_sizes,
+                "warmup": warmup,
+                "repeats": repeats,
+                "lr": LR,
+                "momentum": MOMENTUM,
+                "device": str(device),
+                "data": data_name,
+                "seed": SEED,
+                "quick": args.quick,
+            },  # fmt: skip
             data_path=data_path,
             notes=[cache_note, "times are medians of the timed iterations; first_iteration_s is the cold start"],
         )

@@ -47,7 +47,11 @@ QUANTILE = 0.99
 
 def _test_acc(run_dir: Path) -> list[float]:
     summary = json.loads((run_dir / "summary.json").read_text())
-    return [float(e["test_acc"]) for e in summary["exits"]] if "exits" in summary else [float(summary["final"]["test_acc"])]
+    return (
+        [float(e["test_acc"]) for e in summary["exits"]]
+        if "exits" in summary
+        else [float(summary["final"]["test_acc"])]
+    )
 
 
 def _p99(profile) -> list[float]:  # type: ignore[no-untyped-def]
@@ -70,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     members, exit_run = [Path(m) for m in MEMBERS], Path(EXIT_RUN)
     quick = args.quick or not all(m.is_dir() for m in members)
     if quick and not args.quick:
-        print(f"member runs not found ({', '.join(str(m) for m in members if not m.is_dir())}): the quick study on digits")
+        print(
+            f"member runs not found ({', '.join(str(m) for m in members if not m.is_dir())}): the quick study on digits"
+        )
     repeats = 100 if quick else REPEATS
     rows: list[dict[str, object]] = []
     with (staged_dir(out_dir, "ensembles study", overwrite=args.overwrite, create_parents=create_parents) as out,
@@ -83,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             quantized = member.with_name(f"{member.name}-int8")
             if not quantized.is_dir():  # quantized beside the float run in quick mode, or refused below
                 if not quick:
-                    raise AnytimeError(f"{quantized} is missing; make it with `anytime quantize {member} --precision int8`")
+                    raise AnytimeError(
+                        f"{quantized} is missing; make it with `anytime quantize {member} --precision int8`"
+                    )
                 quantize_run(member, "int8", calibration_images=128)
         for precision in ("fp32", "int8"):
             runs = members if precision == "fp32" else [m.with_name(f"{m.name}-int8") for m in members]
@@ -105,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"kind": "member alone", "precision": precision, "step": member.name,
                              "p99_ms": _p99(alone)[-1], "test_acc": member.test_acc, "val_acc": member.val_acc})  # fmt: skip
             progress.done()
-        exits, _ = profile_run(exit_run, batch_sizes=[1], repeats=repeats, memory=False, out=out / "profiles" / "exits.json")
+        exits, _ = profile_run(
+            exit_run, batch_sizes=[1], repeats=repeats, memory=False, out=out / "profiles" / "exits.json"
+        )
         for name, latency_ms, acc in zip(exits.step_names, _p99(exits), _test_acc(exit_run)):
             rows.append({"kind": "early exits", "precision": "fp32", "step": f"{exit_run.name} {name}",
                          "p99_ms": latency_ms, "test_acc": acc, "val_acc": None})  # fmt: skip
@@ -115,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"test {100 * float(row['test_acc']):6.2f}%")  # type: ignore[arg-type]  # fmt: skip
         write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)
-        plot_ensemble_study(rows, out / "ensembles", title=f"ensembles vs members and exits (batch 1, p{int(100 * QUANTILE)})")
+        plot_ensemble_study(
+            rows, out / "ensembles", title=f"ensembles vs members and exits (batch 1, p{int(100 * QUANTILE)})"
+        )
         write_study_config(
             out, study="ensembles",
             hyper={"members": [str(m) for m in members], "exit_run": str(exit_run), "folds": FOLDS, "repeats": repeats,

@@ -105,8 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         write_study_config(
             out,
             study="memory",
-            hyper={"models": models, "batch_sizes": batch_sizes, "iterations": ITERATIONS, "workers": WORKERS,
-                   "loader_batches": loader_batches, "data_root": str(root), "quick": args.quick},  # fmt: skip
+            hyper={
+                "models": models,
+                "batch_sizes": batch_sizes,
+                "iterations": ITERATIONS,
+                "workers": WORKERS,
+                "loader_batches": loader_batches,
+                "data_root": str(root),
+                "quick": args.quick,
+            },  # fmt: skip
             data_path=root if root.exists() else None,
             notes=notes,
         )

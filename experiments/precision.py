@@ -111,7 +111,9 @@ def _exported_sizes(model: nn.Module, shape: tuple[int, ...], calibration: list[
 def _gpu_variants(model: nn.Module, shape: tuple[int, ...], scratch: Path,
                   device: torch.device) -> tuple[dict[str, Callable[[Tensor], Tensor]], dict[str, int]]:  # fmt: skip
     """The variants a CUDA GPU runs (``model`` on the CPU; the variants on ``device``) and their artifacts' sizes."""
-    sizes = _exported_sizes(model, shape, [], scratch, (("pt2", "fp32"), ("pt2", "fp16"), ("pt2", "bf16"), ("onnx", "fp32")))
+    sizes = _exported_sizes(
+        model, shape, [], scratch, (("pt2", "fp32"), ("pt2", "fp16"), ("pt2", "bf16"), ("onnx", "fp32"))
+    )
     fp16, _ = convert(model, "fp16", input_shape=shape, compile=False, device=device)
     bf16, _ = convert(model, "bf16", input_shape=shape, compile=False, device=device)
     fp16_compiled, _ = convert(model, "fp16", input_shape=shape, compile=True, device=device)
@@ -132,8 +134,13 @@ def _gpu_variants(model: nn.Module, shape: tuple[int, ...], scratch: Path,
 def _variants(model: nn.Module, shape: tuple[int, ...], calibration: list[Tensor], scratch: Path,
               qat: nn.Module | None) -> tuple[dict[str, Callable[[Tensor], Tensor]], dict[str, int]]:  # fmt: skip
     """Every CPU variant of ``model`` as a function of a batch, and each one's artifact size on disk (bytes)."""
-    sizes = _exported_sizes(model, shape, calibration, scratch,
-                            (("pt2", "fp32"), ("pt2", "int8"), ("pt2", "bf16"), ("onnx", "fp32"), ("onnx", "int8")))
+    sizes = _exported_sizes(
+        model,
+        shape,
+        calibration,
+        scratch,
+        (("pt2", "fp32"), ("pt2", "int8"), ("pt2", "bf16"), ("onnx", "fp32"), ("onnx", "int8")),
+    )
     int8, _ = convert(model, "int8", input_shape=shape, calibration=calibration, compile=True)
     bf16, _ = convert(model, "bf16", input_shape=shape, compile=False)
     variants: dict[str, Callable[[Tensor], Tensor]] = {
@@ -188,8 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     out_dir, create_parents = study_output(args, "precision")
-    tv_models, zoo_models, runs = TV_MODELS, ZOO_MODELS, [Path(r) for r in RUNS if (Path(r) / "model.safetensors").is_file()]
-    eval_images, accuracy_images, repeats, batches, qat_epochs = EVAL_IMAGES, ACCURACY_IMAGES, LATENCY_REPEATS, THROUGHPUT_BATCHES, QAT_EPOCHS
+    tv_models, zoo_models, runs = (
+        TV_MODELS,
+        ZOO_MODELS,
+        [Path(r) for r in RUNS if (Path(r) / "model.safetensors").is_file()],
+    )
+    eval_images, accuracy_images, repeats, batches, qat_epochs = (
+        EVAL_IMAGES,
+        ACCURACY_IMAGES,
+        LATENCY_REPEATS,
+        THROUGHPUT_BATCHES,
+        QAT_EPOCHS,
+    )
     if args.quick:
         tv_models, zoo_models, runs = QUICK["TV_MODELS"], QUICK["ZOO_MODELS"], runs[: QUICK["RUNS"]]
         eval_images, accuracy_images = QUICK["EVAL_IMAGES"], QUICK["ACCURACY_IMAGES"]
@@ -227,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
             run = load_run(run_dir, converted=False)
             shape = (int(run.dataset["in_channels"]), *(int(v) for v in run.dataset.get("image_size") or [32, 32]))
             splits = load_splits(run.config)
-            test = [b for b in make_loader(splits.test.sample(accuracy_images, SEED), splits.info, batch_size=256, train=False)]
+            test = [
+                b
+                for b in make_loader(
+                    splits.test.sample(accuracy_images, SEED), splits.info, batch_size=256, train=False
+                )
+            ]
             x, y = torch.cat([b[0] for b in test]), torch.cat([b[1] for b in test])
             with tempfile.TemporaryDirectory() as scratch:
                 if device.type == "cuda":
@@ -243,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                                      qat_epochs=qat_epochs, qat_lr=QAT_LR, progress=progress.say)  # fmt: skip
                         qat = load_run(copy_dir).model
                     variants, sizes = _variants(run.model, shape, calibration, Path(scratch), qat)
-                rows += _measure(run_dir.name, str(run_dir), shape, variants, sizes, x[:eval_images], (x, y), repeats, batches)
+                rows += _measure(
+                    run_dir.name, str(run_dir), shape, variants, sizes, x[:eval_images], (x, y), repeats, batches
+                )
             progress.done()
         write_csv(out / "results.csv", rows)
         write_json(out / "results.json", rows)

@@ -66,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         write_study_config(
             out,
             study="time-accuracy",
-            hyper={"models": models, "batch_size": BATCH_SIZE, "lr": LR, "limit_train": limit, "seed": SEED,
-                   "quick": args.quick},  # fmt: skip
+            hyper={
+                "models": models,
+                "batch_size": BATCH_SIZE,
+                "lr": LR,
+                "limit_train": limit,
+                "seed": SEED,
+                "quick": args.quick,
+            },  # fmt: skip
             data_path=splits.info.source,
             notes=notes,
         )

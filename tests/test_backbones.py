@@ -79,7 +79,9 @@ def test_parameter_counts_match_the_literature(name, millions):
     assert abs(count / 1e6 - millions) / millions < 0.1
 
 
-@pytest.mark.parametrize(("name", "count"), [("resnet18", 8), ("resnet50", 16), ("resnet20", 9), ("resnext29_2x64d", 9)])
+@pytest.mark.parametrize(
+    ("name", "count"), [("resnet18", 8), ("resnet50", 16), ("resnet20", 9), ("resnext29_2x64d", 9)]
+)
 def test_residual_blocks_are_branch_plus_shortcut(name, count):
     blocks = [m for m in create_model(name).eval().modules() if isinstance(m, ResidualBlock)]
     assert len(blocks) == count

@@ -233,7 +233,9 @@ def test_max_drop_calibration_meets_its_target_and_saves():
         cal = calibrate_max_drop(cache, max_drop=drop)
         assert cal.fit.accuracy >= last - drop / 100 - 1e-12
         assert cal.fit.mean_flops <= cache.cost_flops[-1]
-    assert calibrate_max_drop(cache, max_drop=5.0).fit.mean_flops < calibrate_max_drop(cache, max_drop=0.0).fit.mean_flops
+    assert (
+        calibrate_max_drop(cache, max_drop=5.0).fit.mean_flops < calibrate_max_drop(cache, max_drop=0.0).fit.mean_flops
+    )
 
 
 def test_budget_calibration_stays_within_budget():

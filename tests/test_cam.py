@@ -94,8 +94,12 @@ def test_cam_command_on_a_trained_run(exit_run, tmp_path, capsys, cli_error):
     assert "exit2: CAM on backbone.stages.2" in capsys.readouterr().out
     assert json.loads((tmp_path / "one" / "cam.json").read_text())["images"] == [str(picture)]
     cli_error(["cam", str(exit_run), "--out", str(tmp_path / "x")], "--images", "--split")
-    cli_error(["cam", str(exit_run), "--images", str(tmp_path / "missing.png"), "--out", str(tmp_path / "x")], "missing.png")
-    cli_error(["cam", str(exit_run), "--images", str(picture), "--explain", "label", "--out", str(tmp_path / "x")], "--split")
+    cli_error(
+        ["cam", str(exit_run), "--images", str(tmp_path / "missing.png"), "--out", str(tmp_path / "x")], "missing.png"
+    )
+    cli_error(
+        ["cam", str(exit_run), "--images", str(picture), "--explain", "label", "--out", str(tmp_path / "x")], "--split"
+    )
     cli_error(["cam", str(exit_run), "--split", "test", "--steps", "0,9", "--out", str(tmp_path / "x")], "step 9")
     cli_error(["cam", str(exit_run), "--split", "test", "--steps", "a", "--out", str(tmp_path / "x")], "--steps")
     assert not (tmp_path / "x").exists()
@@ -106,4 +110,6 @@ def test_cam_command_on_a_trained_run(exit_run, tmp_path, capsys, cli_error):
     assert (mine / "cam.png").read_bytes() == b"my own figure" and sorted(p.name for p in mine.iterdir()) == ["cam.png"]
     assert main(["cam", str(exit_run), "--split", "test", "--count", "2", "--out", str(out)]) == 0  # its own: replaced
     (out / "notes.txt").write_text("mine")
-    cli_error(["cam", str(exit_run), "--split", "test", "--count", "2", "--out", str(out)], "did not write", "notes.txt")
+    cli_error(
+        ["cam", str(exit_run), "--split", "test", "--count", "2", "--out", str(out)], "did not write", "notes.txt"
+    )

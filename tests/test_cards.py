@@ -26,7 +26,9 @@ def test_shipped_cards_are_valid(path):
 
 
 def test_the_demo_trains_its_card():
-    assert load_card(Path(__file__).resolve().parents[1] / "models" / "digits-resnet20-exits.toml").config == DEMO_CONFIG
+    assert (
+        load_card(Path(__file__).resolve().parents[1] / "models" / "digits-resnet20-exits.toml").config == DEMO_CONFIG
+    )
 
 
 def _card(tmp_path, text):

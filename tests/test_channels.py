@@ -82,7 +82,9 @@ def test_a_second_round_prunes_among_the_survivors_and_counts_from_the_dense_net
 
 def test_bad_plans_are_refused(tmp_path):
     with pytest.raises(AnytimeError, match="not a readable channel plan"):
-        ChannelPlan.from_dict({"format": "anytime-channels-v1", "keep": {"a": {"out": [1, 1], "in": None}}, "groups": {}}, "p")
+        ChannelPlan.from_dict(
+            {"format": "anytime-channels-v1", "keep": {"a": {"out": [1, 1], "in": None}}, "groups": {}}, "p"
+        )
     plan = ChannelPlan({"nowhere.conv": ((0,), None)}, {"nowhere.conv": 4})
     with pytest.raises(AnytimeError, match="another architecture"):
         shrink(create_model("lenet"), plan)

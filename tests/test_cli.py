@@ -86,7 +86,12 @@ def test_train_takes_the_fast_recipe_knobs_and_refuses_bad_ones(capsys, tmp_path
     assert code == 0 and "augment    none, cutout 8" in out and "test with mirror" in out
     train = json.loads((run / "config.json").read_text())["train"]
     assert (train["augment"], train["cutout"], train["schedule"], train["ema"], train["nesterov"]) == (
-        "none", 8, "onecycle", 0.9, True)
+        "none",
+        8,
+        "onecycle",
+        0.9,
+        True,
+    )
     code, _, err = _run(capsys, "train", "--model", "lenet", "--ema", "1.5", "--out", str(tmp_path / "bad"))
     _assert_one_line_error(code, err, "--ema", "0.999")
     code, _, err = _run(capsys, "train", "--model", "lenet", "--warmup", "1", "--out", str(tmp_path / "bad"))
@@ -99,7 +104,11 @@ def test_train_takes_the_fast_recipe_knobs_and_refuses_bad_ones(capsys, tmp_path
                       "--gradient-equilibrium", "--norm-bias-lr-scale", "4", "--epochs", "1", "--limit-train", "300",
                       "--out", str(exits), "--no-progress")  # fmt: skip
     train = json.loads((exits / "config.json").read_text())["train"]
-    assert code == 0 and (train["exit_head"], train["gradient_equilibrium"], train["norm_bias_lr_scale"]) == ("scaled", True, 4.0)
+    assert code == 0 and (train["exit_head"], train["gradient_equilibrium"], train["norm_bias_lr_scale"]) == (
+        "scaled",
+        True,
+        4.0,
+    )
 
 
 def test_train_from_a_card_with_overrides(capsys, tmp_path):

@@ -51,8 +51,17 @@ def test_digits_shapes_and_info(digits) -> None:
     assert digits.split("val") is digits.val
     with pytest.raises(AnytimeError):
         digits.split("validation")
-    assert set(DATASETS) == {"digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2",
-                             "textfolder"}
+    assert set(DATASETS) == {
+        "digits",
+        "cifar10",
+        "cifar100",
+        "folder",
+        "synthetic",
+        "shards",
+        "folder-stream",
+        "sst2",
+        "textfolder",
+    }
     assert info.to_dict()["classes"][0] == "0"
 
 
@@ -141,9 +150,7 @@ def test_random_crop_flip_content() -> None:
     out = random_crop_flip(x, padding=2, hflip=False, generator=torch.Generator().manual_seed(2))
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     for i in range(16):
-        assert any(
-            torch.equal(out[i], padded[i, :, dy : dy + 8, dx : dx + 8]) for dy in range(5) for dx in range(5)
-        )
+        assert any(torch.equal(out[i], padded[i, :, dy : dy + 8, dx : dx + 8]) for dy in range(5) for dx in range(5))
     assert out.dtype == torch.uint8
 
 
@@ -165,9 +172,10 @@ def test_loader_batches(digits) -> None:
     x, y = batches[0]
     assert x.shape == (100, 1, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert sum(len(b[1]) for b in batches) == len(digits.train)
-    assert make_loader(digits.train, digits.info, batch_size=100, train=True, drop_last=True).__len__() == len(
-        digits.train
-    ) // 100
+    assert (
+        make_loader(digits.train, digits.info, batch_size=100, train=True, drop_last=True).__len__()
+        == len(digits.train) // 100
+    )
     plain = torch.cat([x for x, _ in make_loader(digits.train, digits.info, batch_size=256, train=False)])
     assert abs(plain.mean().item()) < 0.01 and abs(plain.std().item() - 1) < 0.01
 
@@ -256,7 +264,8 @@ def test_the_loader_cuts_out_in_the_dataset_s_mean_colour_after_the_crops(digits
     info = DatasetInfo(**{**digits.info.__dict__, "mean": (0.5,), "std": (1 / 255,)})
     augment = Augment("none", 0, 3)
     assert augment.describe() == "none, cutout 3" and Augment("crop+flip", 2, 12).describe() == (
-        "crop+flip (padding 2), cutout 12")
+        "crop+flip (padding 2), cutout 12"
+    )
     with pytest.raises(AnytimeError, match="cutout"):
         Augment("crop", 2, -4)
     loader = make_loader(digits.train, info, batch_size=len(digits.train), train=True, augment=augment)
@@ -289,7 +298,10 @@ def test_digits_are_never_flipped(digits) -> None:
 
 
 def _write_tree(
-    root: Path, classes: tuple[str, ...] = ("cat", "dog", "owl"), per_class: int = 4, size: tuple[int, int] = (12, 10),
+    root: Path,
+    classes: tuple[str, ...] = ("cat", "dog", "owl"),
+    per_class: int = 4,
+    size: tuple[int, int] = (12, 10),
     mode: str = "RGB",
 ) -> None:
     rng = np.random.default_rng(0)
@@ -521,7 +533,11 @@ def test_a_sample_of_a_class_ordered_split_covers_every_class():
     labels = torch.arange(10).repeat_interleave(100)  # stored class by class, as an image folder's test split
     split = Split("test", torch.zeros(1000, 1, 2, 2, dtype=torch.uint8), labels, torch.arange(1000))
     a, b = split.sample(200, seed=3), split.sample(200, seed=3)
-    assert len(a) == 200 and torch.equal(a.labels, b.labels) and not torch.equal(a.labels, split.sample(200, seed=4).labels)
+    assert (
+        len(a) == 200
+        and torch.equal(a.labels, b.labels)
+        and not torch.equal(a.labels, split.sample(200, seed=4).labels)
+    )
     assert set(a.labels[:50].tolist()) == set(range(10))  # even a prefix is spread over the classes
     assert torch.equal(labels[a.indices], a.labels) and len(set(a.indices.tolist())) == 200
     assert split.sample(None) is split and split.sample(5000) is split

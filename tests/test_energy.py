@@ -202,7 +202,9 @@ def test_a_jetson_reader_prefers_the_board_input_rail_else_sums_the_rails(tmp_pa
     clock = FakeClock()
     _jetpack5(tmp_path / "orin", [("VDD_IN", 5000, 1200), ("VDD_GPU_SOC", 5000, 400)])
     reader = open_jetson_reader(tmp_path / "orin", clock=clock, background=False, power_mode="15W")
-    assert reader.source.reader == "jetson-ina" and "VDD_IN," in reader.source.detail and reader.source.power_mode == "15W"
+    assert (
+        reader.source.reader == "jetson-ina" and "VDD_IN," in reader.source.detail and reader.source.power_mode == "15W"
+    )
     clock.advance(2000)
     assert reader.read_j() == pytest.approx(12.0)  # 6 W for 2 s: the input rail alone, not 6 + 2
     _jetpack5(tmp_path / "other", [("VDD_GPU_SOC", 5000, 400), ("VDD_CPU_CV", 5000, 200)])
@@ -272,7 +274,9 @@ class QuantisedCounter:
 
 def test_windows_grow_until_a_coarse_counter_resolves_the_step():
     clock = FakeClock()
-    counter = QuantisedCounter(quantum_j=0.01, per_call_j=0.001, call_ms=0.1, clock=clock)  # 1 mJ per call, 10 mJ quanta
+    counter = QuantisedCounter(
+        quantum_j=0.01, per_call_j=0.001, call_ms=0.1, clock=clock
+    )  # 1 mJ per call, 10 mJ quanta
     settings = EnergySettings(windows=10, min_window_s=0.05, max_window_s=100.0, min_quanta=100, idle_s=0)
     windows = measure_energy(counter.work, counter, 2, settings, clock=clock)
     assert windows.calls >= 1000 and len(windows.joules) == 10  # >= 100 quanta = 1 J per window
@@ -528,11 +532,15 @@ def test_profile_with_energy_schedule_and_plot_commands(energy_run, capsys, monk
     out = capsys.readouterr().out
     assert "mJ mean" in out and "path mJ" in out and "energy: test" in out
     # Budgets no load can break: a day and a megajoule (the meter's figures follow the machine's speed).
-    assert main(["schedule", str(energy_run), "--deadline-ms", "8.64e7", "--quantile", "0.9", "--energy-mj", "1e9"]) == 0
+    assert (
+        main(["schedule", str(energy_run), "--deadline-ms", "8.64e7", "--quantile", "0.9", "--energy-mj", "1e9"]) == 0
+    )
     answer = json.loads(capsys.readouterr().out)
     assert answer["fits"] and answer["energy_budget_mj"] == 1e9 and answer["energy_mj"] <= 1e9
     assert all("energy_mj" in point for point in answer["frontier"])
-    assert main(["schedule", str(energy_run), "--deadline-ms", "8.64e7", "--quantile", "0.9", "--energy-mj", "1e-9"]) == 0
+    assert (
+        main(["schedule", str(energy_run), "--deadline-ms", "8.64e7", "--quantile", "0.9", "--energy-mj", "1e-9"]) == 0
+    )
     answer = json.loads(capsys.readouterr().out)
     assert not answer["fits"] and "energy budget" in answer["note"]
     assert main(["plot", str(energy_run), "--json"]) == 0
@@ -549,9 +557,13 @@ def test_profile_with_energy_schedule_and_plot_commands(energy_run, capsys, monk
 def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path, monkeypatch):
     monkeypatch.setattr(energy_module, "RAPL_ROOT", tmp_path / "powercap")
     monkeypatch.setattr(energy_module, "INA_ROOT", tmp_path / "i2c")
-    cli_error(["profile", str(exit_run), "--energy", "--out", str(tmp_path / "p.json")], "no readable energy source", "RAPL")
+    cli_error(
+        ["profile", str(exit_run), "--energy", "--out", str(tmp_path / "p.json")], "no readable energy source", "RAPL"
+    )
     assert not (tmp_path / "p.json").exists()
-    cli_error(["profile", str(exit_run), "--energy", "--energy-window-s", "-1", "--out", str(tmp_path / "p.json")], "window")
+    cli_error(
+        ["profile", str(exit_run), "--energy", "--energy-window-s", "-1", "--out", str(tmp_path / "p.json")], "window"
+    )
     cli_error(["profile", str(exit_run), "--energy", "--trtexec-times", str(tmp_path)], "--energy", "board")
     for bad in ("nan", "-5", "0", "inf"):
         cli_error(["schedule", str(energy_run), "--deadline-ms", "10", "--energy-mj", bad], "energy budget")
@@ -560,4 +572,8 @@ def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path,
     from anytime.tasks.pipeline import profile_run
 
     profile_run(plain, batch_sizes=[1], repeats=5, warmup=1, memory=False)
-    cli_error(["schedule", str(plain), "--deadline-ms", "10", "--quantile", "0.5", "--energy-mj", "5"], "no energy figures", "--energy")
+    cli_error(
+        ["schedule", str(plain), "--deadline-ms", "10", "--quantile", "0.5", "--energy-mj", "5"],
+        "no energy figures",
+        "--energy",
+    )

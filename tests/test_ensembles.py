@@ -179,7 +179,10 @@ def test_step_k_fuses_the_first_k_members_as_by_hand():
             by_hand = model.bank.fusers[k](torch.stack([m(x).log_softmax(-1) for m in members[: k + 1]]))
             assert torch.allclose(model.forward_until(x, k), by_hand, atol=1e-6)
             assert torch.allclose(all_steps[k], by_hand, atol=1e-6)
-    assert [e.flops for e in model.exit_info][:2] == [100 + model.bank.fusers[0].flops(), 300 + model.bank.fusers[1].flops()]
+    assert [e.flops for e in model.exit_info][:2] == [
+        100 + model.bank.fusers[0].flops(),
+        300 + model.bank.fusers[1].flops(),
+    ]
     assert model.exit_info[2].cost_flops == 600 + sum(f.flops() for f in model.bank.fusers)
     with pytest.raises(AnytimeError, match="out of range"):
         model.forward_until(x, 3)
@@ -358,7 +361,10 @@ def test_ensemble_baseline_refuses_bad_requests_in_one_line(tmp_path, cli_error)
     base = ["ensemble-baseline", "--model", "lenet", "--out", str(tmp_path / "B")]
     cli_error([*base, "--method", "snapshot", "--estimators", "2", "--epochs", "3"], "multiple of --estimators")
     cli_error([*base, "--method", "voting", "--estimators", "1", "--epochs", "2"], "at least 2 estimators")
-    cli_error([*base, "--method", "gradient-boosting", "--estimators", "2", "--epochs", "1", "--shrinkage", "0"], "--shrinkage")
+    cli_error(
+        [*base, "--method", "gradient-boosting", "--estimators", "2", "--epochs", "1", "--shrinkage", "0"],
+        "--shrinkage",
+    )
     assert not (tmp_path / "B").exists()
     from anytime.tasks.baseline import train_baseline
 

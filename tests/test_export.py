@@ -151,7 +151,9 @@ def test_a_compiled_policy_skips_heads_nobody_leaves_at_and_leaves_other_policie
 
 
 @pytest.mark.parametrize("alone_is_faster", [True, False])
-def test_a_batch_of_one_runs_each_graph_on_one_thread_where_that_measured_faster(alone_is_faster, tmp_path, monkeypatch):
+def test_a_batch_of_one_runs_each_graph_on_one_thread_where_that_measured_faster(
+    alone_is_faster, tmp_path, monkeypatch
+):
     from anytime.calibrate import ExitPolicy
 
     _export(_families()["exits"], "onnx", tmp_path / "export")
@@ -268,7 +270,9 @@ class _Wide(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        self.body = nn.Sequential(
+            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -345,9 +349,16 @@ def test_export_of_a_run_writes_manifest_and_parity_table(exported_run):
     assert [r.step for r in report.parity] == list(range(manifest.num_steps))
     for row in report.parity:
         assert row.images == 200 and row.top1_agreement >= 0.9 and row.max_abs_err > 0
-        assert row.eager_p50_ms > 0 and row.artifact_images_per_s > 0 and row.input_shape == "x".join(map(str, manifest.input_shape))
+        assert (
+            row.eager_p50_ms > 0
+            and row.artifact_images_per_s > 0
+            and row.input_shape == "x".join(map(str, manifest.input_shape))
+        )
     table = (report.out / "parity.csv").read_text().splitlines()
-    assert table[0].startswith("step,dtype,input_shape,images,max_abs_err,top1_agreement") and len(table) == 1 + manifest.num_steps
+    assert (
+        table[0].startswith("step,dtype,input_shape,images,max_abs_err,top1_agreement")
+        and len(table) == 1 + manifest.num_steps
+    )
 
 
 def test_fp32_export_of_a_run_agrees_with_eager_on_test_images(exit_run, tmp_path, capsys):
@@ -412,7 +423,9 @@ def test_a_pt2_archive_with_pickled_payloads_is_refused_before_loading(tmp_path)
 
 
 def test_export_refuses_bad_requests_in_one_line(exit_run, exported_run, tmp_path, cli_error, monkeypatch):
-    cli_error(["export", str(tmp_path / "nothing"), "--format", "pt2", "--out", str(tmp_path / "e")], "no run directory")
+    cli_error(
+        ["export", str(tmp_path / "nothing"), "--format", "pt2", "--out", str(tmp_path / "e")], "no run directory"
+    )
     cli_error(["export", str(exit_run), "--format", "onnx", "--precision", "bf16", "--out", str(tmp_path / "e")],
               "onnx artifacts are exported at fp32, int8")  # fmt: skip
     _, report = exported_run
@@ -432,7 +445,9 @@ def test_export_refuses_bad_requests_in_one_line(exit_run, exported_run, tmp_pat
 
     monkeypatch.setattr(builtins, "__import__", without_onnxruntime)
     cli_error(["profile", str(report.out), "--no-memory"], "pip install 'anytime[deploy]'")
-    cli_error(["export", str(exit_run), "--format", "onnx", "--out", str(tmp_path / "e")], "pip install 'anytime[deploy]'")
+    cli_error(
+        ["export", str(exit_run), "--format", "onnx", "--out", str(tmp_path / "e")], "pip install 'anytime[deploy]'"
+    )
     assert not (tmp_path / "e").exists()
 
 
@@ -476,7 +491,9 @@ def test_trtexec_timings_become_a_profile_of_the_export(exported_run, tmp_path, 
     assert profile.step_quantile(0, 0.5) == pytest.approx(1.0 + 2.0 + 0.02 * 59, abs=0.03)
     assert profile.step_quantile(1, 0.5) == pytest.approx(1.0 + 3.0 + 4.0 + 0.03 * 59, abs=0.05)
     (times / f"{Path(manifest.parts[0].file).stem}.json").write_text("[{}]")
-    cli_error(["profile", str(report.out), "--trtexec-times", str(times), "--out", str(tmp_path / "b2.json")], "exportTimes")
+    cli_error(
+        ["profile", str(report.out), "--trtexec-times", str(times), "--out", str(tmp_path / "b2.json")], "exportTimes"
+    )
     cli_error(["profile", str(report.out), "--trtexec-times", str(tmp_path / "none"), "--out", str(tmp_path / "b3.json")],
               "missing")  # fmt: skip
 

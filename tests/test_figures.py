@@ -37,7 +37,9 @@ def test_panels_sit_side_by_side_on_screen_and_wrap_at_a_papers_width():
 
 
 def test_a_column_figure_is_a_column_wide_with_its_text_fitted(tmp_path):
-    long_title = "fastcnn on cifar10: accuracy of every exit against the mean FLOPs per sample (5000 validation samples)"
+    long_title = (
+        "fastcnn on cifar10: accuracy of every exit against the mean FLOPs per sample (5000 validation samples)"
+    )
     with figure_size("column"):
         fig, (ax,) = panels(1, (7, 4.8))
         for k in range(6):

@@ -205,7 +205,8 @@ def test_pooled_exit_heads_fold_into_one_module_and_answer_the_same(head):
         converted = inference_form(model, InferenceForm.parse(form))
         fused = [m for h in converted.heads for m in h.modules() if isinstance(m, PooledLinear)]
         assert len(fused) == len(converted.heads) and not any(
-            isinstance(m, nn.AdaptiveAvgPool2d) for h in converted.heads for m in h.modules())
+            isinstance(m, nn.AdaptiveAvgPool2d) for h in converted.heads for m in h.modules()
+        )
         for batch in (1, 3):
             x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
             if form.endswith("channels-last"):

@@ -31,7 +31,12 @@ def _grid(tmp_path: Path) -> Path:
 def test_a_grid_is_the_product_of_its_lists(tmp_path):
     sweep = load_sweep(_grid(tmp_path), tmp_path / "out")
     assert [job.name for job in sweep.jobs] == ["lr=0.02_seed=0", "lr=0.02_seed=1", "lr=0.05_seed=0", "lr=0.05_seed=1"]
-    assert {(job.config["lr"], job.config["seed"]) for job in sweep.jobs} == {(0.02, 0), (0.02, 1), (0.05, 0), (0.05, 1)}
+    assert {(job.config["lr"], job.config["seed"]) for job in sweep.jobs} == {
+        (0.02, 0),
+        (0.02, 1),
+        (0.05, 0),
+        (0.05, 1),
+    }
     assert all(job.config["epochs"] == 2 and job.config["model"] == "lenet" for job in sweep.jobs)
     assert sweep.jobs[0].run_dir == str(tmp_path / "out" / "lr=0.02_seed=0")
     assert numeric_axis([]) is None

@@ -111,7 +111,8 @@ def test_width_slicing_is_refused_in_one_line():
 
 # int8 through torch.export takes 20 s here: left to `make test-slow` (int8 through ONNX covers the packed scales)
 @pytest.mark.parametrize(
-    ("precision", "fmt"), [("fp32", "pt2"), ("fp32", "onnx"), ("int8", "onnx"), pytest.param("int8", "pt2", marks=pytest.mark.slow)]
+    ("precision", "fmt"),
+    [("fp32", "pt2"), ("fp32", "onnx"), ("int8", "onnx"), pytest.param("int8", "pt2", marks=pytest.mark.slow)],
 )
 def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, precision, tmp_path):
     pytest.importorskip("onnxruntime")

@@ -57,7 +57,9 @@ def _requirements() -> dict[str, list[str]]:
     cfg.read(REPO / "setup.cfg")
     groups = {"core": cfg["options"]["install_requires"]}
     groups.update(cfg["options.extras_require"])
-    return {group: [line.strip() for line in text.strip().splitlines() if line.strip()] for group, text in groups.items()}
+    return {
+        group: [line.strip() for line in text.strip().splitlines() if line.strip()] for group, text in groups.items()
+    }
 
 
 def _name(requirement: str) -> str:

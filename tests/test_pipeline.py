@@ -199,8 +199,9 @@ def test_plots(collected):
     names = {p.name for p in report.paths}
     assert {"pareto.png", "pareto.svg", "threshold.png", "exit_histogram.png", "exit_accuracy.png"} <= names
     assert all(p.stat().st_size > 1000 for p in report.paths)
-    assert report.skipped == [f"deadline plots: {collected} has no device profile; measure one with "
-                              f"`anytime profile {collected}`"]
+    assert report.skipped == [
+        f"deadline plots: {collected} has no device profile; measure one with `anytime profile {collected}`"
+    ]
 
 
 def test_plots_at_a_papers_column_width_go_beside_the_screen_ones(collected, tmp_path, capsys):
@@ -277,8 +278,10 @@ def test_heads_only_training_keeps_the_backbone(tmp_path, capsys):
         (["train", "--exits", "stages.9", "--epochs", "1"], ["no exit point named 'stages.9'"]),
         (["train", "--exits", "auto", "--exit-mode", "heads-only", "--epochs", "1"], ["--init"]),
         (["train", "--exit-weights", "1,x", "--exits", "auto"], ["--exit-weights"]),
-        (["train", "--model", "resnet20", "--exits", "auto", "--exit-weights", "1,1", "--epochs", "1"],
-         ["2 exit weights given for 3 exits"]),
+        (
+            ["train", "--model", "resnet20", "--exits", "auto", "--exit-weights", "1,1", "--epochs", "1"],
+            ["2 exit weights given for 3 exits"],
+        ),
         (["train", "--distill", "0.5", "--epochs", "1"], ["needs --exits"]),
         (["exits", "resnet21"], ["unknown model 'resnet21'", "resnet20"]),
         (["exits", "resnet20", "--exits", "1.5"], ["fractions"]),
@@ -316,7 +319,11 @@ def test_pipeline_errors_are_one_line(capsys, tmp_path, exit_run, collected):
     code, _, err = _run(capsys, "evaluate", collected, "--calibration", other)
     _one_line_error(code, err, "fit on another model")
     calibrate_run(collected, max_drop=1.0, out=other)
-    for bad, words in (([float("nan"), 0.5], ["finite"]), ([0.5, 7.0], ["outside", "entropy"]), ([0.5], ["thresholds"])):
+    for bad, words in (
+        ([float("nan"), 0.5], ["finite"]),
+        ([0.5, 7.0], ["outside", "entropy"]),
+        ([0.5], ["thresholds"]),
+    ):
         report = json.loads(other.read_text())
         report["policy"]["thresholds"] = bad
         other.write_text(json.dumps(report))
@@ -358,7 +365,12 @@ def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, caps
     out = tmp_path / "calibration-selected.json"
     report = calibrate_run(collected, max_drop=1.0, select=True, profile=profile_path, out=out)
     selection = report["selection"]
-    assert len(selection["subsets"]) == 4 and {tuple(s["exits"]) for s in selection["subsets"]} == {(), (0,), (1,), (0, 1)}
+    assert len(selection["subsets"]) == 4 and {tuple(s["exits"]) for s in selection["subsets"]} == {
+        (),
+        (0,),
+        (1,),
+        (0, 1),
+    }
     best = min(selection["subsets"], key=lambda s: s["val_mean_ms"])
     assert selection["exits"] == best["exits"] and best["reaches_target"]
     assert [k for k, t in enumerate(report["policy"]["thresholds"]) if t is not None] == selection["exits"]

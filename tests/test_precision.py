@@ -322,7 +322,10 @@ def _weights_quantized(converted) -> int:
     count = 0
     for part in converted.parts:
         for node in part.graph.nodes:
-            if node.op == "call_function" and node.target in (torch.ops.aten.conv2d.default, torch.ops.aten.linear.default):
+            if node.op == "call_function" and node.target in (
+                torch.ops.aten.conv2d.default,
+                torch.ops.aten.linear.default,
+            ):
                 weight = node.args[1]
                 count += getattr(weight, "op", "") == "call_function" and "dequantize" in str(weight.target)
     return count
@@ -334,7 +337,9 @@ def test_layers_kept_in_float_are_left_out_of_the_int8_graphs(calibration):
     model = _families()["exits"].eval()
     first = quantizable_layers(model)[0]
     plain, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
-    kept, state = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False, float_layers=[first])
+    kept, state = convert(
+        model, "int8", input_shape=SHAPE, calibration=calibration, compile=False, float_layers=[first]
+    )
     assert _weights_quantized(kept) == _weights_quantized(plain) - 1 and kept.spec.float_layers == (first,)
     again, _ = convert(model, "int8", input_shape=SHAPE, state=state, compile=False, float_layers=[first])
     x = torch.randn(4, *SHAPE)
@@ -392,8 +397,11 @@ def test_layers_go_back_to_float_by_agreement_bought_per_weight(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 2), torch.nn.Linear(2, 2))  # 1600, 80, 4
     # simulated agreement: layer 0 in float buys the most, layer 1 less but for 20x fewer weights, layer 2 nothing
     worth = {"0": 0.05, "1": 0.04, "2": 0.0}
-    monkeypatch.setattr(tuning, "_simulated_agreement",
-                        lambda _m, quantized, *_: 0.9 + sum(v for n, v in worth.items() if n not in quantized))
+    monkeypatch.setattr(
+        tuning,
+        "_simulated_agreement",
+        lambda _m, quantized, *_: 0.9 + sum(v for n, v in worth.items() if n not in quantized),
+    )
     ranking = [tuning.LayerSensitivity(n, a) for n, a in (("0", 0.9), ("1", 0.91), ("2", 1.0))]
     order, simulated = tuning._cheapest_order(model, {}, 256, torch.zeros(1), [], ranking, 3)
     assert order == ["1", "0", "2"]  # the small layer first; the useless one last, by the single-layer ranking

@@ -126,7 +126,9 @@ def test_an_empty_folder_of_the_user_is_filled_and_kept(tmp_path):
 
 
 def test_a_missing_parent_is_refused_unless_it_is_the_default(tmp_path, monkeypatch, cli_error):
-    cli_error(_train(tmp_path / "no" / "such" / "run", "--epochs", "1"), str(tmp_path / "no" / "such"), "does not exist")
+    cli_error(
+        _train(tmp_path / "no" / "such" / "run", "--epochs", "1"), str(tmp_path / "no" / "such"), "does not exist"
+    )
     assert not (tmp_path / "no").exists()
     monkeypatch.chdir(tmp_path)
     assert check_output_dir(Path("runs") / "x", "run", create_parents=True) is DirState.NEW
@@ -165,7 +167,9 @@ def test_calibrate_never_overwrites_a_users_file(ok, copied_run, tmp_path, cli_e
     ok(["collect", str(copied_run)])
     mine = tmp_path / "thresholds.json"
     mine.write_text("[0.1, 0.2]")
-    cli_error(["calibrate", str(copied_run), "--max-drop", "1", "--out", str(mine)], str(mine), "not an anytime calibration")
+    cli_error(
+        ["calibrate", str(copied_run), "--max-drop", "1", "--out", str(mine)], str(mine), "not an anytime calibration"
+    )
     assert mine.read_text() == "[0.1, 0.2]"
     ours = tmp_path / "cal.json"
     ok(["calibrate", str(copied_run), "--max-drop", "1", "--out", str(ours)])
@@ -222,7 +226,9 @@ def test_a_disk_that_fills_during_training_keeps_the_last_epoch(ok, tmp_path, mo
         calls.append(path)
         if len(calls) == 2:  # what torch.save raises when the disk is full
             Path(path).write_bytes(b"partial")
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/3: file write failed")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/3: file write failed"
+            )
         real_save(obj, path)
 
     monkeypatch.setattr(checkpoint.torch, "save", save)
@@ -299,7 +305,9 @@ def test_a_second_writer_of_the_same_result_is_refused(ok, copied_run, cli_error
     ok(["collect", str(copied_run)])
     target = copied_run / "calibration.json"
     with output_lock(target, command="anytime calibrate (another)"):
-        cli_error(["calibrate", str(copied_run), "--max-drop", "1"], "another anytime process", str(os.getpid()), str(target))
+        cli_error(
+            ["calibrate", str(copied_run), "--max-drop", "1"], "another anytime process", str(os.getpid()), str(target)
+        )
     assert not target.exists()
     ok(["calibrate", str(copied_run), "--max-drop", "1"])
     assert _leftovers(copied_run) == []
@@ -337,8 +345,13 @@ def test_a_checkpoint_with_code_is_refused_with_safe_advice(tmp_path, cli_error)
     run = tmp_path / "run"
     run.mkdir()
     torch.save({"format": "anytime-checkpoint-v1", "config": Payload()}, run / "checkpoint.pt")
-    for argv in (_train(run, "--epochs", "2", "--resume"), _train(tmp_path / "new", "--epochs", "1", "--init", str(run / "checkpoint.pt"))):
-        cli_error(argv, "holds code", "posix.system", "do not load it with weights_only=False unless you trust its source")
+    for argv in (
+        _train(run, "--epochs", "2", "--resume"),
+        _train(tmp_path / "new", "--epochs", "1", "--init", str(run / "checkpoint.pt")),
+    ):
+        cli_error(
+            argv, "holds code", "posix.system", "do not load it with weights_only=False unless you trust its source"
+        )
     assert not witness.exists()
 
 
@@ -373,7 +386,9 @@ def test_plot_says_why_deadline_plots_are_missing(ok, copied_run, tmp_path, caps
 
     shutil.rmtree(copied_run / "plots")
     bad = tmp_path / "other.json"
-    bad.write_text(json.dumps({**json.loads((copied_run / "profile-cpu-copy.json").read_text()), "model_fingerprint": "0" * 16}))
+    bad.write_text(
+        json.dumps({**json.loads((copied_run / "profile-cpu-copy.json").read_text()), "model_fingerprint": "0" * 16})
+    )
     cli_error(["plot", str(copied_run), "--profile", str(bad)], str(bad))
     assert not (copied_run / "plots").exists(), "no part of the figure set may be written before failing"
     assert _leftovers(copied_run) == []

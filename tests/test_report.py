@@ -20,7 +20,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--enable-logging=stderr", "--v=0"]  # fmt: skip
 
 
-
 def test_a_run_with_nothing_yet_gets_a_page_that_names_the_command_for_each_section(exit_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(exit_run, run)
@@ -31,7 +30,12 @@ def test_a_run_with_nothing_yet_gets_a_page_that_names_the_command_for_each_sect
     for key in SECTIONS:
         assert f'id="{key}"' in page
     missing = " ".join(answer["missing"])
-    for command in (f"anytime collect {run}", f"anytime calibrate {run}", f"anytime profile {run}", f"anytime plot {run}"):
+    for command in (
+        f"anytime collect {run}",
+        f"anytime calibrate {run}",
+        f"anytime profile {run}",
+        f"anytime plot {run}",
+    ):
         assert command in missing and command in page
     assert "http://" not in page and "https://" not in page  # self-contained
     from anytime.utils.outputs import RUN, check_replaceable
@@ -91,7 +95,9 @@ def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_ru
     plot_run(run)
     assert main(["report", str(run)]) == 0
     page = (run / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 7  # training, Pareto, reliability, classes, histogram, latency, deadlines and "Not in this run yet" not in page
+    assert (
+        page.count("data:image/png;base64,") == 7
+    )  # training, Pareto, reliability, classes, histogram, latency, deadlines and "Not in this run yet" not in page
     assert re.search(r"\d+\.\d\d% \[\d+\.\d, \d+\.\d\]", page)  # accuracies with their intervals
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run installs it)")

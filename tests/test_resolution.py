@@ -32,7 +32,9 @@ def test_a_resize_and_a_crop_see_what_they_should():
 
 
 def test_every_resolution_keeps_its_own_batch_norm_statistics():
-    ladder = ResolutionLadder(create_model("resnet20"), parse_resolutions("16,24,32", (32, 32)), input_shape=(3, 32, 32))
+    ladder = ResolutionLadder(
+        create_model("resnet20"), parse_resolutions("16,24,32", (32, 32)), input_shape=(3, 32, 32)
+    )
     norms = [m for m in ladder.modules() if isinstance(m, ResolutionBatchNorm)]
     assert norms and all(len(n.norms) == 3 for n in norms)
     assert [e.name for e in ladder.exit_info] == ["16px", "24px", "32px"]
@@ -49,7 +51,9 @@ def test_every_resolution_keeps_its_own_batch_norm_statistics():
 
 def test_ladders_that_cannot_work_are_refused():
     with pytest.raises(AnytimeError, match="no batch norm"):
-        ResolutionLadder(create_model("lenet", in_channels=1), parse_resolutions("16,28", (28, 28)), input_shape=(1, 28, 28))
+        ResolutionLadder(
+            create_model("lenet", in_channels=1), parse_resolutions("16,28", (28, 28)), input_shape=(1, 28, 28)
+        )
     with pytest.raises(AnytimeError, match="cheapest first"):
         ResolutionLadder(create_model("resnet20"), parse_resolutions("32,16", (32, 32)), input_shape=(3, 32, 32))
     with pytest.raises(AnytimeError, match="a family of its own"):

@@ -101,7 +101,9 @@ def test_observing_a_policy_needs_the_exit_it_reached():
 
 
 def test_a_policy_costs_the_mixture_of_its_exit_paths():
-    profile = make_profile([1.0, 2.0, 3.0], stage_ms=[1.0, 1.0, 1.0], batch_sizes=(1, 2))  # paths: 1, 2, 3 ms (x2 at batch 2)
+    profile = make_profile(
+        [1.0, 2.0, 3.0], stage_ms=[1.0, 1.0, 1.0], batch_sizes=(1, 2)
+    )  # paths: 1, 2, 3 ms (x2 at batch 2)
     policy = ExitPolicy("confidence", (0.9, 0.9))
     option = Option("early-exit", 0.85, policy=policy, exit_share=(0.6, 0.3, 0.1))
     scheduler = DeadlineScheduler.from_accuracies(profile, [0.6, 0.8, 0.9], [option])
@@ -683,7 +685,10 @@ def test_the_runtime_on_a_trained_run(profiled):
 
 
 def test_profile_and_schedule_commands(profiled, capsys, tmp_path):
-    assert main(["profile", str(profiled), "--batch-sizes", "1,2", "--repeats", "20", "--out", str(tmp_path / "p.json")]) == 0
+    assert (
+        main(["profile", str(profiled), "--batch-sizes", "1,2", "--repeats", "20", "--out", str(tmp_path / "p.json")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "exit0" in out and "p99 ms" in out and "peak memory" in out
     assert main(["schedule", str(profiled), "--deadline-ms", "1000", "--quantile", "0.9"]) == 0
@@ -692,7 +697,9 @@ def test_profile_and_schedule_commands(profiled, capsys, tmp_path):
     assert answer["latency_ms"] <= 1000
     assert main(["schedule", str(profiled), "--deadline-ms", "1e-6", "--quantile", "0.9"]) == 0
     answer = json.loads(capsys.readouterr().out)
-    assert not answer["fits"] and answer["option"] == answer["frontier"][0]["option"] and "likely miss" in answer["note"]
+    assert (
+        not answer["fits"] and answer["option"] == answer["frontier"][0]["option"] and "likely miss" in answer["note"]
+    )
     only = next(profiled.glob("profile-*.json"))
     assert main(["profile", "--compare", str(only), str(tmp_path / "p.json")]) == 0
     assert "B/A p99" in capsys.readouterr().out

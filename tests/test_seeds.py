@@ -15,7 +15,9 @@ from anytime.tasks.seeds import summarise_seeds
 def _run(folder: Path, seed: int, accuracies: list[tuple[float, float]], **train: object) -> Path:
     folder.mkdir(parents=True)
     recipe = {"model": "resnet20", "exits": "auto", "lr": 0.05, "seed": seed, "device": "cpu", **train}
-    (folder / "config.json").write_text(json.dumps({"train": recipe, "dataset": {"name": "digits", "fingerprint": "f"}}))
+    (folder / "config.json").write_text(
+        json.dumps({"train": recipe, "dataset": {"name": "digits", "fingerprint": "f"}})
+    )
     (folder / "model.safetensors").write_bytes(b"w")
     exits = [{"val_acc": v, "test_acc": t} for v, t in accuracies]
     (folder / "summary.json").write_text(json.dumps({"exits": exits, "final": exits[-1], "train_time_s": 10.0 + seed}))
@@ -27,7 +29,9 @@ def test_the_spread_of_every_step_over_the_seeds(tmp_path, capsys):
     summary = summarise_seeds(runs)
     assert summary.seeds == (0, 1, 2) and [s.name for s in summary.steps] == ["exit0", "exit1"]
     first = summary.steps[0].val_acc
-    assert first.mean == pytest.approx(0.6) and first.std == pytest.approx(0.1) and (first.low, first.high) == (0.5, 0.7)
+    assert (
+        first.mean == pytest.approx(0.6) and first.std == pytest.approx(0.1) and (first.low, first.high) == (0.5, 0.7)
+    )
     last = summary.steps[1].val_acc
     assert (last.mean, last.std, last.low, last.high) == pytest.approx((0.8, 0.0, 0.8, 0.8))
     assert summary.train_time_s.mean == pytest.approx(11.0)

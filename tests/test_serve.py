@@ -72,7 +72,9 @@ class StubRunner:
 
 def _service(clock: FakeClock, **kwargs) -> tuple[Service, StubRunner]:
     runner = StubRunner(clock)
-    return Service(runner, step_names=("exit0", "exit1"), class_names=("a", "b", "c", "d"), clock=clock, **kwargs), runner  # type: ignore[arg-type]
+    return Service(
+        runner, step_names=("exit0", "exit1"), class_names=("a", "b", "c", "d"), clock=clock, **kwargs
+    ), runner  # type: ignore[arg-type]
 
 
 def test_time_in_the_queue_counts_against_the_deadline():
@@ -162,7 +164,9 @@ def _png_declaring(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 def _npy_declaring(shape: tuple[int, ...]) -> bytes:
@@ -230,7 +234,9 @@ def _multipart(fields: dict[str, bytes]) -> tuple[bytes, dict[str, str]]:
     boundary = uuid.uuid4().hex
     parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{"; filename=x.png" if name == "image" else ""}'
              f"\r\n\r\n".encode() + value + b"\r\n" for name, value in fields.items()]  # fmt: skip
-    return b"".join(parts) + f"--{boundary}--\r\n".encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), {
+        "Content-Type": f"multipart/form-data; boundary={boundary}"
+    }
 
 
 def test_predict_accepts_images_arrays_and_forms_with_the_deadline_anywhere(server):
@@ -296,7 +302,9 @@ def test_a_deadline_already_gone_is_answered_as_missed_with_the_cheapest_answer_
     ("POST", "/predict", "MANYPARTS", {"Content-Type": "multipart/form-data; boundary=b"}, 400, "parts"),
     ("POST", "/predict?deadline_ms=5", "PNG", {"Content-Type": "text/plain"}, 415, "not an image"),
 ])  # fmt: skip
-def test_bad_requests_get_a_4xx_sentence_and_the_server_keeps_serving(server, method, path, body, headers, status, words):
+def test_bad_requests_get_a_4xx_sentence_and_the_server_keeps_serving(
+    server, method, path, body, headers, status, words
+):
     made = {
         "PNG": _png(np.zeros((32, 32), np.uint8)), "PNG16": _png(np.zeros((16, 16), np.uint8)),
         "RGB": _png(np.zeros((32, 32, 3), np.uint8)), "NPY3": _npy(np.zeros((3, 3), np.uint8)),
@@ -373,7 +381,11 @@ def test_schedule_healthz_and_metrics(server):
     _call(server, "GET", "/nowhere")
     status, text = _call(server, "GET", "/metrics")
     assert status == 200
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert values["anytime_requests_total"] >= 1 and values['anytime_bad_requests_total{code="404"}'] >= 1
     assert "anytime_drift_factor" in values and "anytime_queue_depth" in values
     counts = sum(v for k, v in values.items() if k.startswith("anytime_request_seconds_count"))

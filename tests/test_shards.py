@@ -72,7 +72,10 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_shards_hold_the_folder_decoded_at_that_size(tree, packed, tmp_path) -> None:
     manifest = open_shards(packed)
     assert manifest.complete and manifest.image_size == 8 and manifest.channels == 3 and manifest.classes == CLASSES
-    assert (manifest.train.count, manifest.test.count) == (22, 9) and [len(manifest.train.shards), len(manifest.test.shards)] == [5, 2]
+    assert (manifest.train.count, manifest.test.count) == (22, 9) and [
+        len(manifest.train.shards),
+        len(manifest.test.shards),
+    ] == [5, 2]
     doc = json.loads((packed / MANIFEST).read_text())
     assert doc["format"] == "anytime-shards" and doc["version"] == 1 and doc["source"]["files"] == 31
     assert doc["source"]["bytes"] == sum(p.stat().st_size for p in tree.rglob("*") if p.suffix in (".png", ".jpg"))
@@ -106,7 +109,11 @@ def test_store_indexing_views_and_pickling(packed) -> None:
     assert images.dtype == torch.uint8 and images.dim() == 4 and len(images) == 22
     picked = torch.tensor([21, 0, 5, 5, 13])  # across shards, repeated, out of order
     assert torch.equal(images.index_select(0, picked), whole[picked]) and torch.equal(images[picked], whole[picked])
-    assert torch.equal(images[3], whole[3]) and torch.equal(images[-1], whole[-1]) and torch.equal(images[4:12], whole[4:12])
+    assert (
+        torch.equal(images[3], whole[3])
+        and torch.equal(images[-1], whole[-1])
+        and torch.equal(images[4:12], whole[4:12])
+    )
     assert torch.equal(images[2, 1], whole[2, 1]) and images[5:5].shape == (0, 3, 8, 8)
     view = images.subset(np.array([7, 2, 19]))
     assert isinstance(view, ShardImages) and torch.equal(view[:], whole[[7, 2, 19]])
@@ -139,7 +146,9 @@ def test_loader_batches_equal_the_same_data_in_memory(tree, packed, tmp_path) ->
             pairs = list(zip(ours, theirs, strict=True))
             assert pairs and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs)
     sample = splits.test.sample(4, seed=1)
-    assert isinstance(sample.images, ShardImages) and torch.equal(sample.images[:], memory["test"].sample(4, seed=1).images)
+    assert isinstance(sample.images, ShardImages) and torch.equal(
+        sample.images[:], memory["test"].sample(4, seed=1).images
+    )
     limited = load_dataset("shards", packed, val_fraction=0.25, seed=3, limit_train=9)
     assert len(limited.train) == 9 and set(limited.train.indices.tolist()) <= set(splits.train.indices.tolist())
 
@@ -353,7 +362,9 @@ def test_prepare_data_command(tree, tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "22 train + 9 test images at 6x6, 3 classes, 4 shards" in text and "4 written, 0 already done" in text
     assert f"next: anytime train --data shards --data-root {out}" in text
-    assert main(["prepare-data", str(tree), "--image-size", "6", "--out", str(out), "--shard-size", "10", "--json"]) == 0
+    assert (
+        main(["prepare-data", str(tree), "--image-size", "6", "--out", str(out), "--shard-size", "10", "--json"]) == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["complete"] and doc["reused"] == 4 and doc["written"] == 0
 

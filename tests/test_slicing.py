@@ -69,7 +69,9 @@ def test_cardinality_slices_run_the_first_groups_only():
     assert flops[0] < flops[1] < flops[2]
     grouped = [m for m in sliced.modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
     seen = []
-    handles = [m.register_forward_hook(lambda m, inp, out: seen.append((inp[0].shape[1], out.shape[1]))) for m in grouped]
+    handles = [
+        m.register_forward_hook(lambda m, inp, out: seen.append((inp[0].shape[1], out.shape[1]))) for m in grouped
+    ]
     with torch.no_grad():
         sliced.eval().forward_until(torch.randn(1, 3, 32, 32), 0)
     for h in handles:
@@ -124,7 +126,9 @@ def test_an_untrained_width_gets_its_own_recomputed_statistics():
     assert torch.allclose(norm.running_mean, acts.mean(dim=(0, 2, 3)), atol=1e-4)
     assert [e.name for e in sliced.exit_info] == ["x0.5", "x0.75", "x1"]
     with torch.no_grad():  # the trained widths are untouched
-        assert torch.equal(sliced.backbone.stem[1].norms[2].running_mean, before["backbone.stem.1.norms.1.running_mean"])
+        assert torch.equal(
+            sliced.backbone.stem[1].norms[2].running_mean, before["backbone.stem.1.norms.1.running_mean"]
+        )
 
 
 def test_the_sandwich_rule_trains_the_ends_and_one_other():

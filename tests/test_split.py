@@ -70,7 +70,9 @@ def test_codecs_round_trip_within_their_precision_and_cost_what_they_say(shape):
             assert (error <= step / 2 + 1e-5).all()
         else:
             assert torch.allclose(back, x, atol=tolerance * x.abs().max().item())
-    assert payload_bytes((64, 8, 8), "int8") == 64 * 8 * 8 + 8 * 64  # a byte per value, fp32 minimum and step per channel
+    assert (
+        payload_bytes((64, 8, 8), "int8") == 64 * 8 * 8 + 8 * 64
+    )  # a byte per value, fp32 minimum and step per channel
 
 
 def test_decode_refuses_what_does_not_match():
@@ -284,7 +286,9 @@ class _FakeLinkClient:
         if self.stall_every and len(self.sent) % self.stall_every == 0:
             wire += self.stall_ms
         self.clock.now += wire / 1000
-        return Reply({"ok": True, "prediction": [0], "exit": [2], "compute_ms": 0.0, "type": "pong"}, wire, nbytes - 60, 60)
+        return Reply(
+            {"ok": True, "prediction": [0], "exit": [2], "compute_ms": 0.0, "type": "pong"}, wire, nbytes - 60, 60
+        )
 
 
 class _Toy(torch.nn.Module):
@@ -348,13 +352,17 @@ def server(split_setup):
     srv.shutdown()
 
 
-def _device(split_setup, port: int, *, partitions, codecs=("fp32",), timeout_s: float = 5.0) -> tuple[SplitDevice, object]:
+def _device(
+    split_setup, port: int, *, partitions, codecs=("fp32",), timeout_s: float = 5.0
+) -> tuple[SplitDevice, object]:
     from anytime.split.runs import split_tables
     from anytime.train.runs import load_run
 
     run_dir, dev, srv = split_setup
     tables = split_tables(run_dir, codecs)
-    planner = SplitPlanner(tables, DeviceProfile.load(dev), DeviceProfile.load(srv), codecs=codecs, partitions=partitions)
+    planner = SplitPlanner(
+        tables, DeviceProfile.load(dev), DeviceProfile.load(srv), codecs=codecs, partitions=partitions
+    )
     run = load_run(run_dir)
     client = SplitClient("127.0.0.1", port, timeout_s=timeout_s)
     return SplitDevice(run.model, planner, client, deadline_ms=1000.0, quantile=0.9, link=Link(1000.0, 0.0),

@@ -232,13 +232,22 @@ def test_precision_study_quick(tmp_path):
     assert main(["experiment", "precision", "--quick", "--out", str(out)]) == 0
     rows = _rows(out / "results.csv")
     variants = {r["variant"] for r in rows}
-    assert {"fp32 eager", "fp32 compiled", "int8 PTQ (oneDNN)", "bf16 eager", "onnxruntime fp32", "onnxruntime int8"} <= variants
+    assert {
+        "fp32 eager",
+        "fp32 compiled",
+        "int8 PTQ (oneDNN)",
+        "bf16 eager",
+        "onnxruntime fp32",
+        "onnxruntime int8",
+    } <= variants
     for row in rows:
         assert float(row["latency_b1_p50_ms"]) > 0 and float(row["images_per_s_b32"]) > 0 and int(row["size_bytes"]) > 0
     fp32 = {r["model"]: int(r["size_bytes"]) for r in rows if r["variant"] == "fp32 eager"}
     int8 = {r["model"]: int(r["size_bytes"]) for r in rows if r["variant"] == "onnxruntime int8"}
     assert all(int8[m] < fp32[m] for m in fp32)
-    assert (out / "precision.png").is_file() and json.loads((out / "config.json").read_text())["hyper_parameters"]["quick"]
+    assert (out / "precision.png").is_file() and json.loads((out / "config.json").read_text())["hyper_parameters"][
+        "quick"
+    ]
 
 
 @pytest.mark.needs_data
@@ -248,9 +257,16 @@ def test_export_parity_benchmark_quick(tmp_path, cifar_root):
                  "--out", str(run_dir), "--no-progress"]) == 0  # fmt: skip
     data = _benchmark(tmp_path, "export_parity", "--runs", str(run_dir))
     figures = data["figures"]
-    assert {(r["format"], r["dtype"]) for r in figures["rows"]} == {("pt2", "fp32"), ("pt2", "int8"), ("onnx", "fp32"), ("onnx", "int8")}
+    assert {(r["format"], r["dtype"]) for r in figures["rows"]} == {
+        ("pt2", "fp32"),
+        ("pt2", "int8"),
+        ("onnx", "fp32"),
+        ("onnx", "int8"),
+    }
     assert data["verdict"] in ("pass", "fail")
-    assert {(s["format"], s["variant"]) for s in figures["sizes"]} == {(f, v) for f in ("pt2", "onnx") for v in ("int8", "int8-tuned")}
+    assert {(s["format"], s["variant"]) for s in figures["sizes"]} == {
+        (f, v) for f in ("pt2", "onnx") for v in ("int8", "int8-tuned")
+    }
 
 
 def test_ensemble_baselines_study_quick(tmp_path):

@@ -179,7 +179,9 @@ def test_the_pipeline_runs_on_text(text_run, capsys, tmp_path):
     assert report["agreement_with_cache"]["exits"] == 1.0
     patience = str(tmp_path / "calibration-patience.json")
     assert main(["calibrate", str(text_run), "--max-drop", "2", "--criterion", "patience", "--out", patience]) == 0
-    assert main(["evaluate", str(text_run), "--split", "test", "--calibration", patience, "--latency-samples", "5"]) == 0
+    assert (
+        main(["evaluate", str(text_run), "--split", "test", "--calibration", patience, "--latency-samples", "5"]) == 0
+    )
     capsys.readouterr()
     report = json.loads((text_run / "evaluation-test.json").read_text())
     assert report["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
@@ -214,6 +216,7 @@ def test_a_text_run_quantizes_and_goes_through_the_pipeline(text_run, precision,
     report = json.loads((out / "evaluation-test.json").read_text())
     assert report["agreement_with_cache"]["predictions"] >= 0.95  # one by one against the cached batches
     (profiled,) = out.glob("profile-*-T8.json")  # an 8-token sentence costs what 8 tokens cost, not 16
+
     def flops_of(path):
         return [step["flops"] for step in json.loads(path.read_text())["steps"]]
 
@@ -253,10 +256,14 @@ def test_text_runs_of_one_tokenizer_make_an_ensemble_that_goes_through_the_pipel
     from anytime.train.runs import run_config
     from anytime.train.splits import run_tokenizer
 
-    assert TextSpec.from_tokenizer(run_tokenizer(out), run_config(out)[1], out).max_length == 16  # what `anytime serve` reads first
+    assert (
+        TextSpec.from_tokenizer(run_tokenizer(out), run_config(out)[1], out).max_length == 16
+    )  # what `anytime serve` reads first
     other = tmp_path / "own-tokenizer"  # a tokenizer of its own: other token ids for the same words
     Trainer(TrainConfig(model="bert_mini", **{**recipe, "vocab_size": 150}), other).fit()
-    cli_error(["ensemble", "--members", f"{text_run},{other}", "--out", str(tmp_path / "e2")], "encode sentences differently")
+    cli_error(
+        ["ensemble", "--members", f"{text_run},{other}", "--out", str(tmp_path / "e2")], "encode sentences differently"
+    )
 
 
 def test_patience_counts_agreeing_exits_in_a_row():
@@ -392,7 +399,12 @@ def test_serve_answers_sentences_as_the_body_a_form_or_json(text_server):
 def test_serve_schedules_a_text_request_by_its_length_bucket(text_server):
     from tests.test_serve import _call
 
-    for query, bucket in (("&length=5", 8), ("&length=12", 16), ("", 16), ("&length=40", 16)):  # 40 tokens are cut to 16
+    for query, bucket in (
+        ("&length=5", 8),
+        ("&length=12", 16),
+        ("", 16),
+        ("&length=40", 16),
+    ):  # 40 tokens are cut to 16
         status, answer = _call(text_server, "GET", f"/schedule?deadline_ms=50{query}")
         assert status == 200 and answer["profile"].endswith(f"-T{bucket}.json"), answer
         assert answer["quantile"] == 0.9  # the server's, which its profiles' 20 timings hold
@@ -485,7 +497,9 @@ def test_a_hugging_face_checkpoint_starts_a_run_that_rebuilds_without_it(kind, b
                  "--lr", "2e-3", "--batch-size", "32", "--out", str(run), "--no-progress"]) == 0  # fmt: skip
     record = json.loads((run / "config.json").read_text())
     assert record["hf_config"]["model_type"] == kind and record["hf_config"]["num_hidden_layers"] == 2
-    assert (run / TOKENIZER_FILE).read_text() == (checkpoint / TOKENIZER_FILE).read_text()  # the checkpoint's vocabulary
+    assert (run / TOKENIZER_FILE).read_text() == (
+        checkpoint / TOKENIZER_FILE
+    ).read_text()  # the checkpoint's vocabulary
     shutil.rmtree(checkpoint)  # the run rebuilds from what it recorded
     loaded = load_run(run)
     assert loaded.num_steps == 2 and loaded.model.forward_all(torch.tensor([[2, 30, 31]])).shape == (2, 1, 2)
@@ -503,7 +517,9 @@ def test_hugging_face_checkpoints_that_do_not_fit_are_refused_in_one_line(text_r
     shutil.copytree(checkpoint, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 7}))
-    cli_error([*train, "--model", "hf_bert", "--init", str(other), "--out", str(tmp_path / "b")], "tokens", "--tokenizer")
+    cli_error(
+        [*train, "--model", "hf_bert", "--init", str(other), "--out", str(tmp_path / "b")], "tokens", "--tokenizer"
+    )
     pickled = tmp_path / "pickled"
     shutil.copytree(checkpoint, pickled)
     (pickled / "model.safetensors").unlink()

@@ -223,7 +223,8 @@ def test_lr_schedules():
     assert lr_factor(TrainConfig(schedule="constant"), 7) == 1.0
     onecycle = TrainConfig(epochs=10, schedule="onecycle", warmup=0.2)
     assert [lr_factor(onecycle, e, f) for e, f in [(0, 0.0), (1, 0.0), (2, 0.0), (6, 0.0), (9, 1.0)]] == pytest.approx(
-        [0.0, 0.5, 1.0, 0.5, 0.0])
+        [0.0, 0.5, 1.0, 0.5, 0.0]
+    )
     warm_cosine = TrainConfig(epochs=10, schedule="cosine", warmup=0.1)
     assert lr_factor(warm_cosine, 0, 0.5) == pytest.approx(0.5)  # half-way up the ramp, cosine still at 1
     assert lr_factor(warm_cosine, 1, 0.5) == lr_factor(cosine.replace(epochs=10), 1)

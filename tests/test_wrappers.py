@@ -46,8 +46,9 @@ def test_exits_on_every_zoo_model(name):
     assert [e.name for e in model.exit_info][-1] == "output"
     assert all(e.name.startswith("stages.") for e in model.exit_info[:-1])
     shape = (backbone.max_length,) if model_modality(name) == "text" else (3, 32, 32)
-    _check_contract(model, backbone, example_input(shape, 3, tokens=len(shape) == 1,
-                                                   generator=torch.Generator().manual_seed(0)))
+    _check_contract(
+        model, backbone, example_input(shape, 3, tokens=len(shape) == 1, generator=torch.Generator().manual_seed(0))
+    )
 
 
 @pytest.mark.parametrize("name", TORCHVISION_FAMILIES)

@@ -90,11 +90,15 @@ class FastCNN(StagedBackbone):
         for width in widths:
             stages.append(conv_group(cin, width, convs))
             cin = width
-        head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes, bias=False), Scale(1 / 9))
+        head = nn.Sequential(
+            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes, bias=False), Scale(1 / 9)
+        )
         self._set_stages(stem, stages, head, [(w, 2 ** (i + 1)) for i, w in enumerate(widths)])
 
 
-@register_model("fastcnn", family="fastcnn", description="airbench-style CIFAR net: whitening stem, 3 conv groups 64-256-256")
+@register_model(
+    "fastcnn", family="fastcnn", description="airbench-style CIFAR net: whitening stem, 3 conv groups 64-256-256"
+)
 def fastcnn(*, num_classes: int = 10, in_channels: int = 3) -> FastCNN:
     """The airbench-style network at widths 64, 256, 256 (about 2M parameters, 0.24 GFLOPs per 32x32 image)."""
     return FastCNN((64, 256, 256), num_classes=num_classes, in_channels=in_channels)

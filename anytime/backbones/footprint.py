@@ -48,8 +48,14 @@ def forward_bytes_per_sample(model: nn.Module, input_shape: Sequence[int], *, tr
         device = param.device if param is not None else torch.device("cpu")
         model.eval()
         with torch.no_grad():
-            model(example_input(tuple(int(v) for v in input_shape) if len(input_shape) == 1 else (channels, height, width),
-                                1, tokens=text, device=device))
+            model(
+                example_input(
+                    tuple(int(v) for v in input_shape) if len(input_shape) == 1 else (channels, height, width),
+                    1,
+                    tokens=text,
+                    device=device,
+                )
+            )
     except Exception:  # noqa: BLE001  a model that only takes its own size: judge by the input alone
         sizes = []
     finally:

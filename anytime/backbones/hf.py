@@ -134,7 +134,9 @@ def hf_encoder(
 ) -> HFEncoder:  # fmt: skip
     """A ``kind`` (``bert`` or ``mobilebert``) sequence classifier with random weights, from ``config`` (a recorded
     or a checkpoint's configuration) or the zoo's small one, for ``num_classes`` labels and ``vocab_size`` tokens."""
-    base = dict(config) if config is not None else {**SMALL_CONFIGS[kind], "max_position_embeddings": max(512, max_length)}
+    base = (
+        dict(config) if config is not None else {**SMALL_CONFIGS[kind], "max_position_embeddings": max(512, max_length)}
+    )
     if config is not None and base.get("model_type", kind) != kind:
         raise AnytimeError(f"the configuration is of a {base.get('model_type')} model; this is hf_{kind}")
     if config is not None and int(base.get("vocab_size", vocab_size)) != vocab_size:
@@ -183,7 +185,9 @@ def load_checkpoint_weights(encoder: HFEncoder, folder: str | Path) -> None:
     try:
         state = load_file(str(path))
     except Exception as exc:  # noqa: BLE001  safetensors raises its own error types
-        raise AnytimeError(f"{path} could not be read ({str(exc).splitlines()[0]}); save the checkpoint again") from None
+        raise AnytimeError(
+            f"{path} could not be read ({str(exc).splitlines()[0]}); save the checkpoint again"
+        ) from None
     model: nn.Module = encoder.__dict__["_hf_model"]
     prefix = model.base_model_prefix
     if not any(k.startswith(prefix + ".") for k in state):  # a base model's checkpoint (BertModel.save_pretrained)

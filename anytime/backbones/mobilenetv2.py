@@ -36,8 +36,12 @@ class MobileNetV2(StagedBackbone):
         cin, stride, stages, shapes = 32, 1, [], []
         for expansion, cout, count, first_stride in CIFAR_SETTINGS:
             stages.append(
-                nn.Sequential(*(InvertedResidual(cin if j == 0 else cout, cout, first_stride if j == 0 else 1,
-                                                 expansion) for j in range(count)))  # fmt: skip
+                nn.Sequential(
+                    *(
+                        InvertedResidual(cin if j == 0 else cout, cout, first_stride if j == 0 else 1, expansion)
+                        for j in range(count)
+                    )
+                )  # fmt: skip
             )
             cin, stride = cout, stride * first_stride
             shapes.append((cout, stride))

@@ -147,7 +147,9 @@ class MSDLayer(nn.Module):
     """One dense layer over the scales ``layout_in`` keeps; it may drop the finest (its features still feed
     the next scale's strided conv)."""
 
-    def __init__(self, layout_in: Layout, keep: int, growth: tuple[int, ...], bottleneck: tuple[int, ...] | None) -> None:
+    def __init__(
+        self, layout_in: Layout, keep: int, growth: tuple[int, ...], bottleneck: tuple[int, ...] | None
+    ) -> None:
         super().__init__()
         drop = len(layout_in.channels) - keep
         self.drop = drop
@@ -157,7 +159,9 @@ class MSDLayer(nn.Module):
             scale = layout_in.first + j
             finer = layout_in.channels[j - 1] if j > 0 else None
             same = layout_in.channels[j]
-            width = (None, None) if bottleneck is None else (bottleneck[scale - 1] if j > 0 else None, bottleneck[scale])
+            width = (
+                (None, None) if bottleneck is None else (bottleneck[scale - 1] if j > 0 else None, bottleneck[scale])
+            )
             self.growths.append(_ScaleGrowth(finer, same, growth[scale], width))
             channels.append(same + growth[scale])
         self.layout_out = Layout(tuple(channels), layout_in.first + drop)

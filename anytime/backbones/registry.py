@@ -101,7 +101,9 @@ def create_model(
     if text and model_modality(name) != "text":
         raise AnytimeError(f"{name} is an image model; a vocabulary and a maximum length are for text models")
     if hf_config is not None and get_spec(name).family != "transformers":
-        raise AnytimeError(f"{name} is not a transformers model; a Hugging Face configuration is for hf_bert or hf_mobilebert")
+        raise AnytimeError(
+            f"{name} is not a transformers model; a Hugging Face configuration is for hf_bert or hf_mobilebert"
+        )
     if not isinstance(num_classes, int) or num_classes < 2:
         raise AnytimeError(f"num_classes must be at least 2 (got {num_classes}): a classifier needs 2 classes or more")
     if not isinstance(in_channels, int) or in_channels < 1:

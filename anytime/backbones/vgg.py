@@ -13,9 +13,7 @@ VGG11 = ((64,), (128,), (256, 256), (512, 512), (512, 512))
 class VGG(StagedBackbone):
     """3x3 conv-BN-ReLU blocks; each stage is a group of convs followed by a 2x2 max-pool."""
 
-    def __init__(
-        self, config: tuple[tuple[int, ...], ...], *, num_classes: int = 10, in_channels: int = 3
-    ) -> None:
+    def __init__(self, config: tuple[tuple[int, ...], ...], *, num_classes: int = 10, in_channels: int = 3) -> None:
         super().__init__(num_classes=num_classes, in_channels=in_channels)
         stages, shapes, cin = [], [], in_channels
         for i, widths in enumerate(config):

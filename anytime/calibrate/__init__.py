@@ -8,12 +8,24 @@ from __future__ import annotations
 
 from anytime.utils.lazy import lazy_exports
 
-_EXPORTS = {name: module for module, names in {
-    "anytime.calibrate.criteria": ("CRITERIA", "Criterion", "fit_temperatures", "get_criterion"),
-    "anytime.calibrate.fit": ("RULES", "Calibration", "SubsetChoice", "calibrate_budget", "calibrate_max_drop",
-                              "measured_costs", "msdnet_shares", "select_exits"),
-    "anytime.calibrate.policy": ("EarlyExitOutput", "ExitPolicy", "PolicyResult"),
-    "anytime.calibrate.sweeps": ("Oracle", "SweepResult", "oracle", "sweep"),
-}.items() for name in names}
+_EXPORTS = {
+    name: module
+    for module, names in {
+        "anytime.calibrate.criteria": ("CRITERIA", "Criterion", "fit_temperatures", "get_criterion"),
+        "anytime.calibrate.fit": (
+            "RULES",
+            "Calibration",
+            "SubsetChoice",
+            "calibrate_budget",
+            "calibrate_max_drop",
+            "measured_costs",
+            "msdnet_shares",
+            "select_exits",
+        ),
+        "anytime.calibrate.policy": ("EarlyExitOutput", "ExitPolicy", "PolicyResult"),
+        "anytime.calibrate.sweeps": ("Oracle", "SweepResult", "oracle", "sweep"),
+    }.items()
+    for name in names
+}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -114,8 +114,12 @@ _CRITERIA = {
     ),
     "confidence": Criterion("confidence", False, "max softmax probability (SDN); leave when at least the threshold"),
     "margin": Criterion("margin", False, "top-1 minus top-2 probability; leave when at least the threshold"),
-    "patience": Criterion("patience", False, "PABEE: how many exits in a row before this one gave the same class; "
-                          "leave when at least the threshold (every earlier exit's head runs)"),
+    "patience": Criterion(
+        "patience",
+        False,
+        "PABEE: how many exits in a row before this one gave the same class; "
+        "leave when at least the threshold (every earlier exit's head runs)",
+    ),
 }
 
 

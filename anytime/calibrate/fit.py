@@ -65,7 +65,11 @@ def _to_policy(
 
 
 def _search(
-    scores: Scores, pick: Callable[[Tensor, Tensor], int | None], *, per_exit: int = 64, rounds: int = 4,
+    scores: Scores,
+    pick: Callable[[Tensor, Tensor], int | None],
+    *,
+    per_exit: int = 64,
+    rounds: int = 4,
     off: frozenset[int] = frozenset(),
 ) -> Tensor | None:
     """The shared-threshold sweep's best setting under ``pick``, then coordinate descent over each exit's
@@ -242,7 +246,12 @@ def _check_budget(scores: Scores, fraction: float) -> float:
 
 
 def calibrate_budget(
-    val: OutputCache, *, budget: float, criterion: str = "entropy", rule: str = "search", temperature: bool = False,
+    val: OutputCache,
+    *,
+    budget: float,
+    criterion: str = "entropy",
+    rule: str = "search",
+    temperature: bool = False,
     combine: bool = False,
 ) -> Calibration:
     """Thresholds for a mean cost of ``budget`` times the backbone's FLOPs on validation, by ``rule``:

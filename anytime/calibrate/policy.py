@@ -314,7 +314,9 @@ class ExitPolicy:
         assert predictions is not None and exits is not None and out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
-    def _run_patience(self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
+    def _run_patience(
+        self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor
+    ) -> EarlyExitOutput:
         # Patience: every early exit's head runs (its answer extends or breaks the streak), and a sample leaves
         # at an enabled exit once its streak reaches that exit's threshold.
         import torch
@@ -347,7 +349,9 @@ class ExitPolicy:
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
-    def _run_one(self, segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], x: Tensor) -> EarlyExitOutput:
+    def _run_one(
+        self, segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], x: Tensor
+    ) -> EarlyExitOutput:
         answers = self.answers() if self.combine is not None else None
         return _one_sample_path(segments, heads, self, x.device)(x, answers)
 

@@ -37,8 +37,17 @@ from anytime.errors import AnytimeError
 from anytime.utils.resources import check_memory
 from anytime.utils.seed import derive_seed
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2",
-                             "textfolder")
+DATASETS: tuple[str, ...] = (
+    "digits",
+    "cifar10",
+    "cifar100",
+    "folder",
+    "synthetic",
+    "shards",
+    "folder-stream",
+    "sst2",
+    "textfolder",
+)
 # Read per batch, never decoded whole: no memory check, and --image-size must match (shards) or is required.
 _ON_DEMAND: tuple[str, ...] = ("shards", "folder-stream")
 DIGITS_TEST_FRACTION = 0.2

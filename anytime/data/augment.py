@@ -59,7 +59,10 @@ def default_augment(hflip: bool) -> Augment:
 
 
 def apply_augment(
-    images_uint8: torch.Tensor, augment: Augment, generator: torch.Generator, within: tuple[int, int] | None = None,
+    images_uint8: torch.Tensor,
+    augment: Augment,
+    generator: torch.Generator,
+    within: tuple[int, int] | None = None,
     fill: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``images_uint8`` augmented by ``augment`` (uint8 [N,C,H,W] in and out); no draws for ``none`` without cutout.
@@ -86,7 +89,11 @@ def _rows_of_mine(images_uint8: torch.Tensor, within: tuple[int, int] | None) ->
 
 
 def random_cutout(
-    images_uint8: torch.Tensor, size: int, *, generator: torch.Generator, fill: Sequence[int] | None = None,
+    images_uint8: torch.Tensor,
+    size: int,
+    *,
+    generator: torch.Generator,
+    fill: Sequence[int] | None = None,
     within: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """A ``size`` x ``size`` square of each image (uint8 [N,C,H,W], a new tensor) set to ``fill`` (one value per
@@ -107,7 +114,11 @@ def random_cutout(
 
 
 def random_crop_flip(
-    images_uint8: torch.Tensor, *, padding: int, hflip: bool, generator: torch.Generator,
+    images_uint8: torch.Tensor,
+    *,
+    padding: int,
+    hflip: bool,
+    generator: torch.Generator,
     within: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Random crops of a zero-padded batch, plus random horizontal flips when ``hflip``; uint8 [N,C,H,W] in and out.
@@ -140,6 +151,7 @@ def random_crop_flip(
     # Two gathers with per-sample offsets: rows first (keeping the padded width), then columns.
     picked_rows = padded.gather(2, rows[:, None, :, None].expand(n, c, h, padded.shape[3]))
     return picked_rows.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+
 
 def normalize(images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """``(x/255 - mean)/std`` per channel, as float32 [N,C,H,W]."""

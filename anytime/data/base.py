@@ -132,7 +132,9 @@ def take_images(images: torch.Tensor | ImageStore, positions: np.ndarray | torch
     if isinstance(images, ImageStore):
         return images.subset(np.asarray(positions.numpy() if isinstance(positions, torch.Tensor) else positions,
                                         dtype=np.int64))  # fmt: skip
-    index = positions if isinstance(positions, torch.Tensor) else torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    index = (
+        positions if isinstance(positions, torch.Tensor) else torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    )
     return images[index]
 
 
@@ -275,8 +277,11 @@ def make_split(name: str, images: np.ndarray | ImageStore, labels: np.ndarray, i
     2-D ``images`` are token ids."""
     return Split(
         name=name,
-        images=images if isinstance(images, ImageStore) else torch.from_numpy(np.ascontiguousarray(
-            images, dtype=np.int64 if images.ndim == 2 else np.uint8)),  # 2-D: token ids
+        images=images
+        if isinstance(images, ImageStore)
+        else torch.from_numpy(
+            np.ascontiguousarray(images, dtype=np.int64 if images.ndim == 2 else np.uint8)
+        ),  # 2-D: token ids
         labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)),
         indices=torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)),
     )

@@ -238,7 +238,9 @@ def cached_arrays(
         with atomic_path(path) as tmp, open(tmp, "wb") as handle:
             np.savez(handle, **payload)
     except OSError as error:
-        raise AnytimeError(f"cannot write the dataset cache {path} ({error}); set ANYTIME_CACHE to a writable folder") from None
+        raise AnytimeError(
+            f"cannot write the dataset cache {path} ({error}); set ANYTIME_CACHE to a writable folder"
+        ) from None
     return arrays
 
 

@@ -93,7 +93,9 @@ class InputSpec:
         try:
             array = np.load(io.BytesIO(body), allow_pickle=False)
         except (ValueError, OSError, EOFError):
-            raise BadRequest("the .npy array could not be read (truncated, or an object array, which is refused)") from None
+            raise BadRequest(
+                "the .npy array could not be read (truncated, or an object array, which is refused)"
+            ) from None
         if array.dtype == np.uint8:
             return self._normalised(self._chw(array, "array"))
         if array.dtype.kind != "f":
@@ -147,7 +149,9 @@ class InputSpec:
                 raise BadRequest(f"the image is {image.size[0]}x{image.size[1]}; the model takes {self.describe()}")
             if image.mode not in _IMAGE_MODES.get(self.channels, ()):
                 raise BadRequest(f"the image is {image.mode}; the model takes {self.describe()}")
-            pixels = np.array(image.convert("L" if self.channels == 1 else "RGB"), dtype=np.uint8)  # writable, for torch
+            pixels = np.array(
+                image.convert("L" if self.channels == 1 else "RGB"), dtype=np.uint8
+            )  # writable, for torch
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise BadRequest(f"the image's header declares far more pixels than the model takes ({self.describe()})",
                              status=413) from None  # fmt: skip

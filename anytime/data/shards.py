@@ -268,8 +268,10 @@ def _check_same_plan(old: ShardManifest, new: ShardManifest, out: Path) -> None:
         differences.append(f"--shard-size {new.shard_size}")
     if old.channels != new.channels or old.resample != new.resample:
         differences.append("another image layout")
-    if old.source_fingerprint != new.source_fingerprint or old.classes != new.classes or any(
-        old.split(s).count != new.split(s).count for s in SPLITS
+    if (
+        old.source_fingerprint != new.source_fingerprint
+        or old.classes != new.classes
+        or any(old.split(s).count != new.split(s).count for s in SPLITS)
     ):
         differences.append(f"a source that differs ({new.source_files:,} files in {new.source}; "
                            f"{old.source_files:,} then)")  # fmt: skip

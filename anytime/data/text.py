@@ -244,7 +244,9 @@ def load_text_dataset(
         if unknown.size:
             raise AnytimeError(f"{table.path} has label(s) {unknown.tolist()} that the training file never uses")
     train_labels = np.searchsorted(values, tables["train"].labels)
-    val_rel, train_idx = stratified_pick(train_labels, round(val_fraction * len(train_labels)), derive_seed("val", seed))
+    val_rel, train_idx = stratified_pick(
+        train_labels, round(val_fraction * len(train_labels)), derive_seed("val", seed)
+    )
     if limit_train is not None and limit_train < len(train_idx):
         keep, _ = stratified_pick(train_labels[train_idx], limit_train, derive_seed("limit", seed))
         train_idx = train_idx[keep]

@@ -139,12 +139,18 @@ class ExportManifest:
                 tuple(str(name) for name in doc.get("float_layers") or ()),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError):
-            raise AnytimeError(f"{where} is missing fields or has malformed ones; was it edited? Export the run again") from None
+            raise AnytimeError(
+                f"{where} is missing fields or has malformed ones; was it edited? Export the run again"
+            ) from None
         if manifest.format not in FORMATS or manifest.precision not in EXPORTABLE[manifest.format]:
-            raise AnytimeError(f"{where}: format '{manifest.format}' at precision '{manifest.precision}' is not one anytime exports")
+            raise AnytimeError(
+                f"{where}: format '{manifest.format}' at precision '{manifest.precision}' is not one anytime exports"
+            )
         expected = 2 * manifest.num_steps - 1 if manifest.layout == "exits" else manifest.num_steps
         if not manifest.parts or len(manifest.parts) != expected or manifest.num_steps < 1:
-            raise AnytimeError(f"{where} lists {len(manifest.parts)} artifacts for {manifest.num_steps} steps; was it edited?")
+            raise AnytimeError(
+                f"{where} lists {len(manifest.parts)} artifacts for {manifest.num_steps} steps; was it edited?"
+            )
         if doc.get("fingerprint") not in (None, manifest.fingerprint):
             raise AnytimeError(f"{where}: the fingerprint does not match the artifacts' checksums; was it edited?")
         return manifest
@@ -386,7 +392,9 @@ def _nodes_of_modules(path: Path, modules: Sequence[str], folded: dict[str, str]
     graph = onnx.load(str(path)).graph
     wanted, found = set(modules), []
     wanted |= {bn for bn, conv in (folded or {}).items() if conv in wanted}
-    constant = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    constant = {t.name for t in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output
+    }
     float_tensors: set[str] = set()
     for node in graph.node:
         scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), "")
@@ -525,7 +533,9 @@ def _write_artifacts(
     for i, (part, example, (role, step)) in enumerate(zip(parts, examples, roles)):
         name = f"model.{fmt}" if role == "model" else f"{role}{step}.{fmt}"
         path = folder / name
-        what = {"segment": f"segment {step}", "head": f"exit head {step}", "step": f"step {step}"}.get(role, "the model")
+        what = {"segment": f"segment {step}", "head": f"exit head {step}", "step": f"step {step}"}.get(
+            role, "the model"
+        )
         if not isinstance(part, torch.fx.GraphModule):
             part.eval()  # a multi-exit model's segments are fresh containers, in training mode until told
         if fmt == "pt2":
@@ -663,9 +673,13 @@ def read_manifest(folder: str | os.PathLike[str]) -> ExportManifest:
             raise AnytimeError(f"{file} is missing; the export is incomplete, export the run again")
         size = file.stat().st_size
         if size != part.bytes:
-            raise AnytimeError(f"{file} has {size} bytes but the manifest says {part.bytes} (truncated or replaced); export the run again")
+            raise AnytimeError(
+                f"{file} has {size} bytes but the manifest says {part.bytes} (truncated or replaced); export the run again"
+            )
         if sha256_of(file) != part.sha256:
-            raise AnytimeError(f"{file} does not match its checksum in the manifest (changed since export); export the run again")
+            raise AnytimeError(
+                f"{file} does not match its checksum in the manifest (changed since export); export the run again"
+            )
     return manifest
 
 
@@ -677,7 +691,9 @@ def _refuse_pickles(path: Path) -> None:
                 if name.endswith("_config.json") and ("/weights/" in name or "/constants/" in name):
                     config = json.loads(archive.read(name)).get("config", {})
                     if any(entry.get("use_pickle") for entry in config.values()):
-                        raise AnytimeError(f"{path} holds pickled objects, which anytime never loads; export the run with anytime")
+                        raise AnytimeError(
+                            f"{path} holds pickled objects, which anytime never loads; export the run with anytime"
+                        )
     except (zipfile.BadZipFile, ValueError, AttributeError):
         raise AnytimeError(f"{path} is not a readable .pt2 archive; export the run again") from None
 
@@ -710,7 +726,9 @@ def _load_pt2(path: Path, precision: str) -> nn.Module:
         with _weights_only():
             return torch.export.load(str(path)).module()
     except Exception as exc:  # noqa: BLE001
-        raise AnytimeError(f"{path} could not be loaded as a .pt2 program ({first_line(exc)}); export the run again") from None
+        raise AnytimeError(
+            f"{path} could not be loaded as a .pt2 program ({first_line(exc)}); export the run again"
+        ) from None
     finally:
         logger.setLevel(level)
 

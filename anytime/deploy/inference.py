@@ -113,7 +113,9 @@ def fold_batchnorm(model: nn.Module) -> int:
     return folded
 
 
-WHOLE_MAP_MACS = 16384  # a pooled head whose whole-map linear map costs at most this many MACs per call skips the pooling
+WHOLE_MAP_MACS = (
+    16384  # a pooled head whose whole-map linear map costs at most this many MACs per call skips the pooling
+)
 MATRIX_POOL_MACS = 262144  # one map that the size does not divide, pooled by a product of at most this many MACs
 _PLANS = 16  # map shapes and layouts a PooledLinear keeps its plans for
 
@@ -194,7 +196,12 @@ class PooledLinear(nn.Module):
 
     def _nhwc(self, weight: Tensor) -> Tensor:
         channels = weight.shape[1] // (self.size * self.size)
-        return weight.reshape(-1, channels, self.size, self.size).permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
+        return (
+            weight.reshape(-1, channels, self.size, self.size)
+            .permute(0, 2, 3, 1)
+            .reshape(weight.shape[0], -1)
+            .contiguous()
+        )
 
     def _derive_again(self, incompatible: object) -> None:
         """After new weights are loaded, the weights derived from them are made again."""
@@ -233,14 +240,21 @@ class PooledLinear(nn.Module):
             if batch == 1 and x.numel() * size * size <= MATRIX_POOL_MACS:
                 pool, matrix = "matrix", self._window_matrix(height, width, nchw)
         elif x.numel() * self.classes <= WHOLE_MAP_MACS:
-            pool, weight, values = "none", self._whole_map_weight(channels, height, width, nchw), channels * height * width
+            pool, weight, values = (
+                "none",
+                self._whole_map_weight(channels, height, width, nchw),
+                channels * height * width,
+            )
         elif size == 1 and x.dtype != torch.float16:  # a half-precision sum of a large map can overflow
             pool, weight = "sum", weight / (height * width)  # type: ignore[assignment]
-        return _Plan(x.shape, x.stride(), pool, window, matrix, nchw, (batch, values), weight.t().contiguous(), self.bias)
+        return _Plan(
+            x.shape, x.stride(), pool, window, matrix, nchw, (batch, values), weight.t().contiguous(), self.bias
+        )
 
     def _window_matrix(self, height: int, width: int, nchw: bool) -> Tensor:
         """The adaptive pooling of a ``height x width`` map to ``size x size`` as a matrix over its pixels: rows are
         the windows (row-major), columns the pixels; transposed for an NCHW map, which multiplies it from the left."""
+
         def windows(length: int) -> Tensor:
             matrix = torch.zeros(self.size, length, dtype=torch.float64)
             for i in range(self.size):  # PyTorch's adaptive windows: floor(i * n / s) to ceil((i + 1) * n / s)

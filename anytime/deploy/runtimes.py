@@ -34,7 +34,9 @@ def onnx_modules() -> tuple[Any, Any]:
         import onnx
         import onnxruntime
     except ImportError:
-        raise AnytimeError(f"ONNX artifacts need onnx and onnxruntime, which are not installed; {DEPLOY_HINT}") from None
+        raise AnytimeError(
+            f"ONNX artifacts need onnx and onnxruntime, which are not installed; {DEPLOY_HINT}"
+        ) from None
     return onnx, onnxruntime
 
 

@@ -18,7 +18,11 @@ def recompute_bn_statistics(
     """Reset the running statistics of ``norms`` (default: every batch norm of ``model``) and recompute them as
     the plain average over ``batches`` (images, or (images, labels) pairs; at most ``max_batches``), running
     ``forward`` (default ``model``) with everything else in eval mode. Returns the number of batches used."""
-    targets = list(norms) if norms is not None else [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    targets = (
+        list(norms)
+        if norms is not None
+        else [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    )
     run = forward if forward is not None else model
     was_training = model.training
     momenta = [norm.momentum for norm in targets]

@@ -205,4 +205,3 @@ def _branch_parameters(block: nn.Module) -> Iterator[nn.Parameter]:
         for name, module in block.named_children():
             if name != "downsample":
                 yield from module.parameters()
-

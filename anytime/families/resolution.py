@@ -99,8 +99,10 @@ class ResolutionLadder(SeparateSteps):
             setattr(backbone.get_submodule(parent) if parent else backbone, leaf,
                     ResolutionBatchNorm(norm, len(resolutions), self))  # fmt: skip
         self.resolutions = tuple(resolutions)
-        flops = [count_flops(self, lambda x, k=k: self._run(x, k), input_shape)  # type: ignore[misc]
-                 for k in range(len(resolutions))]
+        flops = [
+            count_flops(self, lambda x, k=k: self._run(x, k), input_shape)  # type: ignore[misc]
+            for k in range(len(resolutions))
+        ]
         if flops != sorted(flops):
             raise AnytimeError(f"give the resolutions cheapest first: {', '.join(r.label for r in resolutions)} cost "
                                f"{', '.join(f'{f / 1e6:.1f}' for f in flops)} MFLOPs")  # fmt: skip

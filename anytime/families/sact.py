@@ -44,7 +44,9 @@ def parse_thresholds(text: str | Sequence[float | str]) -> tuple[float, ...]:
         try:
             value = float(item)
         except ValueError:
-            raise AnytimeError(f"--sact takes halting thresholds in (0, 1], e.g. 0.5,0.75,0.9,0.99 (got {item!r})") from None
+            raise AnytimeError(
+                f"--sact takes halting thresholds in (0, 1], e.g. 0.5,0.75,0.9,0.99 (got {item!r})"
+            ) from None
         if not (math.isfinite(value) and 0 < value <= 1):
             raise AnytimeError(f"halting threshold {item} is outside (0, 1]; give e.g. 0.5,0.75,0.9,0.99")
         values.append(value)
@@ -154,7 +156,9 @@ def residual_stages(backbone: nn.Module) -> tuple[tuple[str, ...], list[list[_Un
     if not stages:
         raise AnytimeError(f"SACT halts inside residual stages and {what} has none; use {SUPPORTED}")
     if any(len(stage) < 2 for stage in stages):
-        raise AnytimeError(f"SACT needs stages of at least two residual units, and {what} has a stage of one; use {SUPPORTED}")
+        raise AnytimeError(
+            f"SACT needs stages of at least two residual units, and {what} has a stage of one; use {SUPPORTED}"
+        )
     if not all(_sparse_ready(unit) for stage in stages for unit in stage[1:]):
         raise AnytimeError(f"{what}'s later residual units have strided, grouped or projected branches, which SACT "
                            f"does not run position by position; use {SUPPORTED}")  # fmt: skip
@@ -447,7 +451,12 @@ class SACTResNet(SeparateSteps):
         tensors = [*conv.parameters(), *norm.parameters(), *norm.buffers()]
         versions = [t._version for t in tensors]
         kept = self._folded_cache.get(id(conv))  # holds the tensors themselves, so no id is reused while kept
-        if kept is None or len(kept[0]) != len(tensors) or any(a is not b for a, b in zip(kept[0], tensors)) or kept[1] != versions:
+        if (
+            kept is None
+            or len(kept[0]) != len(tensors)
+            or any(a is not b for a, b in zip(kept[0], tensors))
+            or kept[1] != versions
+        ):
             kept = (tensors, versions, *layer.folded())
             self._folded_cache[id(conv)] = kept
         return kept[2], kept[3]
@@ -496,7 +505,9 @@ class SACTResNet(SeparateSteps):
             self.train(was_training)
 
     @torch.no_grad()
-    def measure_cost(self, batches: Iterable[Tensor | Sequence[Tensor]], *, max_images: int = 1024) -> tuple[SACTCost, ...]:
+    def measure_cost(
+        self, batches: Iterable[Tensor | Sequence[Tensor]], *, max_images: int = 1024
+    ) -> tuple[SACTCost, ...]:
         """Count every step's FLOPs as executed (sparse) on up to ``max_images`` images from ``batches`` (tensors,
         or (images, labels) pairs) and store them with the weights: profiles, caches and the scheduler read them
         as :attr:`step_flops`."""

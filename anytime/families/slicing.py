@@ -44,7 +44,9 @@ def parse_ratios(text: str | Sequence[float]) -> tuple[float, ...]:
     try:
         values = [float(v) for v in (text.split(",") if isinstance(text, str) else text) if str(v).strip()]
     except ValueError:
-        raise AnytimeError(f"slices must be numbers in (0, 1] separated by commas, e.g. 0.25,0.5,1.0 (got {text!r})") from None
+        raise AnytimeError(
+            f"slices must be numbers in (0, 1] separated by commas, e.g. 0.25,0.5,1.0 (got {text!r})"
+        ) from None
     if not values:
         raise AnytimeError("no slices given; use e.g. --slices 0.25,0.5,0.75,1.0")
     if not all(0 < v <= 1 for v in values):
@@ -150,7 +152,9 @@ class SwitchableBatchNorm2d(nn.Module):
             return x
         norm = self.norms[context.step]
         if norm.num_features != x.shape[1]:
-            raise AnytimeError(f"step {context.step}'s batch norm has {norm.num_features} channels but got {x.shape[1]}")
+            raise AnytimeError(
+                f"step {context.step}'s batch norm has {norm.num_features} channels but got {x.shape[1]}"
+            )
         return norm(x)
 
 
@@ -496,4 +500,3 @@ def _step_info(model: SlicedModel, dense_flops: int) -> tuple[ExitInfo, ...]:
         info.append(ExitInfo(index=k, name=label, shape=(), flops=flops, cost_flops=cumulative,
                              params=params + head_params, head_flops=0, head_params=head_params))  # fmt: skip
     return tuple(info)
-

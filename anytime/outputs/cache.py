@@ -117,7 +117,9 @@ class OutputCache:
         except AnytimeError as exc:
             raise AnytimeError(f"{target}: {exc}; collect it again") from None
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-            raise AnytimeError(f"{target} is not a readable outputs cache ({type(exc).__name__}); collect it again") from None
+            raise AnytimeError(
+                f"{target} is not a readable outputs cache ({type(exc).__name__}); collect it again"
+            ) from None
         if not np.isfinite(cache.logits).all():
             raise AnytimeError(f"{target} holds NaN or infinite logits; the model is broken or diverged")
         return cache

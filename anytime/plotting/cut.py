@@ -49,7 +49,9 @@ def plot_cut_study(
         ax_latency.plot([base["latency_p50_ms"]], [100 * base["accuracy"]], "k*", markersize=12)
     ax_ladder.set(xlabel="blocks cut, from the top down", ylabel="accuracy (%)", title="cumulative ladder")
     ax_single.set(xlabel="block cut alone (0 = first)", ylabel="accuracy (%)", title="one block at a time")
-    ax_latency.set(xlabel="batch-1 latency, median (ms)", ylabel="accuracy (%)", title="accuracy vs latency (* = whole)")
+    ax_latency.set(
+        xlabel="batch-1 latency, median (ms)", ylabel="accuracy (%)", title="accuracy vs latency (* = whole)"
+    )
     for ax in (ax_ladder, ax_single, ax_latency):
         ax.grid(alpha=0.3)
     ax_ladder.legend(fontsize=7)

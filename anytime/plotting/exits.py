@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 
 
 def plot_exit_pareto(
-    results: Mapping[str, SweepResult], cache: OutputCache, best: Oracle, stem: str | os.PathLike[str], title: str,
+    results: Mapping[str, SweepResult],
+    cache: OutputCache,
+    best: Oracle,
+    stem: str | os.PathLike[str],
+    title: str,
     names: Sequence[str] | None = None,
 ) -> list[Path]:
     """Accuracy vs mean FLOPs per sample: the Pareto front of each criterion, every exit on its own (labelled with
@@ -109,7 +113,9 @@ def plot_reliability(cache: OutputCache, names: Sequence[str], stem: str | os.Pa
         filled = counts > 0
         ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
         ax.bar(conf[filled], acc[filled], width=1 / 15, alpha=0.75, color="#4C72B0", edgecolor="white")
-        ax.set(title=f"{names[k]}: ECE {100 * expected_calibration_error(p, cache.labels):.1f}%", xlim=(0, 1), ylim=(0, 1))
+        ax.set(
+            title=f"{names[k]}: ECE {100 * expected_calibration_error(p, cache.labels):.1f}%", xlim=(0, 1), ylim=(0, 1)
+        )
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
     columns = axes[0].get_subplotspec().get_gridspec().ncols
@@ -130,13 +136,17 @@ def plot_class_accuracy(
     from anytime.utils.stats import class_accuracy
 
     table = 100 * class_accuracy(cache.logits, cache.labels, cache.num_classes)
-    labels = list(classes) if classes and len(classes) == cache.num_classes else [str(c) for c in range(cache.num_classes)]
+    labels = (
+        list(classes) if classes and len(classes) == cache.num_classes else [str(c) for c in range(cache.num_classes)]
+    )
     fig = scaled((max(6.0, 0.62 * cache.num_classes + 1.8), 0.45 * cache.num_steps + 1.6), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(table, vmin=0, vmax=100, cmap="viridis", aspect="auto")
     if cache.num_classes <= 20:
         for (k, c), value in np.ndenumerate(table):
-            ax.text(c, k, f"{value:.0f}", ha="center", va="center", fontsize=7, color="white" if value < 60 else "black")
+            ax.text(
+                c, k, f"{value:.0f}", ha="center", va="center", fontsize=7, color="white" if value < 60 else "black"
+            )
     ax.set_xticks(range(cache.num_classes), labels, rotation=30, ha="right", fontsize=8)
     ax.set_yticks(range(cache.num_steps), list(names), fontsize=8)
     ax.set(title=f"{title}: accuracy (%) per class and exit ({cache.split})")

@@ -18,7 +18,9 @@ DPI = 150  # of the PNG files
 PHASE_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "step": "#55A868", "data": "#8172B3"}
 
 
-def save_figure(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg", "pdf")) -> list[Path]:
+def save_figure(
+    fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = ("png", "svg", "pdf")
+) -> list[Path]:
     """Save ``fig`` as ``stem.png``, ``stem.svg`` and ``stem.pdf`` (each atomically), its titles wrapped to fit
     when it is drawn at a paper's width (:func:`anytime.plotting.figure_size`).
 

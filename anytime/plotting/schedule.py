@@ -51,8 +51,12 @@ def plot_deadline_accuracy(
         if option.step is not None:
             low, high = bootstrap_quantile(profile.at(batch_size).steps[option.step], quantile)
             xerr = [[max(latency - low, 0.0)], [max(high - latency, 0.0)]]
-        ax.errorbar([latency], [100 * option.accuracy], xerr=xerr, yerr=yerr, fmt="o", color=colour, capsize=3, zorder=3)
-        ax.annotate(option.name, (latency, 100 * option.accuracy), fontsize=7, xytext=(4, -10), textcoords="offset points")
+        ax.errorbar(
+            [latency], [100 * option.accuracy], xerr=xerr, yerr=yerr, fmt="o", color=colour, capsize=3, zorder=3
+        )
+        ax.annotate(
+            option.name, (latency, 100 * option.accuracy), fontsize=7, xytext=(4, -10), textcoords="offset points"
+        )
     ax.set(xlabel=f"deadline (ms){'; bars: 95% intervals' if samples else ''}", ylabel="validation accuracy (%)",
            title=f"{title}: accuracy vs deadline, batch {batch_size} on {profile.device.get('label')}")  # fmt: skip
     ax.grid(alpha=0.3)

@@ -42,7 +42,10 @@ def plot_sweep(outcomes: Sequence[JobOutcome], stem: str | os.PathLike[str], tit
 
 
 def plot_lottery(
-    tickets: Sequence[JobOutcome], dense_acc: float, seconds: Mapping[int, float], stem: str | os.PathLike[str],
+    tickets: Sequence[JobOutcome],
+    dense_acc: float,
+    seconds: Mapping[int, float],
+    stem: str | os.PathLike[str],
     title: str,
 ) -> list[Path]:
     """Test accuracy against sparsity, one curve per reset epoch (tickets whose ``params`` hold ``sparsity`` and

@@ -261,7 +261,9 @@ class PrecisionModel(PartsModel):
     the float graph's FLOPs per step (a quantized graph counts as zero in ``FlopCounterMode``).
     """
 
-    def __init__(self, float_model: nn.Module, parts: list[nn.Module], spec: PrecisionSpec, step_flops: tuple[int, ...]) -> None:
+    def __init__(
+        self, float_model: nn.Module, parts: list[nn.Module], spec: PrecisionSpec, step_flops: tuple[int, ...]
+    ) -> None:
         super().__init__(layout_of(float_model), parts, dtype=_DTYPES.get(spec.precision, torch.float32),
                          step_flops=step_flops, exit_info=getattr(float_model, "exit_info", None))  # fmt: skip
         self.spec = spec
@@ -519,7 +521,9 @@ def convert(
     target = device or torch.device("cpu")
     here = backend_for(precision, target)
     if float_layers and precision != "int8":
-        raise AnytimeError(f"layers kept in float are an int8 option; a {precision} model has every layer at {precision}")
+        raise AnytimeError(
+            f"layers kept in float are an int8 option; a {precision} model has every layer at {precision}"
+        )
     spec = PrecisionSpec(precision, backend or here, compile, tuple(float_layers))
     reduce_range = spec.backend == X86_7BIT
     if precision == "int8" and compile and here == X86_7BIT and not reduce_range:

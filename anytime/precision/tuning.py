@@ -85,7 +85,7 @@ def _predictions(layout: str, parts: Sequence[nn.Module], images: Tensor) -> lis
     chunks: list[list[Tensor]] = []
     with torch.no_grad():
         for start in range(0, images.shape[0], _BATCH):
-            outputs = run_parts(layout, parts, images[start:start + _BATCH])
+            outputs = run_parts(layout, parts, images[start : start + _BATCH])
             chunks.append([o.float().argmax(1) for o in outputs])
     return [torch.cat([c[k] for c in chunks]) for k in range(len(chunks[0]))]
 
@@ -113,7 +113,9 @@ def _fake_quantize_weight(w: Tensor) -> Tensor:
     return torch.clamp(torch.round(w / scale), -128, 127) * scale
 
 
-def _input_ranges(model: nn.Module, names: Sequence[str], calibration: Sequence[Tensor]) -> dict[str, tuple[float, float]]:
+def _input_ranges(
+    model: nn.Module, names: Sequence[str], calibration: Sequence[Tensor]
+) -> dict[str, tuple[float, float]]:
     """The smallest and largest input each named layer sees on the calibration batches (float model)."""
     layout, parts, modules = layout_of(model), float_parts(model), dict(model.named_modules())
     ranges: dict[str, list[float]] = {name: [math.inf, -math.inf] for name in names}
@@ -252,7 +254,9 @@ def search_float_layers(
         tried.append((layers, min(agreement)))
         if progress is not None:
             shown = ", ".join(layers) if layers else "none"
-            progress(f"int8 with {count} layer(s) in float ({shown}): lowest step agreement {100 * min(agreement):.2f}%")
+            progress(
+                f"int8 with {count} layer(s) in float ({shown}): lowest step agreement {100 * min(agreement):.2f}%"
+            )
         if best is None or min(agreement) > min(best[1]):
             best = (kept, agreement, layers)
         if min(agreement) >= min_agreement:

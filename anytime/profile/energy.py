@@ -103,7 +103,9 @@ class WrappingCounter:
         delta = float(value) - self._last
         if delta < 0:
             if not self._wrap:
-                raise AnytimeError(f"an energy counter went backwards ({self._last:g} -> {value:g}) and names no wrap range")
+                raise AnytimeError(
+                    f"an energy counter went backwards ({self._last:g} -> {value:g}) and names no wrap range"
+                )
             delta += self._wrap
         self._last = float(value)
         self.total += delta
@@ -239,7 +241,9 @@ class NvmlReader:
             try:
                 import pynvml as nvml  # type: ignore[import-not-found, no-redef]
             except ImportError:
-                raise _Unreadable("NVML: pynvml is not installed (pip install 'anytime[energy]', i.e. nvidia-ml-py)") from None
+                raise _Unreadable(
+                    "NVML: pynvml is not installed (pip install 'anytime[energy]', i.e. nvidia-ml-py)"
+                ) from None
         self._nvml = nvml
         try:
             nvml.nvmlInit()
@@ -262,7 +266,9 @@ class NvmlReader:
             self._counter = None
             source = EnergySource("nvml", f"GPU {index} {name}: power sampled every {interval_s * 1000:g} ms",
                                   1e-3, max(interval_s, 0.02), True, mode)  # fmt: skip
-            self._sampled = SampledPower(source, self._power_w, interval_s=interval_s, clock=clock, background=background)
+            self._sampled = SampledPower(
+                source, self._power_w, interval_s=interval_s, clock=clock, background=background
+            )
             self.source = source
 
     def _power_w(self) -> float:
@@ -279,7 +285,9 @@ class NvmlReader:
         try:
             value = float(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
         except self._nvml.NVMLError as exc:
-            raise AnytimeError(f"NVML: the GPU's energy counter could not be read during the measurement ({exc})") from None
+            raise AnytimeError(
+                f"NVML: the GPU's energy counter could not be read during the measurement ({exc})"
+            ) from None
         return self._counter.update(value) * 1e-3
 
     def sampling(self) -> AbstractContextManager[None]:
@@ -318,10 +326,10 @@ def jetson_rails(root: str | Path | None = None) -> list[_Rail]:
     base = Path(root) if root is not None else INA_ROOT
     rails: list[_Rail] = []
     for power in sorted(base.glob("ina3221x/*/iio:device*/in_power*_input")):
-        i = power.name[len("in_power"):-len("_input")]
+        i = power.name[len("in_power") : -len("_input")]
         rails.append(_Rail(_read_text(power.parent / f"rail_name_{i}") or f"rail{i}", power, None, None))
     for label in sorted(base.glob("ina3221/*/hwmon/hwmon*/in*_label")):
-        i = label.name[2:-len("_label")]
+        i = label.name[2 : -len("_label")]
         voltage, current = label.parent / f"in{i}_input", label.parent / f"curr{i}_input"
         if voltage.exists() and current.exists():
             rails.append(_Rail(_read_text(label) or f"in{i}", None, voltage, current))
@@ -334,7 +342,9 @@ def open_jetson_reader(root: str | Path | None = None, *, interval_s: float = 0.
     rails = jetson_rails(root)
     if not rails:
         base = root if root is not None else INA_ROOT
-        raise _Unreadable(f"Jetson INA3221: no power rails under {base}/ina3221x or {base}/ina3221 (not a Jetson board)")
+        raise _Unreadable(
+            f"Jetson INA3221: no power rails under {base}/ina3221x or {base}/ina3221 (not a Jetson board)"
+        )
     board = [r for r in rails if r.label in BOARD_RAILS]
     used = board[:1] or rails
     for rail in used:
@@ -406,7 +416,13 @@ class EnergyWindows:
         joules = np.asarray(doc["joules"], dtype=np.float64)
         seconds = np.asarray(doc["seconds"], dtype=np.float64)
         calls = doc["calls"]
-        if joules.ndim != 1 or joules.size == 0 or joules.shape != seconds.shape or not isinstance(calls, int) or calls < 1:
+        if (
+            joules.ndim != 1
+            or joules.size == 0
+            or joules.shape != seconds.shape
+            or not isinstance(calls, int)
+            or calls < 1
+        ):
             raise ValueError("energy windows malformed")
         if not (np.isfinite(joules).all() and np.isfinite(seconds).all()) or (joules < 0).any() or (seconds <= 0).any():
             raise AnytimeError(f"{where} holds a NaN, infinite or negative energy; profile again with --energy")
@@ -427,7 +443,10 @@ class EnergySettings:
     def __post_init__(self) -> None:
         if self.windows < 2 or self.min_quanta < 1:
             raise AnytimeError(f"energy needs at least 2 windows (got {self.windows})")
-        if not (0 < self.min_window_s <= self.max_window_s and math.isfinite(self.max_window_s)) or not self.idle_s >= 0:
+        if (
+            not (0 < self.min_window_s <= self.max_window_s and math.isfinite(self.max_window_s))
+            or not self.idle_s >= 0
+        ):
             raise AnytimeError(f"energy windows: need 0 < min {self.min_window_s} s <= max {self.max_window_s} s")
 
 

@@ -35,8 +35,13 @@ def paused_gc() -> Iterator[None]:
 
 @torch.inference_mode()
 def per_sample_latency(
-    functions: Mapping[str, Callable[[Tensor], Any]], inputs: Tensor | Sequence[Tensor], *, warmup: int = 10,
-    batch_size: int = 1, turn: int = 1, clock: Clock = monotonic,
+    functions: Mapping[str, Callable[[Tensor], Any]],
+    inputs: Tensor | Sequence[Tensor],
+    *,
+    warmup: int = 10,
+    batch_size: int = 1,
+    turn: int = 1,
+    clock: Clock = monotonic,
 ) -> dict[str, np.ndarray]:
     """Seconds each function takes on every batch of ``batch_size`` samples of ``inputs`` (or on every tensor of a
     sequence of batches, e.g. sentences of their own lengths).

@@ -137,8 +137,12 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
         run = load_run(run_dir, "cpu")
         model = run.model
         # a text run at its longest sentence: the peak of any length
-        x = example_input(dataset_input_shape(run.dataset), batch_size, tokens=run.dataset.get("modality") == "text",
-                          generator=torch.Generator().manual_seed(0))
+        x = example_input(
+            dataset_input_shape(run.dataset),
+            batch_size,
+            tokens=run.dataset.get("modality") == "text",
+            generator=torch.Generator().manual_seed(0),
+        )
     with torch.inference_mode():
         loaded = current_rss_bytes()
         reset = _reset_peak_rss()

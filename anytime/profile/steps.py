@@ -133,8 +133,14 @@ def _time_batch(model: nn.Module, x: Tensor, num_steps: int, incremental: bool, 
     return alone, stages
 
 
-def _time_suffixes(parts: tuple[Sequence[nn.Module], Sequence[nn.Module]], x: Tensor, sync: Callable[[], None],
-                   clock: Callable[[], float], wait: Callable[[float], None], gap_s: float) -> list[list[float]]:
+def _time_suffixes(
+    parts: tuple[Sequence[nn.Module], Sequence[nn.Module]],
+    x: Tensor,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+    wait: Callable[[float], None],
+    gap_s: float,
+) -> list[list[float]]:
     """For each partition k before the last segment: segments 0..k run untimed, then, after the idle gap,
     stages k+1.. are timed as a split server runs them from a received activation (per stage, ms)."""
     segments, heads = parts
@@ -232,7 +238,9 @@ def _training(model: nn.Module, x: Tensor, num_classes: int, repeats: int) -> di
 
     timing = measure_train_step(_TrainedSteps(trainee), x, labels, warmup=2, repeats=repeats, loss_fn=loss_fn)
     summary = timing.summary()
-    return {key: summary[key] for key in ("forward_p50_s", "backward_p50_s", "step_p50_s", "total_p50_s", "images_per_s")}
+    return {
+        key: summary[key] for key in ("forward_p50_s", "backward_p50_s", "step_p50_s", "total_p50_s", "images_per_s")
+    }
 
 
 def _real_batches(images: Tensor, size: int, count: int, device: torch.device) -> list[Tensor]:
@@ -276,7 +284,9 @@ def profile_model(
         raise AnytimeError(f"the gap between repetitions must be between 0 and 60 s (got {gap_s})")
     wait = sleep or time.sleep
     if train and getattr(model, "spec", None) is not None:
-        raise AnytimeError("a converted (quantized or cast) model has no training step to time; profile its float run with --train")
+        raise AnytimeError(
+            "a converted (quantized or cast) model has no training step to time; profile its float run with --train"
+        )
     parts = None
     if suffixes:
         segments, heads = getattr(model, "segments", None), getattr(model, "heads", None)
@@ -290,7 +300,9 @@ def profile_model(
     target = torch.device(device)
     where = next((t.device for t in list(model.parameters()) + list(model.buffers())), target)
     if where.type != target.type:
-        raise AnytimeError(f"the model is on {where} but the profile is asked for {target}; move it first (model.to('{target}'))")
+        raise AnytimeError(
+            f"the model is on {where} but the profile is asked for {target}; move it first (model.to('{target}'))"
+        )
     was_training = model.training
     model.eval()
     num_steps = step_count(model)

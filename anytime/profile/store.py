@@ -129,8 +129,11 @@ class DeviceProfile:
     @property
     def samples_per_step(self) -> int:
         """The fewest samples behind any latency figure (what bounds the quantiles it can resolve)."""
-        return min(s.size for b in self.latency.values()
-                   for s in b.steps + (b.stages or ()) + (b.answers or ()) + (b.answer_paths or ()))
+        return min(
+            s.size
+            for b in self.latency.values()
+            for s in b.steps + (b.stages or ()) + (b.answers or ()) + (b.answer_paths or ())
+        )
 
     def at(self, batch_size: int) -> BatchLatency:
         """The latencies at one batch size; a clear error for one that was not measured."""
@@ -273,7 +276,9 @@ class DeviceProfile:
     def from_dict(cls, doc: Any, *, where: str = "profile") -> DeviceProfile:
         """Rebuild from :meth:`to_dict`; one clear error for anything malformed (NaN or negative samples included)."""
         if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
-            raise AnytimeError(f"{where} is not an anytime profile (no '{PROFILE_FORMAT}' tag); make one with `anytime profile RUN`")
+            raise AnytimeError(
+                f"{where} is not an anytime profile (no '{PROFILE_FORMAT}' tag); make one with `anytime profile RUN`"
+            )
         try:
             steps = doc["steps"]
             num_steps = len(steps)
@@ -321,7 +326,9 @@ class DeviceProfile:
         except AnytimeError:
             raise
         except (KeyError, TypeError, ValueError):
-            raise AnytimeError(f"{where} is a malformed profile (missing or inconsistent fields); profile again") from None
+            raise AnytimeError(
+                f"{where} is a malformed profile (missing or inconsistent fields); profile again"
+            ) from None
 
     @classmethod
     def load(cls, path: str | Path, *, fingerprint: str | None = None, num_steps: int | None = None) -> DeviceProfile:

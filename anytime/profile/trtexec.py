@@ -24,7 +24,9 @@ def _times(path: Path, field: str) -> np.ndarray:
         records = json.loads(path.read_text())
         values = np.asarray([float(r[field]) for r in records], dtype=np.float64)
     except FileNotFoundError:
-        raise AnytimeError(f"{path} is missing: time each artifact with `trtexec --onnx=ARTIFACT --exportTimes={path.name}`") from None
+        raise AnytimeError(
+            f"{path} is missing: time each artifact with `trtexec --onnx=ARTIFACT --exportTimes={path.name}`"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError):
         raise AnytimeError(f"{path} is not trtexec's --exportTimes JSON (a list of records with '{field}')") from None
     if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values < 0):
@@ -41,7 +43,9 @@ def trtexec_profile(
     engines were built for (``--fp16``, ``--int8``; default the export's own)."""
     manifest = read_manifest(export_dir)
     if manifest.format != "onnx":
-        raise AnytimeError(f"{export_dir} holds {manifest.format} artifacts; trtexec builds engines from an ONNX export")
+        raise AnytimeError(
+            f"{export_dir} holds {manifest.format} artifacts; trtexec builds engines from an ONNX export"
+        )
     parts = [_times(Path(times_dir) / f"{Path(p.file).stem}.json", field) for p in manifest.parts]
     count = min(t.size for t in parts)
     parts = [t[:count] for t in parts]  # inference i of every engine makes repetition i

@@ -73,7 +73,11 @@ class Selection:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (the energy fields only where an energy budget was asked)."""
-        energy = {} if self.energy_budget_mj is None else {"energy_mj": self.energy_mj, "energy_budget_mj": self.energy_budget_mj}
+        energy = (
+            {}
+            if self.energy_budget_mj is None
+            else {"energy_mj": self.energy_mj, "energy_budget_mj": self.energy_budget_mj}
+        )
         return {"option": self.option, "kind": self.kind, "step": self.step, "accuracy": self.accuracy,
                 "latency_ms": self.latency_ms, "deadline_ms": self.deadline_ms, "quantile": self.quantile,
                 "batch_size": self.batch_size, "fits": self.fits, "drift": self.drift, "note": self.note, **energy}  # fmt: skip
@@ -233,7 +237,12 @@ class DeadlineScheduler:
                          latency / profiled, None, energy, None if energy_mj is None else float(energy_mj))  # fmt: skip
 
     def observe(
-        self, option: str | Option | Selection, seconds: float, batch_size: int | None = None, *, step: int | None = None
+        self,
+        option: str | Option | Selection,
+        seconds: float,
+        batch_size: int | None = None,
+        *,
+        step: int | None = None,
     ) -> None:
         """Feed back the measured latency (seconds) of one answer given by ``option``.
 
@@ -253,7 +262,9 @@ class DeadlineScheduler:
             if o.policy is None:
                 profiled = (self.latency(o, 0.5, batch), self.latency(o, q, batch))
             elif step is None or not 0 <= step < self.profile.num_steps:
-                raise AnytimeError(f"observing the policy option {name} needs step=the exit its answer reached (0..{self.profile.num_steps - 1})")
+                raise AnytimeError(
+                    f"observing the policy option {name} needs step=the exit its answer reached (0..{self.profile.num_steps - 1})"
+                )
             else:
                 path = self.profile.answer_path_samples(step, batch)
                 profiled = (quantile_of(path, 0.5), quantile_of(path, q))
@@ -275,7 +286,9 @@ class DeadlineScheduler:
         if found is None:
             self.profile.require_energy()
             self.profile.at(batch_size)
-            found = self._energy_cache[batch_size] = {name: self.energy_mj(o, batch_size) for name, o in self.options.items()}
+            found = self._energy_cache[batch_size] = {
+                name: self.energy_mj(o, batch_size) for name, o in self.options.items()
+            }
         return found
 
     def _policy_mixture(self, option: Option, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -379,14 +392,25 @@ def _check_option(option: Option, profile: DeviceProfile) -> None:
         raise AnytimeError(f"option {option.name}: accuracy {option.accuracy} is not in [0, 1]")
     if option.policy is None:
         if option.step is None or not 0 <= option.step < profile.num_steps:
-            raise AnytimeError(f"option {option.name}: step {option.step} is not one of the profile's 0..{profile.num_steps - 1}")
+            raise AnytimeError(
+                f"option {option.name}: step {option.step} is not one of the profile's 0..{profile.num_steps - 1}"
+            )
         return
     if not profile.incremental:
-        raise AnytimeError(f"option {option.name}: an early-exit policy needs an incremental model's profile (with stages)")
+        raise AnytimeError(
+            f"option {option.name}: an early-exit policy needs an incremental model's profile (with stages)"
+        )
     if option.policy.num_steps != profile.num_steps:
-        raise AnytimeError(f"option {option.name}: its policy is for {option.policy.num_steps} exits, the profile has {profile.num_steps}")
+        raise AnytimeError(
+            f"option {option.name}: its policy is for {option.policy.num_steps} exits, the profile has {profile.num_steps}"
+        )
     share = option.exit_share
-    if share is None or len(share) != profile.num_steps or not all(s >= 0 and math.isfinite(s) for s in share) or sum(share) <= 0:
+    if (
+        share is None
+        or len(share) != profile.num_steps
+        or not all(s >= 0 and math.isfinite(s) for s in share)
+        or sum(share) <= 0
+    ):
         raise AnytimeError(f"option {option.name}: needs {profile.num_steps} non-negative exit shares")
 
 
@@ -410,7 +434,9 @@ class PrecisionScheduler:
                 "profile every variant on the device that will run it"
             )
         self.schedulers = dict(schedulers)
-        self._options = {f"{variant} {o.name}": (variant, o) for variant, s in schedulers.items() for o in s.options.values()}
+        self._options = {
+            f"{variant} {o.name}": (variant, o) for variant, s in schedulers.items() for o in s.options.values()
+        }
         self._frontiers: dict[tuple[float, int], _Frontier] = {}
 
     def variant_of(self, option: str) -> str:

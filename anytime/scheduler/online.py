@@ -90,7 +90,9 @@ class DriftEstimator:
     def __init__(self, *, window: int = 200, min_observations: int = 20, tracked_quantile: float | None = None,
                  rise_only: bool = False) -> None:  # fmt: skip
         if window < 1 or not 1 <= min_observations <= window:
-            raise AnytimeError(f"need window >= 1 and 1 <= min_observations <= window (got {window}, {min_observations})")
+            raise AnytimeError(
+                f"need window >= 1 and 1 <= min_observations <= window (got {window}, {min_observations})"
+            )
         if tracked_quantile is not None and not 0 < tracked_quantile < 1:
             raise AnytimeError(f"the tracked quantile must lie between 0 and 1 (got {tracked_quantile})")
         self.window = window

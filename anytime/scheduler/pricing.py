@@ -107,4 +107,3 @@ def _one_round(
             runner.predict_at(x, k, through=through)
             out[(w, k)] = 1000.0 * (clock() - start)
     return out
-

@@ -53,7 +53,8 @@ def load_calibration(
         try:
             shares = [float(s) for s in figures["exit_share"]]
             ok = len(shares) == policy.num_steps and all(
-                math.isfinite(float(figures[key])) for key in ("accuracy", "flops_ratio", "last_exit_accuracy"))
+                math.isfinite(float(figures[key])) for key in ("accuracy", "flops_ratio", "last_exit_accuracy")
+            )
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
@@ -112,7 +113,9 @@ def _length_bucket(run_dir: str | Path, found: list[Path], length: int) -> Path:
     bucket = lengths[min(holding)]
     if len(bucket) > 1:
         names = ", ".join(p.name for p in bucket)
-        raise AnytimeError(f"{run_dir} has several profiles of {min(holding)} tokens ({names}); choose one with --profile")
+        raise AnytimeError(
+            f"{run_dir} has several profiles of {min(holding)} tokens ({names}); choose one with --profile"
+        )
     return bucket[0]
 
 
@@ -158,9 +161,12 @@ def scheduler_for_run(
 def _structured_ticket_of(run: Path, base: Path) -> str | None:
     """``channels-S`` when ``run`` is a structured ticket (``anytime ticket --unit channels``) whose chain of
     ``prune_from`` leads back to ``base``, else None (read from the runs' config.json alone)."""
+
     def recipe(folder: Path) -> dict[str, Any]:
         try:
-            return dict(read_json(folder / "config.json", what="run record", make="train it", redo="train it again")["train"])
+            return dict(
+                read_json(folder / "config.json", what="run record", make="train it", redo="train it again")["train"]
+            )
         except (AnytimeError, KeyError, TypeError, ValueError):
             return {}
 
@@ -195,7 +201,12 @@ def precision_scheduler(
         ticket = _structured_ticket_of(Path(run), base) if i > 0 and record is None else None
         name = ticket or (record["precision"] if record is not None else "fp32")
         again = name in runs_of and runs_of[name].resolve() == Path(run).resolve()
-        if not again and i > 0 and ticket is None and (record is None or record.get("parent_fingerprint") != base_fingerprint):
+        if (
+            not again
+            and i > 0
+            and ticket is None
+            and (record is None or record.get("parent_fingerprint") != base_fingerprint)
+        ):
             raise AnytimeError(f"{run} is neither a converted form of {base} (anytime quantize {base} --precision P) "
                                f"nor a structured ticket of it (anytime ticket {base} --unit channels); only one "
                                "model's variants share a frontier")  # fmt: skip

@@ -126,11 +126,15 @@ class AnytimeRunner:
         self.margin_ms = float(margin_ms)
         self.incremental = is_incremental(model) and num_steps > 1
         if self.incremental and not profile.incremental:
-            raise AnytimeError("the model runs its steps incrementally but the profile has no stage latencies; profile it again")
+            raise AnytimeError(
+                "the model runs its steps incrementally but the profile has no stage latencies; profile it again"
+            )
         self.policy = policy
         if policy is not None:
             if not self.incremental:
-                raise AnytimeError("an early-exit policy needs an incremental model (one whose steps reuse each other's work)")
+                raise AnytimeError(
+                    "an early-exit policy needs an incremental model (one whose steps reuse each other's work)"
+                )
             if policy.num_steps != num_steps:
                 raise AnytimeError(f"the policy is for {policy.num_steps} exits but the model has {num_steps}")
             if get_criterion(policy.criterion).stateful:
@@ -212,7 +216,9 @@ class AnytimeRunner:
         found = self._energies.get(batch_size)
         if found is None:
             profiled = self._profiled_batch(batch_size)
-            found = self._energies[batch_size] = [1000.0 * self.profile.path_energy_j(k, profiled) for k in range(self._num_steps)]
+            found = self._energies[batch_size] = [
+                1000.0 * self.profile.path_energy_j(k, profiled) for k in range(self._num_steps)
+            ]
         return found
 
     def predict(self, x: Tensor, deadline_ms: float, energy_mj: float | None = None) -> AnytimePrediction:

@@ -7,7 +7,6 @@ an energy budget ``energy_mj``; as the body, a form field or a JSON object), ``G
 the server never reads a path or unpickles anything a client sends.
 """
 
-
 # FastAPI reads the routes' annotations at run time, so they are not postponed (no __future__ annotations).
 import asyncio
 import contextlib
@@ -84,7 +83,9 @@ def _json_fields(body: bytes, field: str) -> dict[str, bytes]:
     if not isinstance(doc, dict):
         raise BadRequest(f'the JSON body must be an object: {{"{field}": ..., "deadline_ms": 10}}')
     if field == "image" and "image" in doc:
-        raise BadRequest("images are not sent in JSON: send the PNG, JPEG or .npy bytes as the body or a form field", 415)
+        raise BadRequest(
+            "images are not sent in JSON: send the PNG, JPEG or .npy bytes as the body or a form field", 415
+        )
     fields = {}
     for key, value in doc.items():
         if key == field and not isinstance(value, str):
@@ -270,7 +271,11 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
     if runner.profile.serving is not None:  # what the HTTP stack adds beyond the server's count, kept free
         runner.margin_ms = quantile_of(runner.profile.serving, options.quantile)
     text = run.dataset.get("modality") == "text"
-    spec: Inputs = TextSpec.from_tokenizer(run_tokenizer(options.run), run.dataset, options.run) if text else InputSpec.from_dataset(run.dataset)
+    spec: Inputs = (
+        TextSpec.from_tokenizer(run_tokenizer(options.run), run.dataset, options.run)
+        if text
+        else InputSpec.from_dataset(run.dataset)
+    )
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip
     longest = max(runner.length_profiles) if text and runner.length_profiles else None
@@ -329,12 +334,16 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise AnytimeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --host or --port") from None
+        raise AnytimeError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --host or --port"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
 
-def serve(options: ServeOptions, *, host: str, port: int, workers: int = 1, on_ready: Callable[[str], None] | None = None) -> None:
+def serve(
+    options: ServeOptions, *, host: str, port: int, workers: int = 1, on_ready: Callable[[str], None] | None = None
+) -> None:
     """Serve until interrupted; with ``workers`` > 1, that many processes, each with its own model. The address is
     bound before the run is loaded, and ``on_ready`` is told only once both succeeded."""
     try:

@@ -89,7 +89,9 @@ class Metrics:
                 if not self._totals[step] and step == "none":
                     continue
                 name = _label(step)
-                lines += [f'anytime_request_seconds_bucket{{step="{name}",le="{b:g}"}} {n}' for b, n in zip(BUCKETS_S, counts)]
+                lines += [
+                    f'anytime_request_seconds_bucket{{step="{name}",le="{b:g}"}} {n}' for b, n in zip(BUCKETS_S, counts)
+                ]
                 lines += [f'anytime_request_seconds_bucket{{step="{name}",le="+Inf"}} {self._totals[step]}',
                           f'anytime_request_seconds_sum{{step="{name}"}} {self._sums[step]:.6f}',
                           f'anytime_request_seconds_count{{step="{name}"}} {self._totals[step]}']  # fmt: skip

@@ -34,17 +34,23 @@ def measure_serving_overhead(
     try:
         import uvicorn
     except ImportError:
-        raise AnytimeError("measuring the server's overhead needs FastAPI and uvicorn: pip install 'anytime[serve]'") from None
+        raise AnytimeError(
+            "measuring the server's overhead needs FastAPI and uvicorn: pip install 'anytime[serve]'"
+        ) from None
     from anytime.data.inputs import InputSpec, TextSpec
     from anytime.serve.http import ServeOptions, build_app
     from anytime.train.records import read_record
     from anytime.train.splits import run_tokenizer
 
     if requests < 1 or warmup < 0 or not 0 <= gap_ms < 60_000:
-        raise AnytimeError(f"need requests >= 1, warmup >= 0 and a gap of 0 to 60000 ms (got {requests}, {warmup}, {gap_ms})")
+        raise AnytimeError(
+            f"need requests >= 1, warmup >= 0 and a gap of 0 to 60000 ms (got {requests}, {warmup}, {gap_ms})"
+        )
     dataset = read_record(run_dir).get("dataset", {})
     text = dataset.get("modality") == "text"
-    spec = TextSpec.from_tokenizer(run_tokenizer(run_dir), dataset, run_dir) if text else InputSpec.from_dataset(dataset)
+    spec = (
+        TextSpec.from_tokenizer(run_tokenizer(run_dir), dataset, run_dir) if text else InputSpec.from_dataset(dataset)
+    )
     app, service = build_app(ServeOptions(run=str(run_dir), profile=None if profile is None else str(profile),
                                           max_batch=1, threads=threads, device="cpu"))  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
@@ -83,4 +89,3 @@ def _wait_for(server: object, thread: threading.Thread) -> int:
             raise AnytimeError("the server for the overhead probe did not start on 127.0.0.1")
         time.sleep(0.02)
     return int(server.servers[0].sockets[0].getsockname()[1])  # type: ignore[attr-defined]
-

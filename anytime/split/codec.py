@@ -86,7 +86,9 @@ def decode(fields: dict[str, Any], payload: bytes) -> Tensor:
         raise AnytimeError(f"shape {shape!r} is not a list of positive whole numbers [N, ...]")
     expected = payload_bytes(shape[1:], codec, shape[0])
     if len(payload) != expected:
-        raise AnytimeError(f"the payload has {len(payload)} bytes but a {codec} tensor of shape {shape} needs {expected}")
+        raise AnytimeError(
+            f"the payload has {len(payload)} bytes but a {codec} tensor of shape {shape} needs {expected}"
+        )
     if codec == "fp32":
         return torch.from_numpy(np.frombuffer(payload, dtype="<f4").reshape(shape).copy())
     if codec == "fp16":

@@ -107,8 +107,11 @@ class SplitDevice:
     def _replan_if_moved(self, *, force: bool = False) -> None:
         seen, planned = self.estimator.link, self.plan.link
         ratio = seen.bandwidth_mbps / planned.bandwidth_mbps
-        moved = (abs(ratio - 1) > self.replan_change or abs(seen.rtt_ms - planned.rtt_ms) > 0.2 * max(planned.rtt_ms, 1)
-                 or abs(seen.overhead_ms - planned.overhead_ms) > self.replan_change * max(planned.overhead_ms, 1))
+        moved = (
+            abs(ratio - 1) > self.replan_change
+            or abs(seen.rtt_ms - planned.rtt_ms) > 0.2 * max(planned.rtt_ms, 1)
+            or abs(seen.overhead_ms - planned.overhead_ms) > self.replan_change * max(planned.overhead_ms, 1)
+        )
         if force or (self.adapt and moved):
             before = self.plan.option
             self.plan = self.planner.plan(seen, self.deadline_ms, self.quantile)
@@ -193,5 +196,3 @@ class SplitDevice:
         self.estimator.transfer(reply.sent_bytes + reply.received_bytes, reply.round_trip_ms, 0.0)
         self._replan_if_moved()
         return True
-
-

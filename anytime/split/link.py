@@ -188,7 +188,9 @@ class SplitClient:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
         except OSError as exc:
             self._down_until = self._clock() + self.retry_after_s
-            raise LinkError(f"the server at {self.address} is unreachable ({exc.strerror or type(exc).__name__})") from None
+            raise LinkError(
+                f"the server at {self.address} is unreachable ({exc.strerror or type(exc).__name__})"
+            ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.timeout_s)
         self._sock = sock

@@ -184,11 +184,12 @@ class SplitPlanner:
         self._candidates: list[_Candidates] = []
         grid = _settings(scores_of(tables.cache, self.criterion))
         for k in chosen:
-            for codec in (("fp32",) if k == last else codecs):
+            for codec in ("fp32",) if k == last else codecs:
                 scores = scores_of(tables.cache_for(k, codec), self.criterion)
                 acc, _, share = evaluate_settings(scores, grid, floor_disables=False)
-                natural = to_natural(scores.criterion, grid, tables.num_classes, torch.full((last,), -math.inf,
-                                                                                              dtype=torch.float64))
+                natural = to_natural(
+                    scores.criterion, grid, tables.num_classes, torch.full((last,), -math.inf, dtype=torch.float64)
+                )
                 natural[torch.isinf(grid).numpy()] = np.nan
                 self._candidates.append(_Candidates(k, codec, grid, acc.numpy(), share.numpy(), natural))
         dev, srv = device.at(1).stages, server.at(1).stages
@@ -273,7 +274,9 @@ def _settings(scores: Scores) -> Tensor:
     if 2**early <= MAX_SUBSETS:
         subsets = [s for r in range(early + 1) for s in itertools.combinations(range(early), r)]
     else:
-        subsets = [(), tuple(range(early))] + [(i,) for i in range(early)] + list(itertools.combinations(range(early), 2))
+        subsets = (
+            [(), tuple(range(early))] + [(i,) for i in range(early)] + list(itertools.combinations(range(early), 2))
+        )
     rows = []
     for subset in subsets:
         if not subset:

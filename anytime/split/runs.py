@@ -18,7 +18,9 @@ def _segmented(model: Any, run_dir: str | Path) -> None:
                            "(anytime train --exits) or an ensemble (anytime ensemble)")  # fmt: skip
 
 
-def split_tables(run_dir: str | Path, codecs: tuple[str, ...], *, device: str = "cpu", batch_size: int = 256) -> SplitTables:
+def split_tables(
+    run_dir: str | Path, codecs: tuple[str, ...], *, device: str = "cpu", batch_size: int = 256
+) -> SplitTables:
     """The run's split tables with at least ``codecs``: read from ``RUN/outputs/split-val.npz``, or computed from
     the validation split (one pass per partition point and codec) and saved there."""
     from anytime.data import make_loader

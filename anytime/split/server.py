@@ -83,7 +83,9 @@ class SplitService:
         policy = ExitPolicy.from_dict({"criterion": header.get("criterion", "entropy"), "thresholds": thresholds},
                                       where="the request's exit policy")  # fmt: skip
         if policy.num_steps != self.num_steps:
-            raise AnytimeError(f"the request has thresholds for {policy.num_steps} exits; the model has {self.num_steps}")
+            raise AnytimeError(
+                f"the request has thresholds for {policy.num_steps} exits; the model has {self.num_steps}"
+            )
         h = decode({"codec": header.get("codec"), "shape": shape}, payload)
         if not torch.isfinite(h).all():
             raise AnytimeError("the tensor holds NaN or infinite values")
@@ -161,7 +163,9 @@ class SplitServer:
         try:
             self._server = _TCPServer((host, port), service, max_payload)
         except (OSError, UnicodeError) as exc:
-            raise AnytimeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port") from None
+            raise AnytimeError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port"
+            ) from None
         self.service = service
 
     @property

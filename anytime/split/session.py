@@ -217,7 +217,9 @@ def run_split_session(
     data = getattr(splits, split)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))  # splits are stored class by class
     if requests + WARMUP > len(order):
-        raise AnytimeError(f"the {split} split has {len(order)} images; ask for at most {len(order) - WARMUP} --requests")
+        raise AnytimeError(
+            f"the {split} split has {len(order)} images; ask for at most {len(order) - WARMUP} --requests"
+        )
     chosen = order[: requests + WARMUP]
     images = normalize(data.images[chosen], splits.info.mean, splits.info.std)
     labels = [int(v) for v in data.labels[chosen][WARMUP:]]

@@ -97,7 +97,9 @@ def load_tables(run_dir: str | Path, fingerprint: str) -> SplitTables | None:
     except AnytimeError:
         raise
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-        raise AnytimeError(f"{path} is not readable split tables ({type(exc).__name__}); delete it to rebuild") from None
+        raise AnytimeError(
+            f"{path} is not readable split tables ({type(exc).__name__}); delete it to rebuild"
+        ) from None
     for (k, _), v in compressed.items():
         if v.shape != (cache.num_steps - 1 - k, *cache.logits.shape[1:]) or not np.isfinite(v).all():
             raise AnytimeError(f"{path} does not match the run's validation cache; delete it to rebuild")

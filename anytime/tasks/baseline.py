@@ -154,8 +154,10 @@ def train_baseline(
     ensemble.set_optimizer("SGD", lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     if method != "snapshot":
         ensemble.set_scheduler("CosineAnnealingLR", T_max=config.epochs)
-    say(f"training {estimators} x {config.model} by torchensemble {METHODS[method]} for {config.epochs} epochs "
-        f"on {device}...")
+    say(
+        f"training {estimators} x {config.model} by torchensemble {METHODS[method]} for {config.epochs} epochs "
+        f"on {device}..."
+    )
     fit: dict[str, Any] = {"epochs": config.epochs, "save_model": False, "log_interval": 10**9}
     if method == "gradient-boosting":  # its default sums the residual loss over the batch: divergent at usual lrs
         fit["use_reduction_sum"] = False
@@ -175,7 +177,9 @@ def train_baseline(
     flops = float_flops(members[0].eval(), (info.in_channels, *info.image_size), 1)[-1]
     params = sum(p.numel() for p in members[0].parameters())
     infos = [MemberInfo(f"{config.model}#{i}", None, flops, params) for i in range(len(members))]
-    model = EnsembleModel(members, infos, FuserBank(kind, len(members), info.num_classes, scale=scale)).to(device).eval()
+    model = (
+        EnsembleModel(members, infos, FuserBank(kind, len(members), info.num_classes, scale=scale)).to(device).eval()
+    )
     eval_kw = {"batch_size": config.eval_batch_size, "train": False, "seed": config.seed}
     _, val_accs = evaluate_exits(model, make_loader(splits.val, info, **eval_kw), device)
     _, test_accs = evaluate_exits(model, make_loader(splits.test, info, **eval_kw), device)

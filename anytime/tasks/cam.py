@@ -180,7 +180,9 @@ def cam_run(
 def check_image_source(images: Sequence[str | Path], split: str | None) -> None:
     """Refuse both image files and a split, or neither."""
     if bool(images) == (split is not None):
-        raise AnytimeError("give image files (--images A.png B.png) or a split to draw from (--split test), one of them")
+        raise AnytimeError(
+            "give image files (--images A.png B.png) or a split to draw from (--split test), one of them"
+        )
 
 
 def chosen_images(run: Any, images: Sequence[str | Path], split: str | None,

@@ -214,7 +214,9 @@ def cut_study(
     return CutStudy(rows, folder / "cut.csv", folder / "cut.json", [folder / p.name for p in plots])
 
 
-def make_ladder_run(run_dir: str | Path, out: str | Path, *, device: str = "cpu", overwrite: bool = False) -> dict[str, Any]:
+def make_ladder_run(
+    run_dir: str | Path, out: str | Path, *, device: str = "cpu", overwrite: bool = False
+) -> dict[str, Any]:
     """Write ``out``, a run whose model is the cumulative block-drop ladder of the plain ResNet in ``run_dir``
     (step k keeps the first k blocks whole; the same weights), with every step's validation and test
     accuracy in its summary, so that collect, sweep, profile and schedule take it like a trained run."""
@@ -258,4 +260,3 @@ def _write_ladder(folder: Path, target: Path, run: LoadedRun, config: Any, ladde
     }  # fmt: skip
     write_json(folder / "summary.json", summary)
     return summary
-

@@ -109,7 +109,9 @@ def _check_compatible(paths: Sequence[Path]) -> None:
                                f"--max-length {first_data.get('max_length')}")  # fmt: skip
         for key in _DATASET_KEYS:
             if first_data.get(key) != data.get(key):
-                what = {"num_classes": "label sets", "in_channels": "input shapes", "image_size": "input shapes"}.get(key, "datasets")
+                what = {"num_classes": "label sets", "in_channels": "input shapes", "image_size": "input shapes"}.get(
+                    key, "datasets"
+                )
                 raise AnytimeError(
                     f"{first} and {path} have different {what} ({key} {first_data.get(key)} vs {data.get(key)}); "
                     "an ensemble's members must be trained on the same data"
@@ -127,8 +129,10 @@ def _tokenizer_of(run: Path) -> bytes:
     try:
         return (run / TOKENIZER_FILE).read_bytes()
     except OSError:
-        raise AnytimeError(f"{run} has no readable {TOKENIZER_FILE}, which its token ids were made with; restore it "
-                           "from a copy of the run, or train again") from None
+        raise AnytimeError(
+            f"{run} has no readable {TOKENIZER_FILE}, which its token ids were made with; restore it "
+            "from a copy of the run, or train again"
+        ) from None
 
 
 def _member_info(run: LoadedRun, shape: tuple[int, ...]) -> tuple[MemberInfo, str]:
@@ -177,7 +181,9 @@ def _costs(runs: Sequence[LoadedRun], infos: Sequence[MemberInfo], shape: tuple[
 def _member_outputs(runs: Sequence[LoadedRun], infos: Sequence[MemberInfo], splits: DatasetSplits, split: str,
                     batch_size: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Every member's log-probabilities ``[M, N, C]`` on ``split`` and its labels."""
-    loader = make_loader(getattr(splits, split), splits.info, batch_size=batch_size, train=False, seed=runs[0].config.seed)
+    loader = make_loader(
+        getattr(splits, split), splits.info, batch_size=batch_size, train=False, seed=runs[0].config.seed
+    )
     chunks: list[Tensor] = []
     labels: list[Tensor] = []
     for images, targets in loader:
@@ -225,6 +231,7 @@ def greedy_order(logps: Tensor, labels: Tensor, costs: Sequence[float]) -> list[
     chosen: list[int] = []
     current = 1.0 / logps.shape[-1]
     while left:
+
         def gain(i: int) -> float:
             fused = torch.logsumexp(logps[chosen + [i]], dim=0)
             return (_accuracy(fused, labels) - current) / max(costs[i], 1e-6)
@@ -268,7 +275,9 @@ def build_ensemble(
     text = runs[0].dataset.get("modality") == "text"
     described = [_member_info(r, shape) for r in runs]
     infos = [d[0] for d in described]
-    costs, cost_source = _costs(runs, infos, shape) if order != "given" else ([float("nan")] * len(runs), "not measured")
+    costs, cost_source = (
+        _costs(runs, infos, shape) if order != "given" else ([float("nan")] * len(runs), "not measured")
+    )
     say("running every member over the validation and test splits...")
     splits = run_splits(runs[0])
     val_logps, val_labels = _member_outputs(runs, infos, splits, "val", batch_size)

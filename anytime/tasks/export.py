@@ -116,7 +116,10 @@ def parity_table(
     rows = []
     for k in range(manifest.num_steps):
         error, agreement = _compare(float_model, exported, images, k)
-        functions = {"eager": lambda x, k=k: _step_logits(float_model, x, k), "artifact": lambda x, k=k: exported.forward_until(x, k)}
+        functions = {
+            "eager": lambda x, k=k: _step_logits(float_model, x, k),
+            "artifact": lambda x, k=k: exported.forward_until(x, k),
+        }
         single = per_sample_latency(functions, images[: latency_images + 5], warmup=5)
         count = min(images.shape[0], THROUGHPUT_BATCH * (batches + 1))
         batched = per_sample_latency(functions, images[:count], warmup=1, batch_size=THROUGHPUT_BATCH)
@@ -151,7 +154,9 @@ def export_run(
     precision = precision or own
     check_exportable(fmt, precision)
     if record is not None and precision != own:
-        raise AnytimeError(f"{source} is a {own} run; export it at {own}, or export the float run it came from at {precision}")
+        raise AnytimeError(
+            f"{source} is a {own} run; export it at {own}, or export the float run it came from at {precision}"
+        )
     if precision == "int8" and fmt == "pt2":
         backend_for("int8", torch.device("cpu"))
     if calibration_images < 1 or parity_images < 0:
@@ -163,7 +168,9 @@ def export_run(
     if (float_layers or min_agreement is not None) and (precision != "int8" or record is not None):
         raise AnytimeError("--float-layers and --min-agreement are for int8 from a float run; a quantized run exports "
                            "with the layers it kept in float")  # fmt: skip
-    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio)
+    check_float_layer_options(
+        precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio
+    )
     if record is not None and precision == "int8":
         float_layers = tuple(record.get("float_layers") or ())
     run = load_run(source, "cpu", converted=False)
@@ -204,7 +211,9 @@ def export_run(
             with tempfile.TemporaryDirectory() as trial:
                 manifest = write(Path(trial), layers)
                 exported = load_export(trial)
-                return tuple(_compare(float_model, exported, agreement_on, k)[1] for k in range(manifest.num_steps)), None
+                return tuple(
+                    _compare(float_model, exported, agreement_on, k)[1] for k in range(manifest.num_steps)
+                ), None
 
         _, tuning = search_float_layers(
             float_model, measure, calibration=calibration or [], images=agreement_on, min_agreement=min_agreement,
@@ -239,4 +248,6 @@ def _test_images(run: LoadedRun, count: int) -> Tensor:
 
     splits = run_splits(run)
     chosen = splits.test.sample(min(count, len(splits.test)), run.config.seed)
-    return torch.cat([x for x, _ in make_loader(chosen, splits.info, batch_size=256, train=False, seed=run.config.seed)])
+    return torch.cat(
+        [x for x, _ in make_loader(chosen, splits.info, batch_size=256, train=False, seed=run.config.seed)]
+    )

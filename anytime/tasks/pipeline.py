@@ -255,8 +255,9 @@ def _calibrate(
         "steps": _steps_table({"val": val, "test": test}), **extra,
     }  # fmt: skip
     if calibration.policy.combine is not None:
-        report["combined_steps"] = _steps_table({
-            "val": calibration.policy.seen_by(val), "test": None if test is None else calibration.policy.seen_by(test)})
+        report["combined_steps"] = _steps_table(
+            {"val": calibration.policy.seen_by(val), "test": None if test is None else calibration.policy.seen_by(test)}
+        )
     return report
 
 
@@ -655,8 +656,18 @@ def profile_run(
             if profile is not first:  # the peak memory was measured once, with the first attempt
                 profile = replace(profile, latency={b: replace(at, memory=first.latency[b].memory)
                                                     for b, at in profile.latency.items()})  # fmt: skip
-            profile = replace(profile, settings={**profile.settings, "steadiness": {
-                "spread": round(kept.spread, 4), "where": kept.where, "attempts": attempt, "within": steady_within}})
+            profile = replace(
+                profile,
+                settings={
+                    **profile.settings,
+                    "steadiness": {
+                        "spread": round(kept.spread, 4),
+                        "where": kept.where,
+                        "attempts": attempt,
+                        "within": steady_within,
+                    },
+                },
+            )
             if choice is not None:
                 profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
             if slowdown != 1:

@@ -65,9 +65,13 @@ def ponder_run(
     for k in chosen:
         halting = model.halting_maps(x, k)
         maps = [h.units.float() for h in halting]  # [N, h, w] per stage ([N, 1, 1] when halting per image)
-        totals.append(sum(F.interpolate(m[:, None], size=x.shape[-2:], mode="nearest")[:, 0] for m in maps).cpu().numpy())
+        totals.append(
+            sum(F.interpolate(m[:, None], size=x.shape[-2:], mode="nearest")[:, 0] for m in maps).cpu().numpy()
+        )
         stages.append([m.cpu().numpy() for m in maps])
-        summary.append(StepPonder(k, model.exit_info[k].name, model.thresholds[k], tuple(float(m.mean()) for m in maps)))
+        summary.append(
+            StepPonder(k, model.exit_info[k].name, model.thresholds[k], tuple(float(m.mean()) for m in maps))
+        )
     with output_lock(folder), staged_files(folder, "ponder maps" if out is not None else None) as work:
         from anytime.plotting.ponder import plot_ponder_maps
         from anytime.utils.io import atomic_path, write_json

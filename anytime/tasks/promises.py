@@ -115,7 +115,9 @@ def judge(late: int, promised: int, correct: int, promised_accuracy: float, quan
     if promised == 0:
         return None
     _, accuracy_high = wilson(correct, promised)
-    return late_p_value(late, promised, 1 - quantile) >= 0.05 and accuracy_high >= promised_accuracy - accuracy_tolerance
+    return (
+        late_p_value(late, promised, 1 - quantile) >= 0.05 and accuracy_high >= promised_accuracy - accuracy_tolerance
+    )
 
 
 def check_promises(

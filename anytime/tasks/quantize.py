@@ -50,7 +50,9 @@ def check_float_layer_options(precision: str, float_layers: Sequence[str], min_a
     if min_agreement is not None and not (math.isfinite(min_agreement) and 0.0 < min_agreement <= 1.0):
         raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1], e.g. 0.99 (got {min_agreement})")
     if min_size_ratio is not None and min_agreement is None:
-        raise AnytimeError("--min-size-ratio bounds the layers --min-agreement keeps in float; give --min-agreement too")
+        raise AnytimeError(
+            "--min-size-ratio bounds the layers --min-agreement keeps in float; give --min-agreement too"
+        )
     if min_size_ratio is not None and not (math.isfinite(min_size_ratio) and min_size_ratio > 1.0):
         raise AnytimeError(f"--min-size-ratio is how many times smaller than fp32 the int8 artifact must stay, above 1 "
                            f"(e.g. 3.5; got {min_size_ratio})")  # fmt: skip
@@ -123,7 +125,9 @@ def fine_tune_int8(
     params = [p for part in prepared for p in part.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=config.weight_decay)
     per_epoch = max(1, len(splits.train) // config.batch_size)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / (epochs * per_epoch))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / (epochs * per_epoch)))
+    )
     for epoch in range(epochs):
         if epochs > 1 and epoch == (epochs + 1) // 2:
             for part in prepared:
@@ -176,7 +180,9 @@ def quantize_run(
         raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
     if not (math.isfinite(qat_lr) and qat_lr > 0):
         raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
-    check_float_layer_options(precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio)
+    check_float_layer_options(
+        precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio
+    )
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")

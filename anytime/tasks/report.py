@@ -146,7 +146,11 @@ def _steps(page: _Page, summary: dict[str, Any] | None) -> None:
     rows = []
     for e in exits:
         k = int(e.get("index", 0))
-        cells: list[Any] = [f"exit{k}", e.get("name"), f"{100 * e['flops'] / base:.1f}%" if e.get("flops") and base else "-"]
+        cells: list[Any] = [
+            f"exit{k}",
+            e.get("name"),
+            f"{100 * e['flops'] / base:.1f}%" if e.get("flops") and base else "-",
+        ]
         for split in ("val", "test"):
             if split in figures and k < figures[split][0].shape[0]:
                 logits, labels = figures[split]
@@ -202,9 +206,16 @@ def _latency(page: _Page) -> None:
     for batch in doc.get("batches", []):
         energy = (batch.get("energy") or {}).get("steps") or [{}] * len(steps)
         for name, summary, joules in zip(steps, batch.get("steps", []), energy):
-            row = [f"{name}", batch.get("batch_size"), *(f"{summary.get(k, float('nan')):.3f}" for k in ("p50_ms", "p90_ms", "p99_ms"))]
+            row = [
+                f"{name}",
+                batch.get("batch_size"),
+                *(f"{summary.get(k, float('nan')):.3f}" for k in ("p50_ms", "p90_ms", "p99_ms")),
+            ]
             if meter:
-                row += [f"{1000 * joules.get('mean_j', float('nan')):.4g}", f"{joules.get('power_w', float('nan')):.3g}"]
+                row += [
+                    f"{1000 * joules.get('mean_j', float('nan')):.4g}",
+                    f"{joules.get('power_w', float('nan')):.3g}",
+                ]
             rows.append(tuple(row))
     device = doc.get("device", {})
     columns = ("step", "batch", "p50 ms", "p90 ms", "p99 ms") + (("mJ / inference", "power W") if meter else ())
@@ -214,7 +225,8 @@ def _latency(page: _Page) -> None:
             f"{html.escape(str(doc.get('settings', {}).get('repeats')))} repetitions per batch size.{energy_note}</p>"
             + _table(columns, rows))  # fmt: skip
     body += page.figure("latency", "latency distributions") or (
-        f'<p class="meta">Distributions: <code>anytime plot {page.run}</code>.</p>')
+        f'<p class="meta">Distributions: <code>anytime plot {page.run}</code>.</p>'
+    )
     if meter:
         body += page.figure("energy", "accuracy vs latency and vs energy") or ""
     page.section("latency", "Latency on the device", body)
@@ -239,9 +251,13 @@ def _ensemble(page: _Page) -> None:
         page.section("ensemble", "Ensemble", '<p class="meta">Not an ensemble run (<code>anytime ensemble</code> '
                      "builds one from trained runs).</p>")  # fmt: skip
         return
-    rows = [(m.get("name") or m.get("run"), m.get("precision", "fp32"), m.get("run")) for m in record.get("members", [])]
-    body = (f"<p>Order <code>{html.escape(str(record.get('order')))}</code>, fuser "
-            f"<code>{html.escape(str(record.get('fuser')))}</code>.</p>" + _table(("member", "precision", "run"), rows))
+    rows = [
+        (m.get("name") or m.get("run"), m.get("precision", "fp32"), m.get("run")) for m in record.get("members", [])
+    ]
+    body = (
+        f"<p>Order <code>{html.escape(str(record.get('order')))}</code>, fuser "
+        f"<code>{html.escape(str(record.get('fuser')))}</code>.</p>" + _table(("member", "precision", "run"), rows)
+    )
     page.section("ensemble", "Ensemble", body)
 
 
@@ -269,8 +285,12 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> ReportRe
     if steps > 1:
         page.section("pareto", "Accuracy vs cost (Pareto front)", page.figure("pareto", "Pareto front"),
                      f"{collect}`anytime plot {run}`")  # fmt: skip
-        page.section("reliability", "Calibration error of each exit (reliability)",
-                     page.figure("reliability", "reliability diagrams"), f"{collect}`anytime plot {run}`")
+        page.section(
+            "reliability",
+            "Calibration error of each exit (reliability)",
+            page.figure("reliability", "reliability diagrams"),
+            f"{collect}`anytime plot {run}`",
+        )
         page.section("classes", "Accuracy per class and exit", page.figure("class_accuracy", "accuracy per class"),
                      f"{collect}`anytime plot {run}`")  # fmt: skip
         _calibration(page)

@@ -86,7 +86,9 @@ def summarise_seeds(runs: Sequence[str | Path]) -> SeedSummary:
     records = [_record(f) for f in folders]
     base_train, base_data, _ = records[0]
     for folder, (train, data, _) in zip(folders[1:], records[1:]):
-        differs = sorted(k for k in set(base_train) | set(train) if k not in _FREE and base_train.get(k) != train.get(k))
+        differs = sorted(
+            k for k in set(base_train) | set(train) if k not in _FREE and base_train.get(k) != train.get(k)
+        )
         if differs:
             key = differs[0]
             raise AnytimeError(f"{folder} differs from {folders[0]} in {key} ({train.get(key)!r} vs "

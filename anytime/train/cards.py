@@ -67,7 +67,9 @@ def find_card(name_or_path: str | os.PathLike[str]) -> Path:
                 return folder / f"{path.name}.toml"
     names = card_names()
     shipped = f"; shipped cards: {', '.join(names)}" if names else ""
-    raise AnytimeError(f"no model card at {path}: give a card file (models/NAME.toml) or a shipped card's name{shipped}")
+    raise AnytimeError(
+        f"no model card at {path}: give a card file (models/NAME.toml) or a shipped card's name{shipped}"
+    )
 
 
 def is_shipped(path: Path) -> bool:
@@ -85,7 +87,7 @@ def load_card(path: str | os.PathLike[str]) -> ModelCard:
         raise AnytimeError(f"{card_path}: unknown table(s) {', '.join(unknown)}; a card has {', '.join(_TABLES)}")
     not_tables = sorted(key for key in _TABLES if key in raw and not isinstance(raw[key], dict))
     if not_tables:
-        raise AnytimeError(f"{card_path}: {', '.join(not_tables)} must be [tables], e.g. [model] then name = \"lenet\"")
+        raise AnytimeError(f'{card_path}: {", ".join(not_tables)} must be [tables], e.g. [model] then name = "lenet"')
     model = raw.get("model", {})
     data = raw.get("data", {})
     if "name" not in model or "name" not in data:

@@ -120,7 +120,9 @@ def _select(tensor: Tensor, dim: int, keep: tuple[int, ...] | None, name: str) -
     return tensor.index_select(dim, torch.tensor(keep, device=tensor.device)).contiguous()
 
 
-def _shrink_module(module: nn.Module, name: str, out_keep: tuple[int, ...] | None, in_keep: tuple[int, ...] | None) -> None:
+def _shrink_module(
+    module: nn.Module, name: str, out_keep: tuple[int, ...] | None, in_keep: tuple[int, ...] | None
+) -> None:
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
         keep = out_keep or in_keep
         for attr in ("weight", "bias", "running_mean", "running_var"):
@@ -150,7 +152,9 @@ def _shrink_module(module: nn.Module, name: str, out_keep: tuple[int, ...] | Non
             module.out_channels, module.in_channels = new.shape[0], new.shape[1]  # type: ignore[assignment]
     module.weight = nn.Parameter(new, requires_grad=weight.requires_grad)
     if module.bias is not None:
-        module.bias = nn.Parameter(_select(module.bias.data, 0, out_keep, name), requires_grad=module.bias.requires_grad)
+        module.bias = nn.Parameter(
+            _select(module.bias.data, 0, out_keep, name), requires_grad=module.bias.requires_grad
+        )
 
 
 def plan_channels(
@@ -191,7 +195,11 @@ def plan_channels(
         for dep, idxs in group:
             target = dep.target.module
             side = getattr(dep.handler, "__name__", "")
-            if isinstance(target, _SHRINKABLE) and target not in outputs and side in ("prune_out_channels", "prune_in_channels"):
+            if (
+                isinstance(target, _SHRINKABLE)
+                and target not in outputs
+                and side in ("prune_out_channels", "prune_in_channels")
+            ):
                 members.append((names[target], "out" if side == "prune_out_channels" else "in", [int(i) for i in idxs]))
             elif not (type(target).__name__ == "_ElementWiseOp" and _passes_through(target)):
                 closed = False

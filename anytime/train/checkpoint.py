@@ -45,8 +45,10 @@ def payload_refusal(path: Path, exc: BaseException) -> str:
     ``weights_only=False``; for a file from an unknown source that is exactly what must not be done."""
     found = re.search(r"GLOBAL ([\w.]+)", str(exc))
     what = f" (it calls {found.group(1)})" if found else ""
-    return (f"{path} holds code, not only weights{what}, so it was not loaded; do not load it with "
-            "weights_only=False unless you trust its source: that would run the code")
+    return (
+        f"{path} holds code, not only weights{what}, so it was not loaded; do not load it with "
+        "weights_only=False unless you trust its source: that would run the code"
+    )
 
 
 def save_weights(model: nn.Module, path: str | os.PathLike[str]) -> Path:

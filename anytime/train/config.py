@@ -145,90 +145,191 @@ class TrainConfig:
             (self.batch_size >= 1, f"batch size must be at least 1 (got {self.batch_size})"),
             (math.isfinite(self.lr) and self.lr > 0, f"learning rate must be a positive number (got {self.lr})"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1) (got {self.momentum})"),
-            (self.optimizer in OPTIMIZERS, f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}"),
+            (
+                self.optimizer in OPTIMIZERS,
+                f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}",
+            ),
             (not self.nesterov or self.optimizer == "sgd", "--nesterov is SGD's; AdamW takes no Nesterov momentum"),
-            (self.vocab_size is None or self.vocab_size >= 100, f"--vocab-size must be at least 100 (got {self.vocab_size})"),
-            (self.max_length is None or self.max_length >= 2, f"--max-length must be at least 2 tokens (got {self.max_length})"),
+            (
+                self.vocab_size is None or self.vocab_size >= 100,
+                f"--vocab-size must be at least 100 (got {self.vocab_size})",
+            ),
+            (
+                self.max_length is None or self.max_length >= 2,
+                f"--max-length must be at least 2 tokens (got {self.max_length})",
+            ),
             (
                 math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                 f"weight decay must be >= 0 (got {self.weight_decay})",
             ),
             (0 < self.val_fraction < 1, f"validation fraction must be in (0, 1) (got {self.val_fraction})"),
-            (self.schedule in SCHEDULES, f"unknown lr schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}"),
-            (0 <= self.workers <= MAX_WORKERS,
-             f"workers must be 0..{MAX_WORKERS} (got {self.workers}): each worker is a process with its own copy of "
-             "the loader; a few per core is plenty"),
+            (
+                self.schedule in SCHEDULES,
+                f"unknown lr schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}",
+            ),
+            (
+                0 <= self.workers <= MAX_WORKERS,
+                f"workers must be 0..{MAX_WORKERS} (got {self.workers}): each worker is a process with its own copy of "
+                "the loader; a few per core is plenty",
+            ),
             (self.prefetch_factor >= 1, f"prefetch factor must be >= 1 (got {self.prefetch_factor})"),
             (self.limit_train is None or self.limit_train >= 1, "limit_train must be a positive count"),
             (all(0 < m < 1 for m in self.step_milestones), "step milestones are fractions of the run in (0, 1)"),
-            (self.exit_mode in EXIT_MODES, f"unknown exit mode '{self.exit_mode}'; choose one of {', '.join(EXIT_MODES)}"),
-            (exit_head_error(self.exit_head) is None,
-             f"unknown exit head '{self.exit_head}'; choose one of {', '.join(HEADS)}, one per early exit separated by "
-             f"commas, or '{GRADED}'"),
+            (
+                self.exit_mode in EXIT_MODES,
+                f"unknown exit mode '{self.exit_mode}'; choose one of {', '.join(EXIT_MODES)}",
+            ),
+            (
+                exit_head_error(self.exit_head) is None,
+                f"unknown exit head '{self.exit_head}'; choose one of {', '.join(HEADS)}, one per early exit separated by "
+                f"commas, or '{GRADED}'",
+            ),
             (self.exits is not None or self.exit_mode == "joint", "--exit-mode heads-only needs --exits"),
-            (self.exit_mode == "joint" or self.init is not None,
-             "--exit-mode heads-only trains exits on a trained backbone: give it with --init CHECKPOINT"),
-            (self.exit_weights is None or self.exits is not None or self.slices is not None or self.resolutions is not None,
-             "exit weights need --exits (or --slices or --resolutions)"),
-            (self.resolutions is None or (self.exits is None and self.slices is None and self.ladder is None),
-             "a resolution ladder is a family of its own: it takes no --exits, --slices or ladder"),
-            (self.sact is None or (self.exits is None and self.slices is None and self.ladder is None
-                                   and self.resolutions is None and self.exit_weights is None and self.distill == 0),
-             "SACT is a family of its own, trained at its last threshold: it takes no --exits, --slices, "
-             "--resolutions, ladder, --exit-weights or --distill"),
-            (self.sact_mode in SACT_MODES, f"unknown --sact-mode '{self.sact_mode}'; choose one of {', '.join(SACT_MODES)}"),
-            (self.sact is not None or (self.sact_mode == "spatial" and self.ponder_cost == 0.01),
-             "--sact-mode and --ponder-cost shape a SACT ResNet: give its halting thresholds with --sact"),
-            (math.isfinite(self.ponder_cost) and self.ponder_cost >= 0,
-             f"--ponder-cost is the weight of the ponder cost in the loss, >= 0 (got {self.ponder_cost})"),
-            (self.exits is None or self.slices is None, "--exits and --slices together are not supported: choose one family"),
-            (self.ladder is None or (self.exits is None and self.slices is None),
-             "a block-drop ladder is a family of its own: it takes no --exits or --slices"),
-            (self.ladder is None or self.ladder in LADDERS, f"unknown ladder '{self.ladder}'; choose one of {', '.join(LADDERS)}"),
-            (self.slice_kind in SLICE_KINDS, f"unknown slice kind '{self.slice_kind}'; choose one of {', '.join(SLICE_KINDS)}"),
+            (
+                self.exit_mode == "joint" or self.init is not None,
+                "--exit-mode heads-only trains exits on a trained backbone: give it with --init CHECKPOINT",
+            ),
+            (
+                self.exit_weights is None
+                or self.exits is not None
+                or self.slices is not None
+                or self.resolutions is not None,
+                "exit weights need --exits (or --slices or --resolutions)",
+            ),
+            (
+                self.resolutions is None or (self.exits is None and self.slices is None and self.ladder is None),
+                "a resolution ladder is a family of its own: it takes no --exits, --slices or ladder",
+            ),
+            (
+                self.sact is None
+                or (
+                    self.exits is None
+                    and self.slices is None
+                    and self.ladder is None
+                    and self.resolutions is None
+                    and self.exit_weights is None
+                    and self.distill == 0
+                ),
+                "SACT is a family of its own, trained at its last threshold: it takes no --exits, --slices, "
+                "--resolutions, ladder, --exit-weights or --distill",
+            ),
+            (
+                self.sact_mode in SACT_MODES,
+                f"unknown --sact-mode '{self.sact_mode}'; choose one of {', '.join(SACT_MODES)}",
+            ),
+            (
+                self.sact is not None or (self.sact_mode == "spatial" and self.ponder_cost == 0.01),
+                "--sact-mode and --ponder-cost shape a SACT ResNet: give its halting thresholds with --sact",
+            ),
+            (
+                math.isfinite(self.ponder_cost) and self.ponder_cost >= 0,
+                f"--ponder-cost is the weight of the ponder cost in the loss, >= 0 (got {self.ponder_cost})",
+            ),
+            (
+                self.exits is None or self.slices is None,
+                "--exits and --slices together are not supported: choose one family",
+            ),
+            (
+                self.ladder is None or (self.exits is None and self.slices is None),
+                "a block-drop ladder is a family of its own: it takes no --exits or --slices",
+            ),
+            (
+                self.ladder is None or self.ladder in LADDERS,
+                f"unknown ladder '{self.ladder}'; choose one of {', '.join(LADDERS)}",
+            ),
+            (
+                self.slice_kind in SLICE_KINDS,
+                f"unknown slice kind '{self.slice_kind}'; choose one of {', '.join(SLICE_KINDS)}",
+            ),
             (not self.sandwich or self.slices is not None, "--sandwich trains sliced networks: it needs --slices"),
-            (math.isfinite(self.stochastic_depth) and 0 <= self.stochastic_depth < 1,
-             f"--stochastic-depth is a probability in [0, 1) (got {self.stochastic_depth})"),
-            (self.exit_weights is None or all(math.isfinite(w) and w >= 0 for w in self.exit_weights)
-             and sum(self.exit_weights) > 0, "exit weights must be finite, >= 0 and not all 0"),
-            (math.isfinite(self.distill) and self.distill >= 0, f"distillation weight must be >= 0 (got {self.distill})"),
-            (not self.gradient_equilibrium or self.exits is not None,
-             "--gradient-equilibrium balances the gradients of exits: it needs --exits"),
-            (self.distill == 0 or self.exits is not None or self.slices is not None or self.resolutions is not None,
-             "distillation (from the last exit, the widest slice or the largest resolution to the others) needs "
-             "--exits, --slices or --resolutions"),
-            (self.distill_teacher in DISTILL_TEACHERS,
-             f"unknown distillation teacher '{self.distill_teacher}'; choose one of {', '.join(DISTILL_TEACHERS)}"),
-            (self.distill_teacher == "last" or self.distill > 0,
-             f"--distill-teacher {self.distill_teacher} says what to distil from: it needs a weight (--distill)"),
-            (math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
-             f"distillation temperature must be > 0 (got {self.distill_temperature})"),
-            (math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 1,
-             f"label smoothing is in [0, 1) (got {self.label_smoothing})"),
-            (math.isfinite(self.warmup) and 0 <= self.warmup < 1,
-             f"warm-up is a fraction of the run in [0, 1) (got {self.warmup})"),
-            (math.isfinite(self.ema) and 0 <= self.ema < 1,
-             f"--ema is a decay per step in [0, 1), e.g. 0.999; 0 turns it off (got {self.ema})"),
-            (math.isfinite(self.norm_bias_lr_scale) and self.norm_bias_lr_scale > 0,
-             f"--norm-bias-lr-scale multiplies a learning rate: it must be > 0 (got {self.norm_bias_lr_scale})"),
+            (
+                math.isfinite(self.stochastic_depth) and 0 <= self.stochastic_depth < 1,
+                f"--stochastic-depth is a probability in [0, 1) (got {self.stochastic_depth})",
+            ),
+            (
+                self.exit_weights is None
+                or all(math.isfinite(w) and w >= 0 for w in self.exit_weights)
+                and sum(self.exit_weights) > 0,
+                "exit weights must be finite, >= 0 and not all 0",
+            ),
+            (
+                math.isfinite(self.distill) and self.distill >= 0,
+                f"distillation weight must be >= 0 (got {self.distill})",
+            ),
+            (
+                not self.gradient_equilibrium or self.exits is not None,
+                "--gradient-equilibrium balances the gradients of exits: it needs --exits",
+            ),
+            (
+                self.distill == 0 or self.exits is not None or self.slices is not None or self.resolutions is not None,
+                "distillation (from the last exit, the widest slice or the largest resolution to the others) needs "
+                "--exits, --slices or --resolutions",
+            ),
+            (
+                self.distill_teacher in DISTILL_TEACHERS,
+                f"unknown distillation teacher '{self.distill_teacher}'; choose one of {', '.join(DISTILL_TEACHERS)}",
+            ),
+            (
+                self.distill_teacher == "last" or self.distill > 0,
+                f"--distill-teacher {self.distill_teacher} says what to distil from: it needs a weight (--distill)",
+            ),
+            (
+                math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
+                f"distillation temperature must be > 0 (got {self.distill_temperature})",
+            ),
+            (
+                math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 1,
+                f"label smoothing is in [0, 1) (got {self.label_smoothing})",
+            ),
+            (
+                math.isfinite(self.warmup) and 0 <= self.warmup < 1,
+                f"warm-up is a fraction of the run in [0, 1) (got {self.warmup})",
+            ),
+            (
+                math.isfinite(self.ema) and 0 <= self.ema < 1,
+                f"--ema is a decay per step in [0, 1), e.g. 0.999; 0 turns it off (got {self.ema})",
+            ),
+            (
+                math.isfinite(self.norm_bias_lr_scale) and self.norm_bias_lr_scale > 0,
+                f"--norm-bias-lr-scale multiplies a learning rate: it must be > 0 (got {self.norm_bias_lr_scale})",
+            ),
             (self.amp in AMP, f"unknown --amp '{self.amp}'; choose one of {', '.join(AMP)}"),
-            (math.isfinite(self.sparsity) and 0 <= self.sparsity < 1,
-             f"--sparsity is the share of weights pruned, in [0, 1) (got {self.sparsity})"),
-            (self.prune_from is not None or (self.sparsity == 0 and self.reset_epoch == 0),
-             "--sparsity and --reset-epoch make a lottery ticket: give the run to prune with --prune-from RUN"),
-            (0 <= self.reset_epoch < self.epochs,
-             f"--reset-epoch must be in 0..{self.epochs - 1}, an epoch of the run (got {self.reset_epoch})"),
-            (self.prune_scope in PRUNE_SCOPES, f"unknown --prune-scope '{self.prune_scope}'; choose one of "
-             f"{', '.join(PRUNE_SCOPES)}"),
-            (self.prune_unit in PRUNE_UNITS, f"unknown --prune-unit '{self.prune_unit}'; choose one of {', '.join(PRUNE_UNITS)}"),
-            (self.prune_from is not None or self.prune_unit == "weights",
-             "--prune-unit channels makes a structured lottery ticket: give the run to prune with --prune-from RUN"),
-            (self.prune_unit == "weights" or self.slices is None,
-             "a sliced network's steps share their channels; prune its weights (--prune-unit weights), not its channels"),
-            (all(0 <= k < self.epochs for k in self.keep_checkpoints),
-             f"--keep-checkpoints are epochs in 0..{self.epochs - 1} (got {list(self.keep_checkpoints)})"),
-            (self.prune_from is None or self.exit_mode == "joint" and self.ladder is None,
-             "a lottery ticket trains every layer of a plain, multi-exit or sliced network (no heads-only, no ladder)"),
+            (
+                math.isfinite(self.sparsity) and 0 <= self.sparsity < 1,
+                f"--sparsity is the share of weights pruned, in [0, 1) (got {self.sparsity})",
+            ),
+            (
+                self.prune_from is not None or (self.sparsity == 0 and self.reset_epoch == 0),
+                "--sparsity and --reset-epoch make a lottery ticket: give the run to prune with --prune-from RUN",
+            ),
+            (
+                0 <= self.reset_epoch < self.epochs,
+                f"--reset-epoch must be in 0..{self.epochs - 1}, an epoch of the run (got {self.reset_epoch})",
+            ),
+            (
+                self.prune_scope in PRUNE_SCOPES,
+                f"unknown --prune-scope '{self.prune_scope}'; choose one of {', '.join(PRUNE_SCOPES)}",
+            ),
+            (
+                self.prune_unit in PRUNE_UNITS,
+                f"unknown --prune-unit '{self.prune_unit}'; choose one of {', '.join(PRUNE_UNITS)}",
+            ),
+            (
+                self.prune_from is not None or self.prune_unit == "weights",
+                "--prune-unit channels makes a structured lottery ticket: give the run to prune with --prune-from RUN",
+            ),
+            (
+                self.prune_unit == "weights" or self.slices is None,
+                "a sliced network's steps share their channels; prune its weights (--prune-unit weights), not its channels",
+            ),
+            (
+                all(0 <= k < self.epochs for k in self.keep_checkpoints),
+                f"--keep-checkpoints are epochs in 0..{self.epochs - 1} (got {list(self.keep_checkpoints)})",
+            ),
+            (
+                self.prune_from is None or self.exit_mode == "joint" and self.ladder is None,
+                "a lottery ticket trains every layer of a plain, multi-exit or sliced network (no heads-only, no ladder)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -251,9 +352,7 @@ class TrainConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(known))
         if unknown:
-            raise AnytimeError(
-                f"{where}: unknown setting(s) {', '.join(unknown)}; valid ones are {', '.join(known)}"
-            )
+            raise AnytimeError(f"{where}: unknown setting(s) {', '.join(unknown)}; valid ones are {', '.join(known)}")
         clean: dict[str, Any] = {}
         for key, value in values.items():
             clean[key] = _coerce(key, value, known[key].default, where)
@@ -272,7 +371,9 @@ class TrainConfig:
 
 def _coerce(key: str, value: Any, default: Any, where: str) -> Any:
     if key == "keep_checkpoints":
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise AnytimeError(f"{where}: keep_checkpoints must be a list of epochs, e.g. [0, 2]")
         return tuple(sorted(set(value)))
     if key in _FLOAT_LISTS:

@@ -170,8 +170,14 @@ def _slurm_settings(values: Any, where: Path) -> dict[str, Any]:
 
 
 def ticket_jobs(
-    dense_run: str | os.PathLike[str], out: str | os.PathLike[str], *, sparsity: float, reset_epoch: int,
-    rounds: int = 1, scope: str = "global", unit: str = "weights",
+    dense_run: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    sparsity: float,
+    reset_epoch: int,
+    rounds: int = 1,
+    scope: str = "global",
+    unit: str = "weights",
 ) -> list[Job]:
     """The rounds of iterative magnitude pruning from ``dense_run`` to ``sparsity`` as jobs (``out/round-R``), each
     a ticket of the dense run's recipe that prunes the round before's (the first, the dense run's) final weights,
@@ -253,6 +259,7 @@ def run_job(job: Job, threads: int | None = None, log_dir: str | None = None) ->
         if state == "finished":
             return _outcome_from_summary(job, "finished")
         with open(log, "a", encoding="utf-8") as handle:
+
             def say(line: str) -> None:
                 handle.write(line + "\n")
                 handle.flush()
@@ -318,7 +325,12 @@ def check_slurm(cluster: str | None) -> None:
 
 
 def run_submitit(
-    jobs: Sequence[Job], settings: Mapping[str, Any], *, folder: str, log_dir: str, workers: int | None,
+    jobs: Sequence[Job],
+    settings: Mapping[str, Any],
+    *,
+    folder: str,
+    log_dir: str,
+    workers: int | None,
     cluster: str | None = None,
 ) -> Iterator[JobOutcome]:
     """Submit ``jobs`` as one job array through submitit (``cluster=None``: SLURM; ``"local"``: submitit's local
@@ -366,7 +378,11 @@ class SweepResult:
 
 
 def run_sweep(
-    sweep: Sweep, out: str | os.PathLike[str], *, backend: str = "local", workers: int | None = None,
+    sweep: Sweep,
+    out: str | os.PathLike[str],
+    *,
+    backend: str = "local",
+    workers: int | None = None,
     threads: int | None = None,
     on_outcome: Callable[[JobOutcome], None] | None = None,
 ) -> SweepResult:

@@ -62,7 +62,12 @@ def rank_environment(
 
 
 def launch_local(
-    argv: Sequence[str], nproc: int, *, threads: int | None = None, poll_s: float = 0.2, grace_s: float = 10.0,
+    argv: Sequence[str],
+    nproc: int,
+    *,
+    threads: int | None = None,
+    poll_s: float = 0.2,
+    grace_s: float = 10.0,
     program: Sequence[str] | None = None,
 ) -> LaunchResult:
     """Run ``python -m anytime ARGV`` (or ``program ARGV``) as ``nproc`` data-parallel processes on this machine,

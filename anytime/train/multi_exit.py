@@ -73,8 +73,14 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> None:
 
 
 def build_model(
-    config: TrainConfig, *, num_classes: int, in_channels: int, image_size: tuple[int, int], load_init: bool = True,
-    text: tuple[int, int] | None = None, hf_config: dict[str, Any] | None = None,
+    config: TrainConfig,
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: tuple[int, int],
+    load_init: bool = True,
+    text: tuple[int, int] | None = None,
+    hf_config: dict[str, Any] | None = None,
 ) -> nn.Module:
     """The model a recipe trains: the backbone (its weights from ``config.init`` if given and ``load_init``),
     with exits attached when ``config.exits`` is set, sliced when ``config.slices`` is, as a block-drop
@@ -123,7 +129,9 @@ def build_model(
         ladder = ResolutionLadder(backbone, parse_resolutions(config.resolutions, image_size),
                                   input_shape=(in_channels, *image_size))  # fmt: skip
         if config.exit_weights is not None and len(config.exit_weights) != ladder.num_steps:
-            raise AnytimeError(f"{len(config.exit_weights)} loss weights given for {ladder.num_steps} resolutions; give one per resolution")
+            raise AnytimeError(
+                f"{len(config.exit_weights)} loss weights given for {ladder.num_steps} resolutions; give one per resolution"
+            )
         return ladder
     if config.sact is not None:
         from anytime.families.sact import SACTResNet, parse_thresholds
@@ -134,7 +142,9 @@ def build_model(
         sliced = slice_model(backbone, config.slices, kind=config.slice_kind, sandwich=config.sandwich,
                              input_shape=(in_channels, *image_size))  # fmt: skip
         if config.exit_weights is not None and len(config.exit_weights) != sliced.num_steps:
-            raise AnytimeError(f"{len(config.exit_weights)} loss weights given for {sliced.num_steps} slices; give one per slice")
+            raise AnytimeError(
+                f"{len(config.exit_weights)} loss weights given for {sliced.num_steps} slices; give one per slice"
+            )
         return sliced
     if config.exits is None:
         return backbone
@@ -170,8 +180,14 @@ def exit_weights(config: TrainConfig, model: nn.Module) -> Tensor:
 
 
 def multi_exit_loss(
-    logits: Tensor, labels: Tensor, weights: Tensor, *, distill: float = 0.0, temperature: float = 3.0,
-    label_smoothing: float = 0.0, teacher: str = "last",
+    logits: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    *,
+    distill: float = 0.0,
+    temperature: float = 3.0,
+    label_smoothing: float = 0.0,
+    teacher: str = "last",
 ) -> Tensor:
     """``sum_k w_k CE(logits_k, y)`` over exits (``logits`` is ``[K, B, C]``; cross-entropy with
     ``label_smoothing``), plus ``distill`` times the self-distillation loss: each earlier exit matches a

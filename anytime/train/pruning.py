@@ -101,7 +101,11 @@ class Mask:
 
 
 def magnitude_mask(
-    weights: dict[str, Tensor], names: list[str], sparsity: float, *, scope: str = "global",
+    weights: dict[str, Tensor],
+    names: list[str],
+    sparsity: float,
+    *,
+    scope: str = "global",
     previous: Mask | None = None,
 ) -> Mask:
     """Keep the ``1 - sparsity`` largest-magnitude weights of ``names`` (over all of them at once, or in each layer),
@@ -194,7 +198,6 @@ def round_sparsities(sparsity: float, rounds: int) -> list[float]:
     if rounds < 1:
         raise AnytimeError(f"--rounds must be at least 1 (got {rounds})")
     return [1.0 - (1.0 - sparsity) ** ((r + 1) / rounds) for r in range(rounds)]
-
 
 
 @dataclass(frozen=True)

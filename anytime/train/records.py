@@ -25,10 +25,16 @@ def read_record(run_dir: str | Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        raise AnytimeError(f"{run_dir} is not a run (no config.json); point at a folder `anytime train` wrote") from None
+        raise AnytimeError(
+            f"{run_dir} is not a run (no config.json); point at a folder `anytime train` wrote"
+        ) from None
     except (OSError, ValueError):
         raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?") from None
-    if not isinstance(record, dict) or not isinstance(record.get("train"), dict) or not isinstance(record.get("dataset"), dict):
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("train"), dict)
+        or not isinstance(record.get("dataset"), dict)
+    ):
         raise AnytimeError(f"{path} is not a valid run record; was it edited or truncated?")
     return record
 

@@ -87,8 +87,12 @@ def load_run(
         return loaded
     from anytime.deploy.inference import InferenceForm, inference_form
 
-    probe = example_input(dataset_input_shape(loaded.dataset), 2, tokens=loaded.dataset.get("modality") == "text",
-                          generator=torch.Generator().manual_seed(0))
+    probe = example_input(
+        dataset_input_shape(loaded.dataset),
+        2,
+        tokens=loaded.dataset.get("modality") == "text",
+        generator=torch.Generator().manual_seed(0),
+    )
     probe = probe.to(loaded.device)
     parsed = InferenceForm.parse(form)
     loaded.model = inference_form(loaded.model, parsed, probe=probe)
@@ -129,8 +133,7 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
         load_weights(model, weights)
         label = f"{baseline.get('method')}({len(model.members)} x {config.model})"
         return LoadedRun(run, config, dataset, model.to(target).eval(), run_weights_fingerprint(run), target, label)
-    model = build_model(config, load_init=False, text=text, hf_config=read_record(run).get("hf_config"),
-                        **shape)  # type: ignore[arg-type]
+    model = build_model(config, load_init=False, text=text, hf_config=read_record(run).get("hf_config"), **shape)  # type: ignore[arg-type]
     plan = run_channel_plan(run)
     if plan is not None:  # a structured ticket: the dense network cut to its channels
         shrink(model, plan)
@@ -150,7 +153,9 @@ def _recorded_flops(run: Path) -> list[int] | None:
         return None
 
 
-def _converted(run: Path, model: nn.Module, record: dict[str, Any], shape: tuple[int, ...], device: torch.device) -> nn.Module:
+def _converted(
+    run: Path, model: nn.Module, record: dict[str, Any], shape: tuple[int, ...], device: torch.device
+) -> nn.Module:
     from anytime.precision import PrecisionSpec, convert
 
     spec = PrecisionSpec.from_dict(record, where=str(run / "config.json"))
@@ -200,8 +205,10 @@ def _ensemble(run: Path, record: dict[str, Any], num_classes: int, device: torch
     except AnytimeError as exc:
         if record["fuser"] != "mlp":
             raise
-        raise AnytimeError(f"{exc}; MLP fusers built before 2026-11-27 lack their pool's weights: build the "
-                           f"ensemble again with `anytime ensemble`") from None
+        raise AnytimeError(
+            f"{exc}; MLP fusers built before 2026-11-27 lack their pool's weights: build the "
+            f"ensemble again with `anytime ensemble`"
+        ) from None
     label = f"ensemble {record['fuser']}({' + '.join(i.name for i in infos)})"
     return EnsembleModel(members, infos, bank).to(device), label
 

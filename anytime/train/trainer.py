@@ -160,7 +160,9 @@ def require_checkpoint(run_dir: str | Path, verb: str) -> Path:
     """The checkpoint of the run to ``verb`` (resume or extend), or a one-line error saying there is none."""
     path = Path(run_dir) / CHECKPOINT
     if not path.is_file():
-        raise AnytimeError(f"no run to {verb} at {run_dir} (no {CHECKPOINT}); train one with `anytime train --out {run_dir}`")
+        raise AnytimeError(
+            f"no run to {verb} at {run_dir} (no {CHECKPOINT}); train one with `anytime train --out {run_dir}`"
+        )
     return path
 
 
@@ -177,7 +179,11 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
 
 @torch.no_grad()
 def evaluate_exits(
-    model: nn.Module, loader: BatchLoader, device: torch.device, *, mirror: bool = False,
+    model: nn.Module,
+    loader: BatchLoader,
+    device: torch.device,
+    *,
+    mirror: bool = False,
     reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[float, list[float]]:
     """Mean cross-entropy of the model's (last) output and the accuracy of every exit (one for a plain model).
@@ -261,7 +267,12 @@ class Trainer:
         self.extra_config = dict(extra_config or {})
 
     def fit(
-        self, *, resume: bool = False, extend: bool = False, overwrite: bool = False, splits: DatasetSplits | None = None
+        self,
+        *,
+        resume: bool = False,
+        extend: bool = False,
+        overwrite: bool = False,
+        splits: DatasetSplits | None = None,
     ) -> dict[str, Any]:
         """Train (or continue training) and return the summary that is also written to ``summary.json``.
 
@@ -301,7 +312,9 @@ class Trainer:
                 if (resume or extend) and overwrite:
                     raise AnytimeError("--overwrite starts the run again; it does not go with --resume or --extend")
                 if self.run_dir.exists() and not self.run_dir.is_dir():
-                    raise AnytimeError(f"--out {self.run_dir} is a file, not a folder; give a new folder name for the run")
+                    raise AnytimeError(
+                        f"--out {self.run_dir} is a file, not a folder; give a new folder name for the run"
+                    )
                 if not (resume or extend):
                     check_output_dir(self.run_dir, RUN, create_parents=self.create_parents)
                 else:
@@ -389,7 +402,10 @@ class Trainer:
             raise AnytimeError("--tta, --augment, --cutout and --channels-last are for images; leave them out for text")
         seed_everything(cfg.seed)
         model = build_model(
-            cfg, num_classes=info.num_classes, in_channels=info.in_channels, image_size=info.image_size,
+            cfg,
+            num_classes=info.num_classes,
+            in_channels=info.in_channels,
+            image_size=info.image_size,
             load_init=state is None,  # a resumed run takes every weight from its checkpoint
             text=(info.vocab_size, info.max_length) if info.modality == "text" else None,
             hf_config=None if state is None else state.get("hf_config"),
@@ -577,7 +593,9 @@ class Trainer:
         cfg = self.config
         ctx = self.distributed
         # per-sample randomness (dropout, stochastic depth) is drawn on each process's own rows: own streams
-        torch.manual_seed(derive_seed(cfg.seed, epoch) if ctx is None else derive_seed(cfg.seed, epoch, "rank", ctx.rank))
+        torch.manual_seed(
+            derive_seed(cfg.seed, epoch) if ctx is None else derive_seed(cfg.seed, epoch, "rank", ctx.rank)
+        )
         train_loader.set_epoch(epoch)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -612,8 +630,13 @@ class Trainer:
             multi_exit = logits.dim() == 3
             if multi_exit:
                 loss = multi_exit_loss(
-                    logits, labels, step_weights, distill=cfg.distill, temperature=cfg.distill_temperature,
-                    label_smoothing=cfg.label_smoothing, teacher=cfg.distill_teacher,
+                    logits,
+                    labels,
+                    step_weights,
+                    distill=cfg.distill,
+                    temperature=cfg.distill_temperature,
+                    label_smoothing=cfg.label_smoothing,
+                    teacher=cfg.distill_teacher,
                 )
                 logits = logits[-1]
             else:
@@ -698,7 +721,11 @@ class Trainer:
             if key not in free and saved.get(key) != current[key]
         ]
         if differing:
-            longer = "; to train longer, use --extend --epochs N" if not extend and current["epochs"] != saved["epochs"] else ""
+            longer = (
+                "; to train longer, use --extend --epochs N"
+                if not extend and current["epochs"] != saved["epochs"]
+                else ""
+            )
             raise AnytimeError(
                 f"{'--extend' if extend else '--resume'} continues {self.run_dir} as it was configured, but these "
                 f"differ: {'; '.join(differing)}; drop those options or start a new --out{longer}"
@@ -809,15 +836,20 @@ class Trainer:
             "epochs": len(history),
             "parameters": sum(p.numel() for p in model.parameters()),
             "final": {
-                "train_acc": last["train_acc"], "val_acc": last["val_acc"], "val_loss": last["val_loss"],
-                "test_acc": test_acc, "test_loss": test_loss,
+                "train_acc": last["train_acc"],
+                "val_acc": last["val_acc"],
+                "val_loss": last["val_loss"],
+                "test_acc": test_acc,
+                "test_loss": test_loss,
             },  # fmt: skip
             "best_val_acc": max(h["metrics"]["val_acc"] for h in history),
             "train_time_s": sum(h["metrics"]["train_s"] for h in history),
             "wall_time_s": last["elapsed_s"],
             "timing": {"epoch0": phase_summary(history[:1]), "steady": phase_summary(history[1:])},
             "peak_rss_mb": max(h["metrics"]["peak_rss_mb"] for h in history),
-            "cuda_peak_mb": None if last["cuda_peak_mb"] is None else max(h["metrics"]["cuda_peak_mb"] for h in history),
+            "cuda_peak_mb": None
+            if last["cuda_peak_mb"] is None
+            else max(h["metrics"]["cuda_peak_mb"] for h in history),
             "device": device_label(device),
             "torch_threads": torch.get_num_threads(),
             **self._exit_summary(model, last, test_accs),
@@ -830,12 +862,10 @@ class Trainer:
             return {}
         return {
             "exits": [
-                {**e.to_dict(), "val_acc": last[f"val_acc_exit{e.index}"], "test_acc": test_accs[e.index]}
-                for e in info
+                {**e.to_dict(), "val_acc": last[f"val_acc_exit{e.index}"], "test_acc": test_accs[e.index]} for e in info
             ],
             "backbone_flops": model.backbone_flops,  # type: ignore[union-attr]
         }
-
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:

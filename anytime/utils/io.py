@@ -102,7 +102,9 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     return write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=json_default) + "\n")
 
 
-def write_csv(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:
+def write_csv(
+    path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None
+) -> Path:
     """Write ``rows`` (dicts) as CSV with a header, atomically; ``columns`` defaults to the first row's keys."""
     header = list(columns) if columns is not None else list(rows[0]) if rows else []
     buffer = io.StringIO()

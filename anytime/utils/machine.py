@@ -184,8 +184,10 @@ def bf16_emulated(device: torch.device) -> bool:
     """True on a CPU whose instructions have no bfloat16 arithmetic (no AVX-512 or AMX: an AVX2-only x86, say),
     where oneDNN emulates bf16 autocast: a fastcnn training step ran 13x slower than in float32 on a 2-core AVX2
     EPYC."""
-    return device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64") and not bool(
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        device.type == "cpu"
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and not bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

@@ -87,7 +87,10 @@ def output_lock(target: str | os.PathLike[str], *, command: str = "") -> Iterato
     try:
         with contextlib.suppress(OSError):  # on a full disk the lock still holds; only the holder's name is lost
             os.ftruncate(fd, 0)
-            os.write(fd, json.dumps({"pid": os.getpid(), "host": host_tag(), "command": command or " ".join(sys.argv)}).encode())
+            os.write(
+                fd,
+                json.dumps({"pid": os.getpid(), "host": host_tag(), "command": command or " ".join(sys.argv)}).encode(),
+            )
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -118,8 +121,11 @@ class Marker:
         """True if ``name`` (an entry of the folder, a file or a sub-folder) is one anytime wrote there."""
         # A run made by an earlier version also owns what runs hold today (a page added later, say).
         patterns = self.entries + (RUN_ENTRIES if self.kind == RUN else ())
-        return name == MARKER or is_temporary(name) or any(
-            fnmatch.fnmatchcase(name, p) or p.startswith(f"{name}/") for p in patterns)
+        return (
+            name == MARKER
+            or is_temporary(name)
+            or any(fnmatch.fnmatchcase(name, p) or p.startswith(f"{name}/") for p in patterns)
+        )
 
 
 def write_marker(folder: str | os.PathLike[str], kind: str, entries: Sequence[str]) -> Path:
@@ -180,7 +186,11 @@ def probe_writable(folder: Path, *, flag: str = "--out", given: Path | None = No
         fd, name = tempfile.mkstemp(prefix=temp_prefix("probe"), suffix=".tmp", dir=folder)
     except OSError as exc:
         what = (f"{flag} {given}: " if flag else f"{given}: ") if given is not None else ""
-        advice = f"fix its permissions or free space, or choose another {flag}" if flag else "fix its permissions or free space"
+        advice = (
+            f"fix its permissions or free space, or choose another {flag}"
+            if flag
+            else "fix its permissions or free space"
+        )
         raise AnytimeError(f"{what}cannot write in {folder} ({exc.strerror or exc}); {advice}") from None
     os.close(fd)
     os.unlink(name)
@@ -193,7 +203,9 @@ def check_output_dir(
     folder, or anytime's own of ``kind``; anything else is a one-line :class:`AnytimeError` naming ``path``."""
     target = Path(path)
     if target.exists() and not target.is_dir():
-        raise AnytimeError(f"{flag} {target} is a file, not a folder; give a new folder name (anytime never replaces a file)")
+        raise AnytimeError(
+            f"{flag} {target} is a file, not a folder; give a new folder name (anytime never replaces a file)"
+        )
     if not target.exists():
         _check_parent(target, flag, create_parents)
         return DirState.NEW
@@ -315,7 +327,9 @@ def clear_run(folder: str | os.PathLike[str]) -> None:
 
 def refuse_existing(target: Path, kind: str, flag: str = "--out") -> AnytimeError:
     """The error for a folder that already holds anytime's results of ``kind`` when --overwrite was not given."""
-    return AnytimeError(f"{flag} {target} holds an earlier {kind}; pass --overwrite to replace it, or choose another folder")
+    return AnytimeError(
+        f"{flag} {target} holds an earlier {kind}; pass --overwrite to replace it, or choose another folder"
+    )
 
 
 def check_replaceable(

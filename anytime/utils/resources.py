@@ -38,7 +38,9 @@ def available_memory() -> int:
         limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
             used = int((cgroup / "memory.current").read_text().strip())
-            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+            stat = dict(
+                line.split() for line in (cgroup / "memory.stat").read_text().splitlines() if line.count(" ") == 1
+            )
             used -= int(stat.get("file", 0))  # the page cache is given back on demand
             available = min(available, max(int(limit) - used, 0))
     except (OSError, ValueError):
@@ -70,14 +72,18 @@ def check_memory(need: int, what: str, hint: str) -> None:
     """Refuse ``what`` if it needs more than the memory available now."""
     have = available_memory()
     if need > have:
-        raise AnytimeError(f"{what} needs about {format_bytes(need)} of memory but {format_bytes(have)} are available; {hint}")
+        raise AnytimeError(
+            f"{what} needs about {format_bytes(need)} of memory but {format_bytes(have)} are available; {hint}"
+        )
 
 
 def check_disk(path: str | os.PathLike[str], need: int, what: str, hint: str) -> None:
     """Refuse ``what`` if the file system of ``path`` has less than ``need`` bytes free."""
     have = free_space(path)
     if need > have:
-        raise AnytimeError(f"{what} needs about {format_bytes(need)} free at {path} but {format_bytes(have)} are free; {hint}")
+        raise AnytimeError(
+            f"{what} needs about {format_bytes(need)} free at {path} but {format_bytes(have)} are free; {hint}"
+        )
 
 
 def check_input_memory(input_shape: Sequence[int], batch_size: int, *, what: str, hint: str) -> None:

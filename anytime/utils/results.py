@@ -22,8 +22,11 @@ def study_parser(name: str, description: str, *, drops_caches: bool = False) -> 
     parser.add_argument("--out", help=f"results folder (default results/{name})")
     parser.add_argument("--overwrite", action="store_true", help="replace this study's earlier results in --out")
     if drops_caches:
-        parser.add_argument("--drop-caches", action="store_true",
-                            help="drop the OS page cache before reading from disk (root; affects the whole machine)")
+        parser.add_argument(
+            "--drop-caches",
+            action="store_true",
+            help="drop the OS page cache before reading from disk (root; affects the whole machine)",
+        )
     return parser
 
 
@@ -43,7 +46,11 @@ def page_cache_note(args: argparse.Namespace) -> str:
 
 
 def write_study_config(
-    folder: Path, *, study: str, hyper: dict[str, Any], data_path: str | os.PathLike[str] | None = None,
+    folder: Path,
+    *,
+    study: str,
+    hyper: dict[str, Any],
+    data_path: str | os.PathLike[str] | None = None,
     notes: list[str] | None = None,
 ) -> Path:
     """Write ``config.json``: the study's hyper-parameters, git SHA, machine, command line and date."""

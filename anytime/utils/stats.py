@@ -72,7 +72,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def reliability(probabilities: np.ndarray, labels: np.ndarray, bins: int = 15) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reliability(
+    probabilities: np.ndarray, labels: np.ndarray, bins: int = 15
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per equal-width confidence bin: the mean confidence, the accuracy and the count (NaN for an empty bin)."""
     confidence = probabilities.max(axis=1)
     correct = probabilities.argmax(axis=1) == labels

@@ -32,7 +32,12 @@ class ThreadChoice:
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready record."""
-        return {"threads": self.threads, "cores": self.cores, "busy_cores": round(self.busy_cores, 3), "source": self.source}
+        return {
+            "threads": self.threads,
+            "cores": self.cores,
+            "busy_cores": round(self.busy_cores, 3),
+            "source": self.source,
+        }
 
 
 def usable_cores() -> int:
