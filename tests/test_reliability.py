@@ -17,7 +17,7 @@ import pytest
 
 from anytime.cli import main
 from anytime.errors import AnytimeError
-from anytime.utils import outputs, resources
+from anytime.utils import outputs, resources, tempnames
 from anytime.utils.outputs import MARKER, DirState, check_output_dir, output_lock, staged_dir
 from anytime.utils.tempnames import remove_stale
 
@@ -30,7 +30,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.rglob("*") if outputs.is_temporary(p.name))
+    return sorted(p.name for p in folder.rglob("*") if tempnames.is_temporary(p.name))
 
 
 def _train(run: Path, *extra: str) -> list[str]:
@@ -258,7 +258,7 @@ def _dead_pid() -> int:
 def test_stale_temporary_files_of_dead_processes_are_removed(ok, copied_run):
     folder = copied_run / "outputs"
     folder.mkdir()
-    host, dead = outputs.host_tag(), _dead_pid()
+    host, dead = tempnames.host_tag(), _dead_pid()
     stale_file = folder / f".val.npz.{host}.{dead}.abc123.tmp"
     stale_dir = folder / f".study.{host}.{dead}.x_y.partial"
     live = folder / f".test.npz.{host}.{os.getpid()}.abc123.tmp"
@@ -315,7 +315,7 @@ def test_a_second_writer_of_the_same_result_is_refused(ok, copied_run, cli_error
 
 def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     target = tmp_path / "result.json"
-    (tmp_path / f".result.json{outputs.LOCK_SUFFIX}").write_text('{"pid": 1, "host": "x"}')  # nobody holds it
+    (tmp_path / f".result.json{tempnames.LOCK_SUFFIX}").write_text('{"pid": 1, "host": "x"}')  # nobody holds it
     with output_lock(target):
         pass
     assert remove_stale(tmp_path) == [] and list(tmp_path.iterdir()) == []
@@ -365,7 +365,7 @@ def test_write_errors_name_the_users_path_never_a_temporary_one(tmp_path, monkey
     with pytest.raises(AnytimeError) as info:
         write_json(tmp_path / "r.json", {})
     assert str(tmp_path / "r.json") in str(info.value) and ".tmp" not in str(info.value)
-    assert outputs.user_path(tmp_path / f".r.json.{outputs.host_tag()}.12.abc.tmp") == str(tmp_path / "r.json")
+    assert tempnames.user_path(tmp_path / f".r.json.{tempnames.host_tag()}.12.abc.tmp") == str(tmp_path / "r.json")
 
 
 # ---- 5. plots never drop content silently ----------------------------------------------------------------------
