@@ -16,6 +16,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from anytime.commands.options import (
+    CRITERIA,
+    DEVICE_HELP,
+    FIGURE_SIZE_HELP,
+    FORM_HELP,
+    THREADS_HELP,
+    add_float_layers,
+    add_split_plan,
+    finite_float,
+    form,
+    int_at_least,
+    ms_or_off,
+    non_negative_int,
+    positive_int,
+    share_or_off,
+    step_list,
+    threads,
+)
+from anytime.commands.output import print_json, print_policy_figures, progress_printer
 from anytime.errors import AnytimeError, PeerStopped
 from anytime.utils.figure_sizes import FIGURE_SIZES
 
@@ -67,132 +86,6 @@ def _experiment_names() -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(p.stem.replace("_", "-") for p in folder.glob("*.py") if not p.name.startswith("_"))
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-# One --device everywhere: int8 quantization, which runs on the CPU only, takes auto as the CPU.
-DEVICE_HELP = "auto (a CUDA GPU if torch sees one, else the CPU) | cpu | cuda[:N] (default auto)"
-_CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience")
-_non_negative_int = _int_at_least(0)
-
-
-def _add_float_layer_options(command: argparse.ArgumentParser, scope: str, artifact: str) -> None:
-    """The options of accuracy-aware int8, shared by quantize and export."""
-    command.add_argument(
-        "--float-layers",
-        type=_name_list,
-        default=(),
-        metavar="NAME,NAME,...",
-        help=f"{scope}: convolutions or linear layers (module names, e.g. backbone.stem.conv) kept in float",
-    )
-    command.add_argument(
-        "--min-agreement",
-        type=_finite_float,
-        metavar="A",
-        help=f"{scope}: keep the layers int8 hurts most in float, fewest first, until every step agrees "
-        "with the float run on at least this share of validation images (e.g. 0.99)",
-    )
-    command.add_argument(
-        "--max-float-layers",
-        type=_int_at_least(0),
-        default=8,
-        metavar="N",
-        help="--min-agreement keeps at most N layers in float (default 8)",
-    )
-    command.add_argument(
-        "--agreement-images",
-        type=_positive_int,
-        default=1000,
-        metavar="N",
-        help="--min-agreement measures on N validation images, labels unread (default 1000)",
-    )
-    command.add_argument(
-        "--min-size-ratio",
-        type=_finite_float,
-        metavar="R",
-        help=f"--min-agreement keeps no more weights in float than leave the int8 {artifact} at least "
-        "R times smaller than the fp32 one (e.g. 3.5; default: no limit)",
-    )
-
-
-def _name_list(text: str) -> tuple[str, ...]:
-    """A comma-separated list of names, none empty."""
-    names = tuple(name.strip() for name in text.split(","))
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"expected NAME,NAME,... without empty names (got '{text}')")
-    return names
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
-    return value
-
-
-def _share_or_off(text: str) -> float | None:
-    if text == "off":
-        return None
-    value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a share above 0 (e.g. 0.25) or off, got '{text}'")
-    return value
-
-
-def _ms_or_off(text: str) -> float | None:
-    if text == "off":
-        return None
-    value = _finite_float(text)
-    if not 0 <= value < 60_000:
-        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to 60000 or off, got '{text}'")
-    return value
-
-
-def _threads(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of threads or 'auto', got '{text}'")
-    return value
-
-
-THREADS_HELP = "auto: the cores other processes leave free (measured over 0.25 s), at least 1"
-
-
-def _form(text: str) -> str:
-    from anytime.deploy.inference import InferenceForm
-
-    try:
-        return InferenceForm.parse(text).name
-    except AnytimeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-FIGURE_SIZE_HELP = "figure size: " + "; ".join(f"{s.name}: {s.description}" for s in FIGURE_SIZES.values())
-FORM_HELP = (
-    "inference form: eager (default), or any of fold (batch norm into the convolutions), channels-last, "
-    "compile, joined by '+'"
-)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -263,30 +156,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
         "cifar100 and sst2 likewise)",
     )
-    train.add_argument("--image-size", type=_positive_int, metavar="PX", help="resize images (folder data)")
+    train.add_argument("--image-size", type=positive_int, metavar="PX", help="resize images (folder data)")
     train.add_argument(
         "--vocab-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="text: entries of the WordPiece tokenizer trained on the training split (default 8000)",
     )
     train.add_argument(
         "--max-length",
-        type=_positive_int,
+        type=positive_int,
         metavar="T",
         help="text: tokens per sentence, [CLS] included; longer ones are cut and counted (default 64)",
     )
     train.add_argument(
         "--tokenizer", metavar="FILE", help="text: use this tokenizer.json (e.g. another run's) instead of training one"
     )
-    train.add_argument("--val-fraction", type=_finite_float, metavar="F", help="share of training data held out")
-    train.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only (quick runs)")
-    train.add_argument("--epochs", type=_positive_int, metavar="N")
-    train.add_argument("--batch-size", type=_positive_int, metavar="B")
-    train.add_argument("--lr", type=_finite_float, metavar="LR", help="learning rate (default 0.01)")
+    train.add_argument("--val-fraction", type=finite_float, metavar="F", help="share of training data held out")
+    train.add_argument("--limit-train", type=positive_int, metavar="N", help="train on N images only (quick runs)")
+    train.add_argument("--epochs", type=positive_int, metavar="N")
+    train.add_argument("--batch-size", type=positive_int, metavar="B")
+    train.add_argument("--lr", type=finite_float, metavar="LR", help="learning rate (default 0.01)")
     train.add_argument("--optimizer", choices=["sgd", "adamw"], help="default sgd; adamw for transformers")
-    train.add_argument("--momentum", type=_finite_float, metavar="M", help="default 0.9 (AdamW: its first beta)")
-    train.add_argument("--weight-decay", type=_finite_float, metavar="WD", help="default 5e-4")
+    train.add_argument("--momentum", type=finite_float, metavar="M", help="default 0.9 (AdamW: its first beta)")
+    train.add_argument("--weight-decay", type=finite_float, metavar="WD", help="default 5e-4")
     train.add_argument(
         "--schedule",
         choices=["constant", "cosine", "step", "onecycle"],
@@ -294,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--warmup",
-        type=_finite_float,
+        type=finite_float,
         metavar="F",
         help="share of the run over which the lr rises linearly from 0 (default 0)",
     )
@@ -302,18 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--nesterov", action=argparse.BooleanOptionalAction, default=None, help="Nesterov momentum (default off)"
     )
     train.add_argument(
-        "--label-smoothing", type=_finite_float, metavar="E", help="cross-entropy label smoothing (default 0)"
+        "--label-smoothing", type=finite_float, metavar="E", help="cross-entropy label smoothing (default 0)"
     )
     train.add_argument(
         "--ema",
-        type=_finite_float,
+        type=finite_float,
         metavar="DECAY",
         help="validate and keep an exponential moving average of the weights, this decay per step "
         "(e.g. 0.99; default 0: off)",
     )
     train.add_argument(
         "--norm-bias-lr-scale",
-        type=_finite_float,
+        type=finite_float,
         metavar="X",
         help="multiply the lr of normalisation layers' biases by X and divide their weight decay by X "
         "(airbench uses 64; default 1)",
@@ -331,11 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
         "crop for digits)",
     )
     train.add_argument(
-        "--padding", type=_non_negative_int, metavar="PX", help="zero padding of random crops (default 4)"
+        "--padding", type=non_negative_int, metavar="PX", help="zero padding of random crops (default 4)"
     )
     train.add_argument(
         "--cutout",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="PX",
         help="hide a PX x PX square of every training image, at a random place, in the mean colour "
         "(cutout; default 0: none)",
@@ -353,10 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also report test accuracy averaged over each image and its mirror, apart",
     )
-    train.add_argument("--seed", type=_non_negative_int, metavar="S")
+    train.add_argument("--seed", type=non_negative_int, metavar="S")
     train.add_argument("--device", help=DEVICE_HELP)
-    train.add_argument("--workers", type=_non_negative_int, metavar="N", help="DataLoader worker processes")
-    train.add_argument("--prefetch-factor", type=_positive_int, metavar="N", help="batches prefetched per worker")
+    train.add_argument("--workers", type=non_negative_int, metavar="N", help="DataLoader worker processes")
+    train.add_argument("--prefetch-factor", type=positive_int, metavar="N", help="batches prefetched per worker")
     train.add_argument(
         "--pin-memory",
         action=argparse.BooleanOptionalAction,
@@ -366,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/MODEL-DATA or runs/CARD)")
     train.add_argument(
         "--nproc",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="train with N data-parallel processes on this machine (as `torchrun --nproc-per-node N -m "
         "anytime train ...` does): the global batch is --batch-size, the cores are shared out",
@@ -419,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exits.add_argument(
         "--distill",
-        type=_finite_float,
+        type=finite_float,
         metavar="WEIGHT",
         nargs="?",
         const=1.0,
@@ -479,14 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sliced.add_argument(
         "--ponder-cost",
-        type=_finite_float,
+        type=finite_float,
         metavar="TAU",
         help="weight of the ponder cost in the loss: units run plus the remainder, averaged over "
         "positions and summed over stages (default 0.01)",
     )
     sliced.add_argument(
         "--stochastic-depth",
-        type=_finite_float,
+        type=finite_float,
         metavar="P",
         help="residual branches skipped at random in training, up to P for the last block",
     )
@@ -504,13 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tickets.add_argument(
         "--sparsity",
-        type=_finite_float,
+        type=finite_float,
         metavar="S",
         help="share of convolution and linear weights pruned, in all (e.g. 0.8)",
     )
     tickets.add_argument(
         "--reset-epoch",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="K",
         help="rewind the surviving weights to the dense run's after K epochs (late resetting; 0: init)",
     )
@@ -534,9 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HEAD",
         help="pool, scaled, linear, conv, conv2 or msdnet; one per early exit; or graded",
     )
-    exits_cmd.add_argument("--in-channels", type=_positive_int, default=3, metavar="C")
-    exits_cmd.add_argument("--num-classes", type=_int_at_least(2), default=10, metavar="N")
-    exits_cmd.add_argument("--image-size", type=_positive_int, default=32, metavar="PX")
+    exits_cmd.add_argument("--in-channels", type=positive_int, default=3, metavar="C")
+    exits_cmd.add_argument("--num-classes", type=int_at_least(2), default=10, metavar="N")
+    exits_cmd.add_argument("--image-size", type=positive_int, default=32, metavar="PX")
     exits_cmd.add_argument("--points", action="store_true", help="list every point the model can exit after")
     exits_cmd.add_argument("--json", action="store_true", help="print JSON")
 
@@ -544,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("run", metavar="RUN", help="a run directory written by 'anytime train --exits ...'")
     collect.add_argument("--split", choices=["val", "test", "dev"], default="val")
     collect.add_argument("--device", default="auto", help=DEVICE_HELP)
-    collect.add_argument("--batch-size", type=_positive_int, default=512, metavar="B")
+    collect.add_argument("--batch-size", type=positive_int, default=512, metavar="B")
     collect.add_argument("--json", action="store_true", help="print what was collected as JSON")
 
     sweep_cmd = sub.add_parser("sweep", description=COMMANDS["sweep"])
@@ -552,12 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_cmd.add_argument(
         "--criterion",
         action="append",
-        choices=list(_CRITERIA),
+        choices=list(CRITERIA),
         help="exit criterion (repeat for several; default all four)",
     )
     sweep_cmd.add_argument(
         "--settings",
-        type=_int_at_least(2),
+        type=int_at_least(2),
         default=1000,
         metavar="S",
         help="threshold settings to sweep (default 1000)",
@@ -570,17 +463,17 @@ def build_parser() -> argparse.ArgumentParser:
     target = calibrate.add_mutually_exclusive_group(required=True)
     target.add_argument(
         "--max-drop",
-        type=_finite_float,
+        type=finite_float,
         metavar="POINTS",
         help="cheapest thresholds within POINTS accuracy points of the last exit (validation)",
     )
     target.add_argument(
         "--budget-flops",
-        type=_finite_float,
+        type=finite_float,
         metavar="FRACTION",
         help="most accurate thresholds whose mean FLOPs are at most FRACTION of the backbone's",
     )
-    calibrate.add_argument("--criterion", choices=list(_CRITERIA), default="entropy")
+    calibrate.add_argument("--criterion", choices=list(CRITERIA), default="entropy")
     calibrate.add_argument(
         "--rule",
         choices=["search", "msdnet"],
@@ -610,12 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
     evaluate.add_argument(
         "--latency-samples",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=1000,
         metavar="N",
         help="samples timed one by one against the plain backbone (default 1000; 0 skips)",
     )
-    evaluate.add_argument("--form", type=_form, default="eager", help=FORM_HELP)
+    evaluate.add_argument("--form", type=form, default="eager", help=FORM_HELP)
     evaluate.add_argument("--export", metavar="DIR", help="an export of RUN (anytime export): early exit as deployed, on "
                           "the CPU (ONNX: the policy compiled into its graphs where it can be), timed against the "
                           "export's segments run in turn; written to DIR/evaluation-SPLIT.json")  # fmt: skip
@@ -645,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cam.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
     cam.add_argument(
-        "--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
+        "--count", type=positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
     )
     cam.add_argument("--steps", metavar="K,K,...", help="the steps to map (default every one)")
     cam.add_argument(
@@ -675,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ponder.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
     ponder.add_argument(
-        "--count", type=_positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
+        "--count", type=positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
     )
     ponder.add_argument("--steps", metavar="K,K,...", help="the steps (halting thresholds) to map (default every one)")
     ponder.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -697,20 +590,20 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--batch-sizes", default="1,8,16,32", metavar="B,B,...", help="default 1,8,16,32")
     profile.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=200,
         metavar="N",
         help="timed repetitions per batch size (default 200; a p99 needs at least 100)",
     )
-    profile.add_argument("--warmup", type=_non_negative_int, default=10, metavar="N", help="untimed repetitions first")
+    profile.add_argument("--warmup", type=non_negative_int, default=10, metavar="N", help="untimed repetitions first")
     profile.add_argument("--device", default="auto", help=DEVICE_HELP)
     profile.add_argument(
         "--threads",
-        type=_threads,
+        type=threads,
         metavar="N|auto",
         help="torch CPU threads (default: torch's; " + THREADS_HELP + "); recorded, and run by the runtime",
     )
-    profile.add_argument("--form", type=_form, default="eager", help=FORM_HELP + "; recorded, and run by the runtime")
+    profile.add_argument("--form", type=form, default="eager", help=FORM_HELP + "; recorded, and run by the runtime")
     profile.add_argument(
         "--execution",
         choices=["sparse", "dense"],
@@ -719,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument(
         "--emulate-slowdown",
-        type=_finite_float,
+        type=finite_float,
         default=1.0,
         metavar="F",
         help="runs with exits or ensembles: emulate a board F times slower than this machine (each "
@@ -727,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument(
         "--gap-ms",
-        type=_finite_float,
+        type=finite_float,
         default=0.0,
         metavar="MS",
         help="idle this long before every timed repetition, as a server idles between sporadic "
@@ -735,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument(
         "--answer-gap-ms",
-        type=_ms_or_off,
+        type=ms_or_off,
         default=5.0,
         metavar="MS|off",
         help="then time the runtime's own answers at every step (what the scheduler and the runtime "
@@ -764,7 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument(
         "--steady-within",
-        type=_share_or_off,
+        type=share_or_off,
         default=0.25,
         metavar="S|off",
         help="take the profile again (3 in all, the steadiest kept) when the tails of the repetitions' "
@@ -785,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     joules.add_argument(
         "--energy-windows",
-        type=_int_at_least(2),
+        type=int_at_least(2),
         default=20,
         metavar="N",
         help="measurement windows per step and batch size (default 20)",
@@ -831,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the board, as the profile names it (e.g. 'Jetson Orin Nano 15W')",
     )
     trt.add_argument(
-        "--trtexec-batch", type=_positive_int, default=1, metavar="B", help="the engines' batch size (default 1)"
+        "--trtexec-batch", type=positive_int, default=1, metavar="B", help="the engines' batch size (default 1)"
     )
 
     schedule = sub.add_parser("schedule", description=COMMANDS["schedule"])
@@ -842,11 +735,11 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument(
         "--quantile", type=float, default=0.99, metavar="Q", help="the latency quantile that must fit (default 0.99)"
     )
-    schedule.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="a profiled batch size")
+    schedule.add_argument("--batch-size", type=positive_int, default=1, metavar="B", help="a profiled batch size")
     schedule.add_argument("--profile", metavar="FILE", help="default: the run's only profile-*.json")
     schedule.add_argument(
         "--length",
-        type=_positive_int,
+        type=positive_int,
         metavar="TOKENS",
         help="text runs: the request's tokens; the profile of the shortest profiled length that "
         "holds it is used (profile each bucket with `anytime profile RUN --length T`)",
@@ -879,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     schedule.add_argument(
         "--requests",
-        type=_positive_int,
+        type=positive_int,
         default=300,
         metavar="N",
         help="with --check: inputs replayed at each deadline (default 300)",
@@ -916,18 +809,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cut.add_argument(
         "--finetune-epochs",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)",
     )
     cut.add_argument("--split", choices=["val", "test"], help="where the study scores each cut (default test)")
     cut.add_argument(
-        "--images", type=_positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)"
+        "--images", type=positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)"
     )
-    cut.add_argument(
-        "--repeats", type=_positive_int, metavar="N", help="batch-1 timings per configuration (default 30)"
-    )
+    cut.add_argument("--repeats", type=positive_int, metavar="N", help="batch-1 timings per configuration (default 30)")
     cut.add_argument("--device", default="auto", help=DEVICE_HELP)
     cut.add_argument(
         "--ladder",
@@ -953,14 +844,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quantize.add_argument(
         "--calibration-images",
-        type=_positive_int,
+        type=positive_int,
         default=512,
         metavar="N",
         help="int8: training images that calibrate the activations (default 512; never validation or test)",
     )
     quantize.add_argument(
         "--qat-epochs",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=0,
         metavar="N",
         help="int8: then N epochs of quantization-aware training (PT2E QAT) on the training split; "
@@ -968,12 +859,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quantize.add_argument(
         "--qat-lr",
-        type=_finite_float,
+        type=finite_float,
         default=1e-3,
         metavar="LR",
         help="QAT's initial learning rate (SGD, cosine; default 0.001)",
     )
-    _add_float_layer_options(quantize, "int8", "artifact (.pt2, as `anytime export` writes it)")
+    add_float_layers(quantize, "int8", "artifact (.pt2, as `anytime export` writes it)")
     quantize.add_argument(
         "--no-compile",
         action="store_true",
@@ -999,15 +890,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
     export.add_argument(
         "--calibration-images",
-        type=_positive_int,
+        type=positive_int,
         default=512,
         metavar="N",
         help="int8 from a float run: training images that calibrate it (default 512)",
     )
-    _add_float_layer_options(export, "int8 from a float run (a quantized run keeps its own)", "artifact")
+    add_float_layers(export, "int8 from a float run (a quantized run keeps its own)", "artifact")
     export.add_argument(
         "--parity-images",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=1000,
         metavar="N",
         help="test images the parity table compares on (default 1000; 0: no table)",
@@ -1038,7 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ensemble.add_argument(
         "--folds",
-        type=_int_at_least(2),
+        type=int_at_least(2),
         default=5,
         metavar="K",
         help="cross-fitting folds of the validation split (default 5)",
@@ -1050,7 +941,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where fusers are fit: the validation split, held out of every member (the only choice)",
     )
     ensemble.add_argument(
-        "--hidden", type=_positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)"
+        "--hidden", type=positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)"
     )
     ensemble.add_argument("--device", default="auto", help=DEVICE_HELP)
     ensemble.add_argument("--out", required=True, metavar="DIR", help="the ensemble run (a new or empty folder)")
@@ -1062,25 +953,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--method", required=True, choices=["fusion", "voting", "bagging", "gradient-boosting", "snapshot"]
     )
     baseline.add_argument("--model", required=True, help="the members' zoo model (each member a fresh copy)")
-    baseline.add_argument("--estimators", required=True, type=_positive_int, metavar="N", help="members")
+    baseline.add_argument("--estimators", required=True, type=positive_int, metavar="N", help="members")
     baseline.add_argument(
         "--epochs",
         required=True,
-        type=_positive_int,
+        type=positive_int,
         metavar="E",
         help="training epochs (snapshot: a multiple of --estimators)",
     )
     baseline.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic"], default="digits")
     baseline.add_argument("--data-root", metavar="PATH", help="dataset folder (as for train)")
-    baseline.add_argument("--limit-train", type=_positive_int, metavar="N", help="train on N images only")
-    baseline.add_argument("--batch-size", type=_positive_int, default=128, metavar="B")
+    baseline.add_argument("--limit-train", type=positive_int, metavar="N", help="train on N images only")
+    baseline.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
     baseline.add_argument(
-        "--lr", type=_finite_float, default=0.05, metavar="LR", help="SGD learning rate (default 0.05)"
+        "--lr", type=finite_float, default=0.05, metavar="LR", help="SGD learning rate (default 0.05)"
     )
-    baseline.add_argument("--seed", type=_non_negative_int, default=0, metavar="S")
+    baseline.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
     baseline.add_argument(
         "--shrinkage",
-        type=_finite_float,
+        type=finite_float,
         default=1.0,
         metavar="R",
         help="gradient boosting's shrinkage rate (default 1)",
@@ -1104,7 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     jobs.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="jobs at once (local: default 1, the cores shared out as threads; slurm: array tasks at "
         "once, default [slurm] max_parallel, else all)",
@@ -1119,7 +1010,7 @@ def build_parser() -> argparse.ArgumentParser:
     ticket.add_argument("dense", metavar="DENSE_RUN", help="a finished run trained with --keep-checkpoints K")
     ticket.add_argument(
         "--sparsity",
-        type=_finite_float,
+        type=finite_float,
         required=True,
         metavar="S",
         help="share of convolution and linear weights (with --unit channels: of the prunable channels) "
@@ -1127,14 +1018,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ticket.add_argument(
         "--reset-epoch",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="K",
         help="rewind the surviving weights to the dense run's after K epochs (default 0: init)",
     )
     ticket.add_argument(
         "--rounds",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="R",
         help="prune in R rounds, each the same share of what is left (default 1: one shot)",
@@ -1175,23 +1066,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration", metavar="FILE", help="early-exit thresholds (default RUN/calibration.json when there is one)"
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=_int_at_least(0), default=8000, help="default 8000")
+    serve.add_argument("--port", type=int_at_least(0), default=8000, help="default 8000")
     serve.add_argument(
         "--max-batch",
-        type=_positive_int,
+        type=positive_int,
         metavar="B",
         help="requests answered together when several are queued (default: the largest profiled batch size, up to 8)",
     )
     serve.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="server processes, each with its own model and queue (default 1)",
     )
     serve.add_argument(
         "--threads",
-        type=_threads,
+        type=threads,
         metavar="N|auto",
         help="torch CPU threads per process (default: the profile's; with --workers, cores / workers; "
         + THREADS_HELP
@@ -1200,14 +1091,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", help=DEVICE_HELP)
     serve.add_argument(
         "--quantile",
-        type=_finite_float,
+        type=finite_float,
         default=0.99,
         metavar="Q",
         help="the latency quantile a step must fit at before it starts (default 0.99)",
     )
     serve.add_argument(
         "--max-body-kb",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         metavar="KB",
         help="larger request bodies are refused with 413 (default 1024)",
@@ -1222,13 +1113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     split = sub.add_parser("split", description=COMMANDS["split"])
     split.add_argument("run", metavar="RUN", help="a run with exits (or an ensemble), validation outputs collected")
-    _split_plan_arguments(split)
+    add_split_plan(split)
     split.add_argument("--frontier", action="store_true", help="print every frontier option too")
 
     split_run = sub.add_parser("split-run", description=COMMANDS["split-run"])
     split_run.add_argument("run", metavar="RUN")
     split_run.add_argument("--server", required=True, metavar="HOST:PORT", help="an `anytime serve RUN --role server`")
-    _split_plan_arguments(split_run)
+    add_split_plan(split_run)
     split_run.add_argument(
         "--split",
         dest="data_split",
@@ -1237,7 +1128,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="images answered, in the split's order (default test)",
     )
     split_run.add_argument(
-        "--requests", type=_positive_int, default=200, metavar="N", help="images answered (default 200)"
+        "--requests", type=positive_int, default=200, metavar="N", help="images answered (default 200)"
     )
     split_run.add_argument(
         "--shape-bandwidth",
@@ -1246,11 +1137,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--bandwidth-mbps for every request",
     )
     split_run.add_argument(
-        "--shape-delay-ms", type=_finite_float, metavar="MS", help="round trip added on the link (default: --rtt-ms)"
+        "--shape-delay-ms", type=finite_float, metavar="MS", help="round trip added on the link (default: --rtt-ms)"
     )
     split_run.add_argument(
         "--emulate-slowdown",
-        type=_finite_float,
+        type=finite_float,
         default=1.0,
         metavar="F",
         help="the device is a board F times slower than this machine; its profile must be measured "
@@ -1261,17 +1152,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     split_run.add_argument(
         "--timeout-ms",
-        type=_finite_float,
+        type=finite_float,
         default=2000.0,
         metavar="MS",
         help="a server that has not answered by then is given up on: the device answers itself (default 2000)",
     )
     split_run.add_argument(
-        "--threads", type=_threads, default=1, metavar="N|auto", help="torch CPU threads of the device (default 1)"
+        "--threads", type=threads, default=1, metavar="N|auto", help="torch CPU threads of the device (default 1)"
     )
     split_run.add_argument(
         "--link-samples",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=100,
         metavar="N",
         help="exchanges with the server that measure the link (bandwidth, and the overhead per "
@@ -1307,7 +1198,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("src", metavar="SRC", help="an image folder holding train/<class>/* and test/<class>/*")
     prepare.add_argument(
         "--image-size",
-        type=_positive_int,
+        type=positive_int,
         required=True,
         metavar="S",
         help="every image is resized to SxS (PIL bilinear)",
@@ -1320,12 +1211,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="processes decoding shards in parallel (default: the cores, at most 8)",
     )
     prepare.add_argument(
-        "--shard-size", type=_positive_int, metavar="N", help="images per shard (default: as many as fill 64 MiB)"
+        "--shard-size", type=positive_int, metavar="N", help="images per shard (default: as many as fill 64 MiB)"
     )
     prepare.add_argument(
         "--verify", action="store_true", help="also check the finished shards' checksums and rewrite those that differ"
@@ -1337,23 +1228,6 @@ def build_parser() -> argparse.ArgumentParser:
             if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 action.help = f"default {action.default}"
     return parser
-
-
-def _print_json(value: Any) -> int:
-    """A command's result as JSON on stdout (dataclasses as dicts, paths as strings)."""
-    from anytime.utils.io import json_default
-
-    print(json.dumps(value, indent=2, default=json_default))
-    return 0
-
-
-def _progress_printer(args: argparse.Namespace) -> Callable[[str], None]:
-    """Where a long command's progress lines go: stdout, or stderr when stdout carries --json (above any
-    live progress bar)."""
-    from anytime.utils.progress import write_line
-
-    stream = sys.stderr if getattr(args, "json", False) else sys.stdout
-    return lambda line: write_line(line, file=stream)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -1501,7 +1375,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print("\ninterrupted before the first epoch ended; nothing was kept", file=sys.stderr)
         return 130
     if args.json and not args.update_card:
-        return _print_json(summary)
+        return print_json(summary)
     final = summary["final"]
     steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
     print(f"run        {run_dir}")
@@ -1546,7 +1420,7 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
 
     out = Path(args.out or Path("runs") / "sweeps" / Path(args.sweep).stem)
     sweep = load_sweep(args.sweep, out)
-    say = _progress_printer(args)
+    say = progress_printer(args)
     workers = args.workers or ("1" if args.backend == "local" else "all")
     say(f"{len(sweep.jobs)} job(s) from {args.sweep} on {args.backend} with {workers} worker(s) -> {out}")
 
@@ -1564,7 +1438,7 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
 
         written += plot_sweep(result.outcomes, out / "results", f"{sweep.path.name}: {len(sweep.jobs)} jobs")
     if args.json:
-        _print_json([o.row() for o in result.outcomes])
+        print_json([o.row() for o in result.outcomes])
     else:
         print(f"results    {', '.join(str(p) for p in written)}")
     if result.failed:
@@ -1586,14 +1460,14 @@ def _cmd_ticket(args: argparse.Namespace) -> int:
     out = Path(args.out or named.with_name(f"{named.name}-ticket{unit}-s{args.sparsity:g}-k{args.reset_epoch}"))
     jobs = ticket_jobs(dense, out, sparsity=args.sparsity, reset_epoch=args.reset_epoch, rounds=args.rounds,
                        scope=args.scope, unit=args.unit)  # fmt: skip
-    say = _progress_printer(args)
+    say = progress_printer(args)
     say(f"{len(jobs)} round(s) of pruning {dense} to sparsity {args.sparsity:g}, rewound to epoch {args.reset_epoch} "
         f"-> {out}")  # fmt: skip
     result = run_sweep(Sweep(path=dense, jobs=tuple(jobs)), out, on_outcome=lambda o: say(
         f"  {o.job}: sparsity {o.params['sparsity']:.4f}: " + (f"failed: {o.error} (log: {o.log})" if o.status == "failed"
                                                                else f"{o.status}, test {100 * (o.test_acc or 0):.2f}%")))  # fmt: skip
     if args.json:
-        _print_json([o.row() for o in result.outcomes])
+        print_json([o.row() for o in result.outcomes])
     else:
         print(f"results    {result.table_csv}")
     if result.failed:
@@ -1662,8 +1536,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cal, ev = result.calibration, result.evaluation
     print(f"calibrated on validation for at most {cal['target']['max_drop_points']:g} point below the last exit "
           f"({cal['policy']['criterion']} thresholds {[None if t is None else round(t, 3) for t in cal['policy']['thresholds']]}):")  # fmt: skip
-    _print_policy_figures("  validation", cal["validation"])
-    _print_policy_figures("  test", cal["test"])
+    print_policy_figures("  validation", cal["validation"])
+    print_policy_figures("  test", cal["test"])
     lat = ev["latency"]
     print(f"real early exit on the test split: {100 * ev['accuracy']:.2f}%, {lat['speedup']:.2f}x faster per sample "
           f"at batch 1 than the plain backbone ({lat['early_exit']['mean_ms']:.2f} vs {lat['backbone']['mean_ms']:.2f} ms)")  # fmt: skip
@@ -1740,7 +1614,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     )
     acc = cache.step_accuracy()
     if args.json:
-        return _print_json({"cache": cache_path(args.run, args.split), "split": args.split, "samples": cache.num_samples,
+        return print_json({"cache": cache_path(args.run, args.split), "split": args.split, "samples": cache.num_samples,
                             "steps": [{"index": k, "name": n, "flops": int(cache.step_flops[k]), "accuracy": float(acc[k])}
                                       for k, n in enumerate(cache.step_names)]})  # fmt: skip
     print(
@@ -1758,7 +1632,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from anytime.tasks.pipeline import sweep_run
 
-    criteria = args.criterion or list(_CRITERIA)
+    criteria = args.criterion or list(CRITERIA)
     report = sweep_run(args.run, criteria, settings=args.settings, split=args.split)
     if args.json:
         print(json.dumps({name: r.rows(r.pareto()) for name, r in report.results.items()}, indent=2))
@@ -1781,15 +1655,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                       f"{result.flops_ratio[i]:.3f}x FLOPs, thresholds {np.round(result.thresholds[i], 4).tolist()}")  # fmt: skip
     print(f"all settings in {report.csv}, fronts in {report.json}")
     return 0
-
-
-def _print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
-    if figures is None:
-        print(f"{label:<11} (not collected: run 'anytime collect RUN --split test' to report it)")
-        return
-    shares = " ".join(f"{100 * s:.1f}" for s in figures["exit_share"])
-    print(f"{label:<11} accuracy {100 * figures['accuracy']:.2f}% (last exit {100 * figures['last_exit_accuracy']:.2f}%)  "
-          f"FLOPs {figures['flops_ratio']:.3f}x ({figures['flops_speedup']:.2f}x fewer)  exits % [{shares}]")  # fmt: skip
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -1822,8 +1687,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
           + (f", temperatures {[round(t, 3) for t in policy['temperatures']]}" if policy["temperatures"] else "")
           + (f", combining exits with weights {[[round(w, 3) for w in row] for row in policy['combine']]}"
              if policy.get("combine") else ""))  # fmt: skip
-    _print_policy_figures("validation", report["validation"])
-    _print_policy_figures("test", report["test"])
+    print_policy_figures("validation", report["validation"])
+    print_policy_figures("test", report["test"])
     oracle_test = report["oracle"]["test"] or report["oracle"]["validation"]
     print(f"oracle      {100 * oracle_test['accuracy']:.2f}% at {oracle_test['flops_ratio']:.3f}x FLOPs "
           f"({'test' if report['oracle']['test'] else 'validation'})")  # fmt: skip
@@ -1874,7 +1739,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     report = plot_run(args.run, profile=args.profile, figure_size=args.figure_size)
     if args.json:
-        return _print_json(report)
+        return print_json(report)
     for path in report.paths:
         print(path)
     for reason in report.skipped:
@@ -1979,7 +1844,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     lengths: list[int | None] = [None]
     if args.length is not None:
         try:
-            lengths = [_positive_int(v.strip()) for v in str(args.length).split(",") if v.strip()] or [None]
+            lengths = [positive_int(v.strip()) for v in str(args.length).split(",") if v.strip()] or [None]
         except argparse.ArgumentTypeError as exc:
             raise AnytimeError(f"--length takes token counts, e.g. 16,32,64: {exc}") from None
         if len(lengths) > 1 and args.out:
@@ -2115,7 +1980,7 @@ def _schedule_check(args: argparse.Namespace) -> int:
     check = check_promises(args.run, deadlines=deadlines, count=args.requests, split=args.split,
                            quantile=args.quantile, gap_ms=args.gap_ms, accuracy_tolerance=args.accuracy_tolerance / 100)  # fmt: skip
     if args.json:
-        _print_json(check.to_dict())
+        print_json(check.to_dict())
     else:
         for line in promise_lines(check):
             print(line)
@@ -2144,22 +2009,13 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     return 0
 
 
-def _step_list(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise AnytimeError(f"--steps '{text}' is not a comma-separated list of step numbers, e.g. 0,2") from None
-
-
 def _cmd_cam(args: argparse.Namespace) -> int:
     from anytime.tasks.cam import cam_run
 
-    report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=_step_list(args.steps),
+    report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=step_list(args.steps),
                      explain=args.explain, out=args.out, device=args.device)  # fmt: skip
     if args.json:
-        return _print_json(report)
+        return print_json(report)
     for entry in report.steps:
         print(f"{entry['name']}: {entry['method']} on {entry['layer']}")
     for path in report.paths:
@@ -2170,10 +2026,10 @@ def _cmd_cam(args: argparse.Namespace) -> int:
 def _cmd_ponder(args: argparse.Namespace) -> int:
     from anytime.tasks.ponder import ponder_run
 
-    report = ponder_run(args.run, images=args.images, split=args.split, count=args.count, steps=_step_list(args.steps),
+    report = ponder_run(args.run, images=args.images, split=args.split, count=args.count, steps=step_list(args.steps),
                         out=args.out, device=args.device)  # fmt: skip
     if args.json:
-        return _print_json(report)
+        return print_json(report)
     for step in report.steps:
         units = ", ".join(f"{u:.2f}" for u in step.units)
         print(f"{step.name}: mean units per stage {units} ({sum(step.units):.2f} in all)")
@@ -2187,7 +2043,7 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
 
     summary = summarise_seeds(args.runs)
     if args.json:
-        return _print_json(summary)
+        return print_json(summary)
     print(f"{summary.model} on {summary.data}: {len(summary.runs)} seeds ({', '.join(map(str, summary.seeds))})")
     print(f"{'step':<8} {'validation: mean ± std [min, max]':<36} {'test: mean ± std [min, max]':<36}")
     for s in summary.steps:
@@ -2212,52 +2068,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
     for line in result.missing:
         print(f"missing {line}")
     return 0
-
-
-def _split_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device-profile", required=True, metavar="A.json", help="the run profiled on the device")
-    parser.add_argument("--server-profile", required=True, metavar="B.json", help="the run profiled on the server")
-    parser.add_argument(
-        "--bandwidth-mbps", type=_finite_float, required=True, metavar="W", help="link bandwidth, Mbit/s"
-    )
-    parser.add_argument(
-        "--rtt-ms", type=_finite_float, default=0.0, metavar="R", help="link round trip, ms (default 0)"
-    )
-    parser.add_argument(
-        "--overhead-ms",
-        type=_finite_float,
-        default=0.0,
-        metavar="O",
-        help="what one exchange takes beyond the round trip and its bytes at the bandwidth, at the "
-        "quantile (encoding, framing, waits), ms (default 0; split-run measures it, see "
-        "--link-samples)",
-    )
-    parser.add_argument(
-        "--deadline-ms", type=_finite_float, required=True, metavar="D", help="the time budget of one request"
-    )
-    parser.add_argument(
-        "--quantile",
-        type=_finite_float,
-        default=0.99,
-        metavar="Q",
-        help="the latency quantile that must fit (default 0.99)",
-    )
-    parser.add_argument(
-        "--codecs",
-        default="fp32,fp16,int8",
-        metavar="C,C",
-        help="how an activation may travel: fp32, fp16, int8 (per-channel affine); default all three",
-    )
-    parser.add_argument(
-        "--criterion", choices=list(_CRITERIA), default="entropy", help="exit criterion (default entropy)"
-    )
-    parser.add_argument(
-        "--partitions",
-        metavar="P,P",
-        help="only these partition points: server (send the input), device (send nothing) or K (after "
-        "exit K); default all",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _cmd_split(args: argparse.Namespace) -> int:
@@ -2369,7 +2179,7 @@ def _cmd_cut(args: argparse.Namespace) -> int:
             )
         summary = make_ladder_run(args.run, args.out, device=args.device, overwrite=args.overwrite)
         if args.json:
-            return _print_json(summary)
+            return print_json(summary)
         print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
         for e in summary["exits"]:
             print(f"step {e['index']:<3} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
@@ -2380,10 +2190,10 @@ def _cmd_cut(args: argparse.Namespace) -> int:
     study = cut_study(
         args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
         split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device, out=args.out,
-        overwrite=args.overwrite, progress=_progress_printer(args), bar=sys.stderr.isatty(),
+        overwrite=args.overwrite, progress=progress_printer(args), bar=sys.stderr.isatty(),
     )  # fmt: skip
     if args.json:
-        return _print_json(study)
+        return print_json(study)
     print(f"table  {study.csv}")
     print(f"report {study.json}")
     for path in study.plots:
@@ -2396,12 +2206,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
                            compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
-                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=_progress_printer(args),
+                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=progress_printer(args),
                            float_layers=args.float_layers, min_agreement=args.min_agreement,
                            max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
                            min_size_ratio=args.min_size_ratio)  # fmt: skip
     if args.json:
-        return _print_json(summary)
+        return print_json(summary)
     record = summary["precision"]
     print(f"run        {summary['run_dir']}: {args.run} at {record['precision']} ({record['backend']}, "
           f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
@@ -2440,9 +2250,9 @@ def _cmd_ensemble(args: argparse.Namespace) -> int:
     members = [m for m in args.members.split(",") if m.strip()]
     report = build_ensemble(members, args.out, order=args.order, fuser=args.fuser, folds=args.folds,
                             fit_split=args.fit_split, settings=FitSettings(hidden=args.hidden), device=args.device,
-                            overwrite=args.overwrite, progress=_progress_printer(args))  # fmt: skip
+                            overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
     if args.json:
-        return _print_json(report)
+        return print_json(report)
     print(
         f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} fuser"
     )
@@ -2475,9 +2285,9 @@ def _cmd_ensemble_baseline(args: argparse.Namespace) -> int:
     config = TrainConfig(model=args.model, data=args.data, data_root=args.data_root, limit_train=args.limit_train,
                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)  # fmt: skip
     report = train_baseline(args.method, config, estimators=args.estimators, out=args.out, shrinkage=args.shrinkage,
-                            overwrite=args.overwrite, progress=_progress_printer(args))  # fmt: skip
+                            overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
     if args.json:
-        return _print_json(report)
+        return print_json(report)
     print(f"run    {report.out}: {args.method}, {report.estimators} x {report.model}, {report.epochs} epochs")
     print("method | test accuracy | training time | evaluation time")
     print(f"{args.method} | {100 * report.test_acc:.2f}% | {report.train_time_s:.2f} s | {report.eval_time_s:.2f} s")
@@ -2494,9 +2304,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
                         calibration_images=args.calibration_images, parity_images=args.parity_images,
                         float_layers=args.float_layers, min_agreement=args.min_agreement,
                         max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
-                        min_size_ratio=args.min_size_ratio, progress=_progress_printer(args))  # fmt: skip
+                        min_size_ratio=args.min_size_ratio, progress=progress_printer(args))  # fmt: skip
     if args.json:
-        return _print_json(report)
+        return print_json(report)
     manifest = report.manifest
     print(
         f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
@@ -2542,10 +2352,10 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
     from anytime.utils.resources import format_bytes
 
     result = prepare_shards(args.src, args.out, image_size=args.image_size, workers=args.workers,
-                            shard_size=args.shard_size, verify=args.verify, on_progress=_progress_printer(args))  # fmt: skip
+                            shard_size=args.shard_size, verify=args.verify, on_progress=progress_printer(args))  # fmt: skip
     m = result.manifest
     if args.json:
-        return _print_json({**m.to_dict(), "root": str(m.root), "written": result.written, "reused": result.reused})
+        return print_json({**m.to_dict(), "root": str(m.root), "written": result.written, "reused": result.reused})
     shards = len(m.train.shards) + len(m.test.shards)
     size = sum(s.bytes for s in m.train.shards + m.test.shards)
     print(f"shards {m.root}: {m.train.count:,} train + {m.test.count:,} test images at {m.image_size}x{m.image_size}, "

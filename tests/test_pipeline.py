@@ -343,7 +343,7 @@ def test_a_plain_run_has_no_exits_to_collect(tmp_path, capsys):
 
 def test_cli_choices_match_the_library():
     from anytime.calibrate import CRITERIA, RULES
-    from anytime.cli import _CRITERIA
+    from anytime.commands.options import CRITERIA as _CRITERIA
     from anytime.families import GRADED, HEADS
     from anytime.train.config import EXIT_MODES
 

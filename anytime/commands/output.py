@@ -1,0 +1,43 @@
+"""What the commands print in common: JSON results, progress lines, one-line errors and a policy's figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from anytime.utils.io import json_default
+from anytime.utils.progress import write_line
+
+
+def print_json(value: Any) -> int:
+    """A command's result as JSON on stdout (dataclasses as dicts, paths as strings); returns 0, the command's
+    exit status."""
+    print(json.dumps(value, indent=2, default=json_default))
+    return 0
+
+
+def print_error(command: str, message: str, where: str = "") -> None:
+    """A command's error in one line on stderr: ``anytime COMMAND: error WHERE: MESSAGE``."""
+    print(f"anytime {command}: error{where}: {message}", file=sys.stderr)
+
+
+def progress_printer(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where a long command's progress lines go: stdout, or stderr when stdout carries --json (above any
+    live progress bar)."""
+    stream = sys.stderr if getattr(args, "json", False) else sys.stdout
+    return lambda line: write_line(line, file=stream)
+
+
+def print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
+    """One line of an early-exit policy's figures on a split: accuracy, FLOPs and the share of each exit."""
+    if figures is None:
+        print(f"{label:<11} (not collected: run 'anytime collect RUN --split test' to report it)")
+        return
+    shares = " ".join(f"{100 * s:.1f}" for s in figures["exit_share"])
+    print(
+        f"{label:<11} accuracy {100 * figures['accuracy']:.2f}% (last exit {100 * figures['last_exit_accuracy']:.2f}%)"
+        f"  FLOPs {figures['flops_ratio']:.3f}x ({figures['flops_speedup']:.2f}x fewer)  exits % [{shares}]"
+    )
