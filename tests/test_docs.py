@@ -1,8 +1,10 @@
-"""The documentation site: the command reference generated from the parsers is current."""
+"""The documentation site: the command reference generated from the parsers is current, and the README's links into
+docs/ lead to pages that exist."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,3 +34,11 @@ def test_the_command_reference_has_every_command_and_does_not_follow_the_termina
     (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     for name in commands.choices:
         assert f"\n## anytime {name}\n" in wide
+
+
+def test_the_readmes_links_into_docs_lead_to_pages():
+    readme = (REPO / "README.md").read_text()
+    targets = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)
+    assert targets
+    missing = sorted({t for t in targets if not (REPO / t).is_file()})
+    assert not missing, f"README.md links to pages that do not exist: {missing}"
