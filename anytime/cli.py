@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import importlib.util
 import json
 import math
@@ -105,6 +106,19 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default {action.default})"
 
 
+def _module(verb: str) -> Any:
+    return importlib.import_module("anytime.commands." + verb.replace("-", "_"))
+
+
+def _add_command(sub: Any, verb: str) -> None:
+    module = _module(verb)
+    module.add_arguments(sub.add_parser(verb, description=module.SUMMARY))
+
+
+def _moved(verb: str) -> Callable[[argparse.Namespace], int]:
+    return lambda args: _module(verb).run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (exposed for tests and documentation)."""
     parser = _Parser(
@@ -120,318 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"anytime {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help="one of the commands below")
 
-    models = sub.add_parser("models", description=COMMANDS["models"])
-    models.add_argument("--no-torchvision", action="store_true", help="list only the zoo")
-    models.add_argument("--flops", action="store_true", help="also count forward FLOPs per 32x32 image (slower)")
-    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_command(sub, "models")
 
-    train = sub.add_parser("train", description=COMMANDS["train"])
-    train.add_argument(
-        "--card",
-        metavar="CARD",
-        help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
-        "other options override it",
-    )
-    train.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
-    train.add_argument(
-        "--data",
-        choices=[
-            "digits",
-            "cifar10",
-            "cifar100",
-            "folder",
-            "synthetic",
-            "shards",
-            "folder-stream",
-            "sst2",
-            "textfolder",
-        ],
-        help="default digits; shards: a folder made by 'anytime prepare-data'; folder-stream: an image "
-        "folder decoded batch by batch (needs --image-size); sst2 and textfolder: sentences in "
-        "train/dev/test .tsv or .csv files with a label and a content (or sentence, text) column",
-    )
-    train.add_argument(
-        "--data-root",
-        metavar="PATH",
-        help="dataset folder (cifar10 default: $ANYTIME_CIFAR10, ./data/cifar10, ../shared/data/cifar10; "
-        "cifar100 and sst2 likewise)",
-    )
-    train.add_argument("--image-size", type=positive_int, metavar="PX", help="resize images (folder data)")
-    train.add_argument(
-        "--vocab-size",
-        type=positive_int,
-        metavar="N",
-        help="text: entries of the WordPiece tokenizer trained on the training split (default 8000)",
-    )
-    train.add_argument(
-        "--max-length",
-        type=positive_int,
-        metavar="T",
-        help="text: tokens per sentence, [CLS] included; longer ones are cut and counted (default 64)",
-    )
-    train.add_argument(
-        "--tokenizer", metavar="FILE", help="text: use this tokenizer.json (e.g. another run's) instead of training one"
-    )
-    train.add_argument("--val-fraction", type=finite_float, metavar="F", help="share of training data held out")
-    train.add_argument("--limit-train", type=positive_int, metavar="N", help="train on N images only (quick runs)")
-    train.add_argument("--epochs", type=positive_int, metavar="N")
-    train.add_argument("--batch-size", type=positive_int, metavar="B")
-    train.add_argument("--lr", type=finite_float, metavar="LR", help="learning rate (default 0.01)")
-    train.add_argument("--optimizer", choices=["sgd", "adamw"], help="default sgd; adamw for transformers")
-    train.add_argument("--momentum", type=finite_float, metavar="M", help="default 0.9 (AdamW: its first beta)")
-    train.add_argument("--weight-decay", type=finite_float, metavar="WD", help="default 5e-4")
-    train.add_argument(
-        "--schedule",
-        choices=["constant", "cosine", "step", "onecycle"],
-        help="lr schedule (default cosine; onecycle: linear rise over --warmup, then linear fall to 0)",
-    )
-    train.add_argument(
-        "--warmup",
-        type=finite_float,
-        metavar="F",
-        help="share of the run over which the lr rises linearly from 0 (default 0)",
-    )
-    train.add_argument(
-        "--nesterov", action=argparse.BooleanOptionalAction, default=None, help="Nesterov momentum (default off)"
-    )
-    train.add_argument(
-        "--label-smoothing", type=finite_float, metavar="E", help="cross-entropy label smoothing (default 0)"
-    )
-    train.add_argument(
-        "--ema",
-        type=finite_float,
-        metavar="DECAY",
-        help="validate and keep an exponential moving average of the weights, this decay per step "
-        "(e.g. 0.99; default 0: off)",
-    )
-    train.add_argument(
-        "--norm-bias-lr-scale",
-        type=finite_float,
-        metavar="X",
-        help="multiply the lr of normalisation layers' biases by X and divide their weight decay by X "
-        "(airbench uses 64; default 1)",
-    )
-    train.add_argument(
-        "--amp",
-        choices=["off", "bf16"],
-        help="bf16: forward pass in bfloat16 (several times faster on AMX/AVX-512 CPUs and recent GPUs, "
-        "emulated and many times slower on AVX2-only CPUs; weights stay float32; default off)",
-    )
-    train.add_argument(
-        "--augment",
-        choices=["none", "crop", "flip", "crop+flip"],
-        help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
-        "crop for digits)",
-    )
-    train.add_argument(
-        "--padding", type=non_negative_int, metavar="PX", help="zero padding of random crops (default 4)"
-    )
-    train.add_argument(
-        "--cutout",
-        type=non_negative_int,
-        metavar="PX",
-        help="hide a PX x PX square of every training image, at a random place, in the mean colour "
-        "(cutout; default 0: none)",
-    )
-    train.add_argument(
-        "--channels-last",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="channels-last memory layout (faster convolutions on CPUs with oneDNN; the same results up to "
-        "float rounding)",
-    )
-    train.add_argument(
-        "--tta",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also report test accuracy averaged over each image and its mirror, apart",
-    )
-    train.add_argument("--seed", type=non_negative_int, metavar="S")
-    train.add_argument("--device", help=DEVICE_HELP)
-    train.add_argument("--workers", type=non_negative_int, metavar="N", help="DataLoader worker processes")
-    train.add_argument("--prefetch-factor", type=positive_int, metavar="N", help="batches prefetched per worker")
-    train.add_argument(
-        "--pin-memory",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pin host memory for faster copies to a CUDA GPU",
-    )
-    train.add_argument("--out", metavar="RUN_DIR", help="run directory (default runs/MODEL-DATA or runs/CARD)")
-    train.add_argument(
-        "--nproc",
-        type=positive_int,
-        metavar="N",
-        help="train with N data-parallel processes on this machine (as `torchrun --nproc-per-node N -m "
-        "anytime train ...` does): the global batch is --batch-size, the cores are shared out",
-    )
-    train.add_argument(
-        "--sync-bn",
-        action="store_true",
-        help="with several processes, batch norm over the global batch, so they train the model one "
-        "process would (two all-reduces per batch-norm layer and step); default: each process's "
-        "own rows, as torch's DDP",
-    )
-    again = train.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue the interrupted run in --out, exactly")
-    again.add_argument(
-        "--extend",
-        action="store_true",
-        help="train the run in --out longer: to --epochs N (more than it has), the learning-rate "
-        "schedule recomputed for the new length",
-    )
-    again.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the earlier run in --out (only if the folder holds nothing but that run)",
-    )
-    train.add_argument("--update-card", action="store_true", help="write the measured results into the card")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--json", action="store_true", help="print the run's summary as JSON")
-    exits = train.add_argument_group("early exits")
-    exits.add_argument(
-        "--exits",
-        metavar="POINTS",
-        help="attach exits: auto (after each stage), sdn (15-90%% of FLOPs), N (exits in all), "
-        "fractions of FLOPs (0.25,0.5) or point names (stages.0,stages.1.2; see 'anytime exits')",
-    )
-    exits.add_argument(
-        "--exit-mode",
-        choices=["joint", "heads-only"],
-        help="joint: train everything (default); heads-only: only the exits, backbone frozen (needs --init)",
-    )
-    exits.add_argument(
-        "--exit-head",
-        metavar="HEAD",
-        help="exit head design: pool (default), scaled, linear, conv, conv2 or msdnet; one per early exit "
-        "(conv2,pool,pool); or graded (conv2, conv, pool by thirds of the FLOPs)",
-    )
-    exits.add_argument(
-        "--exit-weights",
-        metavar="W,W,...",
-        help="loss weight per exit (default: each exit's share of the backbone's FLOPs, as SDN)",
-    )
-    exits.add_argument(
-        "--distill",
-        type=finite_float,
-        metavar="WEIGHT",
-        nargs="?",
-        const=1.0,
-        help="distil the last exit (or the widest slice) into the others: their cross-entropy plus this "
-        "weight times the KL divergence to its softened output (1 if given alone; default 0)",
-    )
-    exits.add_argument(
-        "--distill-teacher",
-        choices=["last", "later"],
-        help="what each exit distils from: last (the last exit, default) or later (the mean of the "
-        "softened outputs of every exit after it)",
-    )
-    exits.add_argument(
-        "--gradient-equilibrium",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="rescale gradients where exits branch off, so shared layers get the mean of the exits' "
-        "gradients, not their sum (Li et al. 2019; default off)",
-    )
-    exits.add_argument(
-        "--init",
-        metavar="CHECKPOINT",
-        help="start the backbone from trained weights: a run folder, checkpoint.pt, .safetensors or state dict",
-    )
+    _add_command(sub, "train")
 
-    sliced = train.add_argument_group("sliced networks and residual blocks")
-    sliced.add_argument(
-        "--slices", metavar="R,R,...", help="train a sliced network, one step per fraction (e.g. 0.25,0.5,0.75,1.0)"
-    )
-    sliced.add_argument(
-        "--slice-kind",
-        choices=["width", "cardinality"],
-        help="width: channels of every layer (ResNets, MobileNetV2, VGG); cardinality: groups of "
-        "every ResNeXt block (default width)",
-    )
-    sliced.add_argument(
-        "--sandwich",
-        action="store_true",
-        default=None,
-        help="train the narrowest, the widest and one random slice per mini-batch, not all",
-    )
-    sliced.add_argument(
-        "--resolutions",
-        metavar="S,S,...",
-        help="train a resolution ladder: one step per input size in pixels, cN a central N x N crop "
-        "(e.g. 16,24,c24,32), batch-norm statistics per step",
-    )
-    sliced.add_argument(
-        "--sact",
-        metavar="T,T,...",
-        help="train a SACT ResNet (spatially adaptive computation time): residual stages halt per "
-        "position once its halting scores reach the threshold; one step per threshold, rising, "
-        "the last one trained (e.g. 0.5,0.75,0.9,0.99)",
-    )
-    sliced.add_argument(
-        "--sact-mode", choices=["spatial", "image"], help="halt per position (SACT, the default) or per image (ACT)"
-    )
-    sliced.add_argument(
-        "--ponder-cost",
-        type=finite_float,
-        metavar="TAU",
-        help="weight of the ponder cost in the loss: units run plus the remainder, averaged over "
-        "positions and summed over stages (default 0.01)",
-    )
-    sliced.add_argument(
-        "--stochastic-depth",
-        type=finite_float,
-        metavar="P",
-        help="residual branches skipped at random in training, up to P for the last block",
-    )
-
-    tickets = train.add_argument_group("lottery tickets (see also `anytime ticket`)")
-    tickets.add_argument(
-        "--keep-checkpoints",
-        metavar="K,K,...",
-        help="keep the full checkpoint after these epochs (0: before the first), for tickets to rewind to",
-    )
-    tickets.add_argument(
-        "--prune-from",
-        metavar="RUN",
-        help="train a lottery ticket: prune RUN's final weights (the dense run, or the ticket before)",
-    )
-    tickets.add_argument(
-        "--sparsity",
-        type=finite_float,
-        metavar="S",
-        help="share of convolution and linear weights pruned, in all (e.g. 0.8)",
-    )
-    tickets.add_argument(
-        "--reset-epoch",
-        type=non_negative_int,
-        metavar="K",
-        help="rewind the surviving weights to the dense run's after K epochs (late resetting; 0: init)",
-    )
-    tickets.add_argument(
-        "--prune-unit",
-        choices=["weights", "channels"],
-        help="prune single weights (masked; the default) or whole channels (a smaller network)",
-    )
-    tickets.add_argument(
-        "--prune-scope",
-        choices=["global", "layer"],
-        help="rank weights over all layers at once (default) or prune each layer alike",
-    )
-
-    exits_cmd = sub.add_parser("exits", description=COMMANDS["exits"])
-    exits_cmd.add_argument("model", metavar="MODEL", help="a zoo name or tv:NAME")
-    exits_cmd.add_argument("--exits", default="auto", metavar="POINTS", help="exit points (default auto)")
-    exits_cmd.add_argument(
-        "--exit-head",
-        default="pool",
-        metavar="HEAD",
-        help="pool, scaled, linear, conv, conv2 or msdnet; one per early exit; or graded",
-    )
-    exits_cmd.add_argument("--in-channels", type=positive_int, default=3, metavar="C")
-    exits_cmd.add_argument("--num-classes", type=int_at_least(2), default=10, metavar="N")
-    exits_cmd.add_argument("--image-size", type=positive_int, default=32, metavar="PX")
-    exits_cmd.add_argument("--points", action="store_true", help="list every point the model can exit after")
-    exits_cmd.add_argument("--json", action="store_true", help="print JSON")
+    _add_command(sub, "exits")
 
     collect = sub.add_parser("collect", description=COMMANDS["collect"])
     collect.add_argument("run", metavar="RUN", help="a run directory written by 'anytime train --exits ...'")
@@ -1230,191 +937,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_models(args: argparse.Namespace) -> int:
-    from anytime.backbones import get_spec, list_models, model_modality
-    from anytime.backbones.registry import model_costs
-
-    rows: list[dict[str, Any]] = []
-    names = list_models(include_torchvision=not args.no_torchvision)
-    for name, cost in zip(names, model_costs(names, count_flops=args.flops)):
-        family = "torchvision" if name.startswith("tv:") else get_spec(name).family
-        description = "" if name.startswith("tv:") else get_spec(name).description
-        rows.append({"name": name, "family": family, "modality": model_modality(name), "parameters": cost.parameters,
-                     "flops": cost.flops, "description": description})  # fmt: skip
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    header = f"{'model':<24} {'family':<13} {'params':>9}" + (f" {'MFLOPs':>9}" if args.flops else "")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        line = f"{r['name']:<24} {r['family']:<13} {r['parameters'] / 1e6:>8.2f}M"
-        if args.flops:
-            line += f" {r['flops'] / 1e6:>9.1f}" if r["flops"] is not None else f" {'n/a':>9}"
-        print(line)
-    print(f"\n{len(rows)} models; parameters for 10 classes, 3 input channels; "
-          "FLOPs per 32x32 image, a multiply-add counted as 2" if args.flops else f"\n{len(rows)} models")  # fmt: skip
-    return 0
-
-
-# Options of `anytime train` that are TrainConfig fields of the same name.
-_TRAIN_FIELDS = (
-    "model", "data", "data_root", "image_size", "val_fraction", "limit_train", "epochs", "batch_size", "lr", "momentum",
-    "weight_decay", "schedule", "seed", "device", "workers", "prefetch_factor", "pin_memory", "exits", "exit_mode",
-    "exit_head", "distill", "distill_teacher", "gradient_equilibrium", "init", "slices", "resolutions", "sact", "sact_mode", "ponder_cost", "slice_kind", "stochastic_depth", "warmup", "nesterov",
-    "label_smoothing", "ema", "norm_bias_lr_scale", "amp", "augment", "padding", "cutout", "channels_last", "tta",
-    "prune_from", "sparsity", "reset_epoch", "prune_scope", "prune_unit", "optimizer", "vocab_size", "max_length",
-    "tokenizer",
-)  # fmt: skip
-
-
-def _float_list(text: str, what: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise AnytimeError(f"{what} must be numbers separated by commas, e.g. 0.5,1,1 (got '{text}')") from None
-
-
-def _without_option(argv: Sequence[str], option: str) -> list[str]:
-    """``argv`` without ``option VALUE`` or ``option=VALUE``."""
-    out: list[str] = []
-    skip = False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == option:
-            skip = True
-        elif not token.startswith(option + "="):
-            out.append(token)
-    return out
-
-
-def _launch_train(args: argparse.Namespace) -> int:
-    from anytime.train.launch import launch_local
-
-    result = launch_local(_without_option(args.argv, "--nproc"), args.nproc)
-    if result.failed_rank is not None and (
-        result.signalled or result.returncode not in (2, 130)
-    ):  # else it has said why
-        how = "was killed by a signal" if result.signalled else f"failed (exit status {result.returncode})"
-        print(f"anytime train: error: process {result.failed_rank} of {args.nproc} {how}, so the others were stopped; "
-              "the run keeps its last complete epoch: add --resume to the same command to continue",
-              file=sys.stderr)  # fmt: skip
-    return result.returncode
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    from anytime.train.launch import place_from_environment
-
-    if args.nproc is not None and args.nproc > 1 and place_from_environment() is None:
-        return _launch_train(args)  # before torch is imported: the launcher only waits for the processes it starts
-    from anytime.train import TrainConfig, Trainer, load_card, record_results
-    from anytime.train.cards import check_recordable
-    from anytime.train.distributed import from_environment
-    from anytime.train.trainer import CHECKPOINT, require_checkpoint
-
-    ctx = from_environment(sync_bn=args.sync_bn)
-    main = ctx is None or ctx.main
-
-    card = load_card(args.card) if args.card else None
-    overrides = {field: getattr(args, field) for field in _TRAIN_FIELDS if getattr(args, field) is not None}
-    if args.sandwich:
-        overrides["sandwich"] = True
-    if args.exit_weights is not None:
-        overrides["exit_weights"] = _float_list(args.exit_weights, "--exit-weights")
-    if args.keep_checkpoints is not None:
-        epochs = _float_list(args.keep_checkpoints, "--keep-checkpoints")
-        if not all(e.is_integer() for e in epochs):
-            raise AnytimeError(f"--keep-checkpoints are whole epochs, e.g. 0,2 (got {args.keep_checkpoints})")
-        overrides["keep_checkpoints"] = tuple(sorted({int(e) for e in epochs}))
-    if args.update_card and card is None:
-        raise AnytimeError("--update-card needs --card FILE")
-    if args.update_card and card is not None:
-        check_recordable(card)
-    if args.extend and "epochs" not in overrides:
-        raise AnytimeError("--extend trains a run longer: give its new number of epochs with --epochs N")
-    free = set(TrainConfig.RUNTIME_FIELDS) | ({"epochs"} if args.extend else set())
-    changed = sorted(set(overrides) - free)
-    if args.update_card and changed:
-        raise AnytimeError(
-            f"--update-card records the card's own recipe, but {', '.join('--' + c.replace('_', '-') for c in changed)} "
-            "change it; drop those options or edit the card"
-        )
-    default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
-    run_dir = Path(args.out or Path("runs") / default_name.replace(":", "_"))
-    if args.resume or args.extend:
-        from anytime.train import load_checkpoint
-
-        saved = load_checkpoint(require_checkpoint(run_dir, "extend" if args.extend else "resume"))["config"]
-        base = TrainConfig.from_dict(saved, where=str(run_dir / CHECKPOINT))
-    else:
-        base = card.config if card else TrainConfig()
-    config = base.replace(**overrides) if overrides else base
-    if main and config.amp == "bf16":
-        from anytime.utils.machine import bf16_emulated, resolve_device
-
-        if bf16_emulated(resolve_device(config.device)):
-            print("note: this CPU has no bfloat16 instructions (no AVX-512 or AMX), so --amp bf16 is emulated and "
-                  "runs many times slower than float32 here; add --amp off", file=sys.stderr)  # fmt: skip
-    trainer = Trainer(
-        config, run_dir, progress=main and not args.no_progress and sys.stderr.isatty(),
-        on_start=(lambda line: print(line, file=sys.stderr)) if main else None,
-        extra_config={"card": str(card.path)} if card else {}, create_parents=args.out is None, distributed=ctx,
-    )  # fmt: skip
-    try:
-        summary = trainer.fit(resume=args.resume, extend=args.extend, overwrite=args.overwrite)
-        if not main:
-            return 0
-    except KeyboardInterrupt:
-        if not main:
-            return 130
-        again = f"--extend --epochs {config.epochs}" if args.extend else "--resume"
-        if (run_dir / CHECKPOINT).is_file():
-            print(f"\ninterrupted; continue with: anytime train --out {run_dir} {again}", file=sys.stderr)
-        else:
-            print("\ninterrupted before the first epoch ended; nothing was kept", file=sys.stderr)
-        return 130
-    if args.json and not args.update_card:
-        return print_json(summary)
-    final = summary["final"]
-    steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
-    print(f"run        {run_dir}")
-    print(f"accuracy   val {100 * final['val_acc']:.2f}%  test {100 * final['test_acc']:.2f}%  "
-          f"(best val {100 * summary['best_val_acc']:.2f}%)"
-          + (f"  test with mirror {100 * final['test_acc_tta']:.2f}%" if "test_acc_tta" in final else ""))  # fmt: skip
-    print(f"augment    {summary['augment']}")
-    print(f"time       {summary['train_time_s']:.1f} s training, {summary['wall_time_s']:.1f} s with validation, "
-          f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads"
-          + (f" in each of {summary['processes']} processes)" if summary["processes"] > 1 else ")"))  # fmt: skip
-    it = steady["iteration_mean_s"]
-    print(f"iteration  {1000 * it:.1f} ms: data {100 * steady['data_mean_s'] / it:.0f}%  "
-          f"forward {100 * steady['forward_mean_s'] / it:.0f}%  backward {100 * steady['backward_mean_s'] / it:.0f}%  "
-          f"step {100 * steady['step_mean_s'] / it:.0f}%  ({steady['images_per_s']:.0f} images/s"
-          f"{', steady state' if summary['timing']['steady'] else ', epoch 0 only'})")  # fmt: skip
-    print(
-        f"memory     peak RSS {summary['peak_rss_mb']:.0f} MiB"
-        + (f", CUDA peak {summary['cuda_peak_mb']:.0f} MiB" if summary["cuda_peak_mb"] is not None else "")
-    )
-    for e in summary.get("exits", []):
-        print(f"exit {e['index']:<5} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
-              f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
-    if args.update_card and card is not None:
-        from datetime import date
-
-        from anytime.utils.machine import cpu_model
-
-        record_results(card, {
-            "val_acc": round(final["val_acc"], 4), "test_acc": round(final["test_acc"], 4),
-            "best_val_acc": round(summary["best_val_acc"], 4), "train_time_s": round(summary["train_time_s"], 1),
-            "epochs": summary["epochs"], "device": summary["device"], "cpu": cpu_model(),
-            "threads": summary["torch_threads"], "date": date.today().isoformat(), "augment": summary["augment"],
-            **({"test_acc_tta": round(final["test_acc_tta"], 4)} if "test_acc_tta" in final else {}),
-            **({"extended_from": summary["extended"][0]["from_epochs"]} if summary.get("extended") else {}),
-        })  # fmt: skip
-        print(f"card       results recorded in {card.path}")
-    return 0
-
-
 def _cmd_jobs(args: argparse.Namespace) -> int:
     from anytime.train.jobs import JobOutcome, load_sweep, run_sweep
 
@@ -1553,55 +1075,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"results and plots in {result.out_dir}/:")
     for path in result.files:
         print(f"  {path}")
-    return 0
-
-
-def _cmd_exits(args: argparse.Namespace) -> int:
-    from anytime.backbones import create_model, example_input, model_modality
-    from anytime.backbones.footprint import check_forward_memory
-    from anytime.families import attach_exits
-    from anytime.families.tracing import split_points
-    from anytime.utils.resources import check_input_memory
-
-    shape: tuple[int, ...] = (args.in_channels, args.image_size, args.image_size)
-    size = f"a {args.image_size}x{args.image_size} input"
-    if model_modality(args.model) == "text":  # a sentence of the encoder's maximum length
-        backbone = create_model(args.model, num_classes=args.num_classes)
-        shape, size = (int(backbone.max_length),), f"{backbone.max_length} tokens"
-    else:
-        check_input_memory(shape, 1, what=size, hint="choose a smaller --image-size")
-        backbone = create_model(args.model, num_classes=args.num_classes, in_channels=args.in_channels)
-    check_forward_memory(backbone, shape, 1, what=f"{args.model} on {size}", hint="choose a smaller --image-size")
-    if args.points:
-        chain = split_points(backbone, example_input(shape, 1, tokens=len(shape) == 1))
-        rows = [{"name": c.name, "shape": list(c.shape), "flops_fraction": c.flops / chain.total_flops,
-                 "stage_end": c.stage_end} for c in chain.cuts]  # fmt: skip
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return 0
-        print(f"{'point':<34} {'features':<16} {'FLOPs so far':>12}  stage end")
-        for r in rows:
-            print(f"{r['name']:<34} {'x'.join(map(str, r['shape'])):<16} {100 * r['flops_fraction']:>11.1f}%  "
-                  f"{'yes' if r['stage_end'] else ''}")  # fmt: skip
-        return 0
-    model = attach_exits(backbone, args.exits, head=args.exit_head, num_classes=args.num_classes, input_shape=shape)
-    rows = [e.to_dict() for e in model.exit_info]
-    if args.json:
-        print(json.dumps({"model": args.model, "points": args.exits, "head": args.exit_head,
-                          "backbone_flops": model.backbone_flops, "exits": rows}, indent=2))  # fmt: skip
-        return 0
-    base = model.backbone_flops
-    print(f"{args.model} with {model.num_steps} exits ({args.exit_head} heads), {size}")
-    print(f"{'exit':<5} {'point':<30} {'features':<12} {'MFLOPs':>9} {'of base':>8} {'params':>10} "
-          f"{'head':<7} {'head MFLOPs':>12} {'head params':>12}")  # fmt: skip
-    for e in model.exit_info:
-        print(f"{e.index:<5} {e.name:<30} {'x'.join(map(str, e.shape)):<12} {e.flops / 1e6:>9.2f} "
-              f"{100 * e.flops / base:>7.1f}% {e.params:>10,} {e.head or '-':<7} {e.head_flops / 1e6:>12.3f} "
-              f"{e.head_params:>12,}")  # fmt: skip
-    print(
-        f"FLOPs for one {'sentence' if len(shape) == 1 else 'image'}, a multiply-add counted as 2; cumulative: the "
-        "backbone up to the exit and its head"
-    )
     return 0
 
 
@@ -2366,7 +1839,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "models": _cmd_models, "train": _cmd_train, "exits": _cmd_exits, "collect": _cmd_collect, "sweep": _cmd_sweep,
+    "models": _moved("models"), "train": _moved("train"), "exits": _moved("exits"), "collect": _cmd_collect, "sweep": _cmd_sweep,
     "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "cam": _cmd_cam, "ponder": _cmd_ponder, "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,

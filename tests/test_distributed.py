@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from anytime.cli import _without_option
+from anytime.commands.train import without_option as _without_option
 from anytime.data import Augment, load_dataset, make_loader
 from anytime.data.augment import random_crop_flip
 from anytime.data.loader import share
@@ -132,8 +132,8 @@ def test_nproc_is_taken_out_of_the_command_the_processes_run():
 def test_the_launching_process_starts_the_others_without_importing_torch(tmp_path):
     # it only waits for them: torch's import (about 2.4 s on two cores) would delay every rank's start
     argv = ["train", "--nproc", "2", "--epochs", "1", "--out", str(tmp_path / "run")]
-    code = ("import sys, anytime.cli as cli\n"
-            "cli._launch_train = lambda args: print('torch' in sys.modules) or 0\n"
+    code = ("import sys, anytime.cli as cli, anytime.commands.train as train\n"
+            "train.launch_train = lambda args: print('torch' in sys.modules) or 0\n"
             f"sys.exit(cli.main({argv!r}))\n")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

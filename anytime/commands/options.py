@@ -198,6 +198,26 @@ def add_steps(parser: argparse._ActionsContainer, help: str) -> None:
     parser.add_argument("--steps", metavar="K,K,...", help=help)
 
 
+def add_exit_points(parser: argparse._ActionsContainer, help: str, default: str | None = None) -> None:
+    """``--exits POINTS``: where a model's early exits go (auto, sdn, a number, FLOPs fractions, point names)."""
+    parser.add_argument("--exits", default=default, metavar="POINTS", help=help)
+
+
+def add_exit_head(parser: argparse._ActionsContainer, help: str, default: str | None = None) -> None:
+    """``--exit-head HEAD``: the design of the early exits' heads."""
+    parser.add_argument("--exit-head", default=default, metavar="HEAD", help=help)
+
+
+def add_sparsity(parser: argparse._ActionsContainer, help: str, required: bool = False) -> None:
+    """``--sparsity S``: the share of a network's weights (or channels) that pruning removes."""
+    parser.add_argument("--sparsity", type=finite_float, required=required, metavar="S", help=help)
+
+
+def add_reset_epoch(parser: argparse._ActionsContainer, help: str, default: int | None = None) -> None:
+    """``--reset-epoch K``: the epoch of the dense run a lottery ticket's weights are rewound to."""
+    parser.add_argument("--reset-epoch", type=non_negative_int, default=default, metavar="K", help=help)
+
+
 def add_emulate_slowdown(parser: argparse._ActionsContainer, help: str) -> None:
     """``--emulate-slowdown F``: behave as a board F times slower than this machine."""
     parser.add_argument("--emulate-slowdown", type=finite_float, default=1.0, metavar="F", help=help)
