@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from anytime.commands.options import (
-    CRITERIA,
     DEVICE_HELP,
     FIGURE_SIZE_HELP,
     FORM_HELP,
@@ -32,7 +31,6 @@ from anytime.commands.options import (
     non_negative_int,
     positive_int,
     share_or_off,
-    step_list,
     threads,
 )
 from anytime.commands.output import print_json, print_policy_figures, progress_printer
@@ -140,151 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(sub, "exits")
 
-    collect = sub.add_parser("collect", description=COMMANDS["collect"])
-    collect.add_argument("run", metavar="RUN", help="a run directory written by 'anytime train --exits ...'")
-    collect.add_argument("--split", choices=["val", "test", "dev"], default="val")
-    collect.add_argument("--device", default="auto", help=DEVICE_HELP)
-    collect.add_argument("--batch-size", type=positive_int, default=512, metavar="B")
-    collect.add_argument("--json", action="store_true", help="print what was collected as JSON")
+    _add_command(sub, "collect")
 
-    sweep_cmd = sub.add_parser("sweep", description=COMMANDS["sweep"])
-    sweep_cmd.add_argument("run", metavar="RUN")
-    sweep_cmd.add_argument(
-        "--criterion",
-        action="append",
-        choices=list(CRITERIA),
-        help="exit criterion (repeat for several; default all four)",
-    )
-    sweep_cmd.add_argument(
-        "--settings",
-        type=int_at_least(2),
-        default=1000,
-        metavar="S",
-        help="threshold settings to sweep (default 1000)",
-    )
-    sweep_cmd.add_argument("--split", choices=["val", "test", "dev"], default="val")
-    sweep_cmd.add_argument("--json", action="store_true", help="print the Pareto fronts as JSON")
+    _add_command(sub, "sweep")
 
-    calibrate = sub.add_parser("calibrate", description=COMMANDS["calibrate"])
-    calibrate.add_argument("run", metavar="RUN")
-    target = calibrate.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "--max-drop",
-        type=finite_float,
-        metavar="POINTS",
-        help="cheapest thresholds within POINTS accuracy points of the last exit (validation)",
-    )
-    target.add_argument(
-        "--budget-flops",
-        type=finite_float,
-        metavar="FRACTION",
-        help="most accurate thresholds whose mean FLOPs are at most FRACTION of the backbone's",
-    )
-    calibrate.add_argument("--criterion", choices=list(CRITERIA), default="entropy")
-    calibrate.add_argument(
-        "--rule",
-        choices=["search", "msdnet"],
-        help="with --budget-flops: direct search (default) or MSDNet's shares proportional to q^k",
-    )
-    calibrate.add_argument("--temperature", action="store_true", help="fit a temperature per exit first")
-    calibrate.add_argument(
-        "--combine-exits",
-        action="store_true",
-        help="every exit answers with a weighted ensemble of itself and the earlier exits "
-        "(Zero Time Waste), weights fit on validation; the heads it weighs always run",
-    )
-    calibrate.add_argument(
-        "--select-exits",
-        action="store_true",
-        help="with --max-drop: also choose which exits to keep, every subset costed in the time the "
-        "run's profile measured at batch 1 (dropped exits' heads never run)",
-    )
-    calibrate.add_argument("--profile", metavar="FILE", help="with --select-exits: default the run's only profile")
-    calibrate.add_argument("--out", metavar="FILE", help="default RUN/calibration.json")
-    calibrate.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    _add_command(sub, "calibrate")
 
-    evaluate = sub.add_parser("evaluate", description=COMMANDS["evaluate"])
-    evaluate.add_argument("run", metavar="RUN")
-    evaluate.add_argument("--calibration", metavar="FILE", help="default RUN/calibration.json")
-    evaluate.add_argument("--split", choices=["val", "test", "dev"], default="test")
-    evaluate.add_argument("--device", default="auto", help=DEVICE_HELP)
-    evaluate.add_argument(
-        "--latency-samples",
-        type=non_negative_int,
-        default=1000,
-        metavar="N",
-        help="samples timed one by one against the plain backbone (default 1000; 0 skips)",
-    )
-    evaluate.add_argument("--form", type=form, default="eager", help=FORM_HELP)
-    evaluate.add_argument("--export", metavar="DIR", help="an export of RUN (anytime export): early exit as deployed, on "
-                          "the CPU (ONNX: the policy compiled into its graphs where it can be), timed against the "
-                          "export's segments run in turn; written to DIR/evaluation-SPLIT.json")  # fmt: skip
-    evaluate.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    _add_command(sub, "evaluate")
 
-    plot = sub.add_parser("plot", description=COMMANDS["plot"])
-    plot.add_argument("run", metavar="RUN")
-    plot.add_argument(
-        "--profile", metavar="FILE", help="device profile for the deadline plots (default: the run's only one)"
-    )
-    plot.add_argument("--figure-size", default="screen", choices=list(FIGURE_SIZES),
-                      help=FIGURE_SIZE_HELP + " (default screen; a paper's size goes into RUN/plots/SIZE/)")  # fmt: skip
-    plot.add_argument("--json", action="store_true", help="print the figures drawn and the sections skipped as JSON")
+    _add_command(sub, "plot")
 
-    cam = sub.add_parser(
-        "cam",
-        description=COMMANDS["cam"],
-        usage="anytime cam RUN (--images FILE [FILE ...] | --split test [--count N]) [options]",
-    )
-    cam.add_argument("run", metavar="RUN")
-    cam.add_argument(
-        "--images",
-        nargs="+",
-        default=[],
-        metavar="FILE",
-        help="PNG or JPEG images (or .npy arrays) of the run's input size",
-    )
-    cam.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
-    cam.add_argument(
-        "--count", type=positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
-    )
-    cam.add_argument("--steps", metavar="K,K,...", help="the steps to map (default every one)")
-    cam.add_argument(
-        "--explain",
-        choices=["predicted", "label"],
-        default="predicted",
-        help="map the class each step answered (default) or the true class (--split only)",
-    )
-    cam.add_argument("--device", default="auto", help=DEVICE_HELP)
-    cam.add_argument(
-        "--out", metavar="DIR", help="default RUN/cam (cam.png/.svg, cam.npz, cam.json, replaced together)"
-    )
-    cam.add_argument("--json", action="store_true", help="print the files and the method of each step as JSON")
+    _add_command(sub, "cam")
 
-    ponder = sub.add_parser(
-        "ponder",
-        description=COMMANDS["ponder"],
-        usage="anytime ponder RUN (--images FILE [FILE ...] | --split test [--count N]) [options]",
-    )
-    ponder.add_argument("run", metavar="RUN", help="a SACT run (trained with --sact)")
-    ponder.add_argument(
-        "--images",
-        nargs="+",
-        default=[],
-        metavar="FILE",
-        help="PNG or JPEG images (or .npy arrays) of the run's input size",
-    )
-    ponder.add_argument("--split", choices=["train", "val", "test"], help="draw images from the run's data instead")
-    ponder.add_argument(
-        "--count", type=positive_int, default=8, metavar="N", help="images drawn from --split (default 8, at most 64)"
-    )
-    ponder.add_argument("--steps", metavar="K,K,...", help="the steps (halting thresholds) to map (default every one)")
-    ponder.add_argument("--device", default="auto", help=DEVICE_HELP)
-    ponder.add_argument(
-        "--out", metavar="DIR", help="default RUN/ponder (ponder.png/.svg, ponder.npz, ponder.json, replaced together)"
-    )
-    ponder.add_argument(
-        "--json", action="store_true", help="print the files and each step's mean units per stage as JSON"
-    )
+    _add_command(sub, "ponder")
 
     profile = sub.add_parser(
         "profile",
@@ -1078,148 +944,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_collect(args: argparse.Namespace) -> int:
-    from anytime.outputs import cache_path
-    from anytime.tasks.pipeline import collect_run
-
-    cache = collect_run(
-        args.run, args.split, device=args.device, batch_size=args.batch_size, progress=sys.stderr.isatty()
-    )
-    acc = cache.step_accuracy()
-    if args.json:
-        return print_json({"cache": cache_path(args.run, args.split), "split": args.split, "samples": cache.num_samples,
-                            "steps": [{"index": k, "name": n, "flops": int(cache.step_flops[k]), "accuracy": float(acc[k])}
-                                      for k, n in enumerate(cache.step_names)]})  # fmt: skip
-    print(
-        f"collected {cache.num_samples} {args.split} samples x {cache.num_steps} exits -> {cache_path(args.run, args.split)}"
-    )
-    for k, name in enumerate(cache.step_names):
-        print(
-            f"  exit {k} {name:<16} {100 * cache.step_flops[k] / cache.base_flops:5.1f}% FLOPs  accuracy {100 * acc[k]:.2f}%"
-        )
-    return 0
-
-
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from anytime.tasks.pipeline import sweep_run
-
-    criteria = args.criterion or list(CRITERIA)
-    report = sweep_run(args.run, criteria, settings=args.settings, split=args.split)
-    if args.json:
-        print(json.dumps({name: r.rows(r.pareto()) for name, r in report.results.items()}, indent=2))
-        return 0
-    o = report.oracle
-    print(f"{args.settings} settings per criterion on {args.run} ({args.split}); "
-          f"last exit alone: {100 * report.steps[-1][f'{args.split}_acc']:.2f}%")  # fmt: skip
-    print(f"oracle (first correct exit): {100 * o['accuracy']:.2f}% at {o['flops_ratio']:.3f}x FLOPs "
-          f"({o['flops_speedup']:.2f}x fewer)")  # fmt: skip
-    for name, result in report.results.items():
-        front = result.pareto()
-        print(f"{name}: {len(front)} Pareto points, area under the curve {100 * result.area():.2f}% (mean best "
-              "accuracy over FLOPs budgets); e.g.")  # fmt: skip
-        last = report.steps[-1][f"{args.split}_acc"]
-        for drop in (0.0, 0.01, 0.02, 0.05):
-            ok = [i for i in front if result.accuracy[i] >= last - drop]
-            if ok:
-                i = min(ok, key=lambda j: result.mean_flops[j])
-                print(f"  within {100 * drop:.0f} points: {100 * result.accuracy[i]:.2f}% at "
-                      f"{result.flops_ratio[i]:.3f}x FLOPs, thresholds {np.round(result.thresholds[i], 4).tolist()}")  # fmt: skip
-    print(f"all settings in {report.csv}, fronts in {report.json}")
-    return 0
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from anytime.tasks.pipeline import CALIBRATION, calibrate_run
-
-    if args.rule is not None and args.max_drop is not None:
-        raise AnytimeError("--rule chooses how to meet --budget-flops; it does not apply to --max-drop")
-    report = calibrate_run(
-        args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion,
-        rule=args.rule or "search", temperature=args.temperature, out=args.out, select=args.select_exits,
-        profile=args.profile, combine=args.combine_exits,
-    )  # fmt: skip
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    if "selection" in report:
-        chosen = report["selection"]
-        print(
-            f"exit subsets, costed in the time measured by {chosen['profile']} (backbone "
-            f"{chosen['backbone_ms']:.3f} ms at batch 1):"
-        )
-        for subset in sorted(chosen["subsets"], key=lambda t: t["val_mean_ms"]):
-            print(f"  exits {subset['exits'] or 'none'}: validation {100 * subset['val_accuracy']:.2f}% at "
-                  f"{subset['val_mean_ms']:.3f} ms ({subset['val_speedup']:.2f}x)")  # fmt: skip
-        test = f"; on test {chosen['test_speedup']:.2f}x" if "test_speedup" in chosen else ""
-        print(f"kept exits {chosen['exits']} (the last always answers){test}")
-    policy = report["policy"]
-    print(f"{report['rule']} {report['target']} with {policy['criterion']}: thresholds "
-          f"{[None if t is None else round(t, 4) for t in policy['thresholds']]}"
-          + (f", temperatures {[round(t, 3) for t in policy['temperatures']]}" if policy["temperatures"] else "")
-          + (f", combining exits with weights {[[round(w, 3) for w in row] for row in policy['combine']]}"
-             if policy.get("combine") else ""))  # fmt: skip
-    print_policy_figures("validation", report["validation"])
-    print_policy_figures("test", report["test"])
-    oracle_test = report["oracle"]["test"] or report["oracle"]["validation"]
-    print(f"oracle      {100 * oracle_test['accuracy']:.2f}% at {oracle_test['flops_ratio']:.3f}x FLOPs "
-          f"({'test' if report['oracle']['test'] else 'validation'})")  # fmt: skip
-    if "alternative" in report:
-        alt = report["alternative"]
-        print(f"({alt['rule']} would give validation {100 * alt['validation']['accuracy']:.2f}% at "
-              f"{alt['validation']['flops_ratio']:.3f}x FLOPs)")  # fmt: skip
-    print(f"saved to {args.out or Path(args.run) / CALIBRATION}")
-    return 0
-
-
-def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from anytime.tasks.pipeline import evaluate_run
-
-    report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
-                          latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty(),
-                          export=args.export)  # fmt: skip
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    shares = " ".join(f"{100 * s:.1f}" for s in report["exit_share"])
-    if args.export:
-        compiled = "the policy compiled into its graphs" if report["compiled_policy"] else "the policy in PyTorch"
-        print(f"{args.export} ({report['form'].removeprefix('export: ')}), {compiled}")
-    print(f"real early exit on {report['samples']} {args.split} samples: accuracy {100 * report['accuracy']:.2f}%, "
-          f"FLOPs {report['flops_ratio']:.3f}x of the backbone, exits % [{shares}]")  # fmt: skip
-    if "agreement_with_cache" in report:
-        a = report["agreement_with_cache"]
-        print(
-            f"agreement with the cached sweep: exits {100 * a['exits']:.2f}%, predictions {100 * a['predictions']:.2f}%"
-        )
-    if "latency" in report:
-        lat = report["latency"]
-        e, b = lat["early_exit"], lat["backbone"]
-        print(
-            f"latency per sample at batch 1 ({e['count']} samples, {report['torch_threads']} threads, {report['device']}):"
-        )
-        print(f"  early exit {e['mean_ms']:.3f} ms mean, p50 {e['p50_ms']:.3f}, p99 {e['p99_ms']:.3f}")
-        backbone = "segments " if args.export else "backbone "  # an export's plain network is its segments in turn
-        print(f"  {backbone}  {b['mean_ms']:.3f} ms mean, p50 {b['p50_ms']:.3f}, p99 {b['p99_ms']:.3f}")
-        print(f"  speed-up   {lat['speedup']:.2f}x (mean latency)")
-    print(f"saved to {Path(args.export or args.run) / f'evaluation-{args.split}.json'}")
-    return 0
-
-
-def _cmd_plot(args: argparse.Namespace) -> int:
-    from anytime.tasks.pipeline import plot_run
-
-    report = plot_run(args.run, profile=args.profile, figure_size=args.figure_size)
-    if args.json:
-        return print_json(report)
-    for path in report.paths:
-        print(path)
-    for reason in report.skipped:
-        print(f"not drawn: {reason}")
-    return 0
-
-
 def _batch_sizes(text: str) -> list[int]:
     try:
         sizes = [int(v) for v in text.split(",") if v.strip()]
@@ -1479,35 +1203,6 @@ def _schedule_variants(args: argparse.Namespace) -> int:
     precision = record["precision"] if record is not None else "fp32"
     print(json.dumps({**choice.to_dict(), "precision": precision, "variant": variant, "run": str(runs_of[variant]),
                       "frontier": frontier}, indent=2))  # fmt: skip
-    return 0
-
-
-def _cmd_cam(args: argparse.Namespace) -> int:
-    from anytime.tasks.cam import cam_run
-
-    report = cam_run(args.run, images=args.images, split=args.split, count=args.count, steps=step_list(args.steps),
-                     explain=args.explain, out=args.out, device=args.device)  # fmt: skip
-    if args.json:
-        return print_json(report)
-    for entry in report.steps:
-        print(f"{entry['name']}: {entry['method']} on {entry['layer']}")
-    for path in report.paths:
-        print(path)
-    return 0
-
-
-def _cmd_ponder(args: argparse.Namespace) -> int:
-    from anytime.tasks.ponder import ponder_run
-
-    report = ponder_run(args.run, images=args.images, split=args.split, count=args.count, steps=step_list(args.steps),
-                        out=args.out, device=args.device)  # fmt: skip
-    if args.json:
-        return print_json(report)
-    for step in report.steps:
-        units = ", ".join(f"{u:.2f}" for u in step.units)
-        print(f"{step.name}: mean units per stage {units} ({sum(step.units):.2f} in all)")
-    for path in report.paths:
-        print(path)
     return 0
 
 
@@ -1839,8 +1534,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "models": _moved("models"), "train": _moved("train"), "exits": _moved("exits"), "collect": _cmd_collect, "sweep": _cmd_sweep,
-    "calibrate": _cmd_calibrate, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "cam": _cmd_cam, "ponder": _cmd_ponder, "profile": _cmd_profile,
+    "models": _moved("models"), "train": _moved("train"), "exits": _moved("exits"), "collect": _moved("collect"), "sweep": _moved("sweep"),
+    "calibrate": _moved("calibrate"), "evaluate": _moved("evaluate"), "plot": _moved("plot"), "cam": _moved("cam"), "ponder": _moved("ponder"), "profile": _cmd_profile,
     "schedule": _cmd_schedule, "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
     "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
     "seeds": _cmd_seeds,
