@@ -20,7 +20,6 @@ from anytime.commands.options import (
     DEVICE_HELP,
     FIGURE_SIZE_HELP,
     THREADS_HELP,
-    add_float_layers,
     add_split_plan,
     finite_float,
     int_at_least,
@@ -151,261 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(sub, "schedule")
 
-    cut = sub.add_parser("cut", description=COMMANDS["cut"])
-    cut.add_argument("run", metavar="RUN", help="a finished run of a plain ResNet (resnet20, resnet18, tv:resnet50...)")
-    cut.add_argument(
-        "--kind",
-        choices=["shortcut", "branch", "both"],
-        help="shortcut: cut the link (the block keeps its branch); branch: skip the branch (the block "
-        "keeps its shortcut); default both",
-    )
-    cut.add_argument(
-        "--recalibrate-bn",
-        action="store_true",
-        help="also measure each cut after recomputing the batch-norm statistics on training images",
-    )
-    cut.add_argument(
-        "--finetune-epochs",
-        type=non_negative_int,
-        default=0,
-        metavar="N",
-        help="also measure each cut after N epochs of fine-tuning it (slow: one fine-tune per cut)",
-    )
-    cut.add_argument("--split", choices=["val", "test"], help="where the study scores each cut (default test)")
-    cut.add_argument(
-        "--images", type=positive_int, metavar="N", help="evaluate on N images of the split, drawn at random (seeded)"
-    )
-    cut.add_argument("--repeats", type=positive_int, metavar="N", help="batch-1 timings per configuration (default 30)")
-    cut.add_argument("--device", default="auto", help=DEVICE_HELP)
-    cut.add_argument(
-        "--ladder",
-        action="store_true",
-        help="instead of the study, write --out: a run whose steps are the cumulative block-drop ladder",
-    )
-    cut.add_argument(
-        "--out", metavar="DIR", help="the ladder run (with --ladder), or the study's folder (default RUN/cut)"
-    )
-    cut.add_argument("--overwrite", action="store_true", help="replace an earlier study (or ladder run) in --out")
-    cut.add_argument(
-        "--json", action="store_true", help="print the study's files (or the ladder run's summary) as JSON"
-    )
+    _add_command(sub, "cut")
 
-    quantize = sub.add_parser("quantize", description=COMMANDS["quantize"])
-    quantize.add_argument("run", metavar="RUN", help="a finished float run (exits, slices, a ladder or a plain model)")
-    quantize.add_argument(
-        "--precision",
-        required=True,
-        choices=["int8", "int8-dynamic", "bf16", "fp16"],
-        help="int8: PT2E static, X86InductorQuantizer, each stage and exit head a graph of its own; "
-        "int8-dynamic: Linear layers (torchao); bf16/fp16: casts (fp16 on CUDA)",
-    )
-    quantize.add_argument(
-        "--calibration-images",
-        type=positive_int,
-        default=512,
-        metavar="N",
-        help="int8: training images that calibrate the activations (default 512; never validation or test)",
-    )
-    quantize.add_argument(
-        "--qat-epochs",
-        type=int_at_least(0),
-        default=0,
-        metavar="N",
-        help="int8: then N epochs of quantization-aware training (PT2E QAT) on the training split; "
-        "the summary shows every step after PTQ and after QAT",
-    )
-    quantize.add_argument(
-        "--qat-lr",
-        type=finite_float,
-        default=1e-3,
-        metavar="LR",
-        help="QAT's initial learning rate (SGD, cosine; default 0.001)",
-    )
-    add_float_layers(quantize, "int8", "artifact (.pt2, as `anytime export` writes it)")
-    quantize.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="keep the converted graphs eager (reference arithmetic: same values, not int8 speed)",
-    )
-    quantize.add_argument("--device", default="auto", help=DEVICE_HELP)
-    quantize.add_argument("--out", metavar="DIR", help="the new run (default RUN-PRECISION beside RUN)")
-    quantize.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
-    quantize.add_argument("--json", action="store_true", help="print the new run's summary as JSON")
+    _add_command(sub, "quantize")
 
-    export = sub.add_parser("export", description=COMMANDS["export"])
-    export.add_argument("run", metavar="RUN", help="a finished run: float, or converted by 'anytime quantize'")
-    export.add_argument(
-        "--format",
-        required=True,
-        choices=["pt2", "onnx"],
-        help="pt2: torch.export programs (fp32, int8 PT2E, bf16, fp16); onnx: ONNX graphs for ONNX Runtime or "
-        "TensorRT (fp32, int8 QDQ by ONNX Runtime's quantize_static; needs anytime[deploy])",
-    )
-    export.add_argument(
-        "--precision", choices=["fp32", "int8", "bf16", "fp16"], help="default: the run's own (fp32 for a float run)"
-    )
-    export.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty)")
-    export.add_argument(
-        "--calibration-images",
-        type=positive_int,
-        default=512,
-        metavar="N",
-        help="int8 from a float run: training images that calibrate it (default 512)",
-    )
-    add_float_layers(export, "int8 from a float run (a quantized run keeps its own)", "artifact")
-    export.add_argument(
-        "--parity-images",
-        type=int_at_least(0),
-        default=1000,
-        metavar="N",
-        help="test images the parity table compares on (default 1000; 0: no table)",
-    )
-    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
-    export.add_argument("--json", action="store_true", help="print the manifest and the parity table as JSON")
+    _add_command(sub, "export")
 
-    ensemble = sub.add_parser("ensemble", description=COMMANDS["ensemble"])
-    ensemble.add_argument(
-        "--members",
-        required=True,
-        metavar="RUN,RUN,...",
-        help="finished runs trained on the same data and split (a multi-exit run answers with its "
-        "last exit; a quantized run at its precision)",
-    )
-    ensemble.add_argument(
-        "--order",
-        choices=["cost", "greedy", "given"],
-        default="cost",
-        help="cost: cheapest first (batch-1 latency, from the members' profiles or measured); greedy: "
-        "most validation accuracy per millisecond first; given: as listed (default cost)",
-    )
-    ensemble.add_argument(
-        "--fuser",
-        choices=["mlp", "mean", "vote", "weighted"],
-        default="mlp",
-        help="the fuser the run deploys (all four are fit and reported; default mlp)",
-    )
-    ensemble.add_argument(
-        "--folds",
-        type=int_at_least(2),
-        default=5,
-        metavar="K",
-        help="cross-fitting folds of the validation split (default 5)",
-    )
-    ensemble.add_argument(
-        "--fit-split",
-        default="val",
-        metavar="SPLIT",
-        help="where fusers are fit: the validation split, held out of every member (the only choice)",
-    )
-    ensemble.add_argument(
-        "--hidden", type=positive_int, default=32, metavar="N", help="the MLP fuser's hidden units (default 32)"
-    )
-    ensemble.add_argument("--device", default="auto", help=DEVICE_HELP)
-    ensemble.add_argument("--out", required=True, metavar="DIR", help="the ensemble run (a new or empty folder)")
-    ensemble.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
-    ensemble.add_argument("--json", action="store_true", help="print the ensemble's report as JSON")
+    _add_command(sub, "ensemble")
 
-    baseline = sub.add_parser("ensemble-baseline", description=COMMANDS["ensemble-baseline"])
-    baseline.add_argument(
-        "--method", required=True, choices=["fusion", "voting", "bagging", "gradient-boosting", "snapshot"]
-    )
-    baseline.add_argument("--model", required=True, help="the members' zoo model (each member a fresh copy)")
-    baseline.add_argument("--estimators", required=True, type=positive_int, metavar="N", help="members")
-    baseline.add_argument(
-        "--epochs",
-        required=True,
-        type=positive_int,
-        metavar="E",
-        help="training epochs (snapshot: a multiple of --estimators)",
-    )
-    baseline.add_argument("--data", choices=["digits", "cifar10", "cifar100", "folder", "synthetic"], default="digits")
-    baseline.add_argument("--data-root", metavar="PATH", help="dataset folder (as for train)")
-    baseline.add_argument("--limit-train", type=positive_int, metavar="N", help="train on N images only")
-    baseline.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
-    baseline.add_argument(
-        "--lr", type=finite_float, default=0.05, metavar="LR", help="SGD learning rate (default 0.05)"
-    )
-    baseline.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
-    baseline.add_argument(
-        "--shrinkage",
-        type=finite_float,
-        default=1.0,
-        metavar="R",
-        help="gradient boosting's shrinkage rate (default 1)",
-    )
-    baseline.add_argument("--device", default="auto", help=DEVICE_HELP + " (never torchensemble's own cuda=True)")
-    baseline.add_argument("--out", required=True, metavar="DIR", help="the run (a new or empty folder)")
-    baseline.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out")
-    baseline.add_argument("--json", action="store_true", help="print the baseline's report as JSON")
+    _add_command(sub, "ensemble-baseline")
 
-    jobs = sub.add_parser("jobs", description=COMMANDS["jobs"])
-    jobs.add_argument(
-        "sweep", metavar="SWEEP.toml", help="[base] recipe (or card = NAME), then [grid] lists or [[job]] tables"
-    )
-    jobs.add_argument(
-        "--backend",
-        choices=["local", "slurm", "submitit-local"],
-        default="local",
-        help="local: joblib processes on this machine (default); slurm: a job array through submitit "
-        "([slurm] table: partition, time_min, gpus_per_job, cpus_per_job, mem_gb, max_parallel); "
-        "submitit-local: the slurm path run on this machine",
-    )
-    jobs.add_argument(
-        "--workers",
-        type=positive_int,
-        metavar="N",
-        help="jobs at once (local: default 1, the cores shared out as threads; slurm: array tasks at "
-        "once, default [slurm] max_parallel, else all)",
-    )
-    jobs.add_argument(
-        "--out", metavar="DIR", help="the sweep's folder, one run folder per job (default runs/sweeps/NAME)"
-    )
-    jobs.add_argument("--no-plot", action="store_true", help="write the results table only")
-    jobs.add_argument("--json", action="store_true", help="print the results table as JSON")
+    _add_command(sub, "jobs")
 
-    ticket = sub.add_parser("ticket", description=COMMANDS["ticket"])
-    ticket.add_argument("dense", metavar="DENSE_RUN", help="a finished run trained with --keep-checkpoints K")
-    ticket.add_argument(
-        "--sparsity",
-        type=finite_float,
-        required=True,
-        metavar="S",
-        help="share of convolution and linear weights (with --unit channels: of the prunable channels) "
-        "pruned at the end, e.g. 0.9",
-    )
-    ticket.add_argument(
-        "--reset-epoch",
-        type=non_negative_int,
-        default=0,
-        metavar="K",
-        help="rewind the surviving weights to the dense run's after K epochs (default 0: init)",
-    )
-    ticket.add_argument(
-        "--rounds",
-        type=positive_int,
-        default=1,
-        metavar="R",
-        help="prune in R rounds, each the same share of what is left (default 1: one shot)",
-    )
-    ticket.add_argument(
-        "--scope",
-        choices=["global", "layer"],
-        default="global",
-        help="rank weights over all layers at once (default) or prune each layer alike",
-    )
-    ticket.add_argument(
-        "--unit",
-        choices=["weights", "channels"],
-        default="weights",
-        help="prune single weights (masked, default) or whole channels: a smaller, faster network "
-        "(Torch-Pruning's dependency graph; residual streams and classifiers are kept whole)",
-    )
-    ticket.add_argument("--out", metavar="DIR", help="one run folder per round, DIR/round-R (default DENSE_RUN-ticket)")
-    ticket.add_argument("--json", action="store_true", help="print the rounds' results as JSON")
+    _add_command(sub, "ticket")
 
-    seeds = sub.add_parser("seeds", description=COMMANDS["seeds"])
-    seeds.add_argument("runs", nargs="+", metavar="RUN", help="runs of one recipe trained with different --seed")
-    seeds.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_command(sub, "seeds")
 
     report = sub.add_parser("report", description=COMMANDS["report"])
     report.add_argument("run", metavar="RUN")
@@ -587,68 +346,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_jobs(args: argparse.Namespace) -> int:
-    from anytime.train.jobs import JobOutcome, load_sweep, run_sweep
-
-    out = Path(args.out or Path("runs") / "sweeps" / Path(args.sweep).stem)
-    sweep = load_sweep(args.sweep, out)
-    say = progress_printer(args)
-    workers = args.workers or ("1" if args.backend == "local" else "all")
-    say(f"{len(sweep.jobs)} job(s) from {args.sweep} on {args.backend} with {workers} worker(s) -> {out}")
-
-    def report(outcome: JobOutcome) -> None:
-        if outcome.status == "failed":
-            say(f"  {outcome.job}: failed: {outcome.error} (log: {outcome.log})")
-        else:
-            say(f"  {outcome.job}: {outcome.status}, test {100 * (outcome.test_acc or 0):.2f}%  "
-                f"({outcome.train_time_s or 0:.1f} s training)")  # fmt: skip
-
-    result = run_sweep(sweep, out, backend=args.backend, workers=args.workers, on_outcome=report)
-    written = [result.table_csv, result.table_json]
-    if not args.no_plot and any(o.test_acc is not None for o in result.outcomes):
-        from anytime.plotting.sweeps import plot_sweep
-
-        written += plot_sweep(result.outcomes, out / "results", f"{sweep.path.name}: {len(sweep.jobs)} jobs")
-    if args.json:
-        print_json([o.row() for o in result.outcomes])
-    else:
-        print(f"results    {', '.join(str(p) for p in written)}")
-    if result.failed:
-        print(
-            f"anytime jobs: error: {len(result.failed)} of {len(result.outcomes)} job(s) failed (their logs are "
-            f"named above); fix the cause and run the same command again: finished jobs are kept",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _cmd_ticket(args: argparse.Namespace) -> int:
-    from anytime.train.jobs import Sweep, run_sweep, ticket_jobs
-
-    dense = Path(args.dense)
-    named = dense.resolve()
-    unit = "-channels" if args.unit == "channels" else ""
-    out = Path(args.out or named.with_name(f"{named.name}-ticket{unit}-s{args.sparsity:g}-k{args.reset_epoch}"))
-    jobs = ticket_jobs(dense, out, sparsity=args.sparsity, reset_epoch=args.reset_epoch, rounds=args.rounds,
-                       scope=args.scope, unit=args.unit)  # fmt: skip
-    say = progress_printer(args)
-    say(f"{len(jobs)} round(s) of pruning {dense} to sparsity {args.sparsity:g}, rewound to epoch {args.reset_epoch} "
-        f"-> {out}")  # fmt: skip
-    result = run_sweep(Sweep(path=dense, jobs=tuple(jobs)), out, on_outcome=lambda o: say(
-        f"  {o.job}: sparsity {o.params['sparsity']:.4f}: " + (f"failed: {o.error} (log: {o.log})" if o.status == "failed"
-                                                               else f"{o.status}, test {100 * (o.test_acc or 0):.2f}%")))  # fmt: skip
-    if args.json:
-        print_json([o.row() for o in result.outcomes])
-    else:
-        print(f"results    {result.table_csv}")
-    if result.failed:
-        print(f"anytime ticket: error: round {result.failed[0].job} failed; fix the cause and run the same command "
-              "again: finished rounds are kept", file=sys.stderr)  # fmt: skip
-        return 1
-    return 0
-
-
 def _cmd_experiment(args: argparse.Namespace) -> int:
     names = _experiment_names()
     if args.name not in names:
@@ -725,25 +422,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"results and plots in {result.out_dir}/:")
     for path in result.files:
         print(f"  {path}")
-    return 0
-
-
-def _cmd_seeds(args: argparse.Namespace) -> int:
-    from anytime.tasks.seeds import summarise_seeds
-
-    summary = summarise_seeds(args.runs)
-    if args.json:
-        return print_json(summary)
-    print(f"{summary.model} on {summary.data}: {len(summary.runs)} seeds ({', '.join(map(str, summary.seeds))})")
-    print(f"{'step':<8} {'validation: mean ± std [min, max]':<36} {'test: mean ± std [min, max]':<36}")
-    for s in summary.steps:
-        cells = [
-            f"{100 * f.mean:.2f} ± {100 * f.std:.2f} [{100 * f.low:.2f}, {100 * f.high:.2f}]"
-            for f in (s.val_acc, s.test_acc)
-        ]
-        print(f"{s.name:<8} {cells[0]:<36} {cells[1]:<36}")
-    t = summary.train_time_s
-    print(f"training time {t.mean:.1f} ± {t.std:.1f} s")
     return 0
 
 
@@ -849,194 +527,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_cut(args: argparse.Namespace) -> int:
-    from anytime.tasks.cut import cut_study, make_ladder_run
-
-    if args.ladder:
-        if args.out is None:
-            raise AnytimeError("--ladder writes a new run: give it a folder with --out LADDER_RUN")
-        if args.recalibrate_bn or args.finetune_epochs:
-            raise AnytimeError(
-                "the ladder shares one set of weights and statistics across its steps; "
-                "--recalibrate-bn and --finetune-epochs apply to the study (train with --stochastic-depth instead)"
-            )
-        study_only = [flag for flag, value in (("--kind", args.kind), ("--split", args.split), ("--images", args.images),
-                                               ("--repeats", args.repeats)) if value is not None]  # fmt: skip
-        if study_only:
-            raise AnytimeError(
-                f"{', '.join(study_only)} set the study; the ladder run skips branches from the top and "
-                "is scored on validation and test in full (collect and profile it next)"
-            )
-        summary = make_ladder_run(args.run, args.out, device=args.device, overwrite=args.overwrite)
-        if args.json:
-            return print_json(summary)
-        print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
-        for e in summary["exits"]:
-            print(f"step {e['index']:<3} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
-                  f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
-        print(f"next: anytime collect {args.out} --split val; anytime profile {args.out}")
-        return 0
-    kinds = ["shortcut", "branch"] if args.kind in (None, "both") else [args.kind]
-    study = cut_study(
-        args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
-        split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device, out=args.out,
-        overwrite=args.overwrite, progress=progress_printer(args), bar=sys.stderr.isatty(),
-    )  # fmt: skip
-    if args.json:
-        return print_json(study)
-    print(f"table  {study.csv}")
-    print(f"report {study.json}")
-    for path in study.plots:
-        print(f"plot   {path}")
-    return 0
-
-
-def _cmd_quantize(args: argparse.Namespace) -> int:
-    from anytime.tasks.quantize import quantize_run
-
-    summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
-                           compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
-                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=progress_printer(args),
-                           float_layers=args.float_layers, min_agreement=args.min_agreement,
-                           max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
-                           min_size_ratio=args.min_size_ratio)  # fmt: skip
-    if args.json:
-        return print_json(summary)
-    record = summary["precision"]
-    print(f"run        {summary['run_dir']}: {args.run} at {record['precision']} ({record['backend']}, "
-          f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
-    if record["calibration_images"]:
-        print(f"calibrated on {record['calibration_images']} training images")
-    tuning = record.get("agreement_tuning")
-    if tuning:
-        lowest = 100 * min(tuning["agreement"])
-        print(f"agreement with the float run on {tuning['images']} validation images: lowest step {lowest:.2f}% "
-              f"(target {100 * tuning['target']:.2f}%{'' if tuning['met'] else ': not met'})")  # fmt: skip
-        if tuning.get("max_float_weights") is not None:
-            print(f"weights kept in float: {tuning['float_weights']:,} of the {tuning['max_float_weights']:,} "
-                  "--min-size-ratio allows")  # fmt: skip
-    if record.get("float_layers"):
-        print(f"kept in float: {', '.join(record['float_layers'])}")
-    qat = bool(record.get("qat_epochs"))
-    if qat:
-        print(f"fine-tuned by {record['qat_epochs']} epochs of quantization-aware training (lr {record['qat_lr']})")
-    print(
-        f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}"
-        + (f" {'PTQ val':>8} {'PTQ test':>9}" if qat else "")
-    )
-    rows = summary.get("exits") or [{"name": "model", **summary["final"]}]
-    for row, flops in zip(rows, summary["step_flops"]):
-        ptq = f" {100 * row['ptq_val_acc']:7.2f}% {100 * row['ptq_test_acc']:8.2f}%" if qat else ""
-        print(f"{row['name']:<16} {flops / 1e9:8.4f} {100 * row['val_acc']:6.2f}% {100 * row['parent_val_acc']:7.2f}% "
-              f"{100 * row['test_acc']:6.2f}% {100 * row['parent_test_acc']:7.2f}%{ptq}")  # fmt: skip
-    print(f"next: anytime collect {summary['run_dir']} --split val; anytime profile {summary['run_dir']}")
-    return 0
-
-
-def _cmd_ensemble(args: argparse.Namespace) -> int:
-    from anytime.families import FUSERS, FitSettings
-    from anytime.tasks.ensemble import build_ensemble
-
-    members = [m for m in args.members.split(",") if m.strip()]
-    report = build_ensemble(members, args.out, order=args.order, fuser=args.fuser, folds=args.folds,
-                            fit_split=args.fit_split, settings=FitSettings(hidden=args.hidden), device=args.device,
-                            overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
-    if args.json:
-        return print_json(report)
-    print(
-        f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} fuser"
-    )
-    print(f"{'#':<3} {'member':<20} {'precision':<9} {'val':>7} {'test':>7} {'ms (b1)':>8}  run")
-    for k, m in enumerate(report.members):
-        cost = f"{m.cost_ms:8.3f}" if m.cost_ms is not None else f"{'-':>8}"
-        print(f"{k:<3} {m.name:<20} {m.precision:<9} {100 * m.val_acc:6.2f}% {100 * m.test_acc:6.2f}% {cost}  {m.run}")
-    if report.cost_source != "not measured":
-        print(f"costs: {report.cost_source}")
-    print("fused accuracy of the first k members, test (validation cross-fitted):")
-    print(f"{'fuser':<9} " + " ".join(f"{f'k={k + 1}':>16}" for k in range(len(report.members))))
-    for kind in FUSERS:
-        cells = [f"{100 * t:6.2f}% ({100 * v:5.2f}%)" for t, v in zip(report.test_acc[kind], report.val_acc[kind])]
-        print(f"{kind + (' *' if kind == report.fuser else ''):<9} " + " ".join(f"{c:>16}" for c in cells))
-    if report.stacking is not None:
-        val, test = report.stacking
-        print(f"scikit-learn cross-check, LogisticRegression on all members: test {100 * test:.2f}% ({100 * val:.2f}%)")
-    best = report.best_member
-    print(f"best single member (by validation): {best.name}, test {100 * best.test_acc:.2f}%")
-    print(
-        f"next: anytime profile {report.out}; anytime calibrate {report.out} ...; anytime schedule {report.out} --deadline-ms D"
-    )
-    return 0
-
-
-def _cmd_ensemble_baseline(args: argparse.Namespace) -> int:
-    from anytime.tasks.baseline import train_baseline
-    from anytime.train import TrainConfig
-
-    config = TrainConfig(model=args.model, data=args.data, data_root=args.data_root, limit_train=args.limit_train,
-                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)  # fmt: skip
-    report = train_baseline(args.method, config, estimators=args.estimators, out=args.out, shrinkage=args.shrinkage,
-                            overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
-    if args.json:
-        return print_json(report)
-    print(f"run    {report.out}: {args.method}, {report.estimators} x {report.model}, {report.epochs} epochs")
-    print("method | test accuracy | training time | evaluation time")
-    print(f"{args.method} | {100 * report.test_acc:.2f}% | {report.train_time_s:.2f} s | {report.eval_time_s:.2f} s")
-    for k, (val, test) in enumerate(zip(report.step_val_acc, report.step_test_acc)):
-        print(f"step {k} (first {k + 1} members)  val {100 * val:.2f}%  test {100 * test:.2f}%")
-    print(f"next: anytime collect {report.out} --split val; anytime profile {report.out}")
-    return 0
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from anytime.tasks.export import export_run
-
-    report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
-                        calibration_images=args.calibration_images, parity_images=args.parity_images,
-                        float_layers=args.float_layers, min_agreement=args.min_agreement,
-                        max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
-                        min_size_ratio=args.min_size_ratio, progress=progress_printer(args))  # fmt: skip
-    if args.json:
-        return print_json(report)
-    manifest = report.manifest
-    print(
-        f"export {report.out}: {args.run} as {manifest.format} at {manifest.precision}, {len(manifest.parts)} "
-        f"artifacts, {manifest.bytes / 1e6:.2f} MB" + (f" ({manifest.quantizer})" if manifest.quantizer else "")
-    )
-    if report.tuning is not None:
-        tuning = report.tuning
-        print(
-            f"agreement with the float run on {tuning.images} validation images: lowest step "
-            f"{100 * min(tuning.agreement):.2f}% (target {100 * tuning.target:.2f}%{'' if tuning.met else ': not met'})"
-        )
-        if tuning.max_float_weights is not None:
-            print(
-                f"weights kept in float: {tuning.float_weights:,} of the {tuning.max_float_weights:,} --min-size-ratio allows"
-            )
-    if manifest.float_layers:
-        print(f"kept in float: {', '.join(manifest.float_layers)}")
-    for part in manifest.parts:
-        print(
-            f"  {part.file:<16} {part.role:<8} step {part.step}  in {'x'.join(map(str, part.input_shape)):<10} "
-            f"out {'x'.join(map(str, part.output_shape)):<10} {part.bytes / 1e6:8.3f} MB"
-        )
-    if report.parity:
-        print(
-            f"{'step':<5} {'dtype':<6} {'input':<10} {'max err':>9} {'top-1 agree':>12} {'eager ms':>9} {'artifact ms':>12} "
-            f"{'eager img/s':>12} {'artifact img/s':>15}"
-        )
-        for r in report.parity:
-            print(
-                f"{r.step:<5} {r.dtype:<6} {r.input_shape:<10} {r.max_abs_err:9.2e} {100 * r.top1_agreement:11.2f}% "
-                f"{r.eager_p50_ms:9.3f} {r.artifact_p50_ms:12.3f} {r.eager_images_per_s:12.0f} {r.artifact_images_per_s:15.0f}"
-            )
-        print(
-            f"parity on {report.parity[0].images} test images; batch-1 p50 and batch-32 throughput, eager fp32 vs the artifact"
-        )
-        print(f"table {report.out / 'parity.csv'}")
-    print(f"next: anytime profile {report.out}")
-    return 0
-
-
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
     from anytime.data.shards import prepare_shards
     from anytime.utils.resources import format_bytes
@@ -1058,11 +548,11 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "models": _moved("models"), "train": _moved("train"), "exits": _moved("exits"), "collect": _moved("collect"), "sweep": _moved("sweep"),
     "calibrate": _moved("calibrate"), "evaluate": _moved("evaluate"), "plot": _moved("plot"), "cam": _moved("cam"), "ponder": _moved("ponder"), "profile": _moved("profile"),
-    "schedule": _moved("schedule"), "cut": _cmd_cut, "quantize": _cmd_quantize, "export": _cmd_export,
-    "ensemble": _cmd_ensemble, "ensemble-baseline": _cmd_ensemble_baseline,
-    "seeds": _cmd_seeds,
-    "jobs": _cmd_jobs,
-    "ticket": _cmd_ticket,
+    "schedule": _moved("schedule"), "cut": _moved("cut"), "quantize": _moved("quantize"), "export": _moved("export"),
+    "ensemble": _moved("ensemble"), "ensemble-baseline": _moved("ensemble-baseline"),
+    "seeds": _moved("seeds"),
+    "jobs": _moved("jobs"),
+    "ticket": _moved("ticket"),
     "report": _cmd_report,
     "serve": _cmd_serve,
     "split": _cmd_split,
