@@ -273,7 +273,7 @@ def test_bf16_is_emulated_only_on_a_cpu_without_bf16_instructions(monkeypatch):
 def test_a_study_draws_its_figures_at_the_size_asked_for(capsys, tmp_path, monkeypatch):
     from PIL import Image
 
-    import anytime.cli
+    import anytime.commands.experiment
 
     studies = tmp_path / "experiments"
     studies.mkdir()
@@ -290,7 +290,7 @@ def test_a_study_draws_its_figures_at_the_size_asked_for(capsys, tmp_path, monke
         "    save_figure(fig, out / 'figure', formats=('png',))\n"
         "    return 0\n"
     )
-    monkeypatch.setattr(anytime.cli, "_experiments_dir", lambda: studies)
+    monkeypatch.setattr(anytime.commands.experiment, "experiments_dir", lambda: studies)
     widths = {}
     for size in ("screen", "column"):
         code, _, err = _run(capsys, "experiment", "two-panels", "--out", str(tmp_path / size), "--figure-size", size)
