@@ -1,4 +1,9 @@
-"""``anytime <command>``: the only module that parses arguments and prints."""
+"""``anytime <command>``: the dispatcher of the command line.
+
+:func:`main` reads the command's name, imports that command's module alone (:mod:`anytime.commands`), parses the
+arguments with its options, runs it, and turns what went wrong into one line on stderr and an exit status.
+:func:`build_parser` builds the parser of every command at once, for the tests and the command reference.
+"""
 
 from __future__ import annotations
 
@@ -6,53 +11,77 @@ import argparse
 import contextlib
 import functools
 import importlib
-import importlib.util
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
+from types import ModuleType
 from typing import Any, NoReturn
 
+from anytime import __version__
+from anytime.commands.output import print_error
 from anytime.errors import AnytimeError, PeerStopped
+from anytime.utils.tempnames import user_path
 
-COMMANDS: dict[str, str] = {
-    "models": "list the model zoo and torchvision classifiers, with parameter counts",
-    "train": "train a model (or a model card), plain or with early exits; record time, memory and accuracy",
-    "exits": "show the exits attach_exits puts on a model, with cumulative FLOPs and parameters",
-    "collect": "run a trained multi-exit model once over a split and cache every exit's logits",
-    "sweep": "sweep exit thresholds over the cached outputs: accuracy, FLOPs, exit shares, Pareto front",
-    "calibrate": "fit exit thresholds on validation for an accuracy drop or a FLOPs budget (RUN/calibration.json)",
-    "evaluate": "real early exit on a split: accuracy, exit shares, latency per sample vs the plain backbone",
-    "plot": "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit accuracy, deadlines",
-    "cam": "class activation maps of every step (CAM for global-pooled heads, Grad-CAM otherwise) for the same images: "
-    "a figure side by side and the arrays",
-    "ponder": "maps of the residual units a SACT run spends at every position of an image, at each halting threshold",
-    "profile": "measure every step's latency (p50/p90/p99), FLOPs and memory on this device, or compare two profiles",
-    "schedule": "the most accurate step or early-exit policy that meets a deadline on a profiled device (JSON)",
-    "cut": "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, plots), or a ladder run",
-    "quantize": "a run's steps at another precision (int8, int8-dynamic, bf16, fp16), as a run the pipeline takes",
-    "export": "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a manifest and the parity table",
-    "ensemble": "an ensemble of trained runs (any architecture, any precision) fused after each member, as a run",
-    "ensemble-baseline": "torchensemble's fusion, voting, bagging, gradient boosting or snapshot ensemble, as a run",
-    "ticket": "lottery tickets by iterative magnitude pruning of a dense run, rewound to its epoch K (late "
-    "resetting): one ordinary run per round",
-    "seeds": "several seeds of one recipe: every step's validation and test accuracy as mean, spread and range",
-    "jobs": "a sweep of training runs (a grid or a list in TOML) on local joblib workers or SLURM job arrays "
-    "(submitit): resumable, one run folder per job, results table and plot",
-    "report": "one self-contained HTML page of a run (RUN/report.html): recipe, curves, steps, calibration, latency",
-    "serve": "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted); "
-    "--role server finishes split-computing requests over TCP",
-    "split": "split computing: the partition point, codec and exit thresholds that answer most accurately within a "
-    "deadline over a link, from the device's and the server's profiles (JSON)",
-    "split-run": "the device's half of split computing: answer images, sending activations to a --role server over "
-    "a shaped link, and measure end-to-end time, misses and accuracy",
-    "experiment": "run a study from experiments/ (batch-time, memory, time-accuracy, residual-cutting, precision, "
-    "ensemble-baselines, ensembles, lottery)",
-    "demo": "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)",
-    "prepare-data": "pack an image folder into shards of resized uint8 images (resumable, parallel) that training "
-    "reads batch by batch (--data shards)",
-}
+# Every command, in the order `anytime --help` lists them: the module that declares and runs it, and its line in
+# that help. The line is here so that the help needs no command's module; the module's SUMMARY must say the same.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("anytime.commands.models", "list the model zoo and torchvision classifiers, with parameter counts"),
+    "train": ("anytime.commands.train", "train a model (or a model card), plain or with early exits; record time, "
+              "memory and accuracy"),
+    "exits": ("anytime.commands.exits", "show the exits attach_exits puts on a model, with cumulative FLOPs and "
+              "parameters"),
+    "collect": ("anytime.commands.collect", "run a trained multi-exit model once over a split and cache every exit's "
+                "logits"),
+    "sweep": ("anytime.commands.sweep", "sweep exit thresholds over the cached outputs: accuracy, FLOPs, exit shares, "
+              "Pareto front"),
+    "calibrate": ("anytime.commands.calibrate", "fit exit thresholds on validation for an accuracy drop or a FLOPs "
+                  "budget (RUN/calibration.json)"),
+    "evaluate": ("anytime.commands.evaluate", "real early exit on a split: accuracy, exit shares, latency per sample "
+                 "vs the plain backbone"),
+    "plot": ("anytime.commands.plot", "plot a multi-exit run: accuracy vs cost, vs threshold, exit histogram, per-exit "
+             "accuracy, deadlines"),
+    "cam": ("anytime.commands.cam", "class activation maps of every step (CAM for global-pooled heads, Grad-CAM "
+            "otherwise) for the same images: a figure side by side and the arrays"),
+    "ponder": ("anytime.commands.ponder", "maps of the residual units a SACT run spends at every position of an image, "
+               "at each halting threshold"),
+    "profile": ("anytime.commands.profile", "measure every step's latency (p50/p90/p99), FLOPs and memory on this "
+                "device, or compare two profiles"),
+    "schedule": ("anytime.commands.schedule", "the most accurate step or early-exit policy that meets a deadline on a "
+                 "profiled device (JSON)"),
+    "cut": ("anytime.commands.cut", "cut residual links or skip blocks of a trained ResNet: accuracy and latency (CSV, "
+            "plots), or a ladder run"),
+    "quantize": ("anytime.commands.quantize", "a run's steps at another precision (int8, int8-dynamic, bf16, fp16), as "
+                 "a run the pipeline takes"),
+    "export": ("anytime.commands.export", "deployable artifacts of a run's steps (torch.export .pt2 or ONNX), a "
+               "manifest and the parity table"),
+    "ensemble": ("anytime.commands.ensemble", "an ensemble of trained runs (any architecture, any precision) fused "
+                 "after each member, as a run"),
+    "ensemble-baseline": ("anytime.commands.ensemble_baseline", "torchensemble's fusion, voting, bagging, gradient "
+                          "boosting or snapshot ensemble, as a run"),
+    "ticket": ("anytime.commands.ticket", "lottery tickets by iterative magnitude pruning of a dense run, rewound to "
+               "its epoch K (late resetting): one ordinary run per round"),
+    "seeds": ("anytime.commands.seeds", "several seeds of one recipe: every step's validation and test accuracy as "
+              "mean, spread and range"),
+    "jobs": ("anytime.commands.jobs", "a sweep of training runs (a grid or a list in TOML) on local joblib workers or "
+             "SLURM job arrays (submitit): resumable, one run folder per job, results table and plot"),
+    "report": ("anytime.commands.report", "one self-contained HTML page of a run (RUN/report.html): recipe, curves, "
+               "steps, calibration, latency"),
+    "serve": ("anytime.commands.serve", "serve a run over HTTP: POST /predict answers within each request's deadline "
+              "(queue time counted); --role server finishes split-computing requests over TCP"),
+    "split": ("anytime.commands.split", "split computing: the partition point, codec and exit thresholds that answer "
+              "most accurately within a deadline over a link, from the device's and the server's profiles (JSON)"),
+    "split-run": ("anytime.commands.split_run", "the device's half of split computing: answer images, sending "
+                  "activations to a --role server over a shaped link, and measure end-to-end time, misses and "
+                  "accuracy"),
+    "experiment": ("anytime.commands.experiment", "run a study from experiments/ (batch-time, memory, time-accuracy, "
+                   "residual-cutting, precision, ensemble-baselines, ensembles, lottery)"),
+    "demo": ("anytime.commands.demo", "the whole multi-exit pipeline on the embedded digits, and where training time "
+             "goes (no files needed)"),
+    "prepare-data": ("anytime.commands.prepare_data", "pack an image folder into shards of resized uint8 images "
+                     "(resumable, parallel) that training reads batch by batch (--data shards)"),
+}  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,112 +101,55 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default {action.default})"
 
 
-def _module(verb: str) -> Any:
-    return importlib.import_module("anytime.commands." + verb.replace("-", "_"))
-
-
-def _add_command(sub: Any, verb: str) -> None:
-    module = _module(verb)
-    module.add_arguments(sub.add_parser(verb, description=module.SUMMARY))
-
-
-def _moved(verb: str) -> Callable[[argparse.Namespace], int]:
-    return lambda args: _module(verb).run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (exposed for tests and documentation)."""
+    return _parser(COMMANDS)
+
+
+def _parser(declared: Collection[str]) -> argparse.ArgumentParser:
+    """The parser of ``anytime`` with the options of the commands in ``declared``. The others are there by name
+    only, their modules not imported: enough for the help, and for argparse to name them all when a name is wrong."""
     parser = _Parser(
         prog="anytime",
         description="Anytime inference research in PyTorch: train, measure and schedule models on a device.",
         formatter_class=_Formatter,
         epilog="commands:\n"
-        + "\n".join(f"  {name:<18} {text}" for name, text in COMMANDS.items())
+        + "\n".join(f"  {name:<18} {summary}" for name, (_, summary) in COMMANDS.items())
         + "\n\nrun 'anytime COMMAND --help' for a command's options",
     )
-    from anytime import __version__
-
     parser.add_argument("--version", action="version", version=f"anytime {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, help="one of the commands below")
-
-    _add_command(sub, "models")
-
-    _add_command(sub, "train")
-
-    _add_command(sub, "exits")
-
-    _add_command(sub, "collect")
-
-    _add_command(sub, "sweep")
-
-    _add_command(sub, "calibrate")
-
-    _add_command(sub, "evaluate")
-
-    _add_command(sub, "plot")
-
-    _add_command(sub, "cam")
-
-    _add_command(sub, "ponder")
-
-    _add_command(sub, "profile")
-
-    _add_command(sub, "schedule")
-
-    _add_command(sub, "cut")
-
-    _add_command(sub, "quantize")
-
-    _add_command(sub, "export")
-
-    _add_command(sub, "ensemble")
-
-    _add_command(sub, "ensemble-baseline")
-
-    _add_command(sub, "jobs")
-
-    _add_command(sub, "ticket")
-
-    _add_command(sub, "seeds")
-
-    _add_command(sub, "report")
-
-    _add_command(sub, "serve")
-
-    _add_command(sub, "split")
-
-    _add_command(sub, "split-run")
-
-    _add_command(sub, "experiment")
-
-    _add_command(sub, "demo")
-
-    _add_command(sub, "prepare-data")
-
-    for command in sub.choices.values():
-        command.formatter_class = _Formatter
-        for action in command._actions:  # argparse offers no public list; an option without help shows no default
-            if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
-                action.help = f"default {action.default}"
+    for name in _registration_order():
+        command = sub.add_parser(name, formatter_class=_Formatter)
+        if name in declared:
+            _declare(command, _module(name))
     return parser
 
 
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "models": _moved("models"), "train": _moved("train"), "exits": _moved("exits"), "collect": _moved("collect"), "sweep": _moved("sweep"),
-    "calibrate": _moved("calibrate"), "evaluate": _moved("evaluate"), "plot": _moved("plot"), "cam": _moved("cam"), "ponder": _moved("ponder"), "profile": _moved("profile"),
-    "schedule": _moved("schedule"), "cut": _moved("cut"), "quantize": _moved("quantize"), "export": _moved("export"),
-    "ensemble": _moved("ensemble"), "ensemble-baseline": _moved("ensemble-baseline"),
-    "seeds": _moved("seeds"),
-    "jobs": _moved("jobs"),
-    "ticket": _moved("ticket"),
-    "report": _moved("report"),
-    "serve": _moved("serve"),
-    "split": _moved("split"),
-    "split-run": _moved("split-run"),
-    "experiment": _moved("experiment"),
-    "demo": _moved("demo"),
-    "prepare-data": _moved("prepare-data"),
-}  # fmt: skip
+def _registration_order() -> list[str]:
+    """The commands in the order argparse knows them, which its error for an unknown command and the command
+    reference (docs/reference/cli.md) follow: the help's, but with jobs before ticket and seeds, as the parser had
+    them before this table; drop the move together with regenerating that page."""
+    names = [name for name in COMMANDS if name != "jobs"]
+    names.insert(names.index("ticket"), "jobs")
+    return names
+
+
+def _module(name: str) -> ModuleType:
+    path, summary = COMMANDS[name]
+    module = importlib.import_module(path)
+    if module.SUMMARY != summary:
+        raise RuntimeError(f"{path}.SUMMARY and anytime.cli.COMMANDS[{name!r}] differ: make them say the same")
+    return module
+
+
+def _declare(command: argparse.ArgumentParser, module: ModuleType) -> None:
+    """The command's description and options, each option's default shown in its help."""
+    command.description = module.SUMMARY
+    module.add_arguments(command)
+    for action in command._actions:  # argparse offers no public list; an option without help shows no default
+        if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action.help = f"default {action.default}"
 
 
 class _Terminated(BaseException):
@@ -220,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``anytime`` command; returns the exit status (a data-parallel training process ends
     itself with it instead, see :func:`anytime.train.distributed.end_process`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    name = next((arg for arg in argv if not arg.startswith("-")), None)  # `anytime` itself takes no values
+    args = _parser([name] if name in COMMANDS else []).parse_args(argv)
     args.argv = argv
     status = _run_command(args)
     distributed = sys.modules.get("anytime.train.distributed")
@@ -233,7 +206,7 @@ def _run_command(args: argparse.Namespace) -> int:
     """Run the parsed command; returns the exit status, having said why on stderr where it failed."""
     previous = _catch_termination()
     try:
-        status = HANDLERS[args.command](args)
+        status = _module(args.command).run(args)
         sys.stdout.flush()
         return status
     except BrokenPipeError:
@@ -241,14 +214,11 @@ def _run_command(args: argparse.Namespace) -> int:
     except AnytimeError as exc:
         if not isinstance(exc, PeerStopped):  # process 0 has said why
             where = f" (process {os.environ.get('RANK')})" if _other_process() else ""
-            print(f"anytime {args.command}: error{where}: {exc}", file=sys.stderr)
+            print_error(args.command, str(exc), where)
         return 2
     except OSError as exc:  # a path the user gave that cannot be read or written
-        from anytime.utils.tempnames import user_path
-
-        where = f" ({user_path(exc.filename)})" if exc.filename else ""
-        print(f"anytime {args.command}: error: {exc.strerror or exc}{where}; check the path and its permissions",
-              file=sys.stderr)  # fmt: skip
+        path = f" ({user_path(exc.filename)})" if exc.filename else ""
+        print_error(args.command, f"{exc.strerror or exc}{path}; check the path and its permissions")
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -35,7 +35,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for name, description in COMMANDS.items():
+    for name, (_, description) in COMMANDS.items():
         assert name in out and description in out
 
 
