@@ -15,7 +15,7 @@ and fine-tuned by QAT_EPOCHS of quantization-aware training (full mode only).
 On a CUDA GPU (`--device cuda`) the variants are what a GPU runs: eager and compiled fp32, eager and compiled fp16,
 eager bf16, and ONNX Runtime fp32 through its CUDA provider where the installed build has one; int8 static
 quantization (PT2E, X86InductorQuantizer) runs on x86 CPUs only, and a GPU's int8 is a TensorRT engine built from the
-ONNX export (README, "Deploying to a board").
+ONNX export (docs/guides/export.md, "On a Jetson").
 
 Run: `anytime experiment precision [--quick] [--device cpu|cuda] [--out DIR] [--overwrite]` (quick: a few minutes;
 full: about an hour on 2 CPU cores). Writes: results.csv, results.json, config.json and precision.png / .svg.

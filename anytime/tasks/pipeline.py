@@ -692,7 +692,7 @@ def _export_target(
         raise AnytimeError(f"{folder} is an export (inference artifacts); profile training with its float run")
     if resolve_device(device).type != "cpu":
         raise AnytimeError(f"{folder} is profiled on the CPU here; on a GPU board build a TensorRT engine from the ONNX "
-                           "export and time it with trtexec (see the README)")  # fmt: skip
+                           "export and time it with trtexec (see docs/guides/export.md, On a Jetson)")  # fmt: skip
     exported = load_export(folder)
     manifest = exported.manifest
     name = f"{manifest.model} ({manifest.format} {manifest.precision}, {exported.backend})"

@@ -112,7 +112,9 @@ def load_sweep(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Swe
     """Read and check a sweep file; every job's run folder is ``out/NAME``. Problems are one-line errors."""
     sweep_path = Path(path)
     if not sweep_path.is_file():
-        raise AnytimeError(f"no sweep file at {sweep_path}; write one with [base] and [grid] tables (see the README)")
+        raise AnytimeError(
+            f"no sweep file at {sweep_path}; write one with [base] and [grid] tables (see docs/guides/scaling-out.md)"
+        )
     raw = read_toml(sweep_path)
     unknown = sorted(set(raw) - set(_TOP_LEVEL))
     if unknown:
