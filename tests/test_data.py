@@ -25,6 +25,7 @@ from anytime.data import (
 )
 from anytime.data.augment import apply_augment
 from anytime.errors import AnytimeError
+from anytime.train import TrainConfig
 
 REAL_CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
 
@@ -341,6 +342,30 @@ def test_folder_grey_and_sizes(tmp_path: Path) -> None:
     assert "--image-size" in str(caught.value)
     resized = load_dataset("folder", tmp_path / "mixed", cache_dir=tmp_path / "cache", image_size=16)
     assert resized.info.image_size == (16, 16) and resized.train.images.shape[2:] == (16, 16)
+
+
+def test_grey_pictures_saved_as_rgb_or_palette_stay_one_channel(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            folder = tmp_path / "digits" / split / cls
+            folder.mkdir(parents=True)
+            for i in range(3):
+                grey = rng.integers(0, 256, size=(8, 8), dtype=np.uint8)
+                picture = Image.fromarray(grey, mode="L")
+                (picture.convert("RGB") if i % 2 else picture.convert("P")).save(folder / f"{i}.png")
+    splits = load_dataset("folder", tmp_path / "digits", cache_dir=tmp_path / "cache")
+    assert splits.info.in_channels == 1 and splits.train.images.shape[1] == 1 and len(splits.info.mean) == 1
+    Image.fromarray(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)).save(tmp_path / "digits/test/a/colour.png")
+    assert load_dataset("folder", tmp_path / "digits", cache_dir=tmp_path / "cache").info.in_channels == 3
+
+
+def test_an_unknown_folder_is_never_mirrored_by_default(tmp_path: Path) -> None:
+    _write_tree(tmp_path / "tree")
+    info = load_dataset("folder", tmp_path / "tree", cache_dir=tmp_path / "cache").info
+    assert info.hflip is False and TrainConfig().augmentation(info.hflip).policy == "crop"
+    assert TrainConfig(augment="crop+flip").augmentation(info.hflip).hflip  # declared by the recipe: kept
+    assert load_dataset("folder-stream", tmp_path / "tree", image_size=8).info.hflip is False
 
 
 def test_folder_cache_reuse_and_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

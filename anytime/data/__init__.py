@@ -143,7 +143,7 @@ def _load_raw(
         raise AnytimeError(
             "the folder dataset needs a root: pass --data-root PATH holding train/<class>/* and test/<class>/*"
         )
-    return load_folder(root, name="folder", image_size=image_size, cache_dir=cache_dir, hflip=True)
+    return load_folder(root, name="folder", image_size=image_size, cache_dir=cache_dir)
 
 
 def load_dataset(

@@ -30,7 +30,7 @@ from anytime.utils.io import atomic_path
 IMAGE_EXTENSIONS: frozenset[str] = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
 )
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: grey images saved as RGB or palette decode to one channel
 STREAM_STATS_IMAGES = 1000  # training images decoded for a streamed folder's mean and std
 # Below this many files a process pool costs more than it saves.
 _POOL_MIN_FILES = 2000
@@ -165,6 +165,10 @@ def _decode_all(paths: list[str], image_size: int | None, workers: int) -> list[
     return arrays
 
 
+def _equal_channels(rgb: np.ndarray) -> bool:
+    return bool((rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all())
+
+
 def decode_folder(scan: FolderScan, image_size: int | None = None) -> Arrays:
     """Decode every image of ``scan`` into uint8 [N,C,H,W] arrays (1 channel if all are grey, else RGB)."""
     paths = [str(scan.root / rel) for rel, _ in scan.train + scan.test]
@@ -177,13 +181,14 @@ def decode_folder(scan: FolderScan, image_size: int | None = None) -> Arrays:
             f"images in {scan.root} differ in image size ({shown}{', ...' if len(sizes) > 4 else ''}); "
             "pass image_size (--image-size N) to resize them all to NxN"
         )
-    grey = all(a.ndim == 2 for a in arrays)
+    # Grey pictures saved as RGB or as a palette (equal channels everywhere) stay one channel, as true grey files.
+    grey = all(a.ndim == 2 or _equal_channels(a) for a in arrays)
     channels = 1 if grey else 3
     h, w = next(iter(sizes))
     out = np.empty((len(arrays), channels, h, w), dtype=np.uint8)
     for i, a in enumerate(arrays):
-        # Grey to RGB by replication, which is what PIL's convert("RGB") does.
-        out[i] = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+        # In a colour set, a grey file is replicated to RGB, as PIL's convert("RGB") does.
+        out[i] = a[None] if a.ndim == 2 else (a[None, :, :, 0] if grey else a.transpose(2, 0, 1))
     n_train = len(scan.train)
     return {
         "train_images": out[:n_train],
@@ -250,9 +255,12 @@ def load_folder(
     name: str = "folder",
     image_size: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    hflip: bool = True,
+    hflip: bool = False,
 ) -> RawDataset:
-    """Scan, decode (or take from the cache) and describe an image-folder tree."""
+    """Scan, decode (or take from the cache) and describe an image-folder tree.
+
+    ``hflip``: whether a mirrored image keeps its class. False unless the caller knows the data (a mirrored digit
+    or letter is another symbol), so an unknown folder is never trained on mirror images by default."""
     scan = scan_folder(root)
     arrays = cached_arrays(
         name, scan.root, scan.stamp, functools.partial(decode_folder, scan, image_size),
@@ -306,7 +314,7 @@ class FolderImages(ImageStore):
 
 
 def stream_folder(
-    root: str | os.PathLike[str], *, image_size: int | None, name: str = "folder-stream", hflip: bool = True,
+    root: str | os.PathLike[str], *, image_size: int | None, name: str = "folder-stream", hflip: bool = False,
     seed: int = 0,
 ) -> RawDataset:  # fmt: skip
     """An image-folder tree as a source whose images are decoded per batch (RGB, resized to ``image_size``); its

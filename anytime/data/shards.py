@@ -622,7 +622,7 @@ class ShardImages(ImageStore):
         return f"ShardImages({len(self)} images of {'x'.join(map(str, self._image_shape))}, {len(self._files)} shards)"
 
 
-def shard_dataset(root: str | os.PathLike[str], *, name: str = "shards", hflip: bool = True) -> RawDataset:
+def shard_dataset(root: str | os.PathLike[str], *, name: str = "shards", hflip: bool = False) -> RawDataset:
     """The shard folder ``root`` as a source for ``load_dataset``: image stores and labels, the classes, and the
     mean and std recorded at preparation (over every training image, before a validation split is carved)."""
     manifest = open_shards(root)
