@@ -66,16 +66,27 @@ def test_models_lists_the_zoo_with_parameters(capsys):
 
 def test_train_digits_end_to_end(capsys, tmp_path):
     run = tmp_path / "run"
-    code, out, _ = _run(capsys, "train", "--model", "lenet", "--data", "digits", "--epochs", "2", "--batch-size",
-                        "64", "--lr", "0.05", "--out", str(run), "--no-progress")  # fmt: skip
+    code, out, err = _run(capsys, "train", "--model", "lenet", "--data", "digits", "--epochs", "2", "--batch-size",
+                          "64", "--lr", "0.05", "--out", str(run), "--no-progress")  # fmt: skip
     assert code == 0
     assert "accuracy" in out and "iteration" in out and "memory" in out
+    assert "augmentation crop (padding 4) (no mirror flips" in err  # said before training starts
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epochs"] == 2 and summary["final"]["test_acc"] > 0.5
+    baseline = summary["baseline"]
+    assert baseline["kind"] == "pixel-logistic" and baseline["test_acc"] > 0.9
+    assert baseline["gap_to_last_exit"] == pytest.approx(summary["final"]["test_acc"] - baseline["test_acc"])
+    assert f"test {100 * baseline['test_acc']:.2f}%" in out.split("baseline", 1)[1]
     code, _, err = _run(capsys, "train", "--model", "lenet", "--out", str(run))
     _assert_one_line_error(code, err, "--resume")
     code, out, _ = _run(capsys, "train", "--out", str(run), "--resume", "--no-progress")
     assert code == 0 and "2 epoch(s)" in out
+
+
+def test_a_network_that_loses_to_the_baseline_says_so(capsys, tmp_path):
+    code, out, _ = _run(capsys, "train", "--model", "lenet", "--data", "digits", "--epochs", "1", "--lr", "0.0001",
+                        "--out", str(tmp_path / "run"), "--no-progress")  # fmt: skip
+    assert code == 0 and "the network LOSES to it by" in out
 
 
 def test_train_takes_the_fast_recipe_knobs_and_refuses_bad_ones(capsys, tmp_path):

@@ -38,6 +38,7 @@ def test_a_run_with_nothing_yet_gets_a_page_that_names_the_command_for_each_sect
     ):
         assert command in missing and command in page
     assert "http://" not in page and "https://" not in page  # self-contained
+    assert "<td>baseline</td>" in page and "logistic regression on the pixels" in page
     from anytime.utils.outputs import RUN, check_replaceable
 
     check_replaceable(run, RUN, overwrite=True)  # the page is the run's own: `anytime train --overwrite` may replace it

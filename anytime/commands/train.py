@@ -150,8 +150,8 @@ def _add_augmentation(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--augment",
         choices=["none", "crop", "flip", "crop+flip"],
-        help="training augmentation (default: crop+flip for photos such as CIFAR-10 and image folders, "
-        "crop for digits)",
+        help="training augmentation (default: crop+flip for the natural photos of CIFAR-10/100; crop only for "
+        "digits, text-free image folders and shards, where a mirrored image may be another class)",
     )
     parser.add_argument(
         "--padding", type=non_negative_int, metavar="PX", help="zero padding of random crops (default 4)"
@@ -475,6 +475,16 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     for e in summary.get("exits", []):
         print(f"exit {e['index']:<5} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
               f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
+    if "baseline" in summary:
+        print(baseline_line(summary["baseline"], final["test_acc"]))
+
+
+def baseline_line(baseline: dict[str, Any], last_exit: float) -> str:
+    """The baseline's test accuracy beside the network's, saying so plainly when the network loses."""
+    gap = 100 * (last_exit - baseline["test_acc"])
+    verdict = (f"the network is {gap:.2f} points above it" if gap >= 0 else
+               f"the network LOSES to it by {-gap:.2f} points (train longer, or choose another recipe)")  # fmt: skip
+    return f"baseline   {baseline['description']}: test {100 * baseline['test_acc']:.2f}%; {verdict}"
 
 
 def _record_in_card(card: Any, summary: dict[str, Any]) -> None:
@@ -489,5 +499,6 @@ def _record_in_card(card: Any, summary: dict[str, Any]) -> None:
         "threads": summary["torch_threads"], "date": date.today().isoformat(), "augment": summary["augment"],
         **({"test_acc_tta": round(final["test_acc_tta"], 4)} if "test_acc_tta" in final else {}),
         **({"extended_from": summary["extended"][0]["from_epochs"]} if summary.get("extended") else {}),
+        **({"baseline_test_acc": round(summary["baseline"]["test_acc"], 4)} if "baseline" in summary else {}),
     })  # fmt: skip
     print(f"card       results recorded in {card.path}")

@@ -164,11 +164,28 @@ def _steps(page: _Page, summary: dict[str, Any] | None) -> None:
         else:
             cells.append("-")
         rows.append(cells)
-    note = "" if figures else (f'<p class="missing">Intervals and calibration error need the cached outputs: '
+    baseline = summary.get("baseline")
+    if baseline:
+        rows.append(["baseline", baseline["description"], "-",
+                     _pct(baseline["val_acc"]) if baseline.get("val_acc") is not None else "-",
+                     _pct(baseline["test_acc"]), "-"])  # fmt: skip
+    note = _baseline_note(baseline, summary.get("final", {}).get("test_acc"))
+    note += "" if figures else (f'<p class="missing">Intervals and calibration error need the cached outputs: '
                                f"<code>anytime collect {page.run} --split val</code> and <code>--split test</code>.</p>")  # fmt: skip
     if not figures:
         page.missing.append(f"intervals: anytime collect {page.run} --split val / test")
     page.section("steps", "Steps: accuracy and cost", _table(header, rows) + note)
+
+
+def _baseline_note(baseline: dict[str, Any] | None, last_exit: float | None) -> str:
+    """A warning when the network's last exit loses to the cheap baseline on test."""
+    if not baseline or last_exit is None or last_exit >= baseline["test_acc"]:
+        return ""
+    gap = 100 * (baseline["test_acc"] - last_exit)
+    return (
+        f'<p class="missing">The last exit is {gap:.2f} points below the baseline on test: this recipe does '
+        "not pay on this data yet (train longer, or choose another recipe).</p>"
+    )
 
 
 def _calibration(page: _Page) -> None:

@@ -19,12 +19,14 @@ from torch import Tensor, nn
 
 from anytime.backbones.footprint import check_forward_memory, model_bytes
 from anytime.data import Augment, BatchLoader, DatasetSplits, make_loader
+from anytime.data.base import DatasetInfo
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
 from anytime.train.channels import CHANNELS_FILE, ChannelPlan, shrink
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
 from anytime.train.distributed import Distributed, sync_batch_norms
+from anytime.train.linear_baseline import fit_baseline
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_channel_ticket, make_ticket
@@ -178,6 +180,13 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
 
 
 @torch.no_grad()
+def _mirror_note(cfg: TrainConfig, info: DatasetInfo) -> str:
+    """Why the recipe's augmentation has no mirror flips, when it is the dataset's default."""
+    if cfg.augment is not None or info.hflip:
+        return ""
+    return " (no mirror flips: a mirrored image may be another class here; --augment crop+flip adds them)"
+
+
 def evaluate_exits(
     model: nn.Module,
     loader: BatchLoader,
@@ -512,6 +521,7 @@ class Trainer:
                 f"({len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test "
                 f"{'sentences' if info.modality == 'text' else 'images'}) "
                 f"from epoch {start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
+                + ("" if info.modality == "text" else f"; augmentation {augment.describe()}{_mirror_note(cfg, info)}")
             )
 
         def snapshot(epoch: int) -> dict[str, Any]:
@@ -572,6 +582,10 @@ class Trainer:
                 entry["test_acc_tta"] = acc
         if extensions:
             summary["extended"] = extensions
+        if main and len(splits.test):
+            baseline = fit_baseline(splits, seed=cfg.seed)
+            summary["baseline"] = {**baseline.to_dict(),
+                                   "gap_to_last_exit": summary["final"]["test_acc"] - baseline.test_acc}  # fmt: skip
         if main:
             write_json(self.run_dir / "summary.json", summary)
         return summary
