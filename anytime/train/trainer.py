@@ -205,18 +205,19 @@ def evaluate_exits(
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     correct: Tensor | None = None
     count = 0
-    for images, labels in loader:
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        logits = model(images)
-        if mirror:
-            logits = (logits + model(images.flip(3))) / 2
-        if logits.dim() == 2:
-            logits = logits.unsqueeze(0)
-        loss_sum += F.cross_entropy(logits[-1], labels, reduction="sum").double()
-        hits = (logits.argmax(dim=2) == labels).sum(dim=1)
-        correct = hits if correct is None else correct + hits
-        count += labels.numel()
+    with torch.no_grad():  # no autograd graph kept for scoring (and no warning when the loss becomes a float)
+        for images, labels in loader:
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            logits = model(images)
+            if mirror:
+                logits = (logits + model(images.flip(3))) / 2
+            if logits.dim() == 2:
+                logits = logits.unsqueeze(0)
+            loss_sum += F.cross_entropy(logits[-1], labels, reduction="sum").double()
+            hits = (logits.argmax(dim=2) == labels).sum(dim=1)
+            correct = hits if correct is None else correct + hits
+            count += labels.numel()
     model.train(was_training)
     if reduce is not None:
         if correct is None:  # this process's share was empty
