@@ -21,7 +21,7 @@ from anytime.calibrate import (
     oracle,
     sweep,
 )
-from anytime.calibrate.sweeps import evaluate_settings, scores_of, shared_grid, sweep_shared
+from anytime.calibrate.sweeps import evaluate_settings, learned_scores, scores_of, shared_grid, sweep_shared
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 
@@ -80,7 +80,8 @@ def test_the_oracle_on_the_hand_made_cache():
 @pytest.mark.parametrize("criterion", CRITERIA)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fast_shared_sweep_equals_the_general_one(criterion, seed):
-    scores = scores_of(random_cache(seed), criterion)
+    cache = random_cache(seed)
+    scores = learned_scores(cache)[0] if criterion == "learned" else scores_of(cache, criterion)
     grid = shared_grid(scores, 300)
     fast = sweep_shared(scores, grid[:, 0].contiguous())
     slow = evaluate_settings(scores, grid)

@@ -16,7 +16,7 @@ from anytime.cli import build_parser, main
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, load_cache
-from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, sweep_run
+from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, profile_run, sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits
 from anytime.train.runs import load_run
 
@@ -446,3 +446,33 @@ def test_calibrate_combine_exits_from_the_cli_then_evaluate(collected, capsys, t
     assert evaluation["accuracy"] == pytest.approx(report["test"]["accuracy"])
     code, out, err = _run(capsys, "calibrate", run, "--max-drop", "1", "--combine-exits", "--temperature")
     _one_line_error(code, err, "--combine-exits", "--temperature")
+
+
+def test_a_learned_policy_from_the_cli_through_evaluation_sweeps_and_the_runtime(collected, capsys, tmp_path):
+    from anytime.calibrate.gates import GATE_FEATURES
+    from anytime.data.augment import normalize
+    from anytime.scheduler.runs import runner_for_run
+    from anytime.train.splits import run_splits
+
+    run = tmp_path / "run"
+    shutil.copytree(collected, run)
+    code, out, err = _run(capsys, "calibrate", run, "--max-drop", "1", "--criterion", "learned")
+    assert code == 0, err
+    report = json.loads((run / "calibration.json").read_text())
+    assert report["policy"]["criterion"] == "learned" and report["policy"]["gates"]["features"] == list(GATE_FEATURES)
+    evaluation = evaluate_run(run, latency_samples=0)
+    assert evaluation["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
+    assert evaluation["accuracy"] == pytest.approx(report["test"]["accuracy"])
+    code, out, err = _run(capsys, "sweep", run, "--split", "test", "--criterion", "learned", "--json")
+    assert code == 0, err
+    profile_run(run, batch_sizes=[1, 4], repeats=5, warmup=1, memory=False)
+    runner, loaded = runner_for_run(run, quantile=0.5)
+    assert runner.policy is not None and runner.policy.criterion == "learned"
+    test = load_cache(run, "test")
+    assigned = runner.policy.assign(test)
+    images = run_splits(loaded).test.images[:24]
+    x = normalize(images, loaded.dataset["mean"], loaded.dataset["std"])
+    for i in range(24):  # a deadline nothing misses: the policy answers, as offline
+        out = runner.predict(x[i : i + 1], 1e6)
+        assert out.option == "policy" and out.exits.tolist() == [int(assigned[i])]
+    assert runner.predict(x[:4], 1e6).exits.tolist() == assigned[:4].tolist()

@@ -268,6 +268,8 @@ def test_profiles_of_different_models_are_refused_naming_both():
         SplitPlanner(_tables(), _profile([1, 1, 1], "x"), _profile([1, 1, 1], "x"), codecs=("fp32",))
     with pytest.raises(AnytimeError, match="steps"):
         SplitPlanner(_tables(), _profile([1, 1]), _profile([1, 1]), codecs=("fp32",))
+    with pytest.raises(AnytimeError, match="not with learned gates"):
+        _planner(criterion="learned")
 
 
 class _FakeLinkClient:

@@ -17,7 +17,7 @@ from anytime.errors import AnytimeError
 if TYPE_CHECKING:
     from torch import Tensor
 
-CRITERIA: tuple[str, ...] = ("entropy", "normalized-entropy", "confidence", "margin", "patience")
+CRITERIA: tuple[str, ...] = ("entropy", "normalized-entropy", "confidence", "margin", "patience", "learned")
 PATIENCE_MAX = 1000.0  # the largest patience a threshold may ask (a streak can never reach it)
 
 
@@ -32,8 +32,14 @@ class Criterion:
 
     @property
     def stateful(self) -> bool:
-        """Whether an exit's score depends on the earlier exits' answers too (patience), not on its logits alone."""
-        return self.name == "patience"
+        """Whether an exit's score depends on the earlier exits' answers too (patience, learned gates), not on its
+        logits alone."""
+        return self.name in ("patience", "learned")
+
+    @property
+    def learned(self) -> bool:
+        """Whether scores come from gates fit on validation (:mod:`anytime.calibrate.gates`), not from a formula."""
+        return self.name == "learned"
 
     def score(self, logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
         """The score of every row of ``logits`` (after dividing by ``temperature``), float64. Patience scores
@@ -41,6 +47,9 @@ class Criterion:
         import torch
         import torch.nn.functional as F
 
+        if self.learned:
+            raise AnytimeError("the learned criterion scores with gates fit on validation: calibrate with "
+                               "--criterion learned, and run the calibrated policy")  # fmt: skip
         if self.stateful:
             return agreement_streak(logits)
         if isinstance(temperature, float) and temperature == 1.0:
@@ -84,6 +93,8 @@ class Criterion:
 
     def bounds(self, num_classes: int) -> tuple[float, float]:
         """The range a threshold can take for ``num_classes`` classes."""
+        if self.learned:
+            return (0.0, 1.0)
         if self.stateful:
             return (0.0, PATIENCE_MAX)
         return (0.0, math.log(num_classes)) if self.name == "entropy" else (0.0, 1.0)
@@ -119,6 +130,12 @@ _CRITERIA = {
         False,
         "PABEE: how many exits in a row before this one gave the same class; "
         "leave when at least the threshold (every earlier exit's head runs)",
+    ),
+    "learned": Criterion(
+        "learned",
+        False,
+        "a gate per exit, fit on validation, predicting from the exit's softmax and the earlier exits' agreement "
+        "whether its answer is right; leave when its probability is at least the threshold",
     ),
 }
 

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from anytime.calibrate.combine import Weights, combined_cache, combined_costs, fit_weights, running_exits
 from anytime.calibrate.criteria import fit_temperatures, get_criterion
+from anytime.calibrate.gates import ExitGates
 from anytime.calibrate.policy import ExitPolicy, PolicyResult
-from anytime.calibrate.sweeps import Scores, evaluate_settings, scores_of, shared_grid
+from anytime.calibrate.sweeps import Scores, evaluate_settings, learned_scores, scores_of, shared_grid
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 
@@ -49,7 +50,12 @@ def _candidates(signed: Tensor, per_exit: int) -> list[Tensor]:
 
 
 def _to_policy(
-    scores: Scores, signed: Tensor, temperatures: list[float] | None, num_classes: int, combine: Weights | None = None
+    scores: Scores,
+    signed: Tensor,
+    temperatures: list[float] | None,
+    num_classes: int,
+    combine: Weights | None = None,
+    gates: ExitGates | None = None,
 ) -> ExitPolicy:
     crit = scores.criterion
     lo, hi = crit.bounds(num_classes)
@@ -61,7 +67,8 @@ def _to_policy(
         else:
             natural = t if crit.low_is_confident else -t
             thresholds.append(min(max(natural, lo), hi))
-    return ExitPolicy(crit.name, tuple(thresholds), None if temperatures is None else tuple(temperatures), combine)
+    temps = None if temperatures is None else tuple(temperatures)
+    return ExitPolicy(crit.name, tuple(thresholds), temps, combine, gates)
 
 
 def _search(
@@ -126,6 +133,7 @@ class _Prepared:
     scores: Scores
     temperatures: list[float] | None
     combine: Weights | None
+    gates: ExitGates | None
     last_accuracy: float  # the plain last exit's: the reference of every accuracy target
 
 
@@ -135,34 +143,51 @@ def _check_combine(criterion: str, temperature: bool) -> None:
                            f"{'--temperature' if temperature else f'the {criterion} criterion'} to use it")  # fmt: skip
 
 
-def _prepare(cache: OutputCache, criterion: str, temperature: bool, combine: bool = False) -> _Prepared:
-    get_criterion(criterion)
+def _prepare(
+    cache: OutputCache, criterion: str, temperature: bool, combine: bool = False, shuffled_gates: bool = False
+) -> _Prepared:
+    crit = get_criterion(criterion)
     if combine:
         _check_combine(criterion, temperature)
+    last = float(cache.step_accuracy()[-1])
+    if crit.learned:
+        if temperature:
+            raise AnytimeError("learned gates read the exits' logits as they are; drop --temperature to use them")
+        scores, gates = learned_scores(cache, shuffled=shuffled_gates)
+        return _Prepared(scores, None, None, gates, last)
+    if shuffled_gates:
+        raise AnytimeError("shuffled gates are the control of the learned criterion; calibrate --criterion learned")
     temps, weights = None, None
     if temperature:
         temps = fit_temperatures(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels))
-    last = float(cache.step_accuracy()[-1])
     if combine:
         weights = fit_weights(torch.from_numpy(cache.logits), torch.from_numpy(cache.labels))
         cache = combined_cache(cache, weights)
-    return _Prepared(scores_of(cache, criterion, temps), temps, weights, last)
+    return _Prepared(scores_of(cache, criterion, temps), temps, weights, None, last)
 
 
 def calibrate_max_drop(
-    val: OutputCache, *, max_drop: float, criterion: str = "entropy", temperature: bool = False, combine: bool = False
+    val: OutputCache,
+    *,
+    max_drop: float,
+    criterion: str = "entropy",
+    temperature: bool = False,
+    combine: bool = False,
+    shuffled_gates: bool = False,
 ) -> Calibration:
     """The cheapest thresholds whose validation accuracy is at most ``max_drop`` points below the last exit's
-    (the plain last exit's, also when ``combine`` makes every exit answer with the ones before it)."""
+    (the plain last exit's, also when ``combine`` makes every exit answer with the ones before it). The learned
+    criterion fits its gates on ``val`` and calibrates on cross-fitted scores; ``shuffled_gates`` is its control
+    (gates fit to shuffled correctness, see :func:`~anytime.calibrate.sweeps.learned_scores`)."""
     if not math.isfinite(max_drop) or not 0 <= max_drop <= 100:
         raise AnytimeError(f"--max-drop is in accuracy points, between 0 and 100 (got {max_drop})")
-    prep = _prepare(val, criterion, temperature, combine)
+    prep = _prepare(val, criterion, temperature, combine, shuffled_gates)
     target = prep.last_accuracy - max_drop / 100
     best = _search(prep.scores, _min_cost_reaching(target))
     if best is None:  # only a combined last exit can fall below the plain one's target
         raise AnytimeError(f"no threshold setting reaches {100 * target:.2f}% on validation; the combined last exit "
                            "is below it: calibrate without --combine-exits")  # fmt: skip
-    policy = _to_policy(prep.scores, best, prep.temperatures, val.num_classes, prep.combine)
+    policy = _to_policy(prep.scores, best, prep.temperatures, val.num_classes, prep.combine, prep.gates)
     return Calibration(policy, "max-drop", {"max_drop_points": max_drop, "target_accuracy": target},
                        policy.evaluate(val))  # fmt: skip
 
@@ -226,7 +251,7 @@ def select_exits(
         raise AnytimeError(f"no subset of exits reaches {100 * target:.2f}% on validation; the combined last exit "
                            "is below it: calibrate without --combine-exits")  # fmt: skip
     _, best, scores, weights = min(tried, key=lambda t: (t[0].mean_ms, -t[0].accuracy))
-    policy = _to_policy(scores, best, prep.temperatures, val.num_classes, weights)
+    policy = _to_policy(scores, best, prep.temperatures, val.num_classes, weights, prep.gates)
     calibration = Calibration(policy, "max-drop-select", {"max_drop_points": max_drop, "target_accuracy": target},
                               policy.evaluate(val))  # fmt: skip
     return calibration, [t[0] for t in tried]
@@ -253,6 +278,7 @@ def calibrate_budget(
     rule: str = "search",
     temperature: bool = False,
     combine: bool = False,
+    shuffled_gates: bool = False,
 ) -> Calibration:
     """Thresholds for a mean cost of ``budget`` times the backbone's FLOPs on validation, by ``rule``:
     ``search``, the most accurate setting whose cost is at most the budget (a direct search), or ``msdnet``,
@@ -260,7 +286,7 @@ def calibrate_budget(
     the rounding of the shares to whole samples and ties between scores; its cost is reported as found."""
     if rule not in RULES:
         raise AnytimeError(f"unknown budget rule '{rule}'; choose one of {', '.join(RULES)}")
-    prep = _prepare(val, criterion, temperature, combine)
+    prep = _prepare(val, criterion, temperature, combine, shuffled_gates)
     scores = prep.scores
     limit = _check_budget(scores, budget)
     if rule == "msdnet":
@@ -269,7 +295,7 @@ def calibrate_budget(
         found = _search(scores, _max_acc_within(limit))
         assert found is not None  # everybody at the first exit fits, as _check_budget made sure
         best = found
-    policy = _to_policy(scores, best, prep.temperatures, val.num_classes, prep.combine)
+    policy = _to_policy(scores, best, prep.temperatures, val.num_classes, prep.combine, prep.gates)
     return Calibration(policy, f"budget-{rule}", {"budget_flops_fraction": budget}, policy.evaluate(val))
 
 

@@ -23,6 +23,7 @@ from anytime.calibrate.combine import (
     running_exits,
 )
 from anytime.calibrate.criteria import Criterion, get_criterion
+from anytime.calibrate.gates import ExitGates
 from anytime.errors import AnytimeError
 
 if TYPE_CHECKING:
@@ -83,6 +84,53 @@ class ExitAnswers:
         self._seen = {j: lp[stay] for j, lp in self._seen.items()}
 
 
+class ExitDecisions:
+    """A policy's exit-by-exit decisions for one request that runs every head in order (the anytime runtime's
+    way): :meth:`leaves` for one sample, :meth:`confident` for a batch. Feed it every early exit, in order; a
+    criterion that compares exits (patience, learned gates) keeps what it needs of the exits seen so far."""
+
+    def __init__(self, policy: ExitPolicy) -> None:
+        self.policy = policy
+        self._state: Any = None  # learned: GateState or RowState; patience: (predicted, streak) tensors
+
+    def leaves(self, k: int, logits: Tensor) -> bool:
+        """Whether the one sample whose answer at early exit ``k`` is ``logits`` (``[1, C]``) leaves."""
+        policy = self.policy
+        crit = policy._crit
+        if crit.learned:
+            from anytime.calibrate.gates import row_features
+
+            assert policy.gates is not None
+            features, self._state = row_features(logits.tolist()[0], self._state)
+            return -policy.gates.score_row(k, features) <= policy._limits[k]
+        if crit.stateful:
+            leave = self.confident(k, logits)
+            return leave is not None and bool(leave[0])
+        return policy.leaves(k, logits)
+
+    def confident(self, k: int, logits: Tensor) -> Tensor | None:
+        """Which samples of the batch may leave at early exit ``k`` (``None`` if nobody may leave there)."""
+        import torch
+
+        policy = self.policy
+        crit, limit = policy._crit, policy._limits[k]
+        if crit.learned:
+            from anytime.calibrate.gates import exit_features
+
+            assert policy.gates is not None
+            features, self._state = exit_features(logits.cpu(), self._state)
+            score = policy.gates.score_exit(k, features).to(logits.device)
+        elif crit.stateful:
+            predicted = logits.argmax(dim=1)
+            streak = torch.zeros(predicted.shape, dtype=torch.float64, device=logits.device)
+            if self._state is not None:
+                streak = torch.where(predicted == self._state[0], self._state[1] + 1, 0.0)
+            self._state, score = (predicted, streak), streak
+        else:
+            return policy.confident(k, logits)
+        return None if limit == -math.inf else -score <= limit
+
+
 @dataclass(frozen=True)
 class ExitPolicy:
     """Leave at the first exit whose criterion passes its threshold; the last exit answers the rest.
@@ -91,13 +139,15 @@ class ExitPolicy:
     that exit. ``temperatures`` (one per exit, optional) divide the logits before scoring; they never change
     an exit's predicted class. ``combine`` (optional, row k holding k + 1 weights) makes every exit answer
     with the weighted geometric ensemble of itself and the earlier exits (:mod:`anytime.calibrate.combine`);
-    the heads it weighs run even where nobody leaves.
+    the heads it weighs run even where nobody leaves. ``gates`` are the learned criterion's, and only its
+    (:mod:`anytime.calibrate.gates`): every early exit's head runs, since each gate reads the exits before it.
     """
 
     criterion: str
     thresholds: tuple[float | None, ...]
     temperatures: tuple[float, ...] | None = None
     combine: Weights | None = None
+    gates: ExitGates | None = None
     _limits: list[float] = field(init=False, repr=False, compare=False)
     _temps: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _heads: tuple[bool, ...] = field(init=False, repr=False, compare=False)
@@ -113,6 +163,13 @@ class ExitPolicy:
                 raise AnytimeError(f"{len(self.temperatures)} temperatures for {len(self.thresholds) + 1} exits")
             if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
                 raise AnytimeError(f"temperatures must be positive numbers (got {list(self.temperatures)})")
+        if crit.learned != (self.gates is not None):
+            raise AnytimeError("the learned criterion needs its gates, and only it has gates: calibrate with "
+                               "--criterion learned")  # fmt: skip
+        if self.gates is not None and self.gates.num_steps != len(self.thresholds) + 1:
+            raise AnytimeError(f"gates for {self.gates.num_steps} exits, thresholds for {len(self.thresholds) + 1}")
+        if crit.learned and self.temperatures is not None:
+            raise AnytimeError("learned gates read the exits' logits as they are; a learned policy has no temperatures")
         if self.combine is not None:
             check_weights(self.combine, len(self.thresholds) + 1)
             if self.temperatures is not None:
@@ -128,7 +185,9 @@ class ExitPolicy:
         object.__setattr__(self, "_limits", signed)
         object.__setattr__(self, "_crit", crit)  # looked up once: the batch-1 path decides at every exit
         object.__setattr__(self, "_temps", tuple(self.temperatures or (1.0,) * (len(self.thresholds) + 1)))
-        heads = running_exits(self.combine) if self.combine is not None else (False,) * (len(self.thresholds) + 1)
+        heads = (
+            running_exits(self.combine) if self.combine is not None else (crit.stateful,) * (len(self.thresholds) + 1)
+        )
         object.__setattr__(self, "_heads", tuple(h or t is not None for h, t in zip(heads, self.thresholds)) + (True,))
 
     @property
@@ -159,6 +218,10 @@ class ExitPolicy:
         """A fresh :class:`ExitAnswers` for one batch: pass each exit's logits through it before
         :meth:`confident` or :meth:`leaves`, and answer with what it returns."""
         return ExitAnswers(self.combine)
+
+    def decisions(self) -> ExitDecisions:
+        """Fresh :class:`ExitDecisions` for one request that runs every head in order."""
+        return ExitDecisions(self)
 
     def signed_thresholds(self) -> Tensor:
         """Thresholds turned so that a sample leaves when its signed score is at most them; -inf: never."""
@@ -215,7 +278,7 @@ class ExitPolicy:
         from anytime.calibrate.sweeps import scores_of
 
         temps = None if self.temperatures is None else list(self.temperatures)
-        return scores_of(self.seen_by(cache), self.criterion, temps)
+        return scores_of(self.seen_by(cache), self.criterion, temps, self.gates)
 
     def seen_by(self, cache: OutputCache) -> OutputCache:
         """The cache as this policy answers it: unchanged, or every exit's combined answer and the cost with
@@ -266,6 +329,8 @@ class ExitPolicy:
                 "depend on which samples are still in"
             )
         crit = self._crit
+        if crit.learned:
+            return self._run_learned(segments, heads, x)
         if crit.stateful:
             return self._run_patience(segments, heads, x)
         if x.shape[0] == 1:
@@ -349,6 +414,71 @@ class ExitPolicy:
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
+    def _run_learned(
+        self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor
+    ) -> EarlyExitOutput:
+        # Every early exit's head runs (the next gate reads its answer); a sample leaves at an enabled exit when
+        # its gate's probability of being right reaches the threshold.
+        import torch
+
+        from anytime.calibrate.gates import exit_features
+
+        assert self.gates is not None
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            return self._run_learned_one(segments, heads, x)
+        batch, last = x.shape[0], self.num_steps - 1
+        predictions = torch.empty(batch, dtype=torch.long, device=x.device)
+        exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
+        out_logits: Tensor | None = None
+        index = torch.arange(batch, device=x.device)
+        state = None
+        h = x
+        for k, segment in enumerate(segments):
+            h = segment(h)
+            logits = h if k == last else heads[k](h)
+            if out_logits is None:
+                out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
+            if k == last:
+                leave = torch.ones(logits.shape[0], dtype=torch.bool, device=x.device)
+            else:
+                features, state = exit_features(logits.cpu(), state)
+                leave = (-self.gates.score_exit(k, features) <= self._limits[k]).to(x.device)
+            if bool(leave.any()):
+                gone = index[leave]
+                predictions[gone], exits[gone], out_logits[gone] = logits[leave].argmax(1), k, logits[leave].float()
+                stay = ~leave
+                if not bool(stay.any()):
+                    break
+                index, h = index[stay], h[stay]
+                if state is not None:
+                    state = state.keep(stay.cpu())
+        assert out_logits is not None
+        return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
+
+    def _run_learned_one(
+        self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor
+    ) -> EarlyExitOutput:
+        # One sample on the CPU: each exit's logits read once as Python floats, the gate scored in them (as
+        # _one_sample_path does for the per-exit criteria).
+        import torch
+
+        from anytime.calibrate.gates import row_features
+
+        assert self.gates is not None
+        score_row, limits, last, state = self.gates.score_row, self._limits, self.num_steps - 1, None
+        h = x
+        for k, segment in enumerate(segments):
+            h = segment(h)
+            if k == last:
+                return EarlyExitOutput(h.argmax(dim=1), torch.full((1,), k, dtype=torch.long), h.float())
+            logits = heads[k](h)
+            row = logits.tolist()[0]
+            features, state = row_features(row, state)
+            if -score_row(k, features) <= limits[k]:
+                return EarlyExitOutput(torch.full((1,), state.predicted, dtype=torch.long),
+                                       torch.full((1,), k, dtype=torch.long), logits.float())  # fmt: skip
+        raise AnytimeError("a multi-exit model needs at least one segment")
+
     def _run_one(
         self, segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], x: Tensor
     ) -> EarlyExitOutput:
@@ -384,7 +514,8 @@ class ExitPolicy:
         """JSON-able."""
         return {"criterion": self.criterion, "thresholds": list(self.thresholds),
                 "temperatures": None if self.temperatures is None else list(self.temperatures),
-                "combine": None if self.combine is None else [list(row) for row in self.combine]}  # fmt: skip
+                "combine": None if self.combine is None else [list(row) for row in self.combine],
+                **({"gates": self.gates.to_dict()} if self.gates is not None else {})}  # fmt: skip
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, where: str = "policy") -> ExitPolicy:
@@ -393,10 +524,12 @@ class ExitPolicy:
             thresholds = tuple(None if t is None else float(t) for t in values["thresholds"])
             temps = values.get("temperatures")
             combine = values.get("combine")
+            gates = values.get("gates")
             return cls(
                 criterion=str(values["criterion"]), thresholds=thresholds,
                 temperatures=None if temps is None else tuple(float(t) for t in temps),
                 combine=None if combine is None else tuple(tuple(float(w) for w in row) for row in combine),
+                gates=None if gates is None else ExitGates.from_dict(gates, where=where),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError):
             raise AnytimeError(f"{where}: not a valid exit policy (needs criterion and thresholds)") from None

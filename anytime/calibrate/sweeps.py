@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from anytime.calibrate.criteria import Criterion, get_criterion
+from anytime.calibrate.gates import ExitGates
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache
 
@@ -57,22 +58,66 @@ class Scores:
         return self.signed.min(dim=1).values
 
     def mean_cost(self, share: Tensor, enabled: Tensor) -> Tensor:
-        """Mean FLOPs per sample ``[S]`` of settings with exit shares ``[S, K]`` and enabled exits ``[S, K-1]``."""
+        """Mean FLOPs per sample ``[S]`` of settings with exit shares ``[S, K]`` and enabled exits ``[S, K-1]``.
+        A criterion that compares exits (patience, learned gates) runs every early head whatever is enabled."""
+        if self.criterion.stateful:
+            enabled = torch.ones_like(enabled, dtype=torch.bool)
         return (share * exit_costs(self.step_flops, self.cost_flops, enabled)).sum(dim=1)
 
 
-def scores_of(cache: OutputCache, criterion: str | Criterion, temperatures: list[float] | None = None) -> Scores:
-    """Score every early exit of ``cache`` under ``criterion`` (after per-exit temperature scaling, if given)."""
+def scores_of(
+    cache: OutputCache,
+    criterion: str | Criterion,
+    temperatures: list[float] | None = None,
+    gates: ExitGates | None = None,
+) -> Scores:
+    """Score every early exit of ``cache`` under ``criterion`` (after per-exit temperature scaling, if given; the
+    learned criterion with ``gates``, fitted ones: see :func:`learned_scores` to fit them)."""
     crit = get_criterion(criterion) if isinstance(criterion, str) else criterion
     if cache.num_steps < 2:
         raise AnytimeError("this cache has a single step: there is no exit decision to sweep")
+    if crit.learned:
+        if gates is None:
+            raise AnytimeError(
+                "the learned criterion needs gates fit on validation: calibrate with --criterion learned"
+            )
+        if gates.num_steps != cache.num_steps:
+            raise AnytimeError(f"these gates are for {gates.num_steps} exits; the outputs have {cache.num_steps}")
+        return _scores(crit, gates.score(torch.from_numpy(cache.logits)), cache)
     logits = torch.from_numpy(cache.logits[:-1])
     temps = torch.ones(cache.num_steps - 1, dtype=torch.float64)
     if temperatures is not None:
         if len(temperatures) != cache.num_steps:
             raise AnytimeError(f"{len(temperatures)} temperatures for {cache.num_steps} exits; give one per exit")
         temps = torch.tensor(temperatures[:-1], dtype=torch.float64)
-    raw = crit.score(logits, temps.view(-1, 1, 1))
+    return _scores(crit, crit.score(logits, temps.view(-1, 1, 1)), cache)
+
+
+def learned_scores(
+    cache: OutputCache, fit_on: OutputCache | None = None, *, shuffled: bool = False
+) -> tuple[Scores, ExitGates]:
+    """The learned criterion's scores of ``cache`` and the gates that produce them at run time. With ``fit_on``
+    (the validation cache, when ``cache`` is another split) the gates are fit there and score ``cache``. Without
+    it, ``cache`` is the validation split itself: the gates are fit on all of it, and each sample's score comes
+    from gates fit on the other folds (:func:`~anytime.calibrate.gates.cross_fit_scores`), so thresholds
+    calibrated on these scores never see the gates' own fit. ``shuffled`` is the control: gates fit to each
+    exit's correctness shuffled across samples, which tells them nothing."""
+    from anytime.calibrate.gates import cross_fit_scores, fit_gates, shuffled_correctness
+
+    source = cache if fit_on is None else fit_on
+    if source.num_steps != cache.num_steps:
+        raise AnytimeError(f"the validation outputs have {source.num_steps} exits, these {cache.num_steps}")
+    logits, correct = torch.from_numpy(source.logits), torch.from_numpy(source.correct())
+    if shuffled:
+        correct = shuffled_correctness(correct)
+    gates = fit_gates(logits, correct)
+    crit = get_criterion("learned")
+    if fit_on is not None:
+        return scores_of(cache, crit, gates=gates), gates
+    return _scores(crit, cross_fit_scores(logits, correct), cache), gates
+
+
+def _scores(crit: Criterion, raw: Tensor, cache: OutputCache) -> Scores:
     return Scores(
         criterion=crit, signed=crit.signed(raw), correct=torch.from_numpy(cache.correct()),
         step_flops=torch.from_numpy(cache.step_flops.astype(np.float64)),
@@ -228,10 +273,20 @@ def to_natural(criterion: Criterion, signed_thresholds: Tensor, num_classes: int
 
 
 def sweep(
-    cache: OutputCache, criterion: str = "entropy", *, settings: int = 1000, temperatures: list[float] | None = None
+    cache: OutputCache,
+    criterion: str = "entropy",
+    *,
+    settings: int = 1000,
+    temperatures: list[float] | None = None,
+    val: OutputCache | None = None,
 ) -> SweepResult:
-    """Sweep ``settings`` thresholds shared by all exits (BranchyNet's single knob) over the cache."""
-    scores = scores_of(cache, criterion, temperatures)
+    """Sweep ``settings`` thresholds shared by all exits (BranchyNet's single knob) over the cache. The learned
+    criterion's gates are fit on ``val`` (the validation cache, when ``cache`` is another split) or cross-fitted
+    on ``cache`` itself (see :func:`learned_scores`)."""
+    if get_criterion(criterion).learned:
+        scores = learned_scores(cache, val)[0]
+    else:
+        scores = scores_of(cache, criterion, temperatures)
     grid = shared_grid(scores, settings)
     acc, cost, share = sweep_shared(scores, grid[:, 0].contiguous())
     lo, hi = scores.criterion.bounds(cache.num_classes)

@@ -22,7 +22,7 @@ FORM_HELP = (
     "compile, joined by '+'"
 )
 # The exit criteria, as anytime.calibrate names them (a test checks that they agree).
-CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience")
+CRITERIA = ("entropy", "normalized-entropy", "confidence", "margin", "patience", "learned")
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

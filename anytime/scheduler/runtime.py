@@ -27,7 +27,6 @@ import torch
 from torch import Tensor, nn
 
 from anytime.calibrate import ExitPolicy
-from anytime.calibrate.criteria import get_criterion
 from anytime.contract import is_incremental, run_step, step_count
 from anytime.errors import AnytimeError
 from anytime.profile.stats import quantile_of
@@ -137,10 +136,6 @@ class AnytimeRunner:
                 )
             if policy.num_steps != num_steps:
                 raise AnytimeError(f"the policy is for {policy.num_steps} exits but the model has {num_steps}")
-            if get_criterion(policy.criterion).stateful:
-                raise AnytimeError(f"the runtime decides exit by exit from each exit's own logits; a {policy.criterion} "
-                                   "calibration compares exits with each other: calibrate with --criterion entropy "
-                                   "(or confidence, margin) for the runtime")  # fmt: skip
         self._num_steps = num_steps
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._sync = (lambda: torch.cuda.synchronize(self._device)) if self._device.type == "cuda" else (lambda: None)
@@ -299,6 +294,7 @@ class AnytimeRunner:
         answer: Tensor | None = None
         steps = self.model.steps(x)  # type: ignore[operator]
         answers = None if policy is None or policy.combine is None else policy.answers()
+        decisions = None if policy is None else policy.decisions()
         reason = "last" if stop_at is None else "pinned"
         k = -1
         logits = x
@@ -317,12 +313,12 @@ class AnytimeRunner:
                     if 1000.0 * (self.clock() - start) + level * onward[k] > budget:
                         reason = "deadline"
                         break
-                if policy is not None and batch == 1:
-                    if policy.leaves(k, logits) and stop_at is None:
+                if decisions is not None and batch == 1:
+                    if decisions.leaves(k, logits) and stop_at is None:
                         reason = "confident"
                         break
-                elif policy is not None:
-                    leave = policy.confident(k, logits)
+                elif decisions is not None:
+                    leave = decisions.confident(k, logits)
                     if leave is not None and stop_at is None:
                         if decided is None:
                             decided = torch.zeros(batch, dtype=torch.bool, device=logits.device)

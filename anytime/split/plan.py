@@ -166,6 +166,9 @@ class SplitPlanner:
         self.tables = tables
         self.device = device
         self.server = server
+        if get_criterion(criterion).learned:
+            raise AnytimeError("split computing plans its thresholds with a hand-made criterion (entropy, "
+                               "normalized-entropy, confidence, margin, patience), not with learned gates yet")  # fmt: skip
         self.criterion = get_criterion(criterion).name
         self.num_steps = tables.num_steps
         check_profile_pair(device, server, fingerprint=tables.model_fingerprint, num_steps=self.num_steps)

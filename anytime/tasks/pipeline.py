@@ -27,7 +27,6 @@ from anytime.calibrate import (
     select_exits,
     sweep,
 )
-from anytime.calibrate.criteria import get_criterion
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.families import EnsembleModel
@@ -145,7 +144,9 @@ def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000,
 
 
 def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], settings: int, split: str) -> SweepReport:
-    results = {name: sweep(cache, name, settings=settings) for name in criteria}
+    # Learned gates are fit on validation only; on another split they score what they never saw.
+    val = _cache(run_dir, "val") if split != "val" and "learned" in criteria else None
+    results = {name: sweep(cache, name, settings=settings, val=val) for name in criteria}
     rows = []
     fronts: dict[str, list[dict[str, float]]] = {}
     for name, result in results.items():
@@ -527,13 +528,12 @@ def _real_inputs(run: LoadedRun, model: torch.nn.Module) -> torch.Tensor | None:
 
 
 def _pricing_policy(run_dir: str | Path, fingerprint: str | None, num_steps: int) -> ExitPolicy | None:
-    """The run's calibrated policy, if it has one the runtime can run (a per-exit criterion): what its requests
-    consult on the way through the heads."""
+    """The run's calibrated policy, if it has one: what its requests consult on the way through the heads."""
     path = Path(run_dir) / CALIBRATION
     if num_steps < 2 or not path.is_file():
         return None
     policy, _ = load_calibration(path, fingerprint=fingerprint, num_steps=num_steps)
-    return None if get_criterion(policy.criterion).stateful else policy
+    return policy
 
 
 def profile_run(
