@@ -7,9 +7,8 @@ exits in a row before it gave the same class, the probability the previous exit 
 the change in confidence since the previous exit. The exit's position and cost are the same for every sample
 at an exit, so a gate per exit carries them in its bias.
 
-A gate is a logistic regression on standardised features (measured against gradient boosting in
-``benchmarks/learned_policy.py``: it is as good on these few features, deterministic, and costs a dot product
-of seven numbers at run time). Gates are fit on the validation split's cached outputs. Their thresholds are
+A gate is a logistic regression on standardised features: deterministic, fit in milliseconds, and a dot
+product of seven numbers at run time, which an exported graph can carry. Gates are fit on the validation split's cached outputs. Their thresholds are
 calibrated on the same split, so the scores the thresholds see are *cross-fitted* (:func:`cross_fit_scores`):
 every validation sample is scored by gates fit on the other folds, never by gates that saw it. The test split is
 only reported.
