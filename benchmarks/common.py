@@ -132,7 +132,9 @@ def prepare_exit_run(
     on 2000 images: a smoke run, not figures."""
     from anytime.calibrate import CRITERIA, get_criterion
     from anytime.outputs import load_cache
-    from anytime.tasks.pipeline import calibrate_run, collect_run, run_fingerprint
+    from anytime.scheduler.query import run_fingerprint
+    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.collect import collect_run
 
     train_card(run_dir, quick, card_path)
     fingerprint = run_fingerprint(run_dir)

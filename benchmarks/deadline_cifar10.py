@@ -59,7 +59,7 @@ from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.plotting import plot_deadline_runs
 from anytime.scheduler import AnytimeRunner
-from anytime.tasks.pipeline import profile_run
+from anytime.tasks.profiling import profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv

@@ -29,7 +29,10 @@ from common import add_exit_run_options, exit_run_dir, onnx_programs, parser, pr
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.profile import latency_summary, per_sample_latency
-from anytime.tasks.pipeline import calibrate_run, evaluate_run, plot_run, profile_run
+from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.plots import plot_run
+from anytime.tasks.profiling import profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 

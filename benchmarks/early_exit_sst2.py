@@ -20,7 +20,10 @@ from common import REPO, parser, report, run, train_card
 from anytime.calibrate import CRITERIA
 from anytime.errors import AnytimeError
 from anytime.outputs import load_cache
-from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, run_fingerprint
+from anytime.scheduler.query import run_fingerprint
+from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.collect import collect_run
+from anytime.tasks.evaluation import evaluate_run
 
 CARD = REPO / "models" / "sst2-mobilebert-exits.toml"
 TARGET = 1.5  # mean latency speed-up at batch 1

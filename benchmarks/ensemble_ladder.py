@@ -26,7 +26,7 @@ from anytime.profile.latency import per_sample_latency
 from anytime.scheduler import DeadlineScheduler
 from anytime.scheduler.query import run_options
 from anytime.tasks.ensemble import build_ensemble
-from anytime.tasks.pipeline import profile_run
+from anytime.tasks.profiling import profile_run
 from anytime.train.runs import load_run
 
 # Hyper-parameters

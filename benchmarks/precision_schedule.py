@@ -19,7 +19,9 @@ import numpy as np
 from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.scheduler.query import precision_scheduler, scheduler_for_run
-from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
+from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.collect import collect_run
+from anytime.tasks.profiling import profile_run
 
 # Hyper-parameters
 MAX_DROP = 1.0  # accuracy points below the last exit that a calibrated policy may give up (validation)

@@ -47,7 +47,9 @@ def _spin() -> None:
 def _prepare(run: Path, quick: bool) -> None:
     from anytime.outputs import cache_path
     from anytime.scheduler.query import CALIBRATION
-    from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
+    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
 
     for split in ("val", "test"):
         if not cache_path(run, split).is_file():

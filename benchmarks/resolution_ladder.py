@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common import REPO, parser, report, run
 
-from anytime.tasks.pipeline import profile_run
+from anytime.tasks.profiling import profile_run
 from anytime.train import TrainConfig, Trainer
 
 # Hyper-parameters

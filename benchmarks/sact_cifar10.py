@@ -67,7 +67,7 @@ def train(folder: Path, base: TrainConfig) -> dict[str, dict]:
 
 def _steps(run_dir: Path, summary: dict, quick: bool, execution: str | None = None) -> list[Step]:
     """Every step of a run, its p50 latency from one profile per batch size (this benchmark's own file, replaced)."""
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     out = run_dir / f"profile-bench{'-' + execution if execution else ''}.json"
     if out.exists():

@@ -34,7 +34,8 @@ from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.profile import DeviceProfile
 from anytime.scheduler import AnytimeRunner
-from anytime.tasks.pipeline import calibrate_run, profile_run
+from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.profiling import profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv

@@ -24,7 +24,7 @@ from anytime.errors import AnytimeError
 from anytime.families import FUSERS
 from anytime.plotting.ensembles import plot_ensemble_study
 from anytime.tasks.ensemble import build_ensemble
-from anytime.tasks.pipeline import profile_run
+from anytime.tasks.profiling import profile_run
 from anytime.tasks.quantize import quantize_run
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json

@@ -136,7 +136,7 @@ def test_structured_ticket_refusals(dense_and_ticket, tmp_path):
 def test_tickets_join_the_dense_run_in_one_frontier(dense_and_ticket, tmp_path, capsys):
     import shutil
 
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     dense, ticket, _ = dense_and_ticket
     unrelated = tmp_path / "unrelated"

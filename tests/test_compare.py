@@ -53,7 +53,7 @@ def test_points_from_a_saved_profile_where_the_target_device_is_elsewhere(exit_r
     from dataclasses import replace
 
     from anytime.tasks.compare import step_points
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=0, memory=False, steady_within=None,
                              out=tmp_path / "profile.json")  # fmt: skip

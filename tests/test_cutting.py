@@ -163,7 +163,9 @@ def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys, m
 
 def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run, tmp_path, capsys):
     from anytime.scheduler.runs import runner_for_run
-    from anytime.tasks.pipeline import collect_run, profile_run, sweep_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.sweep import sweep_run
 
     ladder = tmp_path / "ladder"
     assert main(["cut", str(plain_run), "--ladder", "--out", str(ladder)]) == 0

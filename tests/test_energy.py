@@ -494,7 +494,8 @@ def test_a_chosen_step_fits_the_energy_budget(energetic):
 
 @pytest.fixture(scope="module")
 def energy_run(exit_run, tmp_path_factory):
-    from anytime.tasks.pipeline import calibrate_run, collect_run
+    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.collect import collect_run
 
     run = tmp_path_factory.mktemp("energy") / "run"
     shutil.copytree(exit_run, run)
@@ -525,7 +526,7 @@ class WallMeter:
 def test_profile_with_energy_schedule_and_plot_commands(energy_run, capsys, monkeypatch):
     from anytime.cli import main
 
-    monkeypatch.setattr("anytime.tasks.pipeline.open_energy_reader", lambda kind, index: WallMeter())
+    monkeypatch.setattr("anytime.tasks.profiling.open_energy_reader", lambda kind, index: WallMeter())
     argv = ["profile", str(energy_run), "--batch-sizes", "1,2", "--repeats", "20", "--no-memory", "--energy",
             "--energy-windows", "3", "--energy-window-s", "0.01", "--idle-s", "0.01"]  # fmt: skip
     assert main(argv) == 0
@@ -569,7 +570,7 @@ def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path,
         cli_error(["schedule", str(energy_run), "--deadline-ms", "10", "--energy-mj", bad], "energy budget")
     plain = tmp_path / "plain"
     shutil.copytree(exit_run, plain)
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     profile_run(plain, batch_sizes=[1], repeats=5, warmup=1, memory=False)
     cli_error(

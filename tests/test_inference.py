@@ -145,7 +145,7 @@ def test_an_unknown_form_is_a_clear_error(text):
 
 def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path, monkeypatch):
     from anytime.scheduler.runs import runner_for_run
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
     from anytime.train.runs import load_run
     from anytime.utils import memory
 
@@ -174,7 +174,7 @@ def test_cli_form_option_refuses_an_unknown_form(capsys):
 
 def test_the_runtime_runs_with_the_profiled_thread_count(exit_run, tmp_path):
     from anytime.scheduler.runs import runner_for_run
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     before = torch.get_num_threads()
     try:

@@ -120,7 +120,7 @@ def test_the_core_install_loads_profiles_schedules_and_runs_a_run_without_the_ex
     script = f"""
 import sys
 import torch
-from anytime.tasks.pipeline import profile_run
+from anytime.tasks.profiling import profile_run
 from anytime.scheduler.runs import runner_for_run
 from anytime.scheduler.query import scheduler_for_run
 from anytime.train.runs import load_run

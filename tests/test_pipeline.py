@@ -16,7 +16,12 @@ from anytime.cli import build_parser, main
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, load_cache
-from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, profile_run, sweep_run
+from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.collect import collect_run
+from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.plots import plot_run
+from anytime.tasks.profiling import profile_run
+from anytime.tasks.sweep import sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits
 from anytime.train.runs import load_run
 
@@ -358,7 +363,7 @@ def test_cli_choices_match_the_library():
 
 
 def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, capsys):
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     profile_path = tmp_path / "profile.json"
     profile_run(collected, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=profile_path)

@@ -135,7 +135,7 @@ def test_a_missing_parent_is_refused_unless_it_is_the_default(tmp_path, monkeypa
 
 
 def test_a_read_only_folder_is_refused_before_any_work(copied_run, monkeypatch, cli_error):
-    import anytime.tasks.pipeline
+    import anytime.tasks.collect
 
     def unwritable(*args, dir=None, **kwargs):  # noqa: A002  what a read-only folder answers a non-root user
         raise PermissionError(13, "Permission denied")
@@ -143,7 +143,7 @@ def test_a_read_only_folder_is_refused_before_any_work(copied_run, monkeypatch, 
     def never(*args, **kwargs):
         raise AssertionError("computed before checking the output")
 
-    monkeypatch.setattr(anytime.tasks.pipeline, "collect", never)
+    monkeypatch.setattr(anytime.tasks.collect, "collect", never)
     monkeypatch.setattr(outputs.tempfile, "mkstemp", unwritable)
     cli_error(["collect", str(copied_run)], "cannot write in", str(copied_run), "Permission denied")
     assert not any(".tmp" in line for line in [str(p) for p in copied_run.rglob("*")])
@@ -372,7 +372,7 @@ def test_write_errors_name_the_users_path_never_a_temporary_one(tmp_path, monkey
 
 
 def test_plot_says_why_deadline_plots_are_missing(ok, copied_run, tmp_path, capsys, cli_error):
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     ok(["collect", str(copied_run)])
     profile_run(copied_run, batch_sizes=[1], repeats=20, warmup=1, memory=False)

@@ -67,7 +67,7 @@ def test_report_never_replaces_a_users_page_and_writes_through_a_link(exit_run, 
 def test_report_on_a_damaged_outputs_cache_says_so_without_a_traceback(exit_run, tmp_path, capsys, damage):
     import numpy as np
 
-    from anytime.tasks.pipeline import collect_run
+    from anytime.tasks.collect import collect_run
 
     run = tmp_path / "run"
     shutil.copytree(exit_run, run)
@@ -84,7 +84,11 @@ def test_report_on_a_damaged_outputs_cache_says_so_without_a_traceback(exit_run,
 
 
 def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_run, tmp_path):
-    from anytime.tasks.pipeline import calibrate_run, collect_run, evaluate_run, plot_run, profile_run
+    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.evaluation import evaluate_run
+    from anytime.tasks.plots import plot_run
+    from anytime.tasks.profiling import profile_run
 
     run = tmp_path / "run"
     shutil.copytree(exit_run, run)

@@ -61,7 +61,8 @@ def test_ladders_that_cannot_work_are_refused():
 
 
 def test_a_resolution_ladder_goes_through_the_pipeline(tmp_path, capsys):
-    from anytime.tasks.pipeline import collect_run, profile_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
 
     run = tmp_path / "ladder"
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,

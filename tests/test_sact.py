@@ -159,7 +159,8 @@ def test_backbones_without_residual_stages_are_refused():
 
 
 def test_a_sact_run_goes_through_the_pipeline(tmp_path, capsys, cli_error, exit_run):
-    from anytime.tasks.pipeline import collect_run, profile_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
 
     run = tmp_path / "sact"
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,

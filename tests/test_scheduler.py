@@ -628,7 +628,7 @@ MEMORY = {"peak_mb": 1.0, "activations_mb": 0.5}  # measured with the first prof
 
 def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, monkeypatch, tmp_path, capsys):
     import anytime.profile
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 2.1), (2.0, 2.0)])
     calls = []
@@ -640,8 +640,10 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
         return replace(taken, latency={1: replace(taken.at(1), memory=MEMORY if memory else None)})
 
     monkeypatch.setattr(anytime.profile, "profile_model", fake, raising=False)
-    monkeypatch.setattr("anytime.tasks.pipeline._pricing_policy", lambda *args: None)  # the fake has 2 steps, the run 3
-    monkeypatch.setattr("anytime.tasks.pipeline.price_answers", lambda model, profile, **kwargs: profile)
+    monkeypatch.setattr(
+        "anytime.tasks.profiling._pricing_policy", lambda *args: None
+    )  # the fake has 2 steps, the run 3
+    monkeypatch.setattr("anytime.tasks.profiling.price_answers", lambda model, profile, **kwargs: profile)
     profile, _ = profile_run(profiled, batch_sizes=[1], memory=False, out=tmp_path / "a.json")
     assert calls == [False, False, False] and profile.settings["steadiness"]["attempts"] == 3
     assert profile.settings["steadiness"]["spread"] == pytest.approx(0.05)  # the third, within 0.25
@@ -661,7 +663,9 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
 
 @pytest.fixture(scope="module")
 def profiled(exit_run, tmp_path_factory):
-    from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
+    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
 
     run = tmp_path_factory.mktemp("profiled") / "run"
     shutil.copytree(exit_run, run)
@@ -764,7 +768,8 @@ def test_a_promise_is_broken_only_beyond_what_chance_explains():
 
 
 def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
-    from anytime.tasks.pipeline import calibrate_run, scheduler_for_run
+    from anytime.scheduler.query import scheduler_for_run
+    from anytime.tasks.calibration import calibrate_run
 
     run = tmp_path / "run"
     shutil.copytree(profiled, run)
@@ -780,7 +785,7 @@ def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
 
 
 def test_deadline_plots(profiled):
-    from anytime.tasks.pipeline import plot_run
+    from anytime.tasks.plots import plot_run
 
     names = {p.name for p in plot_run(profiled).paths}
     assert {"deadline_accuracy.png", "latency.png"} <= names

@@ -182,7 +182,9 @@ def _npy_declaring(shape: tuple[int, ...]) -> bytes:
 def server(exit_run, tmp_path_factory):
     """`anytime serve` of a calibrated, profiled digits run, on a free port of 127.0.0.1."""
     from anytime.serve import ServeOptions, build_app
-    from anytime.tasks.pipeline import calibrate_run, collect_run, profile_run
+    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
 
     run = tmp_path_factory.mktemp("served") / "run"
     shutil.copytree(exit_run, run)

@@ -142,7 +142,9 @@ def test_the_sandwich_rule_trains_the_ends_and_one_other():
 
 def test_a_sliced_run_trains_and_goes_through_the_pipeline(tmp_path, capsys):
     from anytime.scheduler.runs import runner_for_run
-    from anytime.tasks.pipeline import collect_run, profile_run, sweep_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.sweep import sweep_run
 
     config = TrainConfig(model="resnet20", data="digits", epochs=1, batch_size=64, lr=0.05, limit_train=300,
                          slices="0.25,0.5,1.0", sandwich=True, distill=1.0, device="cpu")  # fmt: skip

@@ -332,7 +332,8 @@ def test_the_device_measures_the_links_stalls_before_it_plans():
 
 @pytest.fixture(scope="module")
 def split_setup(exit_run, tmp_path_factory):
-    from anytime.tasks.pipeline import collect_run, profile_run
+    from anytime.tasks.collect import collect_run
+    from anytime.tasks.profiling import profile_run
 
     folder = tmp_path_factory.mktemp("split")
     run = shutil.copytree(exit_run, folder / "run")  # the session's run stays as trained, for the other modules

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate and print the policy with its figures on validation and test."""
-    from anytime.tasks.pipeline import CALIBRATION, calibrate_run
+    from anytime.scheduler.query import CALIBRATION
+    from anytime.tasks.calibration import calibrate_run
 
     if args.rule is not None and args.max_drop is not None:
         raise AnytimeError("--rule chooses how to meet --budget-flops; it does not apply to --max-drop")

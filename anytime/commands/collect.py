@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Collect the split's outputs and print each exit's accuracy."""
     from anytime.outputs import cache_path
-    from anytime.tasks.pipeline import collect_run
+    from anytime.tasks.collect import collect_run
 
     cache = collect_run(
         args.run, args.split, device=args.device, batch_size=args.batch_size, progress=sys.stderr.isatty()

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print accuracy, exit shares and latency."""
-    from anytime.tasks.pipeline import evaluate_run
+    from anytime.tasks.evaluation import evaluate_run
 
     report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
                           latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty(),

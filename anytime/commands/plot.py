@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Draw the figures; print their paths and what was not drawn, and why."""
-    from anytime.tasks.pipeline import plot_run
+    from anytime.tasks.plots import plot_run
 
     report = plot_run(args.run, profile=args.profile, figure_size=args.figure_size)
     if args.json:

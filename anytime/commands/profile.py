@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                                "energy there (anytime profile RUN --energy on the board)")  # fmt: skip
         return _trtexec_profile(args)
     from anytime.profile.energy import EnergySettings
-    from anytime.tasks.pipeline import profile_run
+    from anytime.tasks.profiling import profile_run
 
     energy = None
     if args.energy:

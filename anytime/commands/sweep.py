@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     """Sweep, write the tables, and print each criterion's front and a few of its points."""
     import numpy as np
 
-    from anytime.tasks.pipeline import sweep_run
+    from anytime.tasks.sweep import sweep_run
 
     criteria = args.criterion or list(CRITERIA)
     report = sweep_run(args.run, criteria, settings=args.settings, split=args.split)

@@ -21,15 +21,13 @@ from anytime.calibrate import CRITERIA
 from anytime.data import make_loader
 from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
-from anytime.tasks.pipeline import (
-    calibrate_run,
-    collect_run,
-    evaluate_run,
-    plot_run,
-    profile_run,
-    sweep_run,
-)
+from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.collect import collect_run
+from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.plots import plot_run
+from anytime.tasks.profiling import profile_run
 from anytime.tasks.promises import PromiseCheck, check_promises
+from anytime.tasks.sweep import sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha

@@ -31,7 +31,7 @@ from anytime.errors import AnytimeError
 from anytime.families import FUSERS, EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, member_log_probs
 from anytime.outputs.cache import OutputCache, cache_path
 from anytime.precision.model import float_flops
-from anytime.tasks.pipeline import default_profile_path
+from anytime.tasks.profiling import default_profile_path
 from anytime.train.checkpoint import save_weights
 from anytime.train.records import WEIGHTS, baseline_record, ensemble_record, precision_record, run_weights_fingerprint
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config

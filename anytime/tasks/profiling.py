@@ -1,0 +1,223 @@
+"""Profile a run on this device: every step's latency, the runtime's answer prices, memory and energy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anytime.backbones.footprint import check_forward_memory
+from anytime.calibrate import (
+    ExitPolicy,
+)
+from anytime.errors import AnytimeError
+from anytime.profile.energy import EnergySettings, open_energy_reader
+from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, Steadiness, device_slug
+from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
+from anytime.scheduler.query import (
+    CALIBRATION,
+    load_calibration,
+)  # fmt: skip
+from anytime.tasks.collect import input_shape
+from anytime.train.runs import LoadedRun, load_run
+from anytime.train.splits import load_splits
+from anytime.utils.machine import device_label, resolve_device
+from anytime.utils.memory import hold_freed_memory
+from anytime.utils.outputs import check_output_file, output_lock
+from anytime.utils.threads import set_threads
+
+
+def default_profile_path(run_dir: str | Path, device: torch.device, *, length: int | None = None) -> Path:
+    """Where ``anytime profile`` writes by default: ``RUN/profile-<device>.json``, named as the profile names
+    the device (``-T<length>`` added for a text run's sentence length)."""
+    bucket = "" if length is None else f"-T{length}"
+    return Path(run_dir) / f"profile-{device_slug({'type': device.type, 'label': device_label(device)})}{bucket}.json"
+
+
+PROFILE_IMAGES = 512  # validation images a data-dependent model is timed on
+
+
+def _real_inputs(run: LoadedRun, model: torch.nn.Module) -> torch.Tensor | None:
+    """The validation images to time a model whose cost depends on them (None for any other)."""
+    if not getattr(model, "data_dependent_cost", False):
+        return None
+    from anytime.data.augment import normalize
+
+    splits = load_splits(run.config, run.run_dir)
+    count = min(PROFILE_IMAGES, len(splits.val))
+    return normalize(splits.val.images[torch.arange(count)], splits.info.mean, splits.info.std)
+
+
+def _pricing_policy(run_dir: str | Path, fingerprint: str | None, num_steps: int) -> ExitPolicy | None:
+    """The run's calibrated policy, if it has one: what its requests consult on the way through the heads."""
+    path = Path(run_dir) / CALIBRATION
+    if num_steps < 2 or not path.is_file():
+        return None
+    policy, _ = load_calibration(path, fingerprint=fingerprint, num_steps=num_steps)
+    return policy
+
+
+def profile_run(
+    run_dir: str | Path, *, batch_sizes: list[int] | None = None, repeats: int = 200, warmup: int = 10,
+    device: str = "cpu", train: bool = False, memory: bool = True, out: str | Path | None = None,
+    progress: bool = False, form: str = "eager", threads: int | str | None = None, energy: EnergySettings | None = None,
+    execution: str | None = None, slowdown: float = 1.0, gap_ms: float = 0.0, suffixes: bool = False,
+    length: int | None = None, steady_within: float | None = STEADY_WITHIN, attempts: int = 3,
+    answer_gap_ms: float | None = DEFAULT_GAP_MS,
+) -> tuple[DeviceProfile, Path]:  # fmt: skip
+    """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device (synthetic
+    inputs, so no dataset is needed, except for SACT: see below) and save it. ``form`` is the inference form measured and ``threads`` the torch
+    threads (a number, ``auto``: chosen from the cores the machine leaves free, or None: as they are); both are
+    recorded in the profile, and the runtime runs with them. ``energy`` adds joules per inference, measured with the
+    device's energy source (refused before any measurement when none is readable). A model whose cost depends on
+    the image (SACT) is timed on the run's validation images instead (so its data must be on this machine), in its
+    ``execution`` (``sparse`` or ``dense``; default the model's own), which the profile records and the runtime
+    runs. ``slowdown`` > 1 profiles a slower board emulated here (:func:`anytime.profile.slowed.slowed_model`),
+    recorded as ``emulated_slowdown``, for ``anytime split-run --emulate-slowdown``. ``gap_ms`` idles before every
+    timed repetition, as a server idles between sporadic requests; ``suffixes`` also times what a split-computing
+    server runs after each partition point (``anytime split`` prices the server's part from it). A text run is
+    timed on sentences of ``length`` tokens (default its maximum length), as a sentence costs what its length
+    costs; its default file is ``RUN/profile-<device>-T<length>.json``, one per length bucket.
+
+    On a CPU the peak memory of each batch size is measured in a fresh process (random inputs, the model's default
+    execution); on a GPU, by the allocator.
+
+    A profile taken while other work came and went on the machine is taken again: where the tails of the
+    repetitions' two halves part by more than ``steady_within`` (a share; :meth:`DeviceProfile.steadiness`), up to
+    ``attempts`` profiles in all, and the steadiest is kept, its spread recorded (``settings.steadiness``).
+    ``steady_within=None`` takes one profile, as does an energy measurement.
+
+    Last, the runtime's answer prices are timed (:func:`anytime.scheduler.pricing.price_answers`, the run's
+    calibrated policy consulted on the way through the heads where it has one), requests spaced by idle gaps of
+    mean ``answer_gap_ms`` (0: back to back; None: no prices, the model's own latencies price the options).
+    """
+    from anytime.deploy.export import MANIFEST
+    from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
+    from anytime.profile.memory import inference_memory
+
+    if steady_within is not None and not (steady_within > 0 and math.isfinite(steady_within)):
+        raise AnytimeError(f"--steady-within is a share above 0, e.g. 0.25, or off (got {steady_within})")
+    if attempts < 1:
+        raise AnytimeError(f"attempts must be at least 1 (got {attempts})")
+    if not 0 <= gap_ms < 60_000:
+        raise AnytimeError(f"--gap-ms is an idle time in milliseconds between 0 and 60000 (got {gap_ms:g})")
+    choice = set_threads(threads)
+    hold_freed_memory()  # the runtime holds it too (runner_for_run): both meet the same allocator
+    if (Path(run_dir) / MANIFEST).is_file():
+        if length is not None:
+            raise AnytimeError(f"{run_dir} is an export of images; --length is a text run's sentence length")
+        if form != "eager":
+            raise AnytimeError(f"{run_dir} is an export: its artifacts run as exported; --form applies to a run")
+        model, shape, name, fingerprint, classes, target_device = _export_target(run_dir, device, train)
+        inputs = None
+    else:
+        if train and form != "eager":
+            raise AnytimeError("--train times the training graph: profile it with --form eager")
+        run = load_run(run_dir, device, form=form)
+        model, shape, name, fingerprint = run.model, input_shape(run), run.name, run.fingerprint
+        if run.dataset.get("modality") == "text":
+            if length is not None and not 2 <= length <= shape[0]:
+                raise AnytimeError(f"--length {length}: {run_dir} reads sentences of 2 to {shape[0]} tokens "
+                                   "([CLS] included; longer ones are cut to its maximum)")  # fmt: skip
+            shape = (length or shape[0],)
+        classes, target_device = int(run.dataset["num_classes"]), run.device
+        inputs = _real_inputs(run, model)
+    if execution is not None:
+        if not hasattr(model, "execution"):
+            raise AnytimeError("--execution chooses how a SACT run skips positions; this run has no such choice")
+        model.execution = execution  # type: ignore[assignment]
+    if slowdown != 1:
+        from anytime.profile.slowed import slowed_model
+
+        if train or energy is not None:
+            raise AnytimeError("--emulate-slowdown emulates a board's inference time; profile --train or --energy "
+                               "without it")  # fmt: skip
+        model = slowed_model(model, slowdown)
+    sizes = batch_sizes or list(DEFAULT_BATCH_SIZES)
+    if length is not None and len(shape) != 1:
+        raise AnytimeError(f"--length is a sentence length in tokens; {run_dir} is an image run")
+    default = default_profile_path(run_dir, target_device, length=shape[0] if len(shape) == 1 else None)
+    target = check_output_file(Path(out) if out else default, what="profile", format_tag=PROFILE_FORMAT, create_parents=out is None,
+                               example="profile.json")  # fmt: skip
+    largest = max(sizes)
+    check_forward_memory(model, shape, largest, training=train, what=f"profiling at batch {largest}",
+                         hint="profile smaller --batch-sizes, e.g. 1,8,16,32")  # fmt: skip
+
+    def probe(sizes: list[int]) -> dict[int, dict[str, Any]]:
+        threads = torch.get_num_threads()
+        try:
+            return {b: run_isolated(inference_memory, str(run_dir), b, threads=threads, timeout_s=600) for b in sizes}
+        except RuntimeError as exc:
+            raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
+
+    reader = None if energy is None else open_energy_reader(target_device.type, target_device.index)
+    tries = 1 if steady_within is None or energy is not None else attempts
+    try:
+        with output_lock(target):
+            profile: DeviceProfile | None = None
+            kept: Steadiness | None = None
+            for attempt in range(1, tries + 1):
+                taken = profile_model(
+                    model, shape, batch_sizes=sizes, repeats=repeats, warmup=warmup, device=target_device,
+                    model_name=name, fingerprint=fingerprint, num_classes=classes, train=train,
+                    memory=probe if memory and attempt == 1 else None, progress=progress, energy=reader,
+                    energy_settings=energy or EnergySettings(), inputs=inputs,
+                    inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
+                    gap_s=gap_ms / 1000, suffixes=suffixes,
+                )  # fmt: skip
+                steady = taken.steadiness()
+                if profile is None:
+                    first = taken
+                elif kept is not None and steady.spread >= kept.spread:
+                    continue
+                profile, kept = taken, steady
+                if steady_within is not None and steady.spread <= steady_within:
+                    break
+            assert profile is not None
+            if profile is not first:  # the peak memory was measured once, with the first attempt
+                profile = replace(profile, latency={b: replace(at, memory=first.latency[b].memory)
+                                                    for b, at in profile.latency.items()})  # fmt: skip
+            profile = replace(
+                profile,
+                settings={
+                    **profile.settings,
+                    "steadiness": {
+                        "spread": round(kept.spread, 4),
+                        "where": kept.where,
+                        "attempts": attempt,
+                        "within": steady_within,
+                    },
+                },
+            )
+            if choice is not None:
+                profile = replace(profile, settings={**profile.settings, "threads_chosen": choice.to_dict()})
+            if slowdown != 1:
+                profile = replace(profile, settings={**profile.settings, "emulated_slowdown": float(slowdown)})
+            if answer_gap_ms is not None:
+                profile = price_answers(model, profile, policy=_pricing_policy(run_dir, fingerprint, profile.num_steps),
+                                        repeats=repeats, gap_ms=answer_gap_ms, inputs=inputs)  # fmt: skip
+            path = profile.save(target)
+    finally:
+        if reader is not None:
+            reader.close()
+    return profile, path
+
+
+def _export_target(
+    folder: str | Path, device: str, train: bool
+) -> tuple[torch.nn.Module, tuple[int, ...], str, str, int, torch.device]:
+    """An export's artifacts as ``profile_run`` measures them: on the CPU (ONNX through ONNX Runtime)."""
+    from anytime.deploy.export import load_export
+
+    if train:
+        raise AnytimeError(f"{folder} is an export (inference artifacts); profile training with its float run")
+    if resolve_device(device).type != "cpu":
+        raise AnytimeError(f"{folder} is profiled on the CPU here; on a GPU board build a TensorRT engine from the ONNX "
+                           "export and time it with trtexec (see docs/guides/export.md, On a Jetson)")  # fmt: skip
+    exported = load_export(folder)
+    manifest = exported.manifest
+    name = f"{manifest.model} ({manifest.format} {manifest.precision}, {exported.backend})"
+    return exported, manifest.input_shape, name, manifest.fingerprint, manifest.num_classes, torch.device("cpu")
