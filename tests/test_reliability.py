@@ -526,3 +526,13 @@ def test_update_card_writes_through_a_link(ok, tmp_path):
     link.symlink_to(card)
     ok(["train", "--card", str(link), "--out", str(tmp_path / "run"), "--no-progress", "--update-card"])
     assert link.is_symlink() and "test_acc" in card.read_text()
+
+
+def test_a_run_stopped_before_its_first_epoch_is_told_to_train_again_not_to_resume(exit_run, tmp_path, cli_error):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.json", ".anytime.json"):
+        shutil.copy(exit_run / name, run / name)
+    cli_error(["collect", str(run)], "before its first epoch ended", f"anytime train --out {run}")
+    shutil.copy(exit_run / "checkpoint.pt", run / "checkpoint.pt")
+    cli_error(["collect", str(run)], "has not finished", "--resume")

@@ -12,6 +12,7 @@ from typing import Any
 from anytime.errors import AnytimeError
 
 WEIGHTS = "model.safetensors"
+CHECKPOINT = "checkpoint.pt"  # the latest epoch's state, written by the trainer after every epoch
 QUANT_STATE = "quant.safetensors"  # a quantized run's int8 calibration statistics
 
 
@@ -43,8 +44,17 @@ def require_run(run_dir: str | Path) -> dict[str, Any]:
     """A finished run's record (:func:`read_record`), refused as well when its final weights are not there yet."""
     record = read_record(run_dir)
     if not (Path(run_dir) / WEIGHTS).is_file():
-        raise AnytimeError(f"{run_dir} has no {WEIGHTS}: its training has not finished")
+        raise AnytimeError(unfinished(run_dir))
     return record
+
+
+def unfinished(run_dir: str | Path) -> str:
+    """What to say of a run without its final weights: resume it where a checkpoint was kept, else train it again
+    (training stopped before its first epoch ended, which leaves no checkpoint)."""
+    if (Path(run_dir) / CHECKPOINT).is_file():
+        return f"{run_dir} has no {WEIGHTS}: its training has not finished; continue it with `anytime train --out {run_dir} --resume`"
+    return (f"{run_dir} has no {WEIGHTS} and no checkpoint: its training stopped before its first epoch ended; "
+            f"train it again with `anytime train --out {run_dir}` and the options it was started with")  # fmt: skip
 
 
 def weights_fingerprint(path: str | Path) -> str:

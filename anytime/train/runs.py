@@ -26,6 +26,7 @@ from anytime.train.records import (
     precision_record,
     read_record,
     run_weights_fingerprint,
+    unfinished,
 )  # fmt: skip
 from anytime.utils.machine import resolve_device
 
@@ -105,10 +106,7 @@ def _load_run(run_dir: str | Path, device: str | torch.device, converted: bool) 
     config, dataset = run_config(run)
     weights = run / WEIGHTS
     if not weights.is_file():
-        raise AnytimeError(
-            f"{run} has no {WEIGHTS}: its training has not finished; continue it with "
-            f"`anytime train --out {run} --resume`"
-        )
+        raise AnytimeError(unfinished(run))
     try:
         size = dataset.get("image_size") or [32, 32]
         shape = {"num_classes": int(dataset["num_classes"]), "in_channels": int(dataset["in_channels"]),

@@ -30,6 +30,7 @@ from anytime.train.linear_baseline import fit_baseline
 from anytime.train.memory import cuda_peak_bytes, peak_rss_bytes
 from anytime.train.multi_exit import build_model, exit_weights, multi_exit_loss
 from anytime.train.pruning import MASK_FILE, Mask, kept_checkpoint, make_channel_ticket, make_ticket
+from anytime.train.records import CHECKPOINT
 from anytime.train.splits import load_splits
 from anytime.train.timing import PHASES, Clock, PhaseLog
 from anytime.utils.io import DiskFullError, read_csv, write_csv, write_json, write_text
@@ -48,7 +49,6 @@ from anytime.utils.progress import progress_bar
 from anytime.utils.resources import check_disk
 from anytime.utils.seed import derive_seed, seed_everything
 
-CHECKPOINT = "checkpoint.pt"
 # what gloo and NCCL say (as plain RuntimeErrors) when a peer process has gone
 _LOST_PEER = re.compile(r"gloo|nccl|connection (reset|closed|refused)|broken pipe|timed out", re.IGNORECASE)
 METRICS_COLUMNS: tuple[str, ...] = (
