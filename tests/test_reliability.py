@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -352,6 +354,11 @@ def test_a_checkpoint_with_code_is_refused_with_safe_advice(tmp_path, cli_error)
         cli_error(
             argv, "holds code", "posix.system", "do not load it with weights_only=False unless you trust its source"
         )
+    assert not witness.exists()
+    (run / "checkpoint.pt").write_bytes(pickle.dumps(Payload(), protocol=4))  # not torch.save's protocol 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the refusal is the one thing said: no torch warning before it
+        cli_error(_train(run, "--epochs", "2", "--resume"), "holds code")
     assert not witness.exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,21 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     return Path(path)
 
 
+def torch_load_weights_only(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, without the unpickler's warnings about the file's pickle
+    protocol: such a file is answered in one line (refused, or loaded) by the caller, never by a warning first."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._weights_only_unpickler")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a checkpoint with ``weights_only=True``: a file that would need to run code is refused."""
     target = Path(path)
     if not target.is_file():
         raise AnytimeError(f"no checkpoint at {target}; train first, or point at a run's checkpoint.pt")
     try:
-        state = torch.load(target, map_location="cpu", weights_only=True)
+        state = torch_load_weights_only(target)
     except pickle.UnpicklingError as exc:
         raise AnytimeError(payload_refusal(target, exc)) from None
     except Exception as exc:  # noqa: BLE001  a corrupt file can fail anywhere inside the unpickler

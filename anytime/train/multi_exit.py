@@ -17,7 +17,7 @@ from anytime.train.config import TrainConfig
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    from anytime.train.checkpoint import payload_refusal, read_weights
+    from anytime.train.checkpoint import payload_refusal, read_weights, torch_load_weights_only
 
     if path.is_dir():
         if (path / "model.safetensors").is_file():
@@ -34,7 +34,7 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
         if path.suffix == ".safetensors":
             raise AnytimeError(f"--init: {exc}") from None
     try:  # not an anytime checkpoint: a plain state dict (torch.save(model.state_dict()), torchvision's files)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load_weights_only(path)
     except pickle.UnpicklingError as exc:
         raise AnytimeError(f"--init: {payload_refusal(path, exc)}") from None
     except Exception:  # noqa: BLE001  any unreadable file gets the same answer
