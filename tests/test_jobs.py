@@ -153,3 +153,19 @@ def test_the_slurm_path_runs_on_submitits_local_executor(tmp_path):
     assert [o.status for o in result.outcomes] == ["done", "done"]
     assert all((Path(o.run_dir) / "summary.json").is_file() for o in result.outcomes)
     assert any((tmp_path / "out" / "submitit").iterdir())
+
+
+def test_a_sweep_never_writes_among_the_users_files(tmp_path, cli_error):
+    sweep = _sweep(tmp_path, f"[base]\n{TINY}\n[grid]\nseed = [0]\n")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.csv").write_text("my own table\n")
+    cli_error(["jobs", str(sweep), "--out", str(out)], "anytime did not write", "results.csv")
+    assert (out / "results.csv").read_text() == "my own table\n" and sorted(p.name for p in out.iterdir()) == [
+        "results.csv"
+    ]
+    ours = tmp_path / "ours"
+    assert main(["jobs", str(sweep), "--out", str(ours), "--no-plot"]) == 0
+    assert main(["jobs", str(sweep), "--out", str(ours), "--no-plot"]) == 0  # its own sweep: resumed, nothing to do
+    (ours / "notes.txt").write_text("mine")
+    cli_error(["jobs", str(sweep), "--out", str(ours)], "did not write", "notes.txt")

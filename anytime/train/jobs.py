@@ -25,8 +25,19 @@ from typing import Any
 
 from anytime.errors import AnytimeError
 from anytime.utils.io import read_toml
+from anytime.utils.outputs import DirState
 
 BACKENDS: tuple[str, ...] = ("local", "slurm", "submitit-local")
+SWEEP = "sweep"  # the kind of a sweep's folder in its .anytime.json
+SWEEP_ENTRIES: tuple[str, ...] = (
+    "logs/**",
+    "submitit/**",
+    "results.csv",
+    "results.json",
+    "results.png",
+    "results.svg",
+    "results.pdf",
+)  # beside one run folder per job (named in the marker too)
 _TOP_LEVEL = ("base", "grid", "job", "slurm")
 SLURM_KEYS: dict[str, type] = {"partition": str, "time_min": int, "gpus_per_job": int, "cpus_per_job": int,
                                "mem_gb": int, "max_parallel": int, "account": str, "constraint": str}  # fmt: skip
@@ -108,8 +119,26 @@ def _recipe(values: Mapping[str, Any], where: str) -> tuple[dict[str, Any], str 
     return config.to_dict(), card_path
 
 
+def check_sweep_folder(out: str | os.PathLike[str]) -> DirState:
+    """Refuse, before any work, a sweep folder that is not new, empty, or a sweep anytime wrote there (resumed):
+    a sweep never writes among the user's files (their own results.csv, say)."""
+    from anytime.utils.outputs import RUN, check_output_dir, read_marker
+    from anytime.utils.tempnames import is_temporary
+
+    folder = Path(out)
+    if folder.is_dir() and read_marker(folder) is None:
+        entries = [folder / e for e in os.listdir(folder) if not is_temporary(e)]
+        # Run folders alone (a sweep of an earlier version, or jobs trained before their sweep ran): the runs are
+        # anytime's, each checked as a job; nothing of the user's is there.
+        if entries and all(e.is_dir() and (m := read_marker(e)) is not None and m.kind == RUN for e in entries):
+            return DirState.OURS
+    return check_output_dir(out, SWEEP)
+
+
 def load_sweep(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Sweep:
-    """Read and check a sweep file; every job's run folder is ``out/NAME``. Problems are one-line errors."""
+    """Read and check a sweep file; every job's run folder is ``out/NAME`` (checked by
+    :func:`check_sweep_folder`). Problems are one-line errors."""
+    check_sweep_folder(out)
     sweep_path = Path(path)
     if not sweep_path.is_file():
         raise AnytimeError(
@@ -187,6 +216,7 @@ def ticket_jobs(
     from anytime.train import TrainConfig
     from anytime.train.pruning import round_sparsities
 
+    check_sweep_folder(out)
     dense = Path(dense_run)
     try:
         base = json.loads((dense / "config.json").read_text())["train"]
@@ -394,18 +424,21 @@ def run_sweep(
     out over the workers). The states of the jobs' folders are checked first, so a folder
     holding another recipe stops the sweep before anything runs."""
     from anytime.utils.io import write_csv, write_json
+    from anytime.utils.outputs import DirState, read_marker, write_marker
 
     if backend not in BACKENDS:
         raise AnytimeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if workers is not None and workers < 1:
         raise AnytimeError(f"--workers must be at least 1 (got {workers})")
     out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise AnytimeError(f"--out {out_dir} is a file; give a folder for the sweep's runs")
+    state = check_sweep_folder(out_dir)
     states = {job.name: job_state(job) for job in sweep.jobs}
     if backend != "local":
         check_slurm("local" if backend == "submitit-local" else None)
     out_dir.mkdir(parents=True, exist_ok=True)
+    earlier = read_marker(out_dir) if state is DirState.OURS else None
+    write_marker(out_dir, SWEEP, [*SWEEP_ENTRIES, *(earlier.entries if earlier else ()),
+                                  *(job.name for job in sweep.jobs)])  # fmt: skip
     log_dir = str(out_dir / "logs")
     pending = [job for job in sweep.jobs if states[job.name] != "finished"]
     outcomes: dict[str, JobOutcome] = {

@@ -303,8 +303,10 @@ def _strays(folder: Path, marker: Marker) -> list[str]:
                 if patterns is not None:
                     at_home = file.parent == path or (file.parent.parent == path and file.parent.name in nested)
                     ours = at_home and any(fnmatch.fnmatchcase(file.name, p) for p in patterns)
-                else:
-                    ours = relative in marker.entries
+                else:  # the files recorded, or anything below an entry NAME/** (a folder anytime fills freely)
+                    ours = relative in marker.entries or any(
+                        e.endswith("/**") and relative.startswith(e[:-2]) for e in marker.entries
+                    )
                 if not ours:
                     strays.append(relative)
     return strays
