@@ -54,6 +54,10 @@ class ServeOptions:
 
 
 def _multipart_fields(body: bytes, content_type: str, field: str) -> dict[str, bytes]:
+    try:
+        content_type.encode("latin-1")  # what HTTP headers are; an ASGI server hands nothing else on
+    except UnicodeEncodeError:
+        raise BadRequest("the Content-Type header is not latin-1 text") from None
     found = _BOUNDARY.search(content_type)
     if found is None:
         raise BadRequest(f"the multipart body has no boundary: send the {field} in a form field named '{field}'")
