@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from anytime.commands.options import add_json, add_out, add_overwrite
-from anytime.commands.output import print_policy_figures
+from anytime.commands.output import baseline_line, print_policy_figures
 from anytime.utils.outputs import check_replaceable
 
 SUMMARY = "the whole multi-exit pipeline on the embedded digits, and where training time goes (no files needed)"
@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     for e in result.summary["exits"]:
         share = 100 * e["flops"] / result.summary["backbone_flops"]
         print(f"  exit {e['index']} after {e['name']:<11} {share:5.1f}% of the FLOPs: test {100 * e['test_acc']:.2f}%")
+    if "baseline" in result.summary:
+        print(baseline_line(result.summary["baseline"], final["test_acc"]))
     cal, ev = result.calibration, result.evaluation
     thresholds = [None if t is None else round(t, 3) for t in cal["policy"]["thresholds"]]
     print(f"calibrated on validation for at most {cal['target']['max_drop_points']:g} point below the last exit "

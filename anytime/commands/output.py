@@ -41,3 +41,11 @@ def print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
         f"{label:<11} accuracy {100 * figures['accuracy']:.2f}% (last exit {100 * figures['last_exit_accuracy']:.2f}%)"
         f"  FLOPs {figures['flops_ratio']:.3f}x ({figures['flops_speedup']:.2f}x fewer)  exits % [{shares}]"
     )
+
+
+def baseline_line(baseline: dict[str, Any], last_exit: float) -> str:
+    """The baseline's test accuracy beside the network's, saying so plainly when the network loses."""
+    gap = 100 * (last_exit - baseline["test_acc"])
+    verdict = (f"the network is {gap:.2f} points above it" if gap >= 0 else
+               f"the network LOSES to it by {-gap:.2f} points (train longer, or choose another recipe)")  # fmt: skip
+    return f"baseline   {baseline['description']}: test {100 * baseline['test_acc']:.2f}%; {verdict}"

@@ -24,7 +24,7 @@ from anytime.commands.options import (
     non_negative_int,
     positive_int,
 )
-from anytime.commands.output import print_error, print_json
+from anytime.commands.output import baseline_line, print_error, print_json
 from anytime.errors import AnytimeError
 from anytime.train.launch import launch_local, place_from_environment
 
@@ -477,14 +477,6 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
               f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
     if "baseline" in summary:
         print(baseline_line(summary["baseline"], final["test_acc"]))
-
-
-def baseline_line(baseline: dict[str, Any], last_exit: float) -> str:
-    """The baseline's test accuracy beside the network's, saying so plainly when the network loses."""
-    gap = 100 * (last_exit - baseline["test_acc"])
-    verdict = (f"the network is {gap:.2f} points above it" if gap >= 0 else
-               f"the network LOSES to it by {-gap:.2f} points (train longer, or choose another recipe)")  # fmt: skip
-    return f"baseline   {baseline['description']}: test {100 * baseline['test_acc']:.2f}%; {verdict}"
 
 
 def _record_in_card(card: Any, summary: dict[str, Any]) -> None:
