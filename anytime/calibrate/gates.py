@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from anytime.errors import AnytimeError
+from anytime.utils.lbfgs import minimise
 
 GATE_FEATURES: tuple[str, ...] = (
     "confidence", "margin", "normalized-entropy", "logsumexp", "streak", "previous-probability", "confidence-change",
@@ -226,17 +227,8 @@ def _logistic(x: Tensor, y: Tensor, l2: float) -> tuple[Tensor, float]:
         return torch.zeros(x.shape[-1], dtype=torch.float64), math.log(rate / (1 - rate))
     w = torch.zeros(x.shape[-1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros(1, dtype=torch.float64, requires_grad=True)
-    optimiser = torch.optim.LBFGS([w, b], lr=1, max_iter=_LBFGS_STEPS, tolerance_grad=1e-7,
-                                  line_search_fn="strong_wolfe")  # fmt: skip
-
-    def loss() -> Tensor:
-        optimiser.zero_grad()
-        value = F.binary_cross_entropy_with_logits(x @ w + b, y) + 0.5 * l2 * w.pow(2).sum()
-        value.backward()
-        return value
-
-    with torch.enable_grad():
-        optimiser.step(loss)
+    minimise([w, b], lambda: F.binary_cross_entropy_with_logits(x @ w + b, y) + 0.5 * l2 * w.pow(2).sum(),
+             steps=_LBFGS_STEPS, tolerance=1e-7)  # fmt: skip
     return w.detach(), float(b.detach())
 
 

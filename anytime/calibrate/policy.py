@@ -108,6 +108,15 @@ class ExitDecisions:
             return leave is not None and bool(leave[0])
         return policy.leaves(k, logits)
 
+    def keep(self, stay: Tensor) -> None:
+        """Forget the samples that have left (``stay``: a mask over the rows seen at the last exit)."""
+        from anytime.calibrate.gates import GateState
+
+        if isinstance(self._state, GateState):
+            self._state = self._state.keep(stay.cpu())
+        elif isinstance(self._state, tuple):
+            self._state = (self._state[0][stay], self._state[1][stay])
+
     def confident(self, k: int, logits: Tensor) -> Tensor | None:
         """Which samples of the batch may leave at early exit ``k`` (``None`` if nobody may leave there)."""
         import torch
@@ -329,10 +338,8 @@ class ExitPolicy:
                 "depend on which samples are still in"
             )
         crit = self._crit
-        if crit.learned:
-            return self._run_learned(segments, heads, x)
         if crit.stateful:
-            return self._run_patience(segments, heads, x)
+            return self._run_stateful(segments, heads, x)
         if x.shape[0] == 1:
             return self._run_one(segments, heads, x)
         limits, temps = self._limits, self._temps
@@ -379,59 +386,22 @@ class ExitPolicy:
         assert predictions is not None and exits is not None and out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 
-    def _run_patience(
+    def _run_stateful(
         self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor
     ) -> EarlyExitOutput:
-        # Patience: every early exit's head runs (its answer extends or breaks the streak), and a sample leaves
-        # at an enabled exit once its streak reaches that exit's threshold.
+        # Patience and learned gates: every early exit's head runs (the next exit's score reads its answer), a
+        # sample leaves where the policy's decisions say so, and the samples that left are dropped from the batch
+        # and from what the decisions keep of the exits before.
         import torch
 
-        batch, last = x.shape[0], self.num_steps - 1
-        predictions = torch.empty(batch, dtype=torch.long, device=x.device)
-        exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
-        out_logits: Tensor | None = None
-        index = torch.arange(batch, device=x.device)
-        streak = torch.zeros(batch, dtype=torch.float64, device=x.device)
-        previous: Tensor | None = None
-        h = x
-        for k, segment in enumerate(segments):
-            h = segment(h)
-            logits = h if k == last else heads[k](h)
-            if out_logits is None:
-                out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
-            predicted = logits.argmax(dim=1)
-            if previous is not None:
-                streak = torch.where(predicted == previous, streak + 1, 0.0)
-            leave = torch.ones_like(predicted, dtype=torch.bool) if k == last else -streak <= self._limits[k]
-            if bool(leave.any()):
-                gone = index[leave]
-                predictions[gone], exits[gone], out_logits[gone] = predicted[leave], k, logits[leave].float()
-                stay = ~leave
-                if not bool(stay.any()):
-                    break
-                index, h, streak, predicted = index[stay], h[stay], streak[stay], predicted[stay]
-            previous = predicted
-        assert out_logits is not None
-        return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
-
-    def _run_learned(
-        self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor
-    ) -> EarlyExitOutput:
-        # Every early exit's head runs (the next gate reads its answer); a sample leaves at an enabled exit when
-        # its gate's probability of being right reaches the threshold.
-        import torch
-
-        from anytime.calibrate.gates import exit_features
-
-        assert self.gates is not None
-        if x.shape[0] == 1 and x.device.type == "cpu":
+        if self._crit.learned and x.shape[0] == 1 and x.device.type == "cpu":
             return self._run_learned_one(segments, heads, x)
         batch, last = x.shape[0], self.num_steps - 1
         predictions = torch.empty(batch, dtype=torch.long, device=x.device)
         exits = torch.full((batch,), last, dtype=torch.long, device=x.device)
         out_logits: Tensor | None = None
         index = torch.arange(batch, device=x.device)
-        state = None
+        decisions = self.decisions()
         h = x
         for k, segment in enumerate(segments):
             h = segment(h)
@@ -439,19 +409,17 @@ class ExitPolicy:
             if out_logits is None:
                 out_logits = torch.empty(batch, logits.shape[1], dtype=torch.float32, device=x.device)
             if k == last:
-                leave = torch.ones(logits.shape[0], dtype=torch.bool, device=x.device)
+                leave: Tensor | None = torch.ones(logits.shape[0], dtype=torch.bool, device=x.device)
             else:
-                features, state = exit_features(logits.cpu(), state)
-                leave = (-self.gates.score_exit(k, features) <= self._limits[k]).to(x.device)
-            if bool(leave.any()):
+                leave = decisions.confident(k, logits)
+            if leave is not None and bool(leave.any()):
                 gone = index[leave]
                 predictions[gone], exits[gone], out_logits[gone] = logits[leave].argmax(1), k, logits[leave].float()
                 stay = ~leave
                 if not bool(stay.any()):
                     break
                 index, h = index[stay], h[stay]
-                if state is not None:
-                    state = state.keep(stay.cpu())
+                decisions.keep(stay)
         assert out_logits is not None
         return EarlyExitOutput(predictions=predictions, exits=exits, logits=out_logits)
 

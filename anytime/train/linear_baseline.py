@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from anytime.data.base import DatasetInfo, DatasetSplits, ImageStore, Split
 from anytime.data.text import PAD_ID
+from anytime.utils.lbfgs import minimise
 from anytime.utils.timer import monotonic
 
 MAX_TRAIN_SAMPLES = 50_000
@@ -158,17 +159,8 @@ def _logistic(
     """Multinomial logistic regression (mean cross-entropy + ``l2`` / 2 times the squared weights) by full-batch
     L-BFGS from ``weight`` and ``bias``: deterministic, and near its optimum within :data:`LBFGS_STEPS`."""
     weight, bias = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
-    optimiser = torch.optim.LBFGS([weight, bias], lr=1, max_iter=LBFGS_STEPS, history_size=10,
-                                  tolerance_grad=1e-5, line_search_fn="strong_wolfe")  # fmt: skip
-
-    def loss() -> torch.Tensor:
-        optimiser.zero_grad()
-        value = F.cross_entropy(x @ weight + bias, y) + 0.5 * l2 * weight.pow(2).sum()
-        value.backward()
-        return value
-
-    with torch.enable_grad():
-        optimiser.step(loss)
+    minimise([weight, bias], lambda: F.cross_entropy(x @ weight + bias, y) + 0.5 * l2 * weight.pow(2).sum(),
+             steps=LBFGS_STEPS, tolerance=1e-5)  # fmt: skip
     return weight.detach(), bias.detach()
 
 
