@@ -131,8 +131,9 @@ def one_run(run_dir: Path, quick: bool) -> dict[str, Any]:
     found = {name: score(calibrate_max_drop(val, max_drop=MAX_DROP, criterion=name).policy, test) for name in CRITERIA}
     control = score(calibrate_max_drop(val, max_drop=MAX_DROP, criterion="learned", shuffled_gates=True).policy, test)
     hand = {name: s for name, s in found.items() if name != "learned"}
-    within = {name: s for name, s in hand.items() if s.accuracy >= last - MAX_DROP / 100 - 1e-12}
-    best_name = min(within or hand, key=lambda name: hand[name].mean_flops)
+    # Every policy was calibrated for the same target on validation: the best hand-made one spends the least on
+    # test (a criterion that kept everyone to the last exit would make any other look good).
+    best_name = min(hand, key=lambda name: hand[name].mean_flops)
     best, learned = hand[best_name], found["learned"]
     best_oracle = oracle(test)
     gap = best.mean_flops - best_oracle.mean_flops
@@ -168,7 +169,9 @@ def one_run(run_dir: Path, quick: bool) -> dict[str, Any]:
         low <= 0.0
     )  # the learned policy's FLOPs are not above the best hand-made one's beyond its interval
     row["same_direction"] = (row["speedup_learned"] >= row["speedup_hand"]) == (learned.mean_flops <= best.mean_flops)
-    row["control_no_gain"] = control_low >= -abs(high - low)  # not below the best by more than an interval's width
+    # No gain: the control misses the accuracy target on test, or spends no less than the best hand-made policy
+    # beyond an interval's width.
+    row["control_no_gain"] = control.accuracy < last - MAX_DROP / 100 or control_low >= -abs(high - low)
     row["gate_cost_ok"] = max(c["ratio"] for c in costs) <= GATE_COST_TARGET
     print(f"{run_dir.name}: last exit {100 * last:.2f}%, oracle {best_oracle.flops_ratio:.3f}x FLOPs at "
           f"{100 * best_oracle.accuracy:.2f}%")  # fmt: skip

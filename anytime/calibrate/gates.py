@@ -1,5 +1,6 @@
-"""Learned exit gates: per early exit, a small model that predicts from what is known there whether the exit's
-answer is already right (BranchyNet's "meta-recognition", left by its authors as future work).
+"""Learned exit gates: per early exit, a small model that predicts from what is known there whether leaving now
+loses nothing (BranchyNet's "meta-recognition", whether the exit's answer is right, left by its authors as future
+work; :func:`leave_labels` says why the label is a little wider).
 
 What a gate sees at exit k (:data:`GATE_FEATURES`), all from exits 0..k, so it can run as the network runs: the
 exit's softmax statistics (confidence, margin, normalised entropy, the log-sum-exp of its logits), how many
@@ -197,9 +198,18 @@ class ExitGates:
             raise AnytimeError(f"{where}: not valid exit gates (features, mean, scale, weights, bias)") from None
 
 
+def leave_labels(correct: Tensor) -> Tensor:
+    """What a gate learns to predict, from each exit's correctness ``[K, N]``: leaving at exit k loses nothing
+    against the last exit (exit k is right, or the last exit is wrong too). Calibration targets accuracy relative
+    to the last exit, so a sample no exit gets right should leave at the first, not be carried to the end; on the
+    fast CIFAR-10 card's 4-epoch run this label gave 0.440x FLOPs at 81.53% where "exit k is right" gave 0.468x at
+    81.43% (test, thresholds for 0.5 point on validation)."""
+    return correct | ~correct[-1:].expand_as(correct)
+
+
 def fit_gates(logits: Tensor, correct: Tensor, *, l2: float = GATE_L2) -> ExitGates:
-    """Gates for every early exit of ``logits`` ``[K, N, C]``, each fit to predict ``correct[k]`` (``[K, N]``
-    bool: is exit k's answer right)."""
+    """Gates for every early exit of ``logits`` ``[K, N, C]``, each fit to predict ``correct[k]`` (``[K, N]`` bool:
+    a label per exit and sample, :func:`leave_labels` in calibration)."""
     features = gate_features(logits)[:-1]
     return _fit(features, correct[:-1], l2)
 

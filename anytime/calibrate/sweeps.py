@@ -102,12 +102,12 @@ def learned_scores(
     from gates fit on the other folds (:func:`~anytime.calibrate.gates.cross_fit_scores`), so thresholds
     calibrated on these scores never see the gates' own fit. ``shuffled`` is the control: gates fit to each
     exit's correctness shuffled across samples, which tells them nothing."""
-    from anytime.calibrate.gates import cross_fit_scores, fit_gates, shuffled_correctness
+    from anytime.calibrate.gates import cross_fit_scores, fit_gates, leave_labels, shuffled_correctness
 
     source = cache if fit_on is None else fit_on
     if source.num_steps != cache.num_steps:
         raise AnytimeError(f"the validation outputs have {source.num_steps} exits, these {cache.num_steps}")
-    logits, correct = torch.from_numpy(source.logits), torch.from_numpy(source.correct())
+    logits, correct = torch.from_numpy(source.logits), leave_labels(torch.from_numpy(source.correct()))
     if shuffled:
         correct = shuffled_correctness(correct)
     gates = fit_gates(logits, correct)
