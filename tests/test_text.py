@@ -328,8 +328,10 @@ def test_length_buckets_price_each_request(text_run, tmp_path, capsys):
     chosen = runner.select(x, 10_000.0).option
     assert out.fits and runner.scheduler.options[out.option].accuracy == best
     assert runner.scheduler.options[chosen].accuracy == best
-    with pytest.raises(AnytimeError, match="patience"):
-        AnytimeRunner(loaded.model, runner.profile, ExitPolicy("patience", (None,) * (loaded.num_steps - 1)))
+    # A criterion that compares exits runs in the runtime (it was refused): everyone agrees with nobody before exit 0.
+    patient = AnytimeRunner(loaded.model, runner.profile, ExitPolicy("patience", (0.0,) * (loaded.num_steps - 1)))
+    answer = patient.predict(x, 10_000.0)
+    assert answer.predictions.shape == (1,) and answer.exits.tolist() == [0]
 
 
 def test_a_tokenizer_from_another_run_is_refused(text_run, tmp_path, cli_error):

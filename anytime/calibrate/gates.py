@@ -20,14 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError
 from anytime.utils.lbfgs import minimise
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 GATE_FEATURES: tuple[str, ...] = (
     "confidence", "margin", "normalized-entropy", "logsumexp", "streak", "previous-probability", "confidence-change",
@@ -56,6 +55,9 @@ def exit_features(logits: Tensor, before: GateState | None) -> tuple[Tensor, Gat
     """One exit's gate features, float64 ``[N, F]``, from its logits ``[N, C]`` and the state left by the exits
     before it (None at the first exit), with the state it leaves for the next: what the network computes as it
     runs, and what :func:`gate_features` computes over a cache, exit by exit, so the two agree sample for sample."""
+    import torch
+    import torch.nn.functional as F
+
     z = logits.double()
     probs = F.softmax(z, dim=-1)
     top = probs.topk(min(2, probs.shape[-1]), dim=-1).values
@@ -112,6 +114,8 @@ def row_features(row: Sequence[float], before: RowState | None) -> tuple[list[fl
 def gate_features(logits: Tensor) -> Tensor:
     """The gate features of exits' logits ``[K, N, C]`` (exits first), float64 ``[K, N, F]``: feature f of
     sample n at exit k uses exits 0..k only."""
+    import torch
+
     if logits.dim() != 3:
         raise AnytimeError("gates compare exits with each other: give the logits of every exit, [K, N, C]")
     rows, state = [], None
@@ -148,6 +152,8 @@ class ExitGates:
         return len(self.bias) + 1
 
     def _tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        import torch
+
         as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
         return as_tensor(self.mean), as_tensor(self.scale), as_tensor(self.weights), as_tensor(self.bias)
 
@@ -161,6 +167,8 @@ class ExitGates:
 
     def score_features(self, features: Tensor, first: int = 0) -> Tensor:
         """:meth:`score` from :func:`gate_features`' output ``[E, N, F]`` of early exits ``first`` .. ``first`` + E - 1."""
+        import torch
+
         mean, scale, weights, bias = (t[first : first + features.shape[0]] for t in self._tensors())
         standard = (features - mean.unsqueeze(1)) / scale.unsqueeze(1)
         value = torch.sigmoid((standard * weights.unsqueeze(1)).sum(-1) + bias.unsqueeze(1))
@@ -215,6 +223,8 @@ def fit_gates(logits: Tensor, correct: Tensor, *, l2: float = GATE_L2) -> ExitGa
 
 
 def _fit(features: Tensor, correct: Tensor, l2: float) -> ExitGates:
+    import torch
+
     means, scales, weights, biases = [], [], [], []
     for x, y in zip(features, correct):
         keep = torch.isfinite(x).all(-1)
@@ -232,6 +242,9 @@ def _fit(features: Tensor, correct: Tensor, l2: float) -> ExitGates:
 
 def _logistic(x: Tensor, y: Tensor, l2: float) -> tuple[Tensor, float]:
     """Binary logistic regression (mean log-loss + ``l2`` / 2 times the squared weights) by L-BFGS from zeros."""
+    import torch
+    import torch.nn.functional as F
+
     if len(y) == 0 or bool((y == y[0]).all()):  # one class only: a constant gate at its (smoothed) rate
         rate = (float(y.sum()) + 0.5) / (len(y) + 1.0)
         return torch.zeros(x.shape[-1], dtype=torch.float64), math.log(rate / (1 - rate))
@@ -247,6 +260,8 @@ def cross_fit_scores(
 ) -> Tensor:
     """Every early exit's gate score of every sample, ``[K-1, N]``, each from gates fit on the other ``folds`` - 1
     folds (a seeded random partition): scores to calibrate thresholds on, free of the gates' own fit."""
+    import torch
+
     features = gate_features(logits)[:-1]
     count = features.shape[1]
     if count < 2 * folds:
@@ -266,5 +281,7 @@ def cross_fit_scores(
 def shuffled_correctness(correct: Tensor, seed: int = 0) -> Tensor:
     """``correct`` with each exit's row permuted across samples: labels that carry nothing about the samples (the
     control a learned gate must not beat the hand-made criteria with)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     return torch.stack([row[torch.randperm(row.shape[0], generator=generator)] for row in correct])

@@ -53,8 +53,9 @@ def unfinished(run_dir: str | Path) -> str:
     (training stopped before its first epoch ended, which leaves no checkpoint)."""
     if (Path(run_dir) / CHECKPOINT).is_file():
         return f"{run_dir} has no {WEIGHTS}: its training has not finished; continue it with `anytime train --out {run_dir} --resume`"
-    return (f"{run_dir} has no {WEIGHTS} and no checkpoint: its training stopped before its first epoch ended; "
-            f"train it again with `anytime train --out {run_dir}` and the options it was started with")  # fmt: skip
+    return (f"{run_dir} has no {WEIGHTS}: its training has not finished and left no checkpoint (it stopped before "
+            f"its first epoch ended); train it again with `anytime train --out {run_dir}` and the options it was "
+            "started with")  # fmt: skip
 
 
 def weights_fingerprint(path: str | Path) -> str:
