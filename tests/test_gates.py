@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_calibrate import _Pick
 
 from anytime.calibrate import CRITERIA, ExitPolicy, calibrate_budget, calibrate_max_drop
 from anytime.calibrate.gates import (
@@ -153,15 +154,6 @@ def test_a_sweep_of_the_test_split_fits_the_gates_on_validation():
     assert on_test.criterion == "learned" and on_test.accuracy[0] == pytest.approx(float(test.step_accuracy()[-1]))
     assert np.array_equal(ExitPolicy("learned", (None, None), gates=gates).assign(test), np.full(test.num_samples, 2))
     assert shuffled_correctness(torch.from_numpy(val.correct())).sum(1).tolist() == val.correct().sum(1).tolist()
-
-
-class _Pick(torch.nn.Module):
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k = k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[:, self.k]
 
 
 class _ThreeExits(torch.nn.Module):
