@@ -99,7 +99,7 @@ def test_text_batches_are_trimmed_and_bucketed(text_root):
     assert torch.equal(ids, splits.test.images[:, : ids.shape[1]])  # evaluation keeps the order
 
 
-@pytest.mark.parametrize("name", ["mobilebert_tiny", "bert_mini", "hf_bert", "hf_mobilebert"])
+@pytest.mark.parametrize("name", ["mobilebert_tiny", "bert_mini", "ngram_encoder", "hf_bert", "hf_mobilebert"])
 @pytest.mark.parametrize("head", ["pool", "linear", "conv"])
 def test_padding_changes_no_answer(name, head):
     if name.startswith("hf_"):

@@ -5,7 +5,7 @@ Importing this package registers the zoo (one file per family, in the order ``an
 
 # isort: off
 from anytime.backbones import lenet, vgg, resnet, preact_resnet, resnext, mobilenetv2, cifar_resnet, fastcnn, msdnet  # noqa: F401
-from anytime.backbones import text, hf  # noqa: F401
+from anytime.backbones import text, ngram, hf  # noqa: F401
 
 # isort: on
 from anytime.backbones.base import StagedBackbone, StageInfo, example_input, takes_tokens

@@ -28,6 +28,8 @@ from anytime.commands.output import baseline_line, print_error, print_json
 from anytime.errors import AnytimeError
 from anytime.train.launch import launch_local, place_from_environment
 
+DEFAULT_TEXT_CARD = "text-ngram-exits"  # what `--data sst2|textfolder` trains when no model or card is named
+_TEXT_DATA = ("sst2", "textfolder")
 _DATA = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2", "textfolder")
 SUMMARY = "train a model (or a model card), plain or with early exits; record time, memory and accuracy"
 
@@ -367,6 +369,13 @@ def run(args: argparse.Namespace) -> int:
     main = ctx is None or ctx.main
     card = load_card(args.card) if args.card else None
     overrides = _overrides(args, card)
+    if card is None and "model" not in overrides and overrides.get("data") in _TEXT_DATA and not (
+        args.resume or args.extend
+    ):  # fmt: skip
+        card = load_card(DEFAULT_TEXT_CARD)
+        if main:
+            print(f"no model named: training the small-data text recipe, card {DEFAULT_TEXT_CARD} (its model "
+                  f"{card.config.model}); name one with --model or --card", file=sys.stderr)  # fmt: skip
     default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
     run_dir = Path(args.out or Path("runs") / default_name.replace(":", "_"))
     config = _config(args, card, overrides, run_dir)

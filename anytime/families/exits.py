@@ -433,7 +433,10 @@ def attach_exits(
 
 def _head_at(backbone: nn.Module, cut: Cut, kind: str, num_classes: int) -> nn.Module:
     """The exit head after ``cut``: on its features, or on what the backbone says an exit there reads (MSDNet's
-    coarsest scale of its packed scales)."""
+    coarsest scale of its packed scales), or the backbone's own design when it has one (``exit_head_at``)."""
+    own = getattr(backbone, "exit_head_at", None)
+    if own is not None:
+        return own(cut.name, cut.shape, num_classes)
     view = getattr(backbone, "exit_view", None)
     if view is None:
         return exit_head(kind, cut.shape, num_classes)

@@ -147,7 +147,14 @@ def weight_average(model: nn.Module, decay: float) -> nn.Module | None:
 
 def init_from_data(model: nn.Module, splits: DatasetSplits, device: torch.device, count: int = 5000) -> None:
     """Give the layers that initialise themselves from data (e.g. a whitening stem) up to ``count`` training
-    images, un-augmented and normalised, taken in a fixed order so that a run repeats exactly."""
+    images, un-augmented and normalised, taken in a fixed order so that a run repeats exactly. A text model's
+    layers that fit themselves to data (the n-gram bag of ``ngram_encoder``) get the whole training split's token
+    ids and labels."""
+    if splits.info.modality == "text":
+        for module in model.modules():
+            if callable(getattr(module, "init_from_text", None)):
+                module.init_from_text(splits.train.images, splits.train.labels)
+        return
     takers = [m for m in model.modules() if callable(getattr(m, "init_from_data", None))]
     if not takers:
         return
@@ -555,6 +562,9 @@ class Trainer:
                 self.on_epoch_end(EpochEnd(epoch=epoch, metrics=record, run_dir=self.run_dir))
 
         final = model if ema is None else ema.module
+        for module in list(final.modules()):
+            if callable(getattr(module, "fit_to_validation", None)) and len(splits.val):
+                module.fit_to_validation(final, splits.val.images, splits.val.labels)
         reduce = None if ctx is None else ctx.sum
         test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
         if hasattr(final, "measure_cost"):  # a step's FLOPs depend on the images (SACT): count them on real ones
