@@ -38,6 +38,7 @@ HOLDOUT = 0.1  # of the training split, to choose the L2 weight on
 LBFGS_STEPS = 100
 MAX_FIT_SAMPLES = 100_000
 BAG_DROPOUT = 0.5
+_TF_CHUNK = 1 << 24  # gram pairs compared at once while fitting (bytes of a boolean matrix)
 MIX_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # weights of an exit's correction, chosen on validation
 
 
@@ -98,7 +99,8 @@ class NgramBag(nn.Module):
         ids, labels = ids.to(self.table.device), labels.to(self.table.device)
         grams = self.grams(ids)
         self.idf.copy_(self._idf(grams))
-        weights = self.weights(grams, self.idf)
+        rows = max(1, _TF_CHUNK // grams.shape[1] ** 2)  # the term frequencies compare every gram pair of a row
+        weights = torch.cat([self.weights(g, self.idf) for g in grams.split(rows)])
         order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(1)).to(ids.device)
         held = order[: int(HOLDOUT * len(ids))] if len(ids) >= 20 else order[:0]
         fit = order[len(held) :]
