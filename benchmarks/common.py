@@ -125,18 +125,26 @@ def train_card(run_dir: Path, quick: bool, card_path: Path) -> dict[str, Any]:
 def prepare_exit_run(
     run_dir: Path, quick: bool, *, max_drop: float, card_path: Path = EXITS_CARD, combine: bool = False
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
-    """Train the card ``card_path`` (default models/cifar10-resnet32-exits.toml) into ``run_dir`` if it is not there (resuming an
-    interrupted run), cache both splits' exit outputs, and calibrate every criterion on validation for at
-    most ``max_drop`` points below the last exit (with ``combine``, every criterion that scores combined exits);
-    the criterion with the fewest validation FLOPs becomes ``RUN/calibration.json``. Quick mode trains 1 epoch
-    on 2000 images: a smoke run, not figures."""
+    """Train the card ``card_path`` (default models/cifar10-resnet32-exits.toml) into ``run_dir`` if it is not there
+    (resuming an interrupted run), then :func:`calibrate_criteria`. Quick mode trains 1 epoch on 2000 images: a smoke
+    run, not figures."""
+    train_card(run_dir, quick, card_path)
+    return calibrate_criteria(run_dir, max_drop=max_drop, combine=combine)
+
+
+def calibrate_criteria(
+    run_dir: Path, *, max_drop: float, combine: bool = False
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """Cache a trained run's exit outputs on validation and test (unless cached from these weights), and calibrate
+    every criterion on validation for at most ``max_drop`` points below the last exit (with ``combine``, every
+    criterion that scores combined exits); the criterion with the fewest validation FLOPs becomes
+    ``RUN/calibration.json``. Returns every criterion's report, the chosen one's name and its report."""
     from anytime.calibrate import CRITERIA, get_criterion
     from anytime.outputs import load_cache
     from anytime.scheduler.query import run_fingerprint
     from anytime.tasks.calibration import calibrate_run
     from anytime.tasks.collect import collect_run
 
-    train_card(run_dir, quick, card_path)
     fingerprint = run_fingerprint(run_dir)
     for split in ("val", "test"):
         try:
