@@ -72,7 +72,8 @@ def _add_data(parser: argparse.ArgumentParser) -> None:
         help="a model card: a file (models/NAME.toml) or a shipped card's name (cifar10-resnet20); "
         "other options override it",
     )
-    parser.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default lenet")
+    parser.add_argument("--model", help="a zoo name or tv:NAME (see 'anytime models'); default: the card "
+                        "image-lenet for images, text-ngram-exits for text")  # fmt: skip
     parser.add_argument(
         "--data",
         choices=list(_DATA),
