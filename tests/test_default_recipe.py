@@ -7,7 +7,7 @@ import json
 import pytest
 
 from anytime.cli import main
-from anytime.commands import train as train_command
+from anytime.train import defaults
 
 
 def _trained(out):
@@ -15,7 +15,7 @@ def _trained(out):
 
 
 def test_no_model_trains_the_image_card_for_at_least_its_steps(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train_command, "DEFAULT_IMAGE_MIN_STEPS", 30)
+    monkeypatch.setattr(defaults, "DEFAULT_IMAGE_MIN_STEPS", 30)
     out = tmp_path / "run"
     # 128 training digits in batches of 64: 2 steps an epoch, so 15 epochs (more than the card's 10) for 30 steps
     assert main(["train", "--limit-train", "128", "--out", str(out), "--no-progress"]) == 0
@@ -27,7 +27,7 @@ def test_no_model_trains_the_image_card_for_at_least_its_steps(tmp_path, capsys,
 
 
 def test_epochs_given_are_kept_and_a_named_model_keeps_the_generic_defaults(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train_command, "DEFAULT_IMAGE_MIN_STEPS", 30)
+    monkeypatch.setattr(defaults, "DEFAULT_IMAGE_MIN_STEPS", 30)
     out = tmp_path / "given"
     assert main(["train", "--limit-train", "128", "--epochs", "1", "--out", str(out), "--no-progress"]) == 0
     assert "steps an epoch" not in capsys.readouterr().err

@@ -24,16 +24,10 @@ from anytime.commands.options import (
     non_negative_int,
     positive_int,
 )
-from anytime.commands.output import baseline_line, print_error, print_json
+from anytime.commands.output import print_error, print_json, print_train_summary
 from anytime.errors import AnytimeError
 from anytime.train.launch import launch_local, place_from_environment
 
-DEFAULT_TEXT_CARD = "text-ngram-exits"  # what `--data sst2|textfolder` trains when no model or card is named
-DEFAULT_IMAGE_CARD = "image-lenet"  # what any other --data trains when no model or card is named
-# The default image recipe runs at least this many optimizer steps unless --epochs is given: a fixed number of
-# epochs leaves a network untrained on a small folder (10 epochs were 110 steps on the 1,294 training digits).
-DEFAULT_IMAGE_MIN_STEPS = 2000
-_TEXT_DATA = ("sst2", "textfolder")
 _DATA = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2", "textfolder")
 SUMMARY = "train a model (or a model card), plain or with early exits; record time, memory and accuracy"
 
@@ -367,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1 and place_from_environment() is None:
         return launch_train(args)  # before torch is imported: the launcher only waits for the processes it starts
     from anytime.train import Trainer, load_card
+    from anytime.train.defaults import DEFAULT_IMAGE_CARD, at_least_steps, default_card
     from anytime.train.distributed import from_environment
     from anytime.train.trainer import CHECKPOINT
 
@@ -376,10 +371,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = _overrides(args, card)
     notes: list[str] = []  # printed when training starts, after every check (an error stays one line)
     if card is None and "model" not in overrides and not (args.resume or args.extend):
-        text = overrides.get("data") in _TEXT_DATA
-        card = load_card(DEFAULT_TEXT_CARD if text else DEFAULT_IMAGE_CARD)
-        notes.append(f"no model named: training the {'small-data text' if text else 'default image'} recipe, card "
-                     f"{card.name} (its model {card.config.model}); name one with --model or --card")  # fmt: skip
+        card, note = default_card(overrides.get("data"))
+        notes.append(note)
     default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
     run_dir = Path(args.out or Path("runs") / default_name.replace(":", "_"))
     config = _config(args, card, overrides, run_dir)
@@ -387,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
     if card is not None and card.name == DEFAULT_IMAGE_CARD and "epochs" not in overrides and not (
         args.resume or args.extend
     ):  # fmt: skip
-        config, splits, raised = _at_least_min_steps(config)
-        notes += [raised] if raised else []
+        floor = at_least_steps(config)
+        config, splits = floor.config, floor.splits
+        notes += [floor.note] if floor.note else []
     if main and config.amp == "bf16":
         from anytime.utils.machine import bf16_emulated, resolve_device
 
@@ -415,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if args.json and not args.update_card:
         return print_json(summary)
-    _print_summary(summary, run_dir)
+    print_train_summary(summary, run_dir)
     if args.update_card and card is not None:
         _record_in_card(card, summary)
     return 0
@@ -469,49 +463,6 @@ def _config(args: argparse.Namespace, card: Any, overrides: dict[str, Any], run_
     else:
         base = card.config if card else TrainConfig()
     return base.replace(**overrides) if overrides else base
-
-
-def _at_least_min_steps(config: Any) -> tuple[Any, Any, str]:
-    """The default image recipe with its epochs raised so that it runs at least ``DEFAULT_IMAGE_MIN_STEPS``
-    optimizer steps on this data, the splits it was counted on (the trainer takes them, not loading twice) and a
-    note that says so ("" when nothing was raised)."""
-    import math
-
-    from anytime.train.splits import load_splits
-
-    splits = load_splits(config)
-    steps = math.ceil(len(splits.train) / config.batch_size)
-    epochs = max(config.epochs, math.ceil(DEFAULT_IMAGE_MIN_STEPS / steps))
-    note = (f"{len(splits.train):,} training images make {steps} steps an epoch: {epochs} epochs, for at least "
-            f"{DEFAULT_IMAGE_MIN_STEPS:,} steps (--epochs N sets them)")  # fmt: skip
-    return config.replace(epochs=epochs), splits, note if epochs > config.epochs else ""
-
-
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    final = summary["final"]
-    steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
-    print(f"run        {run_dir}")
-    print(f"accuracy   val {100 * final['val_acc']:.2f}%  test {100 * final['test_acc']:.2f}%  "
-          f"(best val {100 * summary['best_val_acc']:.2f}%)"
-          + (f"  test with mirror {100 * final['test_acc_tta']:.2f}%" if "test_acc_tta" in final else ""))  # fmt: skip
-    print(f"augment    {summary['augment']}")
-    print(f"time       {summary['train_time_s']:.1f} s training, {summary['wall_time_s']:.1f} s with validation, "
-          f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads"
-          + (f" in each of {summary['processes']} processes)" if summary["processes"] > 1 else ")"))  # fmt: skip
-    it = steady["iteration_mean_s"]
-    print(f"iteration  {1000 * it:.1f} ms: data {100 * steady['data_mean_s'] / it:.0f}%  "
-          f"forward {100 * steady['forward_mean_s'] / it:.0f}%  backward {100 * steady['backward_mean_s'] / it:.0f}%  "
-          f"step {100 * steady['step_mean_s'] / it:.0f}%  ({steady['images_per_s']:.0f} images/s"
-          f"{', steady state' if summary['timing']['steady'] else ', epoch 0 only'})")  # fmt: skip
-    print(
-        f"memory     peak RSS {summary['peak_rss_mb']:.0f} MiB"
-        + (f", CUDA peak {summary['cuda_peak_mb']:.0f} MiB" if summary["cuda_peak_mb"] is not None else "")
-    )
-    for e in summary.get("exits", []):
-        print(f"exit {e['index']:<5} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
-              f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
-    if "baseline" in summary:
-        print(baseline_line(summary["baseline"], final["test_acc"]))
 
 
 def _record_in_card(card: Any, summary: dict[str, Any]) -> None:
