@@ -102,3 +102,18 @@ def test_a_correction_that_hurts_on_validation_is_weighed_out():
         torch.nn.init.zeros_(head.correction.weight)
     backbone.fit_to_validation(model, val, truth)
     assert [float(h.mix) for h in heads[1:]] == [0.0] * 4  # no gain: the smaller weight on a tie
+
+
+def test_a_correction_is_kept_only_when_it_helps_beyond_chance():
+    from anytime.backbones.ngram import _helpful_mix
+
+    truth = torch.zeros(400, dtype=torch.long)
+    bag = torch.tensor([[1.0, 0.0]]).repeat(400, 1)
+    bag[:100] = torch.tensor([0.0, 1.0])  # the bag gets the first 100 wrong
+    correction = torch.zeros(400, 2)
+    correction[:100] = torch.tensor([4.0, 0.0])  # fixes all 100 at any weight
+    assert _helpful_mix(bag, correction, truth) == 0.25  # the smallest weight with the largest gain
+    marginal = torch.zeros(400, 2)
+    marginal[:3] = torch.tensor([4.0, 0.0])  # fixes 3 ...
+    marginal[300] = torch.tensor([0.0, 4.0])  # ... and breaks 1: a gain of 2 against a spread of 2 x sqrt(4)
+    assert _helpful_mix(bag, marginal, truth) == 0.0

@@ -33,7 +33,10 @@ from anytime.backbones.text import (
 
 BAG_ENTRIES = 4_000_000  # weights in the bag's table (rows x classes): 16 MB; the bigram buckets are sized to it
 MAX_BUCKETS = 2_000_003
-L2_GRID: tuple[float, ...] = (1e-4, 3e-5, 1e-5)  # per-sample L2 weight of the bag's fit, strongest first
+# The bag's regularisation, strongest first, as a linear SVM's C: a fit on N samples weighs its L2 by 1 / (C N) per
+# sample, so that the strength follows the data's size (a fixed per-sample grid chose its strongest end on 5,000
+# phrases, where the baseline's SVM chose C = 1).
+C_GRID: tuple[float, ...] = (0.3, 1.0, 3.0, 10.0)
 HOLDOUT = 0.1  # of the training split, to choose the L2 weight on
 LBFGS_STEPS = 100
 MAX_FIT_SAMPLES = 100_000
@@ -90,7 +93,7 @@ class NgramBag(nn.Module):
     @torch.no_grad()
     def init_from_text(self, ids: Tensor, labels: Tensor) -> None:
         """Fit the IDF and the linear model on training token ids ``[N, T]`` and labels ``[N]``: the L2 weight is
-        chosen from :data:`L2_GRID` on a seeded :data:`HOLDOUT` of the samples, then the model is fit on them all."""
+        chosen from :data:`C_GRID` on a seeded :data:`HOLDOUT` of the samples, then the model is fit on them all."""
         from anytime.utils.lbfgs import minimise
 
         if len(ids) > MAX_FIT_SAMPLES:
@@ -112,19 +115,20 @@ class NgramBag(nn.Module):
                      + 0.5 * l2 * table.square().sum(), steps=LBFGS_STEPS, tolerance=1e-5)  # fmt: skip
             return table.detach(), bias.detach()
 
-        chosen, best = L2_GRID[len(L2_GRID) // 2], -1.0
+        chosen, best = C_GRID[len(C_GRID) // 2], -1.0
         start = (torch.zeros_like(self.table), torch.zeros_like(self.bias))
         if len(held):
-            for l2 in L2_GRID:  # each fit starts from the previous (stronger) one
-                start = solve(fit, l2, start)
+            for c in C_GRID:  # each fit starts from the previous (stronger) one
+                start = solve(fit, 1.0 / (c * len(fit)), start)
                 logits = (start[0][grams[held]] * weights[held].unsqueeze(-1)).sum(1) + start[1]
                 accuracy = float((logits.argmax(1) == labels[held]).float().mean())
                 if accuracy > best:
-                    chosen, best = l2, accuracy
-        table, bias = solve(torch.arange(len(ids), device=ids.device), chosen, start)
+                    chosen, best = c, accuracy
+        l2 = 1.0 / (chosen * len(ids))
+        table, bias = solve(torch.arange(len(ids), device=ids.device), l2, start)
         self.table.copy_(table)
         self.bias.copy_(bias)
-        self.l2.fill_(chosen)
+        self.l2.fill_(l2)
 
     def _idf(self, grams: Tensor) -> Tensor:
         """Smoothed inverse document frequency of every row (scikit-learn's: ``ln((1 + N) / (1 + df)) + 1``)."""
@@ -222,9 +226,9 @@ class NgramEncoder(StagedBackbone):
     @torch.no_grad()
     def fit_to_validation(self, model: nn.Module, ids: Tensor, labels: Tensor, batch_size: int = 256) -> None:
         """After training: weigh each exit's correction (``model`` is this encoder with its exits) by the weight
-        of :data:`MIX_GRID` that answers validation token ids ``ids`` best (the smaller on a tie). On a few
-        thousand sentences an encoder from scratch can make the bag's answers worse; this keeps an exit from
-        answering worse than the bag on data the fit never saw."""
+        of :data:`MIX_GRID` that answers validation token ids ``ids`` best, if it beats the bag alone beyond chance
+        (else 0: see :func:`_helpful_mix`). On a few thousand sentences an encoder from scratch can make the bag's
+        answers worse; this keeps an exit from answering worse than the bag on data the fit never saw."""
         heads = [*getattr(model, "heads", []), self.head]
         was_training = model.training
         model.eval()
@@ -244,9 +248,7 @@ class NgramEncoder(StagedBackbone):
         for head, logits in zip(heads, steps):
             if head.correction is None:
                 continue
-            correction = logits - bag
-            scores = [float(((bag + m * correction).argmax(1) == truth).float().mean()) for m in MIX_GRID]
-            head.mix.fill_(MIX_GRID[scores.index(max(scores))])
+            head.mix.fill_(_helpful_mix(bag, logits - bag, truth))
 
     def exit_head_at(self, name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         """Every exit is a :class:`BagHead` (whatever head kind was asked: the bag's logits decide the design);
@@ -268,3 +270,18 @@ def ngram_encoder(
     del in_channels
     return NgramEncoder(layers=4, hidden=128, embed=64, heads=2, inner=512, num_classes=num_classes, vocab_size=vocab_size,
                         max_length=max_length, dropout=0.1)  # fmt: skip
+
+
+def _helpful_mix(bag: Tensor, correction: Tensor, truth: Tensor) -> float:
+    """The weight of :data:`MIX_GRID` whose answers ``bag + weight * correction`` are right most often, kept only if
+    it beats the bag alone beyond chance: the samples it turns right outnumber those it turns wrong by more than two
+    standard deviations of that difference (McNemar's test at about 2.5%, one-sided). Else 0: on a few thousand
+    sentences a correction that wins a few validation answers lost test accuracy."""
+    alone = bag.argmax(1) == truth
+    best, gain = 0.0, 0.0
+    for weight in MIX_GRID[1:]:
+        right = (bag + weight * correction).argmax(1) == truth
+        fixed, broken = float((right & ~alone).sum()), float((alone & ~right).sum())
+        if fixed - broken > max(gain, 2.0 * (fixed + broken) ** 0.5):
+            best, gain = weight, fixed - broken
+    return best
