@@ -45,3 +45,9 @@ def test_a_bad_data_path_is_still_one_line(argv, tmp_path, capsys):
     assert main(["train", *argv, "--out", str(tmp_path / "r")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "/nonexistent/cifar" in err[0]
+
+
+def test_without_out_the_run_is_named_by_model_and_data(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--limit-train", "128", "--epochs", "1", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "runs" / "lenet-digits" / "config.json").read_text())["train"]["lr"] == 0.05

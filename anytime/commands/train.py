@@ -370,10 +370,11 @@ def run(args: argparse.Namespace) -> int:
     card = load_card(args.card) if args.card else None
     overrides = _overrides(args, card)
     notes: list[str] = []  # printed when training starts, after every check (an error stays one line)
+    default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
     if card is None and "model" not in overrides and not (args.resume or args.extend):
         card, note = default_card(overrides.get("data"))
         notes.append(note)
-    default_name = card.name if card else f"{overrides.get('model', 'lenet')}-{overrides.get('data', 'digits')}"
+        default_name = f"{card.config.model}-{overrides.get('data', 'digits')}"  # runs/lenet-cifar10, as before
     run_dir = Path(args.out or Path("runs") / default_name.replace(":", "_"))
     config = _config(args, card, overrides, run_dir)
     splits = None
