@@ -424,7 +424,7 @@ def test_a_batch_that_fails_fails_its_requests_and_the_worker_goes_on():
     service.stop()
 
 
-def test_the_serving_overhead_is_measured_kept_in_the_profile_and_kept_free(server, tmp_path):
+def test_the_serving_overhead_is_measured_kept_in_the_profile_and_kept_free(server, tmp_path, monkeypatch):
     from anytime.profile import DeviceProfile
     from anytime.serve import ServeOptions, build_app
     from anytime.serve.overhead import measure_serving_overhead
@@ -437,9 +437,16 @@ def test_the_serving_overhead_is_measured_kept_in_the_profile_and_kept_free(serv
     replace(profile, serving=np.array([0.5] * 9 + [3.0])).save(profiled)
     again = DeviceProfile.load(profiled)
     assert again.serving is not None and again.serving.tolist() == [0.5] * 9 + [3.0]
+    loads = []
+    load = DeviceProfile.load
+    monkeypatch.setattr(DeviceProfile, "load", lambda *a, **k: loads.append(a) or load(*a, **k))
     app, service = build_app(ServeOptions(run=str(server.run), profile=str(profiled), quantile=0.9))
     try:
         assert service.runner.margin_ms == pytest.approx(0.5)  # the profile's p90 of the overhead
+        assert len(loads) == 1  # the runtime and /schedule price from one reading of the profile
+        with listening(app, service) as port:
+            status, answer = _call(SimpleNamespace(port=port), "GET", "/schedule?deadline_ms=50")
+        assert status == 200 and answer["profile"] == str(profiled) and answer["serving_overhead_ms"] == 0.5
     finally:
         service.stop()
     with pytest.raises(AnytimeError, match="requests >= 1"):

@@ -264,14 +264,15 @@ class ArrivalStamp:
 def build_app(options: ServeOptions) -> tuple[Any, Service]:
     """Load the run (its model, profile and calibration) and make the application and its started service."""
     from anytime import __version__
-    from anytime.scheduler.query import schedule_answer, scheduler_for_run
-    from anytime.scheduler.runs import runner_for_run
+    from anytime.scheduler.query import schedule_answer
+    from anytime.scheduler.runs import open_for_answers
     from anytime.train.splits import run_tokenizer
 
     if options.max_body_kb < 1:
         raise AnytimeError(f"--max-body-kb must be at least 1 (got {options.max_body_kb})")
-    runner, run = runner_for_run(options.run, options.profile, calibration=options.calibration, quantile=options.quantile,
-                                 device=options.device, threads=options.threads)  # fmt: skip
+    opened = open_for_answers(options.run, options.profile, calibration=options.calibration,
+                              quantile=options.quantile, device=options.device, threads=options.threads)  # fmt: skip
+    runner, run = opened.runner, opened.run
     if runner.profile.serving is not None:  # what the HTTP stack adds beyond the server's count, kept free
         runner.margin_ms = quantile_of(runner.profile.serving, options.quantile)
     text = run.dataset.get("modality") == "text"
@@ -282,23 +283,19 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
     )
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
                       max_batch=options.max_batch)  # fmt: skip
-    longest = max(runner.length_profiles) if text and runner.length_profiles else None
-    schedulers = {longest: scheduler_for_run(options.run, options.profile, length=longest)}
-    profile_path = schedulers[longest][1]
-    info = {"run": str(Path(options.run)), "model": run.name, "profile": str(profile_path), "version": __version__,
-            "steps": list(runner.profile.step_names), "policy": runner.policy.to_dict() if runner.policy else None,
-            "input": spec.describe(), "max_batch": service.max_batch, "quantile": options.quantile,
+    # One scheduler per profile the runtime holds (a text run: per length bucket), built from the profiles it loaded.
+    schedulers = {bucket: opened.scheduler(bucket) for bucket in [None, *runner.length_profiles]}
+    info = {"run": str(Path(options.run)), "model": run.name, "profile": str(opened.profile_path),
+            "version": __version__, "steps": list(runner.profile.step_names),
+            "policy": runner.policy.to_dict() if runner.policy else None, "input": spec.describe(),
+            "max_batch": service.max_batch, "quantile": options.quantile,
             "serving_overhead_ms": runner.margin_ms}  # fmt: skip
-
-    if longest is not None:
+    if text and runner.length_profiles:
         info["length_buckets"] = sorted(runner.length_profiles)
 
     def schedule(deadline_ms: float, quantile: float, batch_size: int, energy_mj: float | None,
                  length: int | None) -> dict[str, Any]:  # fmt: skip
-        key = longest if length is None or longest is None else length
-        if key not in schedulers:
-            schedulers[key] = scheduler_for_run(options.run, options.profile, length=key)
-        scheduler, path = schedulers[key]
+        scheduler, path = schedulers[opened.bucket_of(length)]
         # Priced as the runtime prices it here: what the HTTP stack adds is kept free at the end.
         answer = schedule_answer(scheduler, path, max(deadline_ms - runner.margin_ms, 1e-6), quantile, batch_size,
                                  energy_mj=energy_mj)  # fmt: skip
