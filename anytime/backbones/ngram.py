@@ -27,7 +27,7 @@ from anytime.backbones.text import (
     DEFAULT_VOCAB_SIZE,
     EncoderLayer,
     TokenEmbedding,
-    _init_weights,
+    init_bert_weights,
     token_mask,
 )
 
@@ -221,7 +221,7 @@ class NgramEncoder(StagedBackbone):
         width = hidden + num_classes
         self._set_stages(stem, stages, BagHead(hidden, num_classes, dropout), [(width, 1)] * len(stages))
         for module in (embedding, *stages):
-            module.apply(_init_weights)
+            module.apply(init_bert_weights)
 
     @torch.no_grad()
     def fit_to_validation(self, model: nn.Module, ids: Tensor, labels: Tensor, batch_size: int = 256) -> None:

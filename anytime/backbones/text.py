@@ -158,11 +158,12 @@ class TextEncoder(StagedBackbone):
             TokenEmbedding(vocab_size, max_length, embed, hidden, dropout), layers,
             PoolerHead(hidden, num_classes, dropout), [(hidden, 1)] * len(layers),
         )  # fmt: skip
-        self.apply(_init_weights)
+        self.apply(init_bert_weights)
 
 
-def _init_weights(module: nn.Module) -> None:
-    # BERT's initialisation: N(0, 0.02) weights, zero biases, the padding embedding zero.
+def init_bert_weights(module: nn.Module) -> None:
+    """BERT's initialisation of one module (for ``Module.apply``): N(0, 0.02) weights, zero biases, the padding
+    embedding zero."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:

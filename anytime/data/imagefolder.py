@@ -130,7 +130,7 @@ def scan_folder(root: str | os.PathLike[str]) -> FolderScan:
     )
 
 
-def _decode_one(job: tuple[str, int | None]) -> tuple[str, np.ndarray | str]:
+def decode_image_file(job: tuple[str, int | None]) -> tuple[str, np.ndarray | str]:
     """Decode one file to uint8 HxW (grey) or HxWx3 (colour); on failure return the error text."""
     from PIL import Image
 
@@ -154,9 +154,9 @@ def _decode_all(paths: list[str], image_size: int | None, workers: int) -> list[
     jobs = [(p, image_size) for p in paths]
     if workers > 1 and len(jobs) >= _POOL_MIN_FILES:
         with multiprocessing.get_context().Pool(workers) as pool:
-            results = pool.map(_decode_one, jobs, chunksize=512)
+            results = pool.map(decode_image_file, jobs, chunksize=512)
     else:
-        results = [_decode_one(job) for job in jobs]
+        results = [decode_image_file(job) for job in jobs]
     arrays = []
     for path, result in results:
         if isinstance(result, str):
@@ -303,7 +303,7 @@ class FolderImages(ImageStore):
         wanted = self._global(positions)
         out = np.empty((len(wanted), 3, self._size, self._size), dtype=np.uint8)
         for i, k in enumerate(wanted.tolist()):
-            path, decoded = _decode_one((self._paths[k], self._size))
+            path, decoded = decode_image_file((self._paths[k], self._size))
             if isinstance(decoded, str):
                 raise AnytimeError(f"cannot decode image {path} ({decoded}); remove or replace the file")
             out[i] = decoded[None] if decoded.ndim == 2 else decoded.transpose(2, 0, 1)

@@ -211,13 +211,13 @@ def _pixel_stats(images: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _write_shard(job: _Job) -> ShardFile | tuple[str, str]:
     """Decode, resize and pack one shard (in a worker process); the shard, or (path, error) for a bad image."""
-    from anytime.data.imagefolder import _decode_one
+    from anytime.data.imagefolder import decode_image_file
     from anytime.utils.io import atomic_path
 
     size = job.image_size
     images = np.empty((len(job.paths), CHANNELS, size, size), dtype=np.uint8)
     for i, path in enumerate(job.paths):
-        _, decoded = _decode_one((path, size))
+        _, decoded = decode_image_file((path, size))
         if isinstance(decoded, str):
             return path, decoded
         images[i] = decoded[None] if decoded.ndim == 2 else decoded.transpose(2, 0, 1)
