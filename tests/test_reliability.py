@@ -420,7 +420,7 @@ def test_the_page_cache_is_dropped_only_when_asked(monkeypatch):
 
 def test_extend_trains_longer_with_the_schedule_of_the_new_length(ok, tmp_path, capsys, cli_error):
     from anytime.train import TrainConfig
-    from anytime.train.trainer import lr_factor
+    from anytime.train.recipe import lr_factor
 
     run = tmp_path / "run"
     ok(_train(run, "--epochs", "2", "--lr", "0.05"))

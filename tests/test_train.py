@@ -15,8 +15,8 @@ from anytime.backbones import create_model
 from anytime.data import load_dataset, make_loader
 from anytime.errors import AnytimeError
 from anytime.train import EpochEnd, TrainConfig, Trainer, load_checkpoint, load_weights, lr_factor, save_checkpoint
+from anytime.train.recipe import weight_average
 from anytime.train.timing import PhaseLog
-from anytime.train.trainer import weight_average
 
 
 def _metrics(run_dir):
@@ -274,7 +274,7 @@ def test_whitening_stem_whitens_the_patches_it_was_fit_on():
 
 def test_normalisation_biases_get_their_own_learning_rate_and_the_same_decay_per_step(tmp_path, tiny_config):
     from anytime.backbones import create_model
-    from anytime.train.trainer import parameter_groups
+    from anytime.train.recipe import parameter_groups
 
     model = create_model("fastcnn")
     config = tiny_config.replace(lr=0.5, weight_decay=1e-3, norm_bias_lr_scale=64.0)

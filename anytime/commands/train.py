@@ -363,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     from anytime.train import Trainer, load_card
     from anytime.train.defaults import DEFAULT_IMAGE_CARD, at_least_steps, default_card
     from anytime.train.distributed import from_environment
-    from anytime.train.trainer import CHECKPOINT
+    from anytime.train.records import CHECKPOINT
 
     ctx = from_environment(sync_bn=args.sync_bn)
     main = ctx is None or ctx.main
@@ -456,7 +456,8 @@ def _overrides(args: argparse.Namespace, card: Any) -> dict[str, Any]:
 def _config(args: argparse.Namespace, card: Any, overrides: dict[str, Any], run_dir: Path) -> Any:
     """The run's recipe: the interrupted run's (--resume, --extend), the card's or the defaults, then the options."""
     from anytime.train import TrainConfig, load_checkpoint
-    from anytime.train.trainer import CHECKPOINT, require_checkpoint
+    from anytime.train.records import CHECKPOINT
+    from anytime.train.trainer import require_checkpoint
 
     if args.resume or args.extend:
         saved = load_checkpoint(require_checkpoint(run_dir, "extend" if args.extend else "resume"))["config"]

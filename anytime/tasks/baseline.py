@@ -31,8 +31,9 @@ from anytime.families import EnsembleModel, FuserBank, MemberInfo
 from anytime.precision.model import float_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.config import TrainConfig
+from anytime.train.evaluation import evaluate_exits
 from anytime.train.records import WEIGHTS
-from anytime.train.trainer import evaluate_exits, load_splits
+from anytime.train.splits import load_splits
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir

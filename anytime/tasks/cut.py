@@ -27,11 +27,11 @@ from anytime.families import CUT_KINDS, apply_cuts, residual_blocks
 from anytime.families.batchnorm import recompute_bn_statistics
 from anytime.families.separate import count_flops
 from anytime.train.checkpoint import save_weights
+from anytime.train.evaluation import evaluate_exits
 from anytime.train.multi_exit import build_model
 from anytime.train.records import WEIGHTS
 from anytime.train.runs import LoadedRun, load_run, require_images
 from anytime.train.splits import run_splits
-from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir

@@ -11,7 +11,10 @@ _EXPORTS = {
         "anytime.train.checkpoint": ("load_checkpoint", "load_weights", "save_checkpoint", "save_weights"),
         "anytime.train.config": ("SCHEDULES", "TrainConfig"),
         "anytime.train.splits": ("load_splits", "run_splits"),
-        "anytime.train.trainer": ("EpochEnd", "Trainer", "evaluate", "lr_factor", "read_metrics"),
+        "anytime.train.evaluation": ("evaluate",),
+        "anytime.train.logbook": ("read_metrics",),
+        "anytime.train.recipe": ("lr_factor",),
+        "anytime.train.trainer": ("EpochEnd", "Trainer"),
     }.items()
     for name in names
 }
