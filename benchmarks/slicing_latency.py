@@ -29,16 +29,17 @@ def _dense_at(sliced: torch.nn.Module, k: int) -> torch.nn.Module:
     slice's weights, so it runs the same arithmetic without the slicing machinery."""
     import copy
 
-    from anytime.families.slicing import SlicedConv2d, SwitchableBatchNorm2d, SwitchableLinear, _set_module
+    from anytime.families.sliced_layers import SlicedConv2d, SwitchableBatchNorm2d, SwitchableLinear
+    from anytime.families.slicing import set_module
 
     model = copy.deepcopy(sliced)
     model._context.step, model._context.ratio = k, model.ratios[k]  # the bare backbone now runs step k
     backbone = model.backbone
     for name, module in list(backbone.named_modules()):
         if isinstance(module, SwitchableBatchNorm2d):
-            _set_module(backbone, name, module.norms[k])
+            set_module(backbone, name, module.norms[k])
         elif isinstance(module, SwitchableLinear):
-            _set_module(backbone, name, module.heads[k])
+            set_module(backbone, name, module.heads[k])
     sample = torch.zeros(1, 3, 32, 32)
     shapes: dict[str, tuple[int, int]] = {}
     hooks = [m.register_forward_hook(lambda m, i, o, n=n: shapes.__setitem__(n, (i[0].shape[1], o.shape[1])))
@@ -55,7 +56,7 @@ def _dense_at(sliced: torch.nn.Module, k: int) -> torch.nn.Module:
             )
             with torch.no_grad():
                 conv.weight.copy_(module.weight[:cout, :cin])
-            _set_module(backbone, name, conv)
+            set_module(backbone, name, conv)
     return backbone.eval()
 
 

@@ -22,7 +22,8 @@ _EXPORTS = {
             "msdnet_shares",
             "select_exits",
         ),
-        "anytime.calibrate.policy": ("EarlyExitOutput", "ExitPolicy", "PolicyResult"),
+        "anytime.calibrate.policy": ("ExitPolicy",),
+        "anytime.calibrate.policy_answers": ("EarlyExitOutput", "PolicyResult"),
         "anytime.calibrate.sweeps": ("Oracle", "SweepResult", "oracle", "sweep"),
     }.items()
     for name in names

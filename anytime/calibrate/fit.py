@@ -19,7 +19,8 @@ from torch import Tensor
 from anytime.calibrate.combine import Weights, combined_cache, combined_costs, fit_weights, running_exits
 from anytime.calibrate.criteria import fit_temperatures, get_criterion
 from anytime.calibrate.gates import ExitGates
-from anytime.calibrate.policy import ExitPolicy, PolicyResult
+from anytime.calibrate.policy import ExitPolicy
+from anytime.calibrate.policy_answers import PolicyResult
 from anytime.calibrate.sweeps import Scores, evaluate_settings, learned_scores, scores_of, shared_grid
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache

@@ -13,17 +13,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from anytime.calibrate.combine import (
-    Weights,
-    check_weights,
-    combine_step,
-    combined_cache,
-    combined_costs,
-    log_probs,
-    running_exits,
-)
+from anytime.calibrate.combine import Weights, check_weights, combined_cache, combined_costs, running_exits
 from anytime.calibrate.criteria import Criterion, get_criterion
 from anytime.calibrate.gates import ExitGates
+from anytime.calibrate.one_sample import ROW_CLASSES, one_sample_path
+from anytime.calibrate.policy_answers import EarlyExitOutput, ExitAnswers, ExitDecisions, PolicyResult
 from anytime.errors import AnytimeError
 
 if TYPE_CHECKING:
@@ -33,111 +27,6 @@ if TYPE_CHECKING:
 
     from anytime.calibrate.sweeps import Scores
     from anytime.outputs import OutputCache
-
-
-_ROW_CLASSES = 128  # up to this many classes, one sample is scored in Python floats (Criterion.score_row)
-
-
-@dataclass(frozen=True)
-class PolicyResult:
-    """How a policy does on a split: accuracy, mean FLOPs per sample and where samples leave."""
-
-    accuracy: float
-    mean_flops: float
-    flops_ratio: float
-    exit_share: tuple[float, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able, with the speed-up in FLOPs (base / mean)."""
-        return {"accuracy": self.accuracy, "mean_flops": self.mean_flops, "flops_ratio": self.flops_ratio,
-                "flops_speedup": 1.0 / self.flops_ratio if self.flops_ratio > 0 else None,
-                "exit_share": list(self.exit_share)}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EarlyExitOutput:
-    """Real early exit on a batch: each sample's predicted class, the exit it left at, and its logits."""
-
-    predictions: Tensor
-    exits: Tensor
-    logits: Tensor
-
-
-@dataclass
-class ExitAnswers:
-    """Each exit's answer to one batch under a policy: the exit's own logits, or under a combining policy its
-    weighted ensemble with the earlier exits (:mod:`anytime.calibrate.combine`). Feed it every exit whose
-    head runs, in order."""
-
-    weights: Weights | None
-    _seen: dict[int, Tensor] = field(default_factory=dict)
-
-    def answer(self, k: int, logits: Tensor) -> Tensor:
-        """Exit ``k``'s answer given its logits."""
-        if self.weights is None:
-            return logits
-        self._seen[k] = log_probs(logits)
-        return combine_step(self._seen, self.weights[k])
-
-    def keep(self, stay: Tensor) -> None:
-        """Forget the samples that have left (``stay``: a mask over the rows seen so far)."""
-        self._seen = {j: lp[stay] for j, lp in self._seen.items()}
-
-
-class ExitDecisions:
-    """A policy's exit-by-exit decisions for one request that runs every head in order (the anytime runtime's
-    way): :meth:`leaves` for one sample, :meth:`confident` for a batch. Feed it every early exit, in order; a
-    criterion that compares exits (patience, learned gates) keeps what it needs of the exits seen so far."""
-
-    def __init__(self, policy: ExitPolicy) -> None:
-        self.policy = policy
-        self._state: Any = None  # learned: GateState or RowState; patience: (predicted, streak) tensors
-
-    def leaves(self, k: int, logits: Tensor) -> bool:
-        """Whether the one sample whose answer at early exit ``k`` is ``logits`` (``[1, C]``) leaves."""
-        policy = self.policy
-        crit = policy._crit
-        if crit.learned:
-            from anytime.calibrate.gates import row_features
-
-            assert policy.gates is not None
-            features, self._state = row_features(logits.tolist()[0], self._state)
-            return -policy.gates.score_row(k, features) <= policy._limits[k]
-        if crit.stateful:
-            leave = self.confident(k, logits)
-            return leave is not None and bool(leave[0])
-        return policy.leaves(k, logits)
-
-    def keep(self, stay: Tensor) -> None:
-        """Forget the samples that have left (``stay``: a mask over the rows seen at the last exit)."""
-        from anytime.calibrate.gates import GateState
-
-        if isinstance(self._state, GateState):
-            self._state = self._state.keep(stay.cpu())
-        elif isinstance(self._state, tuple):
-            self._state = (self._state[0][stay], self._state[1][stay])
-
-    def confident(self, k: int, logits: Tensor) -> Tensor | None:
-        """Which samples of the batch may leave at early exit ``k`` (``None`` if nobody may leave there)."""
-        import torch
-
-        policy = self.policy
-        crit, limit = policy._crit, policy._limits[k]
-        if crit.learned:
-            from anytime.calibrate.gates import exit_features
-
-            assert policy.gates is not None
-            features, self._state = exit_features(logits.cpu(), self._state)
-            score = policy.gates.score_exit(k, features).to(logits.device)
-        elif crit.stateful:
-            predicted = logits.argmax(dim=1)
-            streak = torch.zeros(predicted.shape, dtype=torch.float64, device=logits.device)
-            if self._state is not None:
-                streak = torch.where(predicted == self._state[0], self._state[1] + 1, 0.0)
-            self._state, score = (predicted, streak), streak
-        else:
-            return policy.confident(k, logits)
-        return None if limit == -math.inf else -score <= limit
 
 
 @dataclass(frozen=True)
@@ -260,7 +149,7 @@ class ExitPolicy:
         limit = self._limits[k]
         if limit == -math.inf:
             return False
-        if not logits.is_cuda and logits.shape[-1] <= _ROW_CLASSES:
+        if not logits.is_cuda and logits.shape[-1] <= ROW_CLASSES:
             return self._row_leaves(k, logits.tolist()[0])
         crit = self._crit
         score = float(crit.score(logits, self._temps[k]))
@@ -427,7 +316,7 @@ class ExitPolicy:
         self, segments: Sequence[torch.nn.Module], heads: list[torch.nn.Module], x: Tensor
     ) -> EarlyExitOutput:
         # One sample on the CPU: each exit's logits read once as Python floats, the gate scored in them (as
-        # _one_sample_path does for the per-exit criteria).
+        # one_sample_path does for the per-exit criteria).
         import torch
 
         from anytime.calibrate.gates import row_features
@@ -451,7 +340,7 @@ class ExitPolicy:
         self, segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], x: Tensor
     ) -> EarlyExitOutput:
         answers = self.answers() if self.combine is not None else None
-        return _one_sample_path(segments, heads, self, x.device)(x, answers)
+        return one_sample_path(segments, heads, self, x.device)(x, answers)
 
     def runner(self, model: torch.nn.Module) -> Callable[[Tensor], EarlyExitOutput]:
         """:meth:`run` bound to ``model``, for a caller that answers one sample at a time (a server, a latency
@@ -468,7 +357,7 @@ class ExitPolicy:
                 or not isinstance(segments, (tuple, list)) or not isinstance(heads, (tuple, list, torch.nn.ModuleList))
                 or len(segments) != self.num_steps):  # fmt: skip
             return partial(self.run, model)  # which also says what is wrong with the model
-        one = _one_sample_path(segments, heads, self, torch.device("cpu"))
+        one = one_sample_path(segments, heads, self, torch.device("cpu"))
         run, inference = self.run, torch.is_inference_mode_enabled
 
         def answer(x: Tensor) -> EarlyExitOutput:
@@ -501,56 +390,3 @@ class ExitPolicy:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError):
             raise AnytimeError(f"{where}: not a valid exit policy (needs criterion and thresholds)") from None
-
-
-def _one_sample_path(
-    segments: Sequence[torch.nn.Module], heads: Sequence[torch.nn.Module], policy: ExitPolicy, device: torch.device,
-) -> Callable[[Tensor, ExitAnswers | None], EarlyExitOutput]:  # fmt: skip
-    """Real early exit of one sample on ``device`` under ``policy``: a function of the sample ``x`` (``[1, ...]``)
-    and, where the policy combines exits, its :class:`ExitAnswers`. No bookkeeping of who is still in, one scalar
-    decision per exit (the latency path), and what it reads bound here, once.
-
-    On a CPU an exit's logits are read once as Python floats, which give the score and, where the sample leaves,
-    its class: a NaN or +inf in the row makes the score NaN (Criterion.score_row), so a row that leaves has a finite
-    maximum, and its first maximum is argmax's answer. Between a small network's stages a PyTorch operator costs
-    10-15 us; LeNet's answers at batch 1 took 8-13 us less than with argmax, torch.tensor and .float() on the way
-    out."""
-    import torch
-
-    segments = tuple(segments)
-    heads = (*heads, *(None,) * (len(segments) - len(heads)))  # a ModuleList's [k] costs 1 us
-    last = len(segments) - 1
-    runs, limits, temps = policy._heads, policy._limits, policy._temps
-    score_row, low, leaves = policy._crit.score_row, policy._crit.low_is_confident, policy.leaves
-    rows = device.type == "cpu"
-    full, long, float32, never = torch.full, torch.long, torch.float32, -math.inf
-
-    def answer(x: Tensor, answers: ExitAnswers | None) -> EarlyExitOutput:
-        h = x
-        for k, segment in enumerate(segments):
-            h = segment(h)
-            if k == last:
-                logits = h if answers is None else answers.answer(k, h)
-                return EarlyExitOutput(logits.argmax(dim=1), full((1,), k, dtype=long, device=device),
-                                       logits if logits.dtype == float32 else logits.float())  # fmt: skip
-            if not runs[k]:
-                continue
-            raw = heads[k](h)
-            logits = raw if answers is None else answers.answer(k, raw)
-            if limits[k] == never:
-                continue
-            if rows and logits.shape[-1] <= _ROW_CLASSES:
-                row = logits.tolist()[0]
-                score = score_row(row, temps[k])
-                if not (score if low else -score) <= limits[k]:  # a NaN score stays
-                    continue
-                predicted = full((1,), row.index(max(row)), dtype=long, device=device)
-            elif leaves(k, logits):
-                predicted = logits.argmax(dim=1)
-            else:
-                continue
-            return EarlyExitOutput(predicted, full((1,), k, dtype=long, device=device),
-                                   logits if logits.dtype == float32 else logits.float())  # fmt: skip
-        raise AnytimeError("a multi-exit model needs at least one segment")
-
-    return answer

@@ -24,16 +24,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
 from anytime.families.exits import ExitInfo
+from anytime.families.sact_units import HaltingUnit, Layer, Padded, Unit, autocast_on, dilate, residual_stages
 from anytime.families.separate import SeparateSteps, count_flops
 
 SACT_MODES: tuple[str, ...] = ("spatial", "image")  # halting per position (SACT) or per image (ACT)
 EXECUTIONS: tuple[str, ...] = ("sparse", "dense")
-SUPPORTED = "the zoo's ResNets (resnet20, resnet32, resnet56, resnet18, resnet50, resnet29_bottleneck) or tv:resnet18/34/50/101/152"
 
 
 def parse_thresholds(text: str | Sequence[float | str]) -> tuple[float, ...]:
@@ -57,137 +56,6 @@ def parse_thresholds(text: str | Sequence[float | str]) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
-class _Layer:
-    """A convolution of a residual branch and its batch norm, by their names in ``owner`` (so that a form which
-    folds the norm into the convolution, replacing it, is seen), and whether a ReLU follows."""
-
-    owner: nn.Module
-    conv_name: str
-    norm_name: str
-    relu: bool
-
-    @property
-    def conv(self) -> nn.Conv2d:
-        return getattr(self.owner, self.conv_name)
-
-    @property
-    def radius(self) -> int:
-        return self.conv.kernel_size[0] // 2
-
-    def folded(self) -> tuple[Tensor, Tensor]:
-        """Weights ``[k*k*Cin, Cout]`` (rows ordered by kernel row, column, input channel) and bias, with the
-        batch norm's running statistics folded in."""
-        conv, norm = self.conv, getattr(self.owner, self.norm_name)
-        weight, bias = conv.weight, conv.bias if conv.bias is not None else conv.weight.new_zeros(conv.out_channels)
-        if isinstance(norm, nn.BatchNorm2d):
-            scale = norm.weight / torch.sqrt(norm.running_var + norm.eps)  # type: ignore[operator]
-            bias = (bias - norm.running_mean) * scale + norm.bias  # type: ignore[operator]
-            weight = weight * scale[:, None, None, None]
-        return weight.permute(2, 3, 1, 0).reshape(-1, conv.out_channels), bias
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """A residual unit: ``relu(branch(x) + x)``, ``module`` its dense forward, ``layers`` its branch."""
-
-    module: nn.Module
-    layers: tuple[_Layer, ...]
-
-
-def _zoo_layers(block: nn.Module) -> tuple[_Layer, ...] | None:
-    layers = []
-    for part in block.branch:  # type: ignore[attr-defined]
-        mods = list(part.children()) if isinstance(part, nn.Sequential) else []
-        if not (2 <= len(mods) <= 3 and isinstance(mods[0], nn.Conv2d) and isinstance(mods[1], nn.BatchNorm2d)):
-            return None
-        if len(mods) == 3 and not isinstance(mods[2], nn.ReLU):
-            return None
-        layers.append(_Layer(part, "0", "1", len(mods) == 3))
-    return tuple(layers)
-
-
-def _torchvision_layers(block: nn.Module) -> tuple[_Layer, ...]:
-    names = ("1", "2", "3") if hasattr(block, "conv3") else ("1", "2")
-    return tuple(_Layer(block, f"conv{n}", f"bn{n}", n != names[-1]) for n in names)
-
-
-def _sparse_ready(unit: _Unit) -> bool:
-    """Whether a later unit of a stage can run at scattered positions: stride 1, no groups, 1x1 or 3x3 kernels
-    that keep the size, an identity shortcut."""
-    convs = [layer.conv for layer in unit.layers]
-    shortcut = getattr(unit.module, "shortcut", None) or getattr(unit.module, "downsample", None)
-    return (
-        bool(convs)
-        and (shortcut is None or isinstance(shortcut, nn.Identity))
-        and all(c.stride == (1, 1) and c.groups == 1 and c.dilation == (1, 1) and c.kernel_size in ((1, 1), (3, 3))
-                and c.padding == (c.kernel_size[0] // 2,) * 2 for c in convs)
-    )  # fmt: skip
-
-
-def residual_stages(backbone: nn.Module) -> tuple[tuple[str, ...], list[list[_Unit]], tuple[str, ...]]:
-    """The names of the stem's modules in ``backbone``, each stage's residual units and the names of the head's
-    modules (``""``: flatten), in forward order. Refuses a backbone without residual stages of at least two units
-    (naming what works)."""
-    from torchvision.models import ResNet as TorchvisionResNet
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
-    from anytime.backbones.base import StagedBackbone
-    from anytime.backbones.resnet import ResidualBlock
-
-    stages: list[list[_Unit]] = []
-    if isinstance(backbone, StagedBackbone):
-        for stage in backbone.stages:
-            blocks = list(stage.children()) if isinstance(stage, nn.Sequential) else []
-            layers = [_zoo_layers(b) if isinstance(b, ResidualBlock) else None for b in blocks]
-            if not blocks or any(found is None for found in layers):
-                stages = []
-                break
-            stages.append([_Unit(b, found) for b, found in zip(blocks, layers)])  # type: ignore[arg-type]
-        stem, head = ("stem",), ("head",)  # type: tuple[str, ...], tuple[str, ...]
-    elif isinstance(backbone, TorchvisionResNet):
-        for name in ("layer1", "layer2", "layer3", "layer4"):
-            blocks = list(getattr(backbone, name).children())
-            if not all(isinstance(b, (BasicBlock, Bottleneck)) for b in blocks):
-                stages = []
-                break
-            stages.append([_Unit(b, _torchvision_layers(b)) for b in blocks])
-        stem, head = ("conv1", "bn1", "relu", "maxpool"), ("avgpool", "", "fc")
-    what = type(backbone).__name__
-    if not stages:
-        raise AnytimeError(f"SACT halts inside residual stages and {what} has none; use {SUPPORTED}")
-    if any(len(stage) < 2 for stage in stages):
-        raise AnytimeError(
-            f"SACT needs stages of at least two residual units, and {what} has a stage of one; use {SUPPORTED}"
-        )
-    if not all(_sparse_ready(unit) for stage in stages for unit in stage[1:]):
-        raise AnytimeError(f"{what}'s later residual units have strided, grouped or projected branches, which SACT "
-                           f"does not run position by position; use {SUPPORTED}")  # fmt: skip
-    return stem, stages, head
-
-
-class HaltingUnit(nn.Module):
-    """``sigmoid(conv3x3(x) + w . avgpool(x) + b)`` per position (``spatial``), or without the convolution per
-    image; the bias starts at -3, so every unit runs at first (as in the paper)."""
-
-    def __init__(self, channels: int, spatial: bool) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(channels, 1, 3, padding=1) if spatial else None
-        self.fc = nn.Linear(channels, 1)
-        nn.init.zeros_(self.fc.weight)
-        nn.init.constant_(self.fc.bias, -3.0)
-        if self.conv is not None:
-            nn.init.zeros_(self.conv.weight)
-            nn.init.zeros_(self.conv.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Scores ``[B, H, W]`` (``[B, 1, 1]`` per image)."""
-        score = self.fc(x.mean(dim=(2, 3)))[:, :, None]
-        if self.conv is not None:
-            score = score + self.conv(x)[:, 0]
-        return torch.sigmoid(score)
-
-
-@dataclass(frozen=True)
 class StageHalting:
     """What a stage did for a batch: ``units`` ``[B, H, W]`` run at each position (``[B, 1, 1]`` per image)
     and ``ponder``, the units plus the remainder."""
@@ -204,45 +72,6 @@ class SACTCost:
     threshold: float
     flops: int
     units: tuple[float, ...]
-
-
-class _Padded:
-    """A feature map ``[B, C, H, W]`` as rows of a zero-bordered, channels-last matrix ``[B*(H+2)*(W+2), C]``,
-    and the row of every position (``rows[b*H*W + i*W + j]``)."""
-
-    def __init__(self, x: Tensor) -> None:
-        batch, channels, height, width = x.shape
-        self.shape = (batch, height, width)
-        self.width = width + 2
-        padded = x.new_zeros(batch, height + 2, width + 2, channels)
-        padded[:, 1:-1, 1:-1] = x.permute(0, 2, 3, 1)
-        self.data = padded.view(-1, channels)
-        b, i, j = torch.meshgrid(torch.arange(batch, device=x.device), torch.arange(height, device=x.device),
-                                 torch.arange(width, device=x.device), indexing="ij")  # fmt: skip
-        self.rows = (b * (height + 2) * self.width + (i + 1) * self.width + (j + 1)).reshape(-1)
-        self.offsets = torch.tensor([di * self.width + dj for di in (-1, 0, 1) for dj in (-1, 0, 1)], device=x.device)
-
-    def empty(self, channels: int) -> Tensor:
-        return self.data.new_zeros(self.data.shape[0], channels)
-
-    def patches(self, data: Tensor, rows: Tensor, radius: int) -> Tensor:
-        """``[n, k*k*C]``: the neighbourhoods of ``rows`` in ``data`` (a matrix laid out like this one)."""
-        if radius == 0:
-            return data.index_select(0, rows)
-        return data.index_select(0, (rows[:, None] + self.offsets[None, :]).view(-1)).view(rows.numel(), -1)
-
-
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 takes no device type
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
-
-
-def _dilate(mask: Tensor, radius: int) -> Tensor:
-    if radius == 0:
-        return mask
-    return F.max_pool2d(mask[:, None].float(), 2 * radius + 1, stride=1, padding=radius)[:, 0] > 0
 
 
 class SACTResNet(SeparateSteps):
@@ -281,7 +110,7 @@ class SACTResNet(SeparateSteps):
         self.params = sum(p.numel() for p in self.parameters())
 
     @staticmethod
-    def _out_channels(unit: _Unit) -> int:
+    def _out_channels(unit: Unit) -> int:
         return unit.layers[-1].conv.out_channels
 
     @property
@@ -350,7 +179,7 @@ class SACTResNet(SeparateSteps):
 
     def _run(self, x: Tensor, k: int) -> Tensor:
         sparse = self.execution == "sparse" and not self.training and x.dtype == torch.float32
-        sparse = sparse and not _autocast_on(x.device.type)
+        sparse = sparse and not autocast_on(x.device.type)
         return self._forward(x, self.thresholds[k], "sparse" if sparse else "dense")
 
     def _forward(self, x: Tensor, threshold: float, execution: str) -> Tensor:
@@ -371,7 +200,7 @@ class SACTResNet(SeparateSteps):
             x = getattr(self.backbone, name)(x) if name else torch.flatten(x, 1)
         return x
 
-    def _stage_dense(self, x: Tensor, units: list[_Unit], halts: nn.ModuleList, threshold: float, *,
+    def _stage_dense(self, x: Tensor, units: list[Unit], halts: nn.ModuleList, threshold: float, *,
                      sparse_images: bool = False) -> tuple[Tensor, StageHalting]:  # fmt: skip
         """Every unit everywhere (or, per image, on the images still running), the active positions kept."""
         x = units[0].module(x)
@@ -407,11 +236,11 @@ class SACTResNet(SeparateSteps):
                 break
         return out.to(x.dtype), StageHalting(count, count + remainder)
 
-    def _stage_sparse(self, x: Tensor, units: list[_Unit], halts: nn.ModuleList,
+    def _stage_sparse(self, x: Tensor, units: list[Unit], halts: nn.ModuleList,
                       threshold: float) -> tuple[Tensor, StageHalting]:  # fmt: skip
         """The later units at the active positions only (see the module's docstring)."""
         x = units[0].module(x)
-        grid = _Padded(x)
+        grid = Padded(x)
         batch, height, width = grid.shape
         positions = batch * height * width
         active = torch.arange(positions, device=x.device)  # positions still running, as b*H*W + i*W + j
@@ -443,7 +272,7 @@ class SACTResNet(SeparateSteps):
         result = out.view(batch, height, width, -1).permute(0, 3, 1, 2)
         return result, StageHalting(maps, maps + remainder.view(batch, height, width))
 
-    def _folded(self, layer: _Layer) -> tuple[Tensor, Tensor]:
+    def _folded(self, layer: Layer) -> tuple[Tensor, Tensor]:
         """``layer.folded()``, kept while no tensor it reads changes (without gradients only)."""
         if torch.is_grad_enabled():
             return layer.folded()
@@ -461,14 +290,14 @@ class SACTResNet(SeparateSteps):
             self._folded_cache[id(conv)] = kept
         return kept[2], kept[3]
 
-    def _unit_sparse(self, grid: _Padded, unit: _Unit, active: Tensor) -> Tensor:
+    def _unit_sparse(self, grid: Padded, unit: Unit, active: Tensor) -> Tensor:
         """``relu(branch(x) + x)`` at ``active`` positions: each convolution on the positions the next needs."""
         batch, height, width = grid.shape
         mask = torch.zeros(batch * height * width, dtype=torch.bool, device=active.device)
         mask[active] = True
         sets = [mask.view(batch, height, width)]
         for layer in reversed(unit.layers[1:]):  # what each layer must compute, from the last back
-            sets.append(_dilate(sets[-1], layer.radius))
+            sets.append(dilate(sets[-1], layer.radius))
         sets.reverse()
         source = grid.data
         for i, layer in enumerate(unit.layers):
@@ -483,7 +312,7 @@ class SACTResNet(SeparateSteps):
         return torch.relu_(y + grid.data.index_select(0, rows))
 
     @staticmethod
-    def _halting_sparse(grid: _Padded, halt: nn.Module, active: Tensor, rows: Tensor) -> Tensor:
+    def _halting_sparse(grid: Padded, halt: nn.Module, active: Tensor, rows: Tensor) -> Tensor:
         batch, height, width = grid.shape
         pooled = grid.data.view(batch, -1, grid.data.shape[1]).sum(dim=1) / (height * width)
         score = halt.fc(pooled)[:, 0].index_select(0, torch.div(active, height * width, rounding_mode="floor"))
