@@ -23,7 +23,8 @@ from common import parser, report, run
 
 from anytime.backbones.registry import create_model
 from anytime.families import attach_exits
-from anytime.profile.energy import EnergySettings, EnergySource, SampledPower, measure_energy
+from anytime.profile.energy import EnergySettings, measure_energy
+from anytime.profile.energy_readers import EnergySource, SampledPower
 
 # Hyper-parameters
 TARGET = 1.05  # p50 latency with the sampler / without

@@ -225,7 +225,7 @@ def main() -> int:
         args.json = str(DEFAULT_JSON)
     sizes = sorted(int(v) for v in args.sizes.split(",")) if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
 
-    from anytime.data.shards import prepare_shards
+    from anytime.data.shard_writer import prepare_shards
 
     work = args.work if args.work is not None else Path(tempfile.mkdtemp(prefix="shard-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -125,7 +125,7 @@ def test_a_text_encoder_is_profiled_per_length_bucket_on_the_gpu(tmp_path, capsy
 
 def test_nvml_reads_the_gpus_energy():
     pytest.importorskip("pynvml")
-    from anytime.profile.energy import open_energy_reader
+    from anytime.profile.energy_readers import open_energy_reader
 
     reader = open_energy_reader("cuda", 0)
     try:

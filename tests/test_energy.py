@@ -22,17 +22,15 @@ from anytime import AnytimeRunner
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
 from anytime.profile import DeviceProfile, profile_model
-from anytime.profile import energy as energy_module
-from anytime.profile.energy import (
-    EnergySettings,
+from anytime.profile import energy_readers as readers_module
+from anytime.profile.energy import EnergySettings, idle_power, measure_energy
+from anytime.profile.energy_readers import (
     EnergySource,
     NvmlReader,
     PowerIntegral,
     RaplReader,
     WrappingCounter,
-    idle_power,
     jetson_rails,
-    measure_energy,
     open_energy_reader,
     open_jetson_reader,
 )
@@ -97,8 +95,8 @@ def test_unreadable_rapl_says_what_to_do(tmp_path, monkeypatch):
 
 
 def test_no_source_at_all_names_everything_tried(tmp_path, monkeypatch):
-    monkeypatch.setattr(energy_module, "RAPL_ROOT", tmp_path / "powercap")
-    monkeypatch.setattr(energy_module, "INA_ROOT", tmp_path / "i2c")
+    monkeypatch.setattr(readers_module, "RAPL_ROOT", tmp_path / "powercap")
+    monkeypatch.setattr(readers_module, "INA_ROOT", tmp_path / "i2c")
     with pytest.raises(AnytimeError) as caught:
         open_energy_reader("cpu")
     message = str(caught.value)
@@ -230,7 +228,7 @@ def _samplers() -> list[threading.Thread]:
 
 def test_the_sampling_thread_runs_only_inside_a_sampling_block():
     clock_values = iter(np.arange(0, 10_000, 0.001))
-    reader = energy_module.SampledPower(
+    reader = readers_module.SampledPower(
         EnergySource("test", "constant 5 W", 1e-3, 1e-3, True), lambda: 5.0, interval_s=0.001,
         clock=lambda: float(next(clock_values)),
     )  # fmt: skip
@@ -556,8 +554,8 @@ def test_profile_with_energy_schedule_and_plot_commands(energy_run, capsys, monk
 
 
 def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path, monkeypatch):
-    monkeypatch.setattr(energy_module, "RAPL_ROOT", tmp_path / "powercap")
-    monkeypatch.setattr(energy_module, "INA_ROOT", tmp_path / "i2c")
+    monkeypatch.setattr(readers_module, "RAPL_ROOT", tmp_path / "powercap")
+    monkeypatch.setattr(readers_module, "INA_ROOT", tmp_path / "i2c")
     cli_error(
         ["profile", str(exit_run), "--energy", "--out", str(tmp_path / "p.json")], "no readable energy source", "RAPL"
     )

@@ -40,7 +40,8 @@ def make_run(folder: Path, *, calibration: bool = True, energy_mj: tuple[float, 
                for b in (1, 4)}  # fmt: skip
     meter = None
     if energy_mj is not None:
-        from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergySettings, EnergySource, EnergyWindows
+        from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergySettings, EnergyWindows
+        from anytime.profile.energy_readers import EnergySource
 
         def windows(mj: float) -> EnergyWindows:
             return EnergyWindows(np.full(4, mj / 1000), np.full(4, 0.001), 50)

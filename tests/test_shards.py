@@ -14,17 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-import anytime.data.shards as shards_module
+import anytime.data.shard_writer as writer_module
 from anytime.cli import main
 from anytime.data import DATASETS, load_dataset, make_loader
 from anytime.data.base import Split, channel_stats
-from anytime.data.shards import (
-    MANIFEST,
-    ShardImages,
-    open_shards,
-    prepare_shards,
-    verify_shards,
-)
+from anytime.data.shard_reader import ShardImages
+from anytime.data.shard_writer import prepare_shards
+from anytime.data.shards import MANIFEST, open_shards, verify_shards
 from anytime.errors import AnytimeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,7 +193,7 @@ def test_folder_stream_decodes_per_batch(tree, tmp_path) -> None:
 
 def test_an_interrupted_preparation_resumes(tree, packed, tmp_path, monkeypatch) -> None:
     out = tmp_path / "resumed"
-    real = shards_module._write_shard
+    real = writer_module._write_shard
     written: list[str] = []
 
     def stop_at_the_third(job):
@@ -206,10 +202,10 @@ def test_an_interrupted_preparation_resumes(tree, packed, tmp_path, monkeypatch)
         written.append(job.target)
         return real(job)
 
-    monkeypatch.setattr(shards_module, "_write_shard", stop_at_the_third)
+    monkeypatch.setattr(writer_module, "_write_shard", stop_at_the_third)
     with pytest.raises(KeyboardInterrupt):
         prepare_shards(tree, out, image_size=8, shard_size=5, workers=1)
-    monkeypatch.setattr(shards_module, "_write_shard", real)
+    monkeypatch.setattr(writer_module, "_write_shard", real)
     doc = json.loads((out / MANIFEST).read_text())
     assert doc["complete"] is False and len(doc["splits"]["train"]["shards"]) == 2
     with pytest.raises(AnytimeError, match="unfinished .* run the same `anytime prepare-data"):

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write (or finish) the shards and print what they hold."""
-    from anytime.data.shards import prepare_shards
+    from anytime.data.shard_writer import prepare_shards
 
     result = prepare_shards(args.src, args.out, image_size=args.image_size, workers=args.workers,
                             shard_size=args.shard_size, verify=args.verify,

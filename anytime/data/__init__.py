@@ -128,7 +128,7 @@ def _load_raw(
     if name == "cifar100":
         return load_cifar100(root, image_size=image_size, cache_dir=cache_dir)
     if name == "shards":
-        from anytime.data.shards import shard_dataset
+        from anytime.data.shard_reader import shard_dataset
 
         if root is None:
             raise AnytimeError("the shards dataset needs a root: pass --data-root SHARDS, a folder made by "
