@@ -111,7 +111,7 @@ def train_card(run_dir: Path, quick: bool, card_path: Path) -> dict[str, Any]:
     import json
 
     from anytime.train import Trainer, load_card
-    from anytime.train.trainer import CHECKPOINT
+    from anytime.train.records import CHECKPOINT
 
     card = load_card(card_path)
     config = card.config.replace(epochs=1, limit_train=2000) if quick else card.config
@@ -200,7 +200,8 @@ def onnx_programs(
     import torch
 
     from anytime.calibrate import ExitPolicy
-    from anytime.deploy.export import export_model, load_export
+    from anytime.deploy.export import export_model
+    from anytime.deploy.loader import load_export
 
     exports = []
     for name, part in (("exits", model), ("plain", model.backbone)):

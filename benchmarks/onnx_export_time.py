@@ -2,7 +2,7 @@
 
 ``torch.onnx.export`` builds its table of ATen-to-ONNX functions for every graph it writes; a multi-exit run is
 exported as one graph per segment and per exit head. The export shares one table among its graphs and among the
-exports that follow in the same process (:func:`anytime.deploy.export._one_onnx_table`). Side by side, in
+exports that follow in the same process (:func:`anytime.deploy.onnx_export._one_onnx_table`). Side by side, in
 alternating fresh processes, ROUNDS times each: the export as shipped, and the same with the table built for
 every graph (the sharing turned off). Each process exports the network EXPORTS times. The model is a ResNet-20 with
 exits after its first two stages at 32x32 (three segments and two heads: five graphs), random weights. Ratio: the
@@ -29,11 +29,12 @@ _CHILD = """
 import contextlib, json, sys, tempfile, time
 from pathlib import Path
 import anytime.deploy.export as export
+import anytime.deploy.onnx_export as onnx_export
 from anytime.backbones import create_model
 from anytime.families import attach_exits
 
 if sys.argv[2] == "per-graph":
-    export._one_onnx_table = contextlib.nullcontext
+    onnx_export._one_onnx_table = contextlib.nullcontext
 model = attach_exits(create_model(sys.argv[1], num_classes=10), "auto", num_classes=10, input_shape=(3, 32, 32)).eval()
 seconds, graphs = [], 0
 with tempfile.TemporaryDirectory() as scratch:

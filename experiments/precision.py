@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 from anytime.backbones import create_model
 from anytime.data import make_loader
-from anytime.deploy.export import export_model, load_export, onnxruntime_providers
+from anytime.deploy.export import export_model
+from anytime.deploy.loader import load_export, onnxruntime_providers
 from anytime.plotting.precision import plot_precision
 from anytime.precision import convert
 from anytime.profile import per_sample_latency

@@ -86,6 +86,6 @@ def test_exit_heads_kept_as_a_submodule_make_a_segmented_model():
             yield from self.forward_all(x)
 
     assert "heads" not in vars(Exits()) and is_segmented(Exits()) and is_anytime(Exits())
-    from anytime.precision.model import layout_of
+    from anytime.precision.parts import layout_of
 
     assert layout_of(Exits()) == "exits"

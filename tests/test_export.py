@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from anytime.cli import main
-from anytime.deploy.export import MANIFEST, ExportedModel, export_model, load_export, read_manifest
+from anytime.deploy.export import export_model
+from anytime.deploy.loader import ExportedModel, load_export
+from anytime.deploy.manifest import MANIFEST, read_manifest
 from anytime.deploy.runtimes import sha256_of
 from anytime.errors import AnytimeError
 from anytime.tasks.export import export_run
@@ -63,7 +65,7 @@ def test_an_exported_early_exit_does_not_run_later_stages(tmp_path):
 def test_the_graphs_of_onnx_exports_share_one_table_of_the_exporters_functions(tmp_path, monkeypatch):
     from torch.onnx._internal.exporter import _registration
 
-    import anytime.deploy.export as export_module
+    import anytime.deploy.onnx_export as onnx_export
 
     built: list[int] = []
     build = vars(_registration.ONNXRegistry)["from_torchlib"].__func__
@@ -74,7 +76,7 @@ def test_the_graphs_of_onnx_exports_share_one_table_of_the_exporters_functions(t
 
     installed = classmethod(counted)
     monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", installed)
-    monkeypatch.setattr(export_module, "_ONNX_TABLES", {})
+    monkeypatch.setattr(onnx_export, "_ONNX_TABLES", {})
     exported = _export(_families()["exits"], "onnx", tmp_path / "exits")
     assert len(exported.manifest.parts) == 5 and len(built) == 1  # three segments and two heads
     _export(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10)).eval(), "onnx", tmp_path / "plain")
@@ -499,22 +501,22 @@ def test_trtexec_timings_become_a_profile_of_the_export(exported_run, tmp_path, 
 
 
 def test_int8_ranges_are_7_bit_only_on_an_x86_cpu_without_vnni(monkeypatch):
-    from anytime.precision import model
+    from anytime.precision import int8, model
 
     monkeypatch.setattr(model.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
-    assert model.x86_without_vnni() and model.backend_for("int8", torch.device("cpu")) == model.X86_7BIT
+    assert int8.x86_without_vnni() and model.backend_for("int8", torch.device("cpu")) == model.X86_7BIT
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
-    assert not model.x86_without_vnni() and model.backend_for("int8", torch.device("cpu")) == model.X86_FULL
+    assert not int8.x86_without_vnni() and model.backend_for("int8", torch.device("cpu")) == model.X86_FULL
     monkeypatch.setattr(model.platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
-    assert not model.x86_without_vnni()
+    assert not int8.x86_without_vnni()
 
 
 def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
     import onnx
 
-    from anytime.precision.model import quantizable_layers
+    from anytime.precision.int8 import quantizable_layers
 
     model = _families()["plain"].eval()
     first = quantizable_layers(model)[0]
@@ -539,7 +541,7 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
 
 
 def test_int8_pt2_artifacts_leave_the_layers_named_in_float(tmp_path):
-    from anytime.precision.model import quantizable_layers
+    from anytime.precision.int8 import quantizable_layers
 
     def int8_weights(folder: Path, manifest) -> int:
         graph = torch.export.load(str(folder / manifest.parts[0].file)).graph
@@ -656,7 +658,7 @@ def lenet_run(tmp_path_factory) -> Path:
 
 
 def test_a_size_ratio_bounds_the_weights_the_search_keeps_in_float(lenet_run, tmp_path, cli_error):
-    from anytime.precision.model import quantizable_layers
+    from anytime.precision.int8 import quantizable_layers
     from anytime.tasks.export import TUNING
     from anytime.train.runs import load_run
 

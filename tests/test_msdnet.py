@@ -116,7 +116,8 @@ def test_width_slicing_is_refused_in_one_line():
 )
 def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, precision, tmp_path):
     pytest.importorskip("onnxruntime")
-    from anytime.deploy.export import export_model, load_export
+    from anytime.deploy.export import export_model
+    from anytime.deploy.loader import load_export
 
     torch.manual_seed(0)
     # one exit, where all three scales cross into the next graph: each graph costs seconds to export

@@ -170,7 +170,7 @@ def test_evaluate_reports_accuracy_agreement_and_latency(collected, capsys):
 def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collected, tmp_path, capsys):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from anytime.deploy.export import EXPORT
+    from anytime.deploy.manifest import EXPORT
     from anytime.tasks.export import export_run
     from anytime.utils.outputs import DirState, check_replaceable
 

@@ -332,7 +332,7 @@ def _weights_quantized(converted) -> int:
 
 
 def test_layers_kept_in_float_are_left_out_of_the_int8_graphs(calibration):
-    from anytime.precision.model import quantizable_layers
+    from anytime.precision.int8 import quantizable_layers
 
     model = _families()["exits"].eval()
     first = quantizable_layers(model)[0]

@@ -23,7 +23,7 @@ from anytime.errors import AnytimeError
 
 if TYPE_CHECKING:
     from anytime.calibrate.policy import ExitPolicy
-    from anytime.deploy.export import ExportedModel
+    from anytime.deploy.loader import ExportedModel
 
 _MIN_OPSET = 13  # ReduceSum takes its axes as an input from here on
 _NUMPY_OF_ONNX = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}

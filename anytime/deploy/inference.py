@@ -344,7 +344,7 @@ def inference_form(model: nn.Module, form: InferenceForm, probe: Tensor | None =
     if form.channels_last:
         converted = converted.to(memory_format=torch.channels_last)
     if form.compile:  # each segment and head apart, so early exit still stops after the part it needs
-        from anytime.precision.model import float_parts, layout_of, room_for_compiled_parts
+        from anytime.precision.parts import float_parts, layout_of, room_for_compiled_parts
 
         parts = float_parts(converted) if layout_of(converted) == "exits" else [converted]
         room_for_compiled_parts(len(parts))

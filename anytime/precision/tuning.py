@@ -24,16 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
-from anytime.precision.model import (
-    X86_7BIT,
-    PrecisionModel,
-    backend_for,
-    convert,
-    float_parts,
-    layout_of,
-    quantizable_layers,
-    run_parts,
-)
+from anytime.precision.int8 import quantizable_layers
+from anytime.precision.model import X86_7BIT, PrecisionModel, backend_for, convert
+from anytime.precision.parts import float_parts, layout_of, run_parts
 
 _BATCH = 256
 # Images the simulations rank and order the layers on: some hundred simulations of the whole network decide only

@@ -124,7 +124,8 @@ def inference_memory(run_dir: str, batch_size: int, *, threads: int | None = Non
     """
     from anytime.backbones.base import example_input
     from anytime.contract import run_step, step_count
-    from anytime.deploy.export import MANIFEST, load_export
+    from anytime.deploy.loader import load_export
+    from anytime.deploy.manifest import MANIFEST
     from anytime.train.runs import dataset_input_shape, load_run
 
     if threads is not None:

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from anytime.backbones.base import example_input, takes_tokens
 from anytime.contract import is_incremental, run_step, step_count
 from anytime.errors import AnytimeError
-from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergyReader, EnergySettings, idle_power, measure_energy
+from anytime.profile.energy import BatchEnergy, EnergyMeter, EnergySettings, idle_power, measure_energy
+from anytime.profile.energy_readers import EnergyReader
 from anytime.profile.latency import paused_gc
 from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
@@ -268,7 +269,7 @@ def profile_model(
     measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
     backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
     the steps: tests inject a fake one. ``progress``: a bar on stderr. ``energy`` (a reader from
-    :func:`anytime.profile.energy.open_energy_reader`) adds joules per inference of every step (and exit path) at
+    :func:`anytime.profile.energy_readers.open_energy_reader`) adds joules per inference of every step (and exit path) at
     every batch size, measured as ``energy_settings`` says after the machine's idle power (``sleep`` waits for it).
     ``gap_s`` idles that long before every timed repetition, as a lightly loaded server idles between requests
     (a core that has idled runs the next request slower than one timed back to back). ``suffixes`` (a model with

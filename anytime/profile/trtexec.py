@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anytime.deploy.export import read_manifest
+from anytime.deploy.manifest import read_manifest
 from anytime.errors import AnytimeError
 from anytime.profile.store import BatchLatency, DeviceProfile
 

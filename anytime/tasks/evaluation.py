@@ -39,7 +39,7 @@ def evaluate_run(
     ``RUN/evaluation-SPLIT.json`` (a progress bar on stderr with ``progress``).
 
     ``export``: a folder ``anytime export`` wrote from this run. Early exit then runs as deployed, on the CPU: an
-    ONNX export with the policy compiled into its graphs (:meth:`~anytime.deploy.export.ExportedModel.exit_program`),
+    ONNX export with the policy compiled into its graphs (:meth:`~anytime.deploy.loader.ExportedModel.exit_program`),
     a ``.pt2`` one through its programs; the backbone it is timed against is the export's segments run in turn
     (no heads). Written to ``EXPORT/evaluation-SPLIT.json``."""
     check_split(split)
@@ -79,7 +79,7 @@ def evaluate_run(
 
 def _export_of(run: LoadedRun, folder: Path) -> torch.nn.Module:
     """The export in ``folder``, refused unless it was exported from ``run`` as it is now."""
-    from anytime.deploy.export import load_export
+    from anytime.deploy.loader import load_export
 
     exported = load_export(folder, threads=torch.get_num_threads())
     if exported.manifest.parent_fingerprint != run.fingerprint:

@@ -20,16 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from anytime.contract import step_count
-from anytime.deploy.export import (
-    EXPORT,
-    MANIFEST,
-    ExportedModel,
-    ExportManifest,
-    check_exportable,
-    export_model,
-    float_weight_budget,
-    load_export,
-)
+from anytime.deploy.export import export_model, float_weight_budget
+from anytime.deploy.loader import ExportedModel, load_export
+from anytime.deploy.manifest import EXPORT, MANIFEST, ExportManifest, check_exportable
 from anytime.errors import AnytimeError
 from anytime.precision import backend_for
 from anytime.precision.tuning import Int8Tuning, search_float_layers

@@ -14,7 +14,8 @@ from anytime.calibrate import (
     ExitPolicy,
 )
 from anytime.errors import AnytimeError
-from anytime.profile.energy import EnergySettings, open_energy_reader
+from anytime.profile.energy import EnergySettings
+from anytime.profile.energy_readers import open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, Steadiness, device_slug
 from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
 from anytime.scheduler.query import (
@@ -94,7 +95,7 @@ def profile_run(
     calibrated policy consulted on the way through the heads where it has one), requests spaced by idle gaps of
     mean ``answer_gap_ms`` (0: back to back; None: no prices, the model's own latencies price the options).
     """
-    from anytime.deploy.export import MANIFEST
+    from anytime.deploy.manifest import MANIFEST
     from anytime.profile import DEFAULT_BATCH_SIZES, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
@@ -210,7 +211,7 @@ def _export_target(
     folder: str | Path, device: str, train: bool
 ) -> tuple[torch.nn.Module, tuple[int, ...], str, str, int, torch.device]:
     """An export's artifacts as ``profile_run`` measures them: on the CPU (ONNX through ONNX Runtime)."""
-    from anytime.deploy.export import load_export
+    from anytime.deploy.loader import load_export
 
     if train:
         raise AnytimeError(f"{folder} is an export (inference artifacts); profile training with its float run")

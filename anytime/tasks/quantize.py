@@ -24,12 +24,13 @@ from anytime.data import make_loader
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
 from anytime.precision import backend_for, convert
-from anytime.precision.model import graph_state, layout_of, prepare_qat, run_parts
+from anytime.precision.int8 import graph_state, prepare_qat
+from anytime.precision.parts import layout_of, run_parts
 from anytime.precision.tuning import tune_int8
+from anytime.train.evaluation import evaluate_exits
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
 from anytime.train.splits import run_splits
-from anytime.train.trainer import evaluate_exits
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
