@@ -102,7 +102,8 @@ def main() -> int:
     evaluation = evaluate_run(run_dir, latency_samples=latency_samples, form=args.form)
     plot_run(run_dir)
     val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]
-    lat = evaluation["latency"]
+    lat = evaluation.latency
+    assert lat is not None  # test images were timed
     print(
         f"last exit alone: test {100 * test['last_exit_accuracy']:.2f}% (validation {100 * val['last_exit_accuracy']:.2f}%)"
     )
@@ -113,23 +114,24 @@ def main() -> int:
               f"{c['validation']['flops_ratio']:.3f}x FLOPs; test {100 * c['test']['accuracy']:.2f}% at "
               f"{c['test']['flops_ratio']:.3f}x")  # fmt: skip
     print(f"chosen on validation: {best}, thresholds {chosen['policy']['thresholds']}")
-    print(f"test with real early exit: {100 * evaluation['accuracy']:.2f}% "
-          f"({100 * (evaluation['accuracy'] - test['last_exit_accuracy']):+.2f} points vs the last exit), "
-          f"{evaluation['flops_ratio']:.3f}x FLOPs ({1 / evaluation['flops_ratio']:.2f}x fewer), "
-          f"exit shares {[round(s, 3) for s in evaluation['exit_share']]}")  # fmt: skip
-    print(f"latency per image at batch 1 over {lat['early_exit']['count']} test images: early exit "
-          f"{lat['early_exit']['mean_ms']:.3f} ms (p99 {lat['early_exit']['p99_ms']:.3f}), backbone "
-          f"{lat['backbone']['mean_ms']:.3f} ms (p99 {lat['backbone']['p99_ms']:.3f}) -> {lat['speedup']:.2f}x")  # fmt: skip
+    print(f"test with real early exit: {100 * evaluation.accuracy:.2f}% "
+          f"({100 * (evaluation.accuracy - test['last_exit_accuracy']):+.2f} points vs the last exit), "
+          f"{evaluation.flops_ratio:.3f}x FLOPs ({1 / evaluation.flops_ratio:.2f}x fewer), "
+          f"exit shares {[round(s, 3) for s in evaluation.exit_share]}")  # fmt: skip
+    print(f"latency per image at batch 1 over {lat.early_exit.count} test images: early exit "
+          f"{lat.early_exit.mean_ms:.3f} ms (p99 {lat.early_exit.p99_ms:.3f}), backbone "
+          f"{lat.backbone.mean_ms:.3f} ms (p99 {lat.backbone.p99_ms:.3f}) -> {lat.speedup:.2f}x")  # fmt: skip
     figures = {
         "run": str(run_dir), "form": args.form, "combine_exits": chosen["policy"].get("combine"),
         "threads": torch.get_num_threads(), "selection": chosen.get("selection"), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
-        "last_exit_test_acc": test["last_exit_accuracy"], "test_acc": evaluation["accuracy"],
+        "last_exit_test_acc": test["last_exit_accuracy"], "test_acc": evaluation.accuracy,
         "val_acc": val["accuracy"], "last_exit_val_acc": val["last_exit_accuracy"],
-        "flops_ratio": evaluation["flops_ratio"], "oracle_flops_ratio": oracle["flops_ratio"],
-        "exit_share": evaluation["exit_share"], "latency": lat, "agreement": evaluation.get("agreement_with_cache"),
+        "flops_ratio": evaluation.flops_ratio, "oracle_flops_ratio": oracle["flops_ratio"],
+        "exit_share": list(evaluation.exit_share), "latency": lat.to_dict(),
+        "agreement": evaluation.to_dict().get("agreement_with_cache"),
         "candidates": {c: {"validation": v["validation"], "test": v["test"]} for c, v in candidates.items()},
     }  # fmt: skip
-    accuracy, speedup = evaluation["accuracy"], lat["speedup"]
+    accuracy, speedup = evaluation.accuracy, lat.speedup
     if args.onnx:
         deployed = onnx_early_exit(run_dir, ExitPolicy.from_dict(chosen["policy"]), latency_samples)
         figures["onnx"] = deployed

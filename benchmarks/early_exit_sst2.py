@@ -68,22 +68,25 @@ def main() -> int:
               f"{c['validation']['flops_ratio']:.3f}x FLOPs")  # fmt: skip
     print(f"chosen on validation: {best}, thresholds {chosen['policy']['thresholds']}")
     for split, evaluation in evaluations.items():
-        lat = evaluation["latency"]
-        print(f"{split}: real early exit {100 * evaluation['accuracy']:.2f}% "
-              f"({100 * (evaluation['accuracy'] - exits[split][-1]):+.2f} points vs the last exit), "
-              f"{evaluation['flops_ratio']:.3f}x FLOPs, exit shares {[round(s, 3) for s in evaluation['exit_share']]}; "
-              f"batch 1 over {lat['early_exit']['count']} sentences: {lat['early_exit']['mean_ms']:.3f} ms against "
-              f"{lat['backbone']['mean_ms']:.3f} ms -> {lat['speedup']:.2f}x")  # fmt: skip
-    speedup = evaluations["test"]["latency"]["speedup"]
+        lat = evaluation.latency
+        assert lat is not None  # every split's sentences were timed
+        print(f"{split}: real early exit {100 * evaluation.accuracy:.2f}% "
+              f"({100 * (evaluation.accuracy - exits[split][-1]):+.2f} points vs the last exit), "
+              f"{evaluation.flops_ratio:.3f}x FLOPs, exit shares {[round(s, 3) for s in evaluation.exit_share]}; "
+              f"batch 1 over {lat.early_exit.count} sentences: {lat.early_exit.mean_ms:.3f} ms against "
+              f"{lat.backbone.mean_ms:.3f} ms -> {lat.speedup:.2f}x")  # fmt: skip
+    timed = evaluations["test"].latency
+    assert timed is not None
+    speedup = timed.speedup
     train_ok = summary["wall_time_s"] <= TRAIN_BUDGET_S
-    drop_ok = all(exits[s][-1] - evaluations[s]["accuracy"] <= MAX_DROP / 100 for s in evaluations)
+    drop_ok = all(exits[s][-1] - evaluations[s].accuracy <= MAX_DROP / 100 for s in evaluations)
     figures = {
         "run": str(run_dir), "threads": torch.get_num_threads(), "criterion": best,
         "thresholds": chosen["policy"]["thresholds"], "exit_accuracy": exits, "last_exit_dev_acc": last_dev,
         "train_time_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
         "epochs": summary["epochs"], "cnn_rand_test_acc": CNN_RAND,
-        "evaluations": {s: {k: e[k] for k in ("accuracy", "flops_ratio", "exit_share", "latency",
-                                              "agreement_with_cache")} for s, e in evaluations.items()},
+        "evaluations": {s: {k: e.to_dict()[k] for k in ("accuracy", "flops_ratio", "exit_share", "latency",
+                                                        "agreement_with_cache")} for s, e in evaluations.items()},
         "candidates": {c: {"validation": v["validation"], "test": v["test"]} for c, v in candidates.items()},
         "targets": {"speedup": speedup >= TARGET, "last_exit_dev": last_dev >= DEV_TARGET, "train_30_min": train_ok,
                     "within_1_point": drop_ok},

@@ -155,16 +155,16 @@ def measure(data: DataSet, run_dir: Path, quick: bool) -> Row:
         raise AnytimeError(f"{run_dir} has no baseline in its summary; train it again with this version")
     _, best, _ = calibrate_criteria(run_dir, max_drop=MAX_DROP)
     evaluation = evaluate_run(run_dir, split="test", latency_samples=50 if quick else LATENCY_SAMPLES)
-    latency = evaluation["latency"]
+    latency = evaluation.latency
+    assert latency is not None  # test samples were timed
     return Row(
         name=data.name, model=summary["model"], epochs=int(summary["epochs"]), train_s=float(summary["train_time_s"]),
         augment=str(summary.get("augment") or "none"),
         exits=tuple(float(e["test_acc"]) for e in summary["exits"]),
         baseline_kind=str(baseline["description"]), baseline=float(baseline["test_acc"]),
-        early_exit=float(evaluation["accuracy"]), criterion=best,
-        exit_share=tuple(round(float(s), 4) for s in evaluation["exit_share"]),
-        speedup=float(latency["speedup"]), early_ms=float(latency["early_exit"]["mean_ms"]),
-        backbone_ms=float(latency["backbone"]["mean_ms"]),
+        early_exit=evaluation.accuracy, criterion=best,
+        exit_share=tuple(round(s, 4) for s in evaluation.exit_share),
+        speedup=latency.speedup, early_ms=latency.early_exit.mean_ms, backbone_ms=latency.backbone.mean_ms,
     )  # fmt: skip
 
 

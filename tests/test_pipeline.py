@@ -18,7 +18,7 @@ from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, load_cache
 from anytime.tasks.calibration import calibrate_run
 from anytime.tasks.collect import collect_run
-from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.evaluation import Agreement, evaluate_run
 from anytime.tasks.plots import plot_run
 from anytime.tasks.profiling import profile_run
 from anytime.tasks.sweep import sweep_run
@@ -159,12 +159,12 @@ def test_evaluate_reports_accuracy_agreement_and_latency(collected, capsys):
     calibrate_run(collected, max_drop=1.0)
     report = evaluate_run(collected, latency_samples=230, progress=True)  # latency timed in chunks of 100
     assert "evaluate test" in capsys.readouterr().err  # the progress bar, on stderr
-    assert report["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
-    assert report["samples"] == 359 and sum(report["exit_share"]) == pytest.approx(1)
-    lat = report["latency"]
-    assert lat["early_exit"]["count"] == 230 and lat["backbone"]["count"] == 230
-    assert lat["early_exit"]["p99_ms"] >= lat["early_exit"]["p50_ms"] > 0
-    assert (collected / "evaluation-test.json").is_file()
+    assert report.agreement_with_cache == Agreement(exits=1.0, predictions=1.0)
+    assert report.samples == 359 and sum(report.exit_share) == pytest.approx(1)
+    lat = report.latency
+    assert lat is not None and lat.early_exit.count == 230 and lat.backbone.count == 230
+    assert lat.early_exit.p99_ms >= lat.early_exit.p50_ms > 0
+    assert json.loads((collected / "evaluation-test.json").read_text()) == json.loads(json.dumps(report.to_dict()))
 
 
 def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collected, tmp_path, capsys):
@@ -184,7 +184,7 @@ def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collec
     assert report["compiled_policy"] and report["form"].startswith("export: onnx fp32 (onnxruntime")
     # ONNX Runtime's logits differ from PyTorch's in the last bits: a sample on a threshold may tip
     assert report["agreement_with_cache"]["exits"] >= 0.99 and report["samples"] == 359
-    assert report["accuracy"] == pytest.approx(evaluate_run(collected, latency_samples=0)["accuracy"], abs=0.01)
+    assert report["accuracy"] == pytest.approx(evaluate_run(collected, latency_samples=0).accuracy, abs=0.01)
     assert report["latency"]["turn"] == 50 and report["latency"]["early_exit"]["count"] == 60
     # the export keeps counting the evaluation as its own: replacing the export is not refused over it
     assert check_replaceable(export, EXPORT, overwrite=True) is DirState.OURS
@@ -447,8 +447,8 @@ def test_calibrate_combine_exits_from_the_cli_then_evaluate(collected, capsys, t
     assert report["policy"]["combine"] is not None and len(report["combined_steps"]) == 3
     assert report["validation"]["accuracy"] >= report["validation"]["last_exit_accuracy"] - 0.01 - 1e-12
     evaluation = evaluate_run(run, latency_samples=0)
-    assert evaluation["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
-    assert evaluation["accuracy"] == pytest.approx(report["test"]["accuracy"])
+    assert evaluation.agreement_with_cache == Agreement(exits=1.0, predictions=1.0)
+    assert evaluation.accuracy == pytest.approx(report["test"]["accuracy"])
     code, out, err = _run(capsys, "calibrate", run, "--max-drop", "1", "--combine-exits", "--temperature")
     _one_line_error(code, err, "--combine-exits", "--temperature")
 
@@ -466,8 +466,8 @@ def test_a_learned_policy_from_the_cli_through_evaluation_sweeps_and_the_runtime
     report = json.loads((run / "calibration.json").read_text())
     assert report["policy"]["criterion"] == "learned" and report["policy"]["gates"]["features"] == list(GATE_FEATURES)
     evaluation = evaluate_run(run, latency_samples=0)
-    assert evaluation["agreement_with_cache"] == {"exits": 1.0, "predictions": 1.0}
-    assert evaluation["accuracy"] == pytest.approx(report["test"]["accuracy"])
+    assert evaluation.agreement_with_cache == Agreement(exits=1.0, predictions=1.0)
+    assert evaluation.accuracy == pytest.approx(report["test"]["accuracy"])
     code, out, err = _run(capsys, "sweep", run, "--split", "test", "--criterion", "learned", "--json")
     assert code == 0, err
     profile_run(run, batch_sizes=[1, 4], repeats=5, warmup=1, memory=False)

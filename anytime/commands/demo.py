@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
           f"({cal['policy']['criterion']} thresholds {thresholds}):")  # fmt: skip
     print_policy_figures("  validation", cal["validation"])
     print_policy_figures("  test", cal["test"])
-    lat = ev["latency"]
-    print(f"real early exit on the test split: {100 * ev['accuracy']:.2f}%, {lat['speedup']:.2f}x faster per sample "
-          f"at batch 1 than the plain backbone ({lat['early_exit']['mean_ms']:.2f} vs "
-          f"{lat['backbone']['mean_ms']:.2f} ms)")  # fmt: skip
+    lat = ev.latency
+    assert lat is not None  # the demo times its test samples
+    print(f"real early exit on the test split: {100 * ev.accuracy:.2f}%, {lat.speedup:.2f}x faster per sample "
+          f"at batch 1 than the plain backbone ({lat.early_exit.mean_ms:.2f} vs {lat.backbone.mean_ms:.2f} ms)")  # fmt: skip
     print(f"deadlines at batch 1: the runtime's promise and what it delivered to {DEMO_REQUESTS} test images one at a "
           "time (Poisson arrivals):")  # fmt: skip
     for line in promise_lines(result.deadlines):

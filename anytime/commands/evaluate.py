@@ -45,26 +45,24 @@ def run(args: argparse.Namespace) -> int:
                           latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty(),
                           export=args.export)  # fmt: skip
     if args.json:
-        return print_json(report)
-    shares = " ".join(f"{100 * s:.1f}" for s in report["exit_share"])
+        return print_json(report.to_dict())
+    shares = " ".join(f"{100 * s:.1f}" for s in report.exit_share)
     if args.export:
-        compiled = "the policy compiled into its graphs" if report["compiled_policy"] else "the policy in PyTorch"
-        print(f"{args.export} ({report['form'].removeprefix('export: ')}), {compiled}")
-    print(f"real early exit on {report['samples']} {args.split} samples: accuracy {100 * report['accuracy']:.2f}%, "
-          f"FLOPs {report['flops_ratio']:.3f}x of the backbone, exits % [{shares}]")  # fmt: skip
-    if "agreement_with_cache" in report:
-        a = report["agreement_with_cache"]
-        print(
-            f"agreement with the cached sweep: exits {100 * a['exits']:.2f}%, predictions {100 * a['predictions']:.2f}%"
-        )
-    if "latency" in report:
-        lat = report["latency"]
-        e, b = lat["early_exit"], lat["backbone"]
-        print(f"latency per sample at batch 1 ({e['count']} samples, {report['torch_threads']} threads, "
-              f"{report['device']}):")  # fmt: skip
-        print(f"  early exit {e['mean_ms']:.3f} ms mean, p50 {e['p50_ms']:.3f}, p99 {e['p99_ms']:.3f}")
+        compiled = "the policy compiled into its graphs" if report.compiled_policy else "the policy in PyTorch"
+        print(f"{args.export} ({report.form.removeprefix('export: ')}), {compiled}")
+    print(f"real early exit on {report.samples} {args.split} samples: accuracy {100 * report.accuracy:.2f}%, "
+          f"FLOPs {report.flops_ratio:.3f}x of the backbone, exits % [{shares}]")  # fmt: skip
+    if report.agreement_with_cache is not None:
+        a = report.agreement_with_cache
+        print(f"agreement with the cached sweep: exits {100 * a.exits:.2f}%, predictions {100 * a.predictions:.2f}%")
+    if report.latency is not None:
+        lat = report.latency
+        e, b = lat.early_exit, lat.backbone
+        print(f"latency per sample at batch 1 ({e.count} samples, {report.torch_threads} threads, "
+              f"{report.device}):")  # fmt: skip
+        print(f"  early exit {e.mean_ms:.3f} ms mean, p50 {e.p50_ms:.3f}, p99 {e.p99_ms:.3f}")
         backbone = "segments " if args.export else "backbone "  # an export's plain network is its segments in turn
-        print(f"  {backbone}  {b['mean_ms']:.3f} ms mean, p50 {b['p50_ms']:.3f}, p99 {b['p99_ms']:.3f}")
-        print(f"  speed-up   {lat['speedup']:.2f}x (mean latency)")
+        print(f"  {backbone}  {b.mean_ms:.3f} ms mean, p50 {b.p50_ms:.3f}, p99 {b.p99_ms:.3f}")
+        print(f"  speed-up   {lat.speedup:.2f}x (mean latency)")
     print(f"saved to {Path(args.export or args.run) / f'evaluation-{args.split}.json'}")
     return 0

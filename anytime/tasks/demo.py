@@ -23,7 +23,7 @@ from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
 from anytime.tasks.calibration import calibrate_run
 from anytime.tasks.collect import collect_run
-from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.evaluation import EvaluationReport, evaluate_run
 from anytime.tasks.plots import plot_run
 from anytime.tasks.profiling import profile_run
 from anytime.tasks.promises import PromiseCheck, check_promises
@@ -52,7 +52,7 @@ class DemoResult:
     summary: dict[str, Any]
     batch_time: list[dict[str, float]]
     calibration: dict[str, Any]
-    evaluation: dict[str, Any]
+    evaluation: EvaluationReport
     deadlines: PromiseCheck
     files: list[Path]
 
@@ -81,7 +81,7 @@ def _deadlines(run_dir: Path) -> PromiseCheck:
 
 def _run(
     work: Path, config: TrainConfig, progress: bool
-) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any], dict[str, Any], PromiseCheck]:
+) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any], EvaluationReport, PromiseCheck]:
     run_dir = work / "run"
     splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,124 @@ from anytime.utils.memory import hold_freed_memory
 from anytime.utils.outputs import check_output_file, output_lock
 
 
+@dataclass(frozen=True)
+class LatencyFigures:
+    """One way of answering's batch-1 latency over the samples timed (milliseconds; the medians' and p99s' 95%
+    bootstrap intervals)."""
+
+    mean_ms: float
+    std_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    count: int
+    p50_ci95_ms: tuple[float, float]
+    p99_ci95_ms: tuple[float, float]
+
+    @classmethod
+    def of(cls, seconds: np.ndarray) -> LatencyFigures:
+        """The figures of a sample of latencies in seconds."""
+        from anytime.profile import latency_summary
+
+        d = latency_summary(seconds)
+        lo50, hi50 = d["p50_ci95_ms"]  # type: ignore[misc]
+        lo99, hi99 = d["p99_ci95_ms"]  # type: ignore[misc]
+        return cls(float(d["mean_ms"]), float(d["std_ms"]), float(d["p50_ms"]), float(d["p90_ms"]),  # type: ignore[arg-type]
+                   float(d["p99_ms"]), int(d["count"]), (lo50, hi50), (lo99, hi99))  # type: ignore[arg-type]  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, as ``latency_summary`` writes it."""
+        return {"mean_ms": self.mean_ms, "std_ms": self.std_ms, "p50_ms": self.p50_ms, "p90_ms": self.p90_ms,
+                "p99_ms": self.p99_ms, "count": self.count, "p50_ci95_ms": list(self.p50_ci95_ms),
+                "p99_ci95_ms": list(self.p99_ci95_ms)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LatencyComparison:
+    """Early exit against the plain backbone at batch 1, the same samples timed taking turns of ``turn``."""
+
+    early_exit: LatencyFigures
+    backbone: LatencyFigures
+    turn: int
+    batch_size: int = 1
+
+    @property
+    def mean_ratio(self) -> float:
+        """Early exit's mean latency over the backbone's."""
+        return self.early_exit.mean_ms / self.backbone.mean_ms
+
+    @property
+    def speedup(self) -> float:
+        """The backbone's mean latency over early exit's."""
+        return self.backbone.mean_ms / self.early_exit.mean_ms if self.early_exit.mean_ms > 0 else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, with the ratio and the speed-up."""
+        return {"batch_size": self.batch_size, "turn": self.turn, "early_exit": self.early_exit.to_dict(),
+                "backbone": self.backbone.to_dict(), "mean_ratio": self.mean_ratio, "speedup": self.speedup}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How often real early exit left where the cached sweep says it leaves, and answered as it says."""
+
+    exits: float
+    predictions: float
+
+
+@dataclass(frozen=True)
+class EvaluationReport:
+    """Real early exit on a split with a calibrated policy (``RUN/evaluation-SPLIT.json``): accuracy, where
+    samples left, mean FLOPs against the backbone's, agreement with the cached sweep (when the split was
+    collected), the batch-1 latency against the backbone (when timed), and what ran where."""
+
+    run: str
+    split: str
+    policy: ExitPolicy
+    samples: int
+    accuracy: float
+    exit_share: tuple[float, ...]
+    mean_flops: float
+    base_flops: int
+    form: str
+    machine: dict[str, Any]
+    device: str
+    torch_threads: int
+    git_sha: str | None
+    agreement_with_cache: Agreement | None = None
+    latency: LatencyComparison | None = None
+    export: str | None = None  # the export folder that ran, if one did
+    compiled_policy: bool | None = None  # an export's: whether the policy ran compiled into its graphs
+
+    @property
+    def flops_ratio(self) -> float:
+        """Mean FLOPs per sample over the backbone's."""
+        return self.mean_flops / self.base_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, as written to the evaluation file."""
+        d: dict[str, Any] = {
+            "run": self.run, "split": self.split, "policy": self.policy.to_dict(), "samples": self.samples,
+            "accuracy": self.accuracy, "exit_share": list(self.exit_share), "mean_flops": self.mean_flops,
+            "base_flops": self.base_flops, "flops_ratio": self.flops_ratio,
+        }  # fmt: skip
+        if self.agreement_with_cache is not None:
+            d["agreement_with_cache"] = {"exits": self.agreement_with_cache.exits,
+                                         "predictions": self.agreement_with_cache.predictions}  # fmt: skip
+        if self.latency is not None:
+            d["latency"] = self.latency.to_dict()
+        d.update(machine=self.machine, device=self.device, torch_threads=self.torch_threads, git_sha=self.git_sha,
+                 form=self.form)  # fmt: skip
+        if self.export is not None:
+            d.update(export=self.export, compiled_policy=self.compiled_policy)
+        return d
+
+
 def evaluate_run(
     run_dir: str | Path, *, calibration: str | Path | None = None, split: str = "test", device: str = "cpu",
     latency_samples: int = 1000, batch_size: int = 256, form: str = "eager", progress: bool = False,
     export: str | Path | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> EvaluationReport:  # fmt: skip
     """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
     with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
     backbone (the same samples, taking turns in runs of 50-100), both in the inference ``form``. Written to
@@ -66,14 +180,11 @@ def evaluate_run(
     target = check_output_file(folder / f"evaluation-{split}.json", what="evaluation", flag="")
     with output_lock(target):
         report = _evaluate(run, model, policy, split, latency_samples, batch_size, progress)
-        if export is None:
-            report["form"] = run.form
-        else:
+        if export is not None:
             manifest = model.manifest  # type: ignore[union-attr]
-            report["form"] = f"export: {manifest.format} {manifest.precision} ({model.backend})"  # type: ignore[union-attr]
-            report["export"] = str(export)
-            report["compiled_policy"] = model.exit_program(policy) is not None  # type: ignore[union-attr,operator]
-        write_json(target, report)
+            report = replace(report, form=f"export: {manifest.format} {manifest.precision} ({model.backend})",  # type: ignore[union-attr]
+                             export=str(export), compiled_policy=model.exit_program(policy) is not None)  # type: ignore[union-attr,operator]  # fmt: skip
+        write_json(target, report.to_dict())
     return report
 
 
@@ -89,7 +200,7 @@ def _export_of(run: LoadedRun, folder: Path) -> torch.nn.Module:
 
 
 def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, split: str, latency_samples: int,
-              batch_size: int, progress: bool = False) -> dict[str, Any]:  # fmt: skip
+              batch_size: int, progress: bool = False) -> EvaluationReport:  # fmt: skip
     from anytime.utils.progress import progress_bar
 
     run_dir = run.run_dir
@@ -114,33 +225,29 @@ def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, split:
     cost = policy.leave_costs(torch.tensor([e.flops for e in info], dtype=torch.float64),
                               torch.tensor([e.cost_flops for e in info], dtype=torch.float64)).numpy()  # fmt: skip
     base = int(run.model.backbone_flops)  # type: ignore[union-attr]
-    report: dict[str, Any] = {
-        "run": str(run_dir), "split": split, "policy": policy.to_dict(), "samples": int(truth.size),
-        "accuracy": float((pred == truth).mean()),
-        "exit_share": (np.bincount(exit_of, minlength=run.num_steps) / truth.size).tolist(),
-        "mean_flops": float(cost[exit_of].mean()), "base_flops": base,
-    }  # fmt: skip
-    report["flops_ratio"] = report["mean_flops"] / base
+    agreement = None
     if cache_path(run_dir, split).is_file():
         cache = load_cache(run_dir, split, fingerprint=run.fingerprint)
         cached_exit = policy.assign(cache)
         cache = policy.seen_by(cache)
         cached_pred = cache.logits[cached_exit, np.arange(cache.num_samples)].argmax(axis=1)
-        report["agreement_with_cache"] = {"exits": float((cached_exit == exit_of).mean()),
-                                          "predictions": float((cached_pred == pred).mean())}  # fmt: skip
+        agreement = Agreement(float((cached_exit == exit_of).mean()), float((cached_pred == pred).mean()))
+    latency = None
     if latency_samples > 0:  # a random sample: an image folder's split is stored class by class
         chosen = data.sample(latency_samples, seed=run.config.seed)
         if splits.info.modality == "text":  # every sentence timed at its own length, unpadded
             timed = make_loader(chosen, splits.info, batch_size=1, train=False, seed=run.config.seed)
-            report["latency"] = _latency(model, policy, [x.to(run.device) for x, _ in timed], progress)
+            latency = _latency(model, policy, [x.to(run.device) for x, _ in timed], progress)
         else:
             timed = make_loader(chosen, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
-            report["latency"] = _latency(model, policy, torch.cat([x for x, _ in timed]).to(run.device), progress)
-    report["machine"] = describe_machine()
-    report["device"] = device_label(run.device)
-    report["torch_threads"] = torch.get_num_threads()
-    report["git_sha"] = git_sha()
-    return report
+            latency = _latency(model, policy, torch.cat([x for x, _ in timed]).to(run.device), progress)
+    return EvaluationReport(
+        run=str(run_dir), split=split, policy=policy, samples=int(truth.size), accuracy=float((pred == truth).mean()),
+        exit_share=tuple(float(v) for v in np.bincount(exit_of, minlength=run.num_steps) / truth.size),
+        mean_flops=float(cost[exit_of].mean()), base_flops=base, form=run.form, machine=describe_machine(),
+        device=device_label(run.device), torch_threads=torch.get_num_threads(), git_sha=git_sha(),
+        agreement_with_cache=agreement, latency=latency,
+    )  # fmt: skip
 
 
 _LATENCY_CHUNK = 100  # samples timed between two moves of the progress bar
@@ -148,8 +255,8 @@ _LATENCY_TURN = 50  # per_sample_latency's turns: each way of answering then run
 
 
 def _latency(model: torch.nn.Module, policy: ExitPolicy, images: torch.Tensor | list[torch.Tensor],
-             progress: bool = False) -> dict[str, Any]:  # fmt: skip
-    from anytime.profile import latency_summary, per_sample_latency
+             progress: bool = False) -> LatencyComparison:  # fmt: skip
+    from anytime.profile import per_sample_latency
     from anytime.utils.progress import progress_bar
 
     functions = {"early_exit": policy.runner(model), "backbone": lambda x: model.backbone(x)}  # type: ignore[union-attr]
@@ -165,7 +272,5 @@ def _latency(model: torch.nn.Module, policy: ExitPolicy, images: torch.Tensor | 
     finally:
         bar.close()
     times = {name: np.concatenate(values) for name, values in chunks.items()}
-    early, plain = latency_summary(times["early_exit"]), latency_summary(times["backbone"])
-    return {"batch_size": 1, "turn": _LATENCY_TURN, "early_exit": early, "backbone": plain,
-            "mean_ratio": early["mean_ms"] / plain["mean_ms"],
-            "speedup": plain["mean_ms"] / early["mean_ms"] if early["mean_ms"] > 0 else math.nan}  # fmt: skip
+    return LatencyComparison(LatencyFigures.of(times["early_exit"]), LatencyFigures.of(times["backbone"]),
+                             turn=_LATENCY_TURN)  # fmt: skip
