@@ -154,7 +154,7 @@ def calibrate_criteria(
     criteria = [c for c in CRITERIA if not (combine and get_criterion(c).stateful)]
     candidates = {c: calibrate_run(run_dir, max_drop=max_drop, criterion=c, out=run_dir / f"calibration-{c}.json",
                                    combine=combine) for c in criteria}  # fmt: skip
-    best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
+    best = min(candidates, key=lambda c: candidates[c].validation.result.mean_flops)
     return candidates, best, calibrate_run(run_dir, max_drop=max_drop, criterion=best, combine=combine)
 
 

@@ -55,7 +55,6 @@ import numpy as np
 import torch
 from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
-from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.plotting import plot_deadline_runs
 from anytime.scheduler import AnytimeRunner
@@ -203,7 +202,7 @@ def main() -> int:
     profile, profile_path = profiles[default_threads]
     loaded = load_run(run_dir, form=args.form)
     model = loaded.model
-    policy = None if args.no_policy else ExitPolicy.from_dict(chosen["policy"])
+    policy = None if args.no_policy else chosen.policy
     images, labels = _test_images(run_dir, max(count, hindsight_count))
     with torch.inference_mode():
         logits = torch.cat([model.forward_all(images[i : min(i + 250, count)]) for i in range(0, count, 250)], dim=1)  # type: ignore[operator]

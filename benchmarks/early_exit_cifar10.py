@@ -96,12 +96,14 @@ def main() -> int:
                     out=profile_path)  # fmt: skip
         chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best, select=True, profile=profile_path,
                                combine=args.combine_exits)  # fmt: skip
-        selection = chosen["selection"]
-        print(f"exit selection ({best}, costed by {profile_path.name}): kept exits {selection['exits']}, "
-              f"predicted {selection['test_speedup']:.2f}x on test from the profile's times")  # fmt: skip
+        selection = chosen.selection
+        assert selection is not None and selection.test_speedup is not None  # selected, and the test split collected
+        print(f"exit selection ({best}, costed by {profile_path.name}): kept exits {list(selection.exits)}, "
+              f"predicted {selection.test_speedup:.2f}x on test from the profile's times")  # fmt: skip
     evaluation = evaluate_run(run_dir, latency_samples=latency_samples, form=args.form)
     plot_run(run_dir)
-    val, test, oracle = chosen["validation"], chosen["test"], chosen["oracle"]["test"]
+    val, test, oracle = chosen.validation.to_dict(), chosen.to_dict()["test"], chosen.oracle["test"]
+    assert test is not None and oracle is not None  # the test split is collected
     lat = evaluation.latency
     assert lat is not None  # test images were timed
     print(
@@ -110,10 +112,11 @@ def main() -> int:
     print(f"oracle (first correct exit): {100 * oracle['accuracy']:.2f}% at {oracle['flops_ratio']:.3f}x FLOPs "
           f"= {oracle['flops_speedup']:.2f}x fewer (the ceiling)")  # fmt: skip
     for criterion, c in candidates.items():
-        print(f"  {criterion:<19} validation {100 * c['validation']['accuracy']:.2f}% at "
-              f"{c['validation']['flops_ratio']:.3f}x FLOPs; test {100 * c['test']['accuracy']:.2f}% at "
-              f"{c['test']['flops_ratio']:.3f}x")  # fmt: skip
-    print(f"chosen on validation: {best}, thresholds {chosen['policy']['thresholds']}")
+        ctest = c.to_dict()["test"]
+        print(f"  {criterion:<19} validation {100 * c.validation.accuracy:.2f}% at "
+              f"{c.validation.result.flops_ratio:.3f}x FLOPs; test {100 * ctest['accuracy']:.2f}% at "
+              f"{ctest['flops_ratio']:.3f}x")  # fmt: skip
+    print(f"chosen on validation: {best}, thresholds {list(chosen.policy.thresholds)}")
     print(f"test with real early exit: {100 * evaluation.accuracy:.2f}% "
           f"({100 * (evaluation.accuracy - test['last_exit_accuracy']):+.2f} points vs the last exit), "
           f"{evaluation.flops_ratio:.3f}x FLOPs ({1 / evaluation.flops_ratio:.2f}x fewer), "
@@ -122,18 +125,19 @@ def main() -> int:
           f"{lat.early_exit.mean_ms:.3f} ms (p99 {lat.early_exit.p99_ms:.3f}), backbone "
           f"{lat.backbone.mean_ms:.3f} ms (p99 {lat.backbone.p99_ms:.3f}) -> {lat.speedup:.2f}x")  # fmt: skip
     figures = {
-        "run": str(run_dir), "form": args.form, "combine_exits": chosen["policy"].get("combine"),
-        "threads": torch.get_num_threads(), "selection": chosen.get("selection"), "criterion": best, "thresholds": chosen["policy"]["thresholds"],
+        "run": str(run_dir), "form": args.form, "combine_exits": chosen.policy.to_dict()["combine"],
+        "threads": torch.get_num_threads(), "selection": chosen.to_dict().get("selection"), "criterion": best,
+        "thresholds": list(chosen.policy.thresholds),
         "last_exit_test_acc": test["last_exit_accuracy"], "test_acc": evaluation.accuracy,
         "val_acc": val["accuracy"], "last_exit_val_acc": val["last_exit_accuracy"],
         "flops_ratio": evaluation.flops_ratio, "oracle_flops_ratio": oracle["flops_ratio"],
         "exit_share": list(evaluation.exit_share), "latency": lat.to_dict(),
         "agreement": evaluation.to_dict().get("agreement_with_cache"),
-        "candidates": {c: {"validation": v["validation"], "test": v["test"]} for c, v in candidates.items()},
+        "candidates": {c: {k: v.to_dict()[k] for k in ("validation", "test")} for c, v in candidates.items()},
     }  # fmt: skip
     accuracy, speedup = evaluation.accuracy, lat.speedup
     if args.onnx:
-        deployed = onnx_early_exit(run_dir, ExitPolicy.from_dict(chosen["policy"]), latency_samples)
+        deployed = onnx_early_exit(run_dir, chosen.policy, latency_samples)
         figures["onnx"] = deployed
         accuracy, speedup = deployed["accuracy"], deployed["speedup"]
         print(f"ONNX Runtime, the policy compiled into the graphs: test {100 * accuracy:.2f}% "

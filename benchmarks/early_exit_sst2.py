@@ -51,7 +51,7 @@ def main() -> int:
             caches[split] = collect_run(run_dir, split)
     candidates = {c: calibrate_run(run_dir, max_drop=MAX_DROP, criterion=c, out=run_dir / f"calibration-{c}.json")
                   for c in CRITERIA}  # fmt: skip
-    best = min(candidates, key=lambda c: candidates[c]["validation"]["mean_flops"])
+    best = min(candidates, key=lambda c: candidates[c].validation.result.mean_flops)
     chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best)
     samples = 50 if args.quick else 100_000
     evaluations = {split: evaluate_run(run_dir, split=split, latency_samples=samples) for split in ("dev", "test")}
@@ -64,9 +64,9 @@ def main() -> int:
     print(f"last exit on dev {100 * last_dev:.2f}% (target >= {100 * DEV_TARGET:.0f}%); on test "
           f"{100 * exits['test'][-1]:.2f}% against CNN-rand's {100 * CNN_RAND:.1f}% (Kim 2014, from scratch)")  # fmt: skip
     for criterion, c in candidates.items():
-        print(f"  {criterion:<19} validation {100 * c['validation']['accuracy']:.2f}% at "
-              f"{c['validation']['flops_ratio']:.3f}x FLOPs")  # fmt: skip
-    print(f"chosen on validation: {best}, thresholds {chosen['policy']['thresholds']}")
+        print(f"  {criterion:<19} validation {100 * c.validation.accuracy:.2f}% at "
+              f"{c.validation.result.flops_ratio:.3f}x FLOPs")  # fmt: skip
+    print(f"chosen on validation: {best}, thresholds {list(chosen.policy.thresholds)}")
     for split, evaluation in evaluations.items():
         lat = evaluation.latency
         assert lat is not None  # every split's sentences were timed
@@ -82,12 +82,12 @@ def main() -> int:
     drop_ok = all(exits[s][-1] - evaluations[s].accuracy <= MAX_DROP / 100 for s in evaluations)
     figures = {
         "run": str(run_dir), "threads": torch.get_num_threads(), "criterion": best,
-        "thresholds": chosen["policy"]["thresholds"], "exit_accuracy": exits, "last_exit_dev_acc": last_dev,
+        "thresholds": list(chosen.policy.thresholds), "exit_accuracy": exits, "last_exit_dev_acc": last_dev,
         "train_time_s": summary["train_time_s"], "train_wall_s": summary["wall_time_s"],
         "epochs": summary["epochs"], "cnn_rand_test_acc": CNN_RAND,
         "evaluations": {s: {k: e.to_dict()[k] for k in ("accuracy", "flops_ratio", "exit_share", "latency",
                                                         "agreement_with_cache")} for s, e in evaluations.items()},
-        "candidates": {c: {"validation": v["validation"], "test": v["test"]} for c, v in candidates.items()},
+        "candidates": {c: {k: v.to_dict()[k] for k in ("validation", "test")} for c, v in candidates.items()},
         "targets": {"speedup": speedup >= TARGET, "last_exit_dev": last_dev >= DEV_TARGET, "train_30_min": train_ok,
                     "within_1_point": drop_ok},
     }  # fmt: skip

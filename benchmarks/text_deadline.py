@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from common import REPO, parser, report, run
 
-from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.profile import DeviceProfile
 from anytime.scheduler import AnytimeRunner
@@ -108,7 +107,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     repeats, count, deadlines_n = (200, 100, 3) if args.quick else (PROFILE_REPEATS, args.sentences, DEADLINES)
     chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion="entropy", out=run_dir / "calibration-entropy.json")
-    policies = {"no policy": None, "entropy": ExitPolicy.from_dict(chosen["policy"])}
+    policies = {"no policy": None, "entropy": chosen.policy}
     profiles: dict[int, DeviceProfile] = {}
     for length in LENGTHS:
         print(f"profiling {run_dir} at {length} tokens ({repeats} repeats at batch 1)...")

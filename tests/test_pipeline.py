@@ -135,10 +135,11 @@ def test_calibration_never_reads_the_test_split(collected, tmp_path):
         third = calibrate_run(collected, max_drop=1.0, out=tmp_path / "c.json")
     finally:
         cache_path(collected, "test").write_bytes(saved)
-    assert first["policy"] == second["policy"] == third["policy"]
-    assert first["validation"] == second["validation"] == third["validation"]
-    assert first["test"] != second["test"] and third["test"] is None
-    assert first["validation"]["accuracy"] >= first["validation"]["last_exit_accuracy"] - 0.01 - 1e-12
+    assert first.policy.to_dict() == second.policy.to_dict() == third.policy.to_dict()
+    assert first.validation == second.validation == third.validation
+    assert first.test != second.test and third.test is None
+    assert first.validation.accuracy >= first.validation.last_exit_accuracy - 0.01 - 1e-12
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads(json.dumps(first.to_dict()))
 
 
 def test_a_cache_from_another_model_or_split_is_refused(collected, tmp_path):
@@ -369,17 +370,13 @@ def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, caps
     profile_run(collected, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=profile_path)
     out = tmp_path / "calibration-selected.json"
     report = calibrate_run(collected, max_drop=1.0, select=True, profile=profile_path, out=out)
-    selection = report["selection"]
-    assert len(selection["subsets"]) == 4 and {tuple(s["exits"]) for s in selection["subsets"]} == {
-        (),
-        (0,),
-        (1,),
-        (0, 1),
-    }
-    best = min(selection["subsets"], key=lambda s: s["val_mean_ms"])
-    assert selection["exits"] == best["exits"] and best["reaches_target"]
-    assert [k for k, t in enumerate(report["policy"]["thresholds"]) if t is not None] == selection["exits"]
-    assert selection["test_speedup"] > 0 and report["rule"] == "max-drop-select"
+    selection = report.selection
+    assert selection is not None and {s.exits for s in selection.subsets} == {(), (0,), (1,), (0, 1)}
+    best = min(selection.subsets, key=lambda s: s.mean_ms)
+    assert selection.exits == best.exits and best.reaches_target
+    assert tuple(k for k, t in enumerate(report.policy.thresholds) if t is not None) == selection.exits
+    assert selection.test_speedup is not None and selection.test_speedup > 0
+    assert report.calibration.rule == "max-drop-select" and len(selection.subsets) == 4
     code, stdout, _ = _run(capsys, "calibrate", collected, "--max-drop", "1", "--select-exits", "--profile", profile_path,
                            "--out", tmp_path / "c2.json")  # fmt: skip
     assert code == 0 and "kept exits" in stdout and "exit subsets" in stdout

@@ -66,32 +66,31 @@ def run(args: argparse.Namespace) -> int:
         profile=args.profile, combine=args.combine_exits,
     )  # fmt: skip
     if args.json:
-        return print_json(report)
-    if "selection" in report:
-        chosen = report["selection"]
-        print(
-            f"exit subsets, costed in the time measured by {chosen['profile']} (backbone "
-            f"{chosen['backbone_ms']:.3f} ms at batch 1):"
-        )
-        for subset in sorted(chosen["subsets"], key=lambda t: t["val_mean_ms"]):
-            print(f"  exits {subset['exits'] or 'none'}: validation {100 * subset['val_accuracy']:.2f}% at "
-                  f"{subset['val_mean_ms']:.3f} ms ({subset['val_speedup']:.2f}x)")  # fmt: skip
-        test = f"; on test {chosen['test_speedup']:.2f}x" if "test_speedup" in chosen else ""
-        print(f"kept exits {chosen['exits']} (the last always answers){test}")
-    policy = report["policy"]
-    print(f"{report['rule']} {report['target']} with {policy['criterion']}: thresholds "
-          f"{[None if t is None else round(t, 4) for t in policy['thresholds']]}"
-          + (f", temperatures {[round(t, 3) for t in policy['temperatures']]}" if policy["temperatures"] else "")
-          + (f", combining exits with weights {[[round(w, 3) for w in row] for row in policy['combine']]}"
-             if policy.get("combine") else ""))  # fmt: skip
-    print_policy_figures("validation", report["validation"])
-    print_policy_figures("test", report["test"])
-    oracle_test = report["oracle"]["test"] or report["oracle"]["validation"]
+        return print_json(report.to_dict())
+    if report.selection is not None:
+        chosen = report.selection
+        print(f"exit subsets, costed in the time measured by {chosen.profile} (backbone {chosen.backbone_ms:.3f} ms at "
+              "batch 1):")  # fmt: skip
+        for subset in sorted(chosen.subsets, key=lambda t: t.mean_ms):
+            print(f"  exits {list(subset.exits) or 'none'}: validation {100 * subset.accuracy:.2f}% at "
+                  f"{subset.mean_ms:.3f} ms ({chosen.backbone_ms / subset.mean_ms:.2f}x)")  # fmt: skip
+        test = f"; on test {chosen.test_speedup:.2f}x" if chosen.test_speedup is not None else ""
+        print(f"kept exits {list(chosen.exits)} (the last always answers){test}")
+    policy = report.policy
+    print(f"{report.calibration.rule} {report.calibration.target} with {policy.criterion}: thresholds "
+          f"{[None if t is None else round(t, 4) for t in policy.thresholds]}"
+          + (f", temperatures {[round(t, 3) for t in policy.temperatures]}" if policy.temperatures else "")
+          + (f", combining exits with weights {[[round(w, 3) for w in row] for row in policy.combine]}"
+             if policy.combine else ""))  # fmt: skip
+    print_policy_figures("validation", report.validation)
+    print_policy_figures("test", report.test)
+    oracle_test = report.oracle["test"] or report.oracle["validation"]
+    assert oracle_test is not None
     print(f"oracle      {100 * oracle_test['accuracy']:.2f}% at {oracle_test['flops_ratio']:.3f}x FLOPs "
-          f"({'test' if report['oracle']['test'] else 'validation'})")  # fmt: skip
-    if "alternative" in report:
-        alt = report["alternative"]
-        print(f"({alt['rule']} would give validation {100 * alt['validation']['accuracy']:.2f}% at "
-              f"{alt['validation']['flops_ratio']:.3f}x FLOPs)")  # fmt: skip
+          f"({'test' if report.oracle['test'] else 'validation'})")  # fmt: skip
+    if report.alternative is not None:
+        alt = report.alternative
+        print(f"({alt.rule} would give validation {100 * alt.validation.accuracy:.2f}% at "
+              f"{alt.validation.flops_ratio:.3f}x FLOPs)")  # fmt: skip
     print(f"saved to {args.out or Path(args.run) / CALIBRATION}")
     return 0

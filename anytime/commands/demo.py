@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     if "baseline" in result.summary:
         print(baseline_line(result.summary["baseline"], final["test_acc"]))
     cal, ev = result.calibration, result.evaluation
-    thresholds = [None if t is None else round(t, 3) for t in cal["policy"]["thresholds"]]
-    print(f"calibrated on validation for at most {cal['target']['max_drop_points']:g} point below the last exit "
-          f"({cal['policy']['criterion']} thresholds {thresholds}):")  # fmt: skip
-    print_policy_figures("  validation", cal["validation"])
-    print_policy_figures("  test", cal["test"])
+    thresholds = [None if t is None else round(t, 3) for t in cal.policy.thresholds]
+    print(f"calibrated on validation for at most {cal.calibration.target['max_drop_points']:g} point below the last "
+          f"exit ({cal.policy.criterion} thresholds {thresholds}):")  # fmt: skip
+    print_policy_figures("  validation", cal.validation)
+    print_policy_figures("  test", cal.test)
     lat = ev.latency
     assert lat is not None  # the demo times its test samples
     print(f"real early exit on the test split: {100 * ev.accuracy:.2f}%, {lat.speedup:.2f}x faster per sample "

@@ -7,10 +7,13 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anytime.utils.io import json_default
 from anytime.utils.progress import write_line
+
+if TYPE_CHECKING:
+    from anytime.tasks.calibration import SplitFigures
 
 
 def print_json(value: Any) -> int:
@@ -32,15 +35,16 @@ def progress_printer(args: argparse.Namespace) -> Callable[[str], None]:
     return lambda line: write_line(line, file=stream)
 
 
-def print_policy_figures(label: str, figures: dict[str, Any] | None) -> None:
+def print_policy_figures(label: str, figures: SplitFigures | None) -> None:
     """One line of an early-exit policy's figures on a split: accuracy, FLOPs and the share of each exit."""
     if figures is None:
         print(f"{label:<11} (not collected: run 'anytime collect RUN --split test' to report it)")
         return
-    shares = " ".join(f"{100 * s:.1f}" for s in figures["exit_share"])
+    result = figures.result
+    shares = " ".join(f"{100 * s:.1f}" for s in result.exit_share)
     print(
-        f"{label:<11} accuracy {100 * figures['accuracy']:.2f}% (last exit {100 * figures['last_exit_accuracy']:.2f}%)"
-        f"  FLOPs {figures['flops_ratio']:.3f}x ({figures['flops_speedup']:.2f}x fewer)  exits % [{shares}]"
+        f"{label:<11} accuracy {100 * result.accuracy:.2f}% (last exit {100 * figures.last_exit_accuracy:.2f}%)"
+        f"  FLOPs {result.flops_ratio:.3f}x ({1 / result.flops_ratio:.2f}x fewer)  exits % [{shares}]"
     )
 
 

@@ -21,7 +21,7 @@ from anytime.calibrate import CRITERIA
 from anytime.data import make_loader
 from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
-from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.calibration import CalibrationReport, calibrate_run
 from anytime.tasks.collect import collect_run
 from anytime.tasks.evaluation import EvaluationReport, evaluate_run
 from anytime.tasks.plots import plot_run
@@ -51,7 +51,7 @@ class DemoResult:
     out_dir: Path
     summary: dict[str, Any]
     batch_time: list[dict[str, float]]
-    calibration: dict[str, Any]
+    calibration: CalibrationReport
     evaluation: EvaluationReport
     deadlines: PromiseCheck
     files: list[Path]
@@ -81,7 +81,7 @@ def _deadlines(run_dir: Path) -> PromiseCheck:
 
 def _run(
     work: Path, config: TrainConfig, progress: bool
-) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any], EvaluationReport, PromiseCheck]:
+) -> tuple[dict[str, Any], list[dict[str, float]], CalibrationReport, EvaluationReport, PromiseCheck]:
     run_dir = work / "run"
     splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
