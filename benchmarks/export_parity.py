@@ -72,7 +72,9 @@ def main() -> int:
                                        min_agreement=args.min_agreement, max_float_layers=MAX_FLOAT_LAYERS,
                                        agreement_images=AGREEMENT_IMAGES, min_size_ratio=TARGETS["size"],
                                        progress=lambda line: print(f"  {line}", flush=True))  # fmt: skip
-                tunings.append({"run": run_dir.name, "format": "pt2", **summary["precision"]["agreement_tuning"]})
+                tunings.append(
+                    {"run": run_dir.name, "format": "pt2", **summary.record["precision"]["agreement_tuning"]}
+                )
                 # ONNX Runtime quantizes more of the graph than PT2E does: its artifact searches on its own
                 exports += [("pt2", "int8-tuned", tuned_run, {}), ("onnx", "int8-tuned", run_dir, {
                     "min_agreement": args.min_agreement, "max_float_layers": MAX_FLOAT_LAYERS,

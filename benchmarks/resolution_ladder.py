@@ -37,7 +37,7 @@ def _trained(config: TrainConfig, run_dir: Path) -> dict:
     summary = run_dir / "summary.json"
     if summary.is_file():
         return json.loads(summary.read_text())
-    return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file())
+    return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file()).to_dict()
 
 
 def main() -> int:

@@ -59,8 +59,8 @@ def train(folder: Path, base: TrainConfig) -> dict[str, dict]:
         if summary.is_file():
             summaries[family] = json.loads(summary.read_text())
         else:
-            summaries[family] = Trainer(base.replace(**fields), run_dir).fit(
-                resume=(run_dir / "checkpoint.pt").is_file()
+            summaries[family] = (
+                Trainer(base.replace(**fields), run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file()).to_dict()
             )
     return summaries
 

@@ -43,7 +43,7 @@ def _trained(config: TrainConfig, run_dir: Path) -> dict:
         import json
 
         return json.loads(summary.read_text())
-    return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file())
+    return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file()).to_dict()
 
 
 def _flops(model: torch.nn.Module, shape: tuple[int, ...]) -> int:

@@ -63,7 +63,7 @@ def main() -> int:
             start = time.perf_counter()
             summary = Trainer(config, tmp).fit(splits=splits)
             fit_wall.append(time.perf_counter() - start)
-        ours.append(summary["train_time_s"])
+        ours.append(summary.train_time_s)
 
     for r in range(rounds):
         if r % 2 == 0:

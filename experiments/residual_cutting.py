@@ -98,7 +98,7 @@ def ensure_run(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
         if not differing:
             return json.loads(summary_path.read_text())
         raise AnytimeError(f"{run_dir} was trained with other settings ({', '.join(differing)}); move it away first")
-    return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file())
+    return Trainer(config, run_dir).fit(resume=(run_dir / "checkpoint.pt").is_file()).to_dict()
 
 
 def family_points(runs: Path, repeats: int, processes: int) -> dict[str, list[StepPoint]]:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                                  limit_train=limit)  # fmt: skip
             trainer = Trainer(config, out / "runs" / model, progress=sys.stderr.isatty(),
                               on_epoch_end=lambda _: progress.done())  # fmt: skip
-            summary = trainer.fit(splits=splits)
+            summary = trainer.fit(splits=splits).to_dict()
             curves[model] = read_metrics(out / "runs" / model)
             summaries[model] = summary
             steady = summary["timing"]["steady"]

@@ -65,8 +65,8 @@ def test_a_ticket_is_rewound_masked_and_trained_with_its_zeros_kept(dense_run, t
     for name, keep in mask.keep.items():
         assert torch.all(weights[name][~keep] == 0), name
         assert torch.count_nonzero(weights[name][keep]) > 0.9 * int(keep.sum())
-    assert summary["epochs"] == 2 and summary["ticket"]["reset_epoch"] == 1
-    assert summary["ticket"]["dense_run"] == str(dense_run)
+    assert summary.epochs == 2 and summary.record["ticket"]["reset_epoch"] == 1
+    assert summary.record["ticket"]["dense_run"] == str(dense_run)
     with open(tmp_path / "t" / "metrics.csv") as handle:
         assert [line.split(",")[0] for line in handle.read().splitlines()[1:]] == ["1", "2"]
 

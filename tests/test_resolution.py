@@ -68,8 +68,8 @@ def test_a_resolution_ladder_goes_through_the_pipeline(tmp_path, capsys):
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
                          resolutions="16,c24,32")  # fmt: skip
     summary = Trainer(config, run).fit()
-    assert [e["name"] for e in summary["exits"]] == ["16px", "crop24", "32px"]
-    assert all(0 <= e["test_acc"] <= 1 for e in summary["exits"])
+    assert [e.name for e in summary.steps] == ["16px", "crop24", "32px"]
+    assert all(0 <= e.test_acc <= 1 for e in summary.steps)
     cache = collect_run(run, "val")
     assert cache.num_steps == 3
     profile, _ = profile_run(run, batch_sizes=[1], repeats=20, warmup=2, memory=False)

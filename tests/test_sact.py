@@ -166,8 +166,8 @@ def test_a_sact_run_goes_through_the_pipeline(tmp_path, capsys, cli_error, exit_
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
                          sact="0.3,0.7,0.99", ponder_cost=0.05)  # fmt: skip
     summary = Trainer(config, run).fit()
-    assert [e["name"] for e in summary["exits"]] == ["halt0.3", "halt0.7", "halt0.99"]
-    flops = [e["flops"] for e in summary["exits"]]
+    assert [e.name for e in summary.steps] == ["halt0.3", "halt0.7", "halt0.99"]
+    flops = [e.flops for e in summary.steps]
     assert flops == sorted(flops)
     cache = collect_run(run, "val")
     assert cache.num_steps == 3 and list(cache.step_flops) == flops

@@ -150,8 +150,8 @@ def test_a_sliced_run_trains_and_goes_through_the_pipeline(tmp_path, capsys):
                          slices="0.25,0.5,1.0", sandwich=True, distill=1.0, device="cpu")  # fmt: skip
     run = tmp_path / "sliced"
     summary = Trainer(config, run).fit()
-    assert [e["name"] for e in summary["exits"]] == ["x0.25", "x0.5", "x1"]
-    assert all(0 <= e["val_acc"] <= 1 and e["params"] > 0 for e in summary["exits"])
+    assert [e.name for e in summary.steps] == ["x0.25", "x0.5", "x1"]
+    assert all(0 <= e["val_acc"] <= 1 and e["params"] > 0 for e in summary.record["exits"])
     header = (run / "metrics.csv").read_text().splitlines()[0]
     assert "val_acc_exit0" in header and "val_acc_exit2" in header
     cache = collect_run(run, "val")

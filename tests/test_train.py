@@ -49,7 +49,7 @@ def test_run_directory_holds_every_record(tmp_path, tiny_config):
     rows = _metrics(tmp_path)
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
     assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
-    assert summary["final"]["val_acc"] > 0.5
+    assert summary.val_acc > 0.5 and summary.to_dict() == json.loads((tmp_path / "summary.json").read_text())
     for r in rows:
         phases = sum(float(r[f"{p}_s"]) for p in ("data", "forward", "backward", "step"))
         assert 0 < phases <= float(r["train_s"]) * 1.01
@@ -58,8 +58,8 @@ def test_run_directory_holds_every_record(tmp_path, tiny_config):
     with open(tmp_path / "iterations.csv", newline="") as handle:
         iterations = list(csv.DictReader(handle))
     assert len(iterations) == 3 * steps
-    assert summary["timing"]["epoch0"]["iterations"] == steps
-    assert summary["timing"]["steady"]["iterations"] == 2 * steps
+    assert summary.record["timing"]["epoch0"]["iterations"] == steps
+    assert summary.record["timing"]["steady"]["iterations"] == 2 * steps
 
 
 FAST_RECIPE = {"schedule": "onecycle", "warmup": 0.3, "ema": 0.9, "label_smoothing": 0.1, "augment": "none",
@@ -98,7 +98,7 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_config, reci
     assert weights_a.keys() == weights_b.keys()
     for key in weights_a:
         assert torch.equal(weights_a[key], weights_b[key]), key
-    assert summary["final"]["test_acc"] == Trainer(tiny_config, whole).fit(resume=True)["final"]["test_acc"]
+    assert summary.test_acc == Trainer(tiny_config, whole).fit(resume=True).test_acc
 
 
 def test_resume_refuses_a_different_recipe(tmp_path, tiny_config):
@@ -234,8 +234,8 @@ def test_the_fast_recipe_records_what_it_did(tmp_path, tiny_config):
     config = tiny_config.replace(epochs=2, augment="crop", padding=1, cutout=3, ema=0.5, amp="bf16",
                                  channels_last=True, tta=True, label_smoothing=0.1)  # fmt: skip
     summary = Trainer(config, tmp_path).fit()
-    assert summary["augment"] == "crop (padding 1), cutout 3"
-    assert 0.0 <= summary["final"]["test_acc_tta"] <= 1.0 and summary["final"]["val_acc"] > 0.3
+    assert summary.record["augment"] == "crop (padding 1), cutout 3"
+    assert 0.0 <= summary.record["final"]["test_acc_tta"] <= 1.0 and summary.val_acc > 0.3
     recorded = json.loads((tmp_path / "config.json").read_text())
     assert recorded["augment"] == {"policy": "crop", "padding": 1, "cutout": 3}
     # what is validated and saved is the weight average, not the last weights

@@ -102,10 +102,10 @@ def _ladder(args: argparse.Namespace) -> int:
         )
     summary = make_ladder_run(args.run, args.out, device=args.device, overwrite=args.overwrite)
     if args.json:
-        return print_json(summary)
-    print(f"ladder run {args.out}: {len(summary['exits'])} steps from {args.run}")
-    for e in summary["exits"]:
-        print(f"step {e['index']:<3} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
-              f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
+        return print_json(summary.to_dict())
+    print(f"ladder run {args.out}: {len(summary.steps)} steps from {args.run}")
+    for e in summary.steps:
+        print(f"step {e.index:<3} {e.name:<14} {100 * e.flops / (summary.backbone_flops or 1):5.1f}% FLOPs  "
+              f"val {100 * e.val_acc:.2f}%  test {100 * e.test_acc:.2f}%")  # fmt: skip
     print(f"next: anytime collect {args.out} --split val; anytime profile {args.out}")
     return 0

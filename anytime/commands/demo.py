@@ -34,14 +34,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print((result.out_dir / "demo.json").read_text())
         return 0
-    final = result.summary["final"]
-    print(f"test accuracy {100 * final['test_acc']:.2f}% (validation {100 * final['val_acc']:.2f}%) "
-          f"in {result.summary['train_time_s']:.1f} s of training")  # fmt: skip
-    for e in result.summary["exits"]:
-        share = 100 * e["flops"] / result.summary["backbone_flops"]
-        print(f"  exit {e['index']} after {e['name']:<11} {share:5.1f}% of the FLOPs: test {100 * e['test_acc']:.2f}%")
-    if "baseline" in result.summary:
-        print(baseline_line(result.summary["baseline"], final["test_acc"]))
+    summary = result.summary
+    print(f"test accuracy {100 * summary.test_acc:.2f}% (validation {100 * summary.val_acc:.2f}%) "
+          f"in {summary.train_time_s:.1f} s of training")  # fmt: skip
+    for e in summary.steps:
+        share = 100 * e.flops / (summary.backbone_flops or 1)
+        print(f"  exit {e.index} after {e.name:<11} {share:5.1f}% of the FLOPs: test {100 * e.test_acc:.2f}%")
+    if summary.baseline is not None:
+        print(baseline_line(summary.baseline, summary.test_acc))
     cal, ev = result.calibration, result.evaluation
     thresholds = [None if t is None else round(t, 3) for t in cal.policy.thresholds]
     print(f"calibrated on validation for at most {cal.calibration.target['max_drop_points']:g} point below the last "

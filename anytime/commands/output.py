@@ -14,6 +14,8 @@ from anytime.utils.progress import write_line
 
 if TYPE_CHECKING:
     from anytime.tasks.calibration import SplitFigures
+    from anytime.train.linear_baseline import Baseline
+    from anytime.train.summary import RunSummary
 
 
 def print_json(value: Any) -> int:
@@ -48,37 +50,37 @@ def print_policy_figures(label: str, figures: SplitFigures | None) -> None:
     )
 
 
-def baseline_line(baseline: dict[str, Any], last_exit: float) -> str:
+def baseline_line(baseline: Baseline, last_exit: float) -> str:
     """The baseline's test accuracy beside the network's, saying so plainly when the network loses."""
-    gap = 100 * (last_exit - baseline["test_acc"])
+    gap = 100 * (last_exit - baseline.test_acc)
     verdict = (f"the network is {gap:.2f} points above it" if gap >= 0 else
                f"the network LOSES to it by {-gap:.2f} points (train longer, or choose another recipe)")  # fmt: skip
-    return f"baseline   {baseline['description']}: test {100 * baseline['test_acc']:.2f}%; {verdict}"
+    return f"baseline   {baseline.description}: test {100 * baseline.test_acc:.2f}%; {verdict}"
 
 
-def print_train_summary(summary: dict[str, Any], run_dir: Path) -> None:
+def print_train_summary(summary: RunSummary, run_dir: Path) -> None:
     """A finished training's summary, one aspect a line."""
-    final = summary["final"]
-    steady = summary["timing"]["steady"] or summary["timing"]["epoch0"]
+    record, final = summary.record, summary.record["final"]
+    steady = record["timing"]["steady"] or record["timing"]["epoch0"]
     print(f"run        {run_dir}")
-    print(f"accuracy   val {100 * final['val_acc']:.2f}%  test {100 * final['test_acc']:.2f}%  "
-          f"(best val {100 * summary['best_val_acc']:.2f}%)"
+    print(f"accuracy   val {100 * summary.val_acc:.2f}%  test {100 * summary.test_acc:.2f}%  "
+          f"(best val {100 * record['best_val_acc']:.2f}%)"
           + (f"  test with mirror {100 * final['test_acc_tta']:.2f}%" if "test_acc_tta" in final else ""))  # fmt: skip
-    print(f"augment    {summary['augment']}")
-    print(f"time       {summary['train_time_s']:.1f} s training, {summary['wall_time_s']:.1f} s with validation, "
-          f"{summary['epochs']} epoch(s) on {summary['device']} ({summary['torch_threads']} threads"
-          + (f" in each of {summary['processes']} processes)" if summary["processes"] > 1 else ")"))  # fmt: skip
+    print(f"augment    {record['augment']}")
+    print(f"time       {summary.train_time_s:.1f} s training, {record['wall_time_s']:.1f} s with validation, "
+          f"{summary.epochs} epoch(s) on {record['device']} ({record['torch_threads']} threads"
+          + (f" in each of {record['processes']} processes)" if record["processes"] > 1 else ")"))  # fmt: skip
     it = steady["iteration_mean_s"]
     print(f"iteration  {1000 * it:.1f} ms: data {100 * steady['data_mean_s'] / it:.0f}%  "
           f"forward {100 * steady['forward_mean_s'] / it:.0f}%  backward {100 * steady['backward_mean_s'] / it:.0f}%  "
           f"step {100 * steady['step_mean_s'] / it:.0f}%  ({steady['images_per_s']:.0f} images/s"
-          f"{', steady state' if summary['timing']['steady'] else ', epoch 0 only'})")  # fmt: skip
+          f"{', steady state' if record['timing']['steady'] else ', epoch 0 only'})")  # fmt: skip
     print(
-        f"memory     peak RSS {summary['peak_rss_mb']:.0f} MiB"
-        + (f", CUDA peak {summary['cuda_peak_mb']:.0f} MiB" if summary["cuda_peak_mb"] is not None else "")
+        f"memory     peak RSS {record['peak_rss_mb']:.0f} MiB"
+        + (f", CUDA peak {record['cuda_peak_mb']:.0f} MiB" if record["cuda_peak_mb"] is not None else "")
     )
-    for e in summary.get("exits", []):
-        print(f"exit {e['index']:<5} {e['name']:<14} {100 * e['flops'] / summary['backbone_flops']:5.1f}% FLOPs  "
-              f"val {100 * e['val_acc']:.2f}%  test {100 * e['test_acc']:.2f}%")  # fmt: skip
-    if "baseline" in summary:
-        print(baseline_line(summary["baseline"], final["test_acc"]))
+    for e in summary.steps:
+        print(f"exit {e.index:<5} {e.name:<14} {100 * e.flops / (summary.backbone_flops or 1):5.1f}% FLOPs  "
+              f"val {100 * e.val_acc:.2f}%  test {100 * e.test_acc:.2f}%")  # fmt: skip
+    if summary.baseline is not None:
+        print(baseline_line(summary.baseline, summary.test_acc))

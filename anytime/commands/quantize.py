@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
                            max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
                            min_size_ratio=args.min_size_ratio)  # fmt: skip
     if args.json:
-        return print_json(summary)
-    record = summary["precision"]
-    print(f"run        {summary['run_dir']}: {args.run} at {record['precision']} ({record['backend']}, "
+        return print_json(summary.to_dict())
+    record = summary.record["precision"]
+    print(f"run        {summary.run_dir}: {args.run} at {record['precision']} ({record['backend']}, "
           f"{'compiled' if record['compile'] else 'eager'})")  # fmt: skip
     if record["calibration_images"]:
         print(f"calibrated on {record['calibration_images']} training images")
@@ -94,10 +94,10 @@ def run(args: argparse.Namespace) -> int:
         f"{'step':<16} {'GFLOPs':>8} {'val':>7} {'(float)':>8} {'test':>7} {'(float)':>8}"
         + (f" {'PTQ val':>8} {'PTQ test':>9}" if qat else "")
     )
-    rows = summary.get("exits") or [{"name": "model", **summary["final"]}]
-    for row, flops in zip(rows, summary["step_flops"], strict=False):
+    rows = summary.record.get("exits") or [{"name": "model", **summary.record["final"]}]
+    for row, flops in zip(rows, summary.record["step_flops"], strict=False):
         ptq = f" {100 * row['ptq_val_acc']:7.2f}% {100 * row['ptq_test_acc']:8.2f}%" if qat else ""
         print(f"{row['name']:<16} {flops / 1e9:8.4f} {100 * row['val_acc']:6.2f}% {100 * row['parent_val_acc']:7.2f}% "
               f"{100 * row['test_acc']:6.2f}% {100 * row['parent_test_acc']:7.2f}%{ptq}")  # fmt: skip
-    print(f"next: anytime collect {summary['run_dir']} --split val; anytime profile {summary['run_dir']}")
+    print(f"next: anytime collect {summary.run_dir} --split val; anytime profile {summary.run_dir}")
     return 0

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anytime.commands.options import (
     add_batch_size,
@@ -27,6 +27,9 @@ from anytime.commands.options import (
 from anytime.commands.output import print_error, print_json, print_train_summary
 from anytime.errors import AnytimeError
 from anytime.train.launch import launch_local, place_from_environment
+
+if TYPE_CHECKING:
+    from anytime.train.summary import RunSummary
 
 _DATA = ("digits", "cifar10", "cifar100", "folder", "synthetic", "shards", "folder-stream", "sst2", "textfolder")
 SUMMARY = "train a model (or a model card), plain or with early exits; record time, memory and accuracy"
@@ -409,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
             print("\ninterrupted before the first epoch ended; nothing was kept", file=sys.stderr)
         return 130
     if args.json and not args.update_card:
-        return print_json(summary)
+        return print_json(summary.to_dict())
     print_train_summary(summary, run_dir)
     if args.update_card and card is not None:
         _record_in_card(card, summary)
@@ -467,18 +470,18 @@ def _config(args: argparse.Namespace, card: Any, overrides: dict[str, Any], run_
     return base.replace(**overrides) if overrides else base
 
 
-def _record_in_card(card: Any, summary: dict[str, Any]) -> None:
+def _record_in_card(card: Any, summary: RunSummary) -> None:
     from anytime.train import record_results
     from anytime.utils.machine import cpu_model
 
-    final = summary["final"]
+    record, final = summary.record, summary.record["final"]
     record_results(card, {
-        "val_acc": round(final["val_acc"], 4), "test_acc": round(final["test_acc"], 4),
-        "best_val_acc": round(summary["best_val_acc"], 4), "train_time_s": round(summary["train_time_s"], 1),
-        "epochs": summary["epochs"], "device": summary["device"], "cpu": cpu_model(),
-        "threads": summary["torch_threads"], "date": date.today().isoformat(), "augment": summary["augment"],
+        "val_acc": round(summary.val_acc, 4), "test_acc": round(summary.test_acc, 4),
+        "best_val_acc": round(record["best_val_acc"], 4), "train_time_s": round(summary.train_time_s or 0.0, 1),
+        "epochs": summary.epochs, "device": record["device"], "cpu": cpu_model(),
+        "threads": record["torch_threads"], "date": date.today().isoformat(), "augment": record["augment"],
         **({"test_acc_tta": round(final["test_acc_tta"], 4)} if "test_acc_tta" in final else {}),
-        **({"extended_from": summary["extended"][0]["from_epochs"]} if summary.get("extended") else {}),
-        **({"baseline_test_acc": round(summary["baseline"]["test_acc"], 4)} if "baseline" in summary else {}),
+        **({"extended_from": record["extended"][0]["from_epochs"]} if record.get("extended") else {}),
+        **({"baseline_test_acc": round(summary.baseline.test_acc, 4)} if summary.baseline is not None else {}),
     })  # fmt: skip
     print(f"card       results recorded in {card.path}")

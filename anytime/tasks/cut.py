@@ -32,6 +32,7 @@ from anytime.train.multi_exit import build_model
 from anytime.train.records import WEIGHTS
 from anytime.train.runs import LoadedRun, load_run, require_images
 from anytime.train.splits import run_splits
+from anytime.train.summary import RunSummary
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
@@ -216,7 +217,7 @@ def cut_study(
 
 def make_ladder_run(
     run_dir: str | Path, out: str | Path, *, device: str = "cpu", overwrite: bool = False
-) -> dict[str, Any]:
+) -> RunSummary:
     """Write ``out``, a run whose model is the cumulative block-drop ladder of the plain ResNet in ``run_dir``
     (step k keeps the first k blocks whole; the same weights), with every step's validation and test
     accuracy in its summary, so that collect, sweep, profile and schedule take it like a trained run."""
@@ -238,7 +239,7 @@ def make_ladder_run(
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as staged:
         summary = _write_ladder(staged, target, run, config, ladder, val_accs, test_accs, now)
-    return summary
+    return RunSummary.from_dict(summary)
 
 
 def _write_ladder(folder: Path, target: Path, run: LoadedRun, config: Any, ladder: nn.Module, val_accs: list[float],

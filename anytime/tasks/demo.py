@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,6 +28,7 @@ from anytime.tasks.profiling import profile_run
 from anytime.tasks.promises import PromiseCheck, check_promises
 from anytime.tasks.sweep import sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
+from anytime.train.summary import RunSummary
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
 from anytime.utils.outputs import staged_dir
@@ -49,7 +49,7 @@ class DemoResult:
     """Where the demo wrote its results, and the headline figures."""
 
     out_dir: Path
-    summary: dict[str, Any]
+    summary: RunSummary
     batch_time: list[dict[str, float]]
     calibration: CalibrationReport
     evaluation: EvaluationReport
@@ -81,7 +81,7 @@ def _deadlines(run_dir: Path) -> PromiseCheck:
 
 def _run(
     work: Path, config: TrainConfig, progress: bool
-) -> tuple[dict[str, Any], list[dict[str, float]], CalibrationReport, EvaluationReport, PromiseCheck]:
+) -> tuple[RunSummary, list[dict[str, float]], CalibrationReport, EvaluationReport, PromiseCheck]:
     run_dir = work / "run"
     splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
@@ -107,7 +107,7 @@ def _run(
     plot_batch_time(config.model, batch_rows, work / "batch_time", machine["cpu_model"])
     write_json(
         work / "demo.json",
-        {"config": config.to_dict(), "summary": summary, "batch_time": batch_rows, "deadlines": deadlines.to_dict(),
+        {"config": config.to_dict(), "summary": summary.to_dict(), "batch_time": batch_rows, "deadlines": deadlines.to_dict(),
          "machine": machine, "git_sha": git_sha()},
     )  # fmt: skip
     return summary, batch_rows, calibration, evaluation, deadlines

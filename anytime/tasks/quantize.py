@@ -31,6 +31,7 @@ from anytime.train.evaluation import evaluate_exits
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
 from anytime.train.splits import run_splits
+from anytime.train.summary import RunSummary
 from anytime.utils.io import atomic_path, read_json, write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
@@ -155,7 +156,7 @@ def quantize_run(
     qat_epochs: int = 0, qat_lr: float = 1e-3, progress: Callable[[str], None] | None = None,
     float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
     agreement_images: int = DEFAULT_AGREEMENT_IMAGES, min_size_ratio: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> RunSummary:  # fmt: skip
     """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, and return
     its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test);
     with ``qat_epochs`` it is then fine-tuned by quantization-aware training (:func:`fine_tune_int8`), and
@@ -267,4 +268,4 @@ def quantize_run(
             with atomic_path(work / QUANT_STATE) as tmp:
                 save_file(state, str(tmp))
         write_json(work / "summary.json", summary)
-    return summary
+    return RunSummary.from_dict(summary)

@@ -31,6 +31,7 @@ from anytime.train.pruning import MASK_FILE, kept_checkpoint
 from anytime.train.recipe import init_from_data, lr_factor, make_optimizer, weight_average
 from anytime.train.records import CHECKPOINT
 from anytime.train.splits import load_splits
+from anytime.train.summary import RunSummary
 from anytime.train.tickets import RunTicket, run_ticket
 from anytime.train.timing import Clock
 from anytime.utils.io import DiskFullError, write_json, write_text
@@ -140,7 +141,7 @@ class Trainer:
         extend: bool = False,
         overwrite: bool = False,
         splits: DatasetSplits | None = None,
-    ) -> dict[str, Any]:
+    ) -> RunSummary:
         """Train (or continue training) and return the summary that is also written to ``summary.json``.
 
         The run folder must be new, empty, or (with ``overwrite``) an earlier run, whose files alone are
@@ -150,7 +151,7 @@ class Trainer:
         """
         ctx = self.distributed
         if ctx is None:
-            return self._fit_main(resume, extend, overwrite, splits)
+            return RunSummary.from_dict(self._fit_main(resume, extend, overwrite, splits))
         import torch.distributed as dist
 
         ctx.start(ctx.device(resolve_device(self.config.device)))
@@ -162,7 +163,7 @@ class Trainer:
             else:
                 summary = self._fit_main(resume, extend, overwrite, splits)
             finished = True
-            return summary
+            return RunSummary.from_dict(summary)
         except RuntimeError as exc:
             if not isinstance(exc, dist.DistError) and not _LOST_PEER.search(str(exc)):
                 raise
