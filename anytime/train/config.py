@@ -140,7 +140,17 @@ class TrainConfig:
                       "keep_checkpoints")  # fmt: skip
 
     def __post_init__(self) -> None:
-        checks: list[tuple[bool, str]] = [
+        checks = self._recipe_checks() + self._family_checks() + self._regularisation_checks() + self._ticket_checks()
+        for ok, message in checks:
+            if not ok:
+                raise AnytimeError(message)
+        self.augmentation(dataset_hflip=True)  # Augment refuses an unknown policy, a negative padding or cutout
+        if self.sact is not None:
+            parse_thresholds(self.sact)
+
+    def _recipe_checks(self) -> list[tuple[bool, str]]:
+        """The optimiser, the schedule, the data and its loader."""
+        return [
             (self.epochs >= 1, f"epochs must be at least 1 (got {self.epochs})"),
             (self.batch_size >= 1, f"batch size must be at least 1 (got {self.batch_size})"),
             (math.isfinite(self.lr) and self.lr > 0, f"learning rate must be a positive number (got {self.lr})"),
@@ -175,6 +185,11 @@ class TrainConfig:
             (self.prefetch_factor >= 1, f"prefetch factor must be >= 1 (got {self.prefetch_factor})"),
             (self.limit_train is None or self.limit_train >= 1, "limit_train must be a positive count"),
             (all(0 < m < 1 for m in self.step_milestones), "step milestones are fractions of the run in (0, 1)"),
+        ]
+
+    def _family_checks(self) -> list[tuple[bool, str]]:
+        """The family of steps: exits, slices, ladders, resolutions, SACT."""
+        return [
             (
                 self.exit_mode in EXIT_MODES,
                 f"unknown exit mode '{self.exit_mode}'; choose one of {', '.join(EXIT_MODES)}",
@@ -242,6 +257,11 @@ class TrainConfig:
                 f"unknown slice kind '{self.slice_kind}'; choose one of {', '.join(SLICE_KINDS)}",
             ),
             (not self.sandwich or self.slices is not None, "--sandwich trains sliced networks: it needs --slices"),
+        ]
+
+    def _regularisation_checks(self) -> list[tuple[bool, str]]:
+        """Regularisation, exit weights, distillation, precision of training."""
+        return [
             (
                 math.isfinite(self.stochastic_depth) and 0 <= self.stochastic_depth < 1,
                 f"--stochastic-depth is a probability in [0, 1) (got {self.stochastic_depth})",
@@ -294,6 +314,11 @@ class TrainConfig:
                 f"--norm-bias-lr-scale multiplies a learning rate: it must be > 0 (got {self.norm_bias_lr_scale})",
             ),
             (self.amp in AMP, f"unknown --amp '{self.amp}'; choose one of {', '.join(AMP)}"),
+        ]
+
+    def _ticket_checks(self) -> list[tuple[bool, str]]:
+        """Lottery tickets and the checkpoints kept for them."""
+        return [
             (
                 math.isfinite(self.sparsity) and 0 <= self.sparsity < 1,
                 f"--sparsity is the share of weights pruned, in [0, 1) (got {self.sparsity})",
@@ -331,12 +356,6 @@ class TrainConfig:
                 "a lottery ticket trains every layer of a plain, multi-exit or sliced network (no heads-only, no ladder)",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise AnytimeError(message)
-        self.augmentation(dataset_hflip=True)  # Augment refuses an unknown policy, a negative padding or cutout
-        if self.sact is not None:
-            parse_thresholds(self.sact)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of every field."""
