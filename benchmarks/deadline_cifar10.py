@@ -58,7 +58,7 @@ from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run,
 from anytime.data import make_loader
 from anytime.plotting import plot_deadline_runs
 from anytime.scheduler import AnytimeRunner
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv
@@ -196,9 +196,17 @@ def main() -> int:
     profiles = {}
     for threads in dict.fromkeys((default_threads, 1)):
         print(f"profiling {run_dir} on the quiet machine ({PROFILE_REPEATS} repeats at batch 1, {threads} threads)...")
-        profiles[threads] = profile_run(run_dir, batch_sizes=[1], repeats=200 if args.quick else PROFILE_REPEATS,
-                                        memory=False, threads=threads, form=args.form,
-                                        out=run_dir / f"profile-batch1-{threads}threads.json")  # fmt: skip
+        profiles[threads] = profile_run(
+            run_dir,
+            ProfileSettings(
+                batch_sizes=(1,),
+                repeats=200 if args.quick else PROFILE_REPEATS,
+                memory=False,
+                threads=threads,
+                form=args.form,
+            ),
+            out=run_dir / f"profile-batch1-{threads}threads.json",
+        )
     profile, profile_path = profiles[default_threads]
     loaded = load_run(run_dir, form=args.form)
     model = loaded.model

@@ -32,7 +32,7 @@ from anytime.profile import latency_summary, per_sample_latency
 from anytime.tasks.calibration import calibrate_run
 from anytime.tasks.evaluation import evaluate_run
 from anytime.tasks.plots import plot_run
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 
@@ -92,8 +92,11 @@ def main() -> int:
                                                 combine=args.combine_exits)  # fmt: skip
     if args.select_exits:
         profile_path = run_dir / "profile-for-selection.json"
-        profile_run(run_dir, batch_sizes=[1], repeats=50 if args.quick else 500, memory=False, form=args.form,
-                    out=profile_path)  # fmt: skip
+        profile_run(
+            run_dir,
+            ProfileSettings(batch_sizes=(1,), repeats=50 if args.quick else 500, memory=False, form=args.form),
+            out=profile_path,
+        )
         chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best, select=True, profile=profile_path,
                                combine=args.combine_exits)  # fmt: skip
         selection = chosen.selection

@@ -26,7 +26,7 @@ from anytime.profile.latency import per_sample_latency
 from anytime.scheduler import DeadlineScheduler
 from anytime.scheduler.query import run_options
 from anytime.tasks.ensemble import build_ensemble
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train.runs import load_run
 
 # Hyper-parameters
@@ -67,7 +67,7 @@ def _faster_forms(members: list[Path], quantized: list[Path], samples: int) -> l
 def _ladder(runs: list[Path], out: Path, repeats: int, deadline_ms: float) -> dict[str, object]:
     """Build, profile and schedule one ensemble ladder at ``deadline_ms``; its steps and its choice."""
     build_ensemble(runs, out, progress=lambda line: print("  " + line, flush=True))
-    profile, _ = profile_run(out, batch_sizes=[1], repeats=repeats, memory=False)
+    profile, _ = profile_run(out, ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False))
     choice = DeadlineScheduler(profile, run_options(out, profile.step_names), adapt=False).select(deadline_ms, QUANTILE)
     accuracy = _test_accuracy(out)
     steps = [{"step": name, "p99 ms": float(np.quantile(s, QUANTILE)), "test acc": a}
@@ -93,7 +93,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         print(f"best fp32 member (validation): {best.name}; profiling it at batch 1...", flush=True)
         member_profile, _ = profile_run(
-            best, batch_sizes=[1], repeats=repeats, memory=False, out=Path(scratch) / "member.json"
+            best, ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False), out=Path(scratch) / "member.json"
         )
         member_p99 = float(np.quantile(member_profile.at(1).steps[-1], QUANTILE))
         mixed = _faster_forms(members, quantized, 40 if args.quick else PRECISION_PROBE)

@@ -21,7 +21,7 @@ from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run,
 from anytime.scheduler.query import precision_scheduler, scheduler_for_run
 from anytime.tasks.calibration import calibrate_run
 from anytime.tasks.collect import collect_run
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 
 # Hyper-parameters
 MAX_DROP = 1.0  # accuracy points below the last exit that a calibrated policy may give up (validation)
@@ -33,7 +33,7 @@ QUANTILE = 0.99
 def _profiled(run_dir: Path, repeats: int) -> None:
     for stale in run_dir.glob("profile-*.json"):
         stale.unlink()  # profiled again, now, beside the other precision: same machine state
-    profile_run(run_dir, batch_sizes=[1], repeats=repeats, warmup=20, memory=False)
+    profile_run(run_dir, ProfileSettings(batch_sizes=(1,), repeats=repeats, warmup=20, memory=False))
 
 
 def main() -> int:

@@ -49,7 +49,7 @@ def _prepare(run: Path, quick: bool) -> None:
     from anytime.scheduler.query import CALIBRATION
     from anytime.tasks.calibration import calibrate_run
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     for split in ("val", "test"):
         if not cache_path(run, split).is_file():
@@ -58,11 +58,13 @@ def _prepare(run: Path, quick: bool) -> None:
         calibrate_run(run, max_drop=1.0)
     profile_run(
         run,
-        batch_sizes=[1],
-        repeats=100 if quick else PROFILE_REPEATS,
-        memory=False,
-        steady_within=None,
-        threads=THREADS,
+        ProfileSettings(
+            batch_sizes=(1,),
+            repeats=100 if quick else PROFILE_REPEATS,
+            memory=False,
+            steady_within=None,
+            threads=THREADS,
+        ),
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common import REPO, parser, report, run
 
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train import TrainConfig, Trainer
 
 # Hyper-parameters
@@ -53,7 +53,7 @@ def main() -> int:
         for stale in run_dir.glob("profile-*.json"):  # this benchmark's own runs: profiled anew each time
             stale.unlink()
         profile, _ = profile_run(
-            run_dir, batch_sizes=[1], repeats=20 if args.quick else REPEATS, warmup=10, memory=False
+            run_dir, ProfileSettings(batch_sizes=(1,), repeats=20 if args.quick else REPEATS, warmup=10, memory=False)
         )
         q = profile.highest_quantile()
         figures[family] = [{"step": name, "test_acc": float(entry["test_acc"]), "gflops": profile.step_flops[k] / 1e9,

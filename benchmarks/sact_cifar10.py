@@ -67,7 +67,7 @@ def train(folder: Path, base: TrainConfig) -> dict[str, dict]:
 
 def _steps(run_dir: Path, summary: dict, quick: bool, execution: str | None = None) -> list[Step]:
     """Every step of a run, its p50 latency from one profile per batch size (this benchmark's own file, replaced)."""
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     out = run_dir / f"profile-bench{'-' + execution if execution else ''}.json"
     if out.exists():
@@ -75,8 +75,17 @@ def _steps(run_dir: Path, summary: dict, quick: bool, execution: str | None = No
     times: dict[int, list[float]] = {}
     names: tuple[str, ...] = ()
     for batch in BATCHES:
-        profile, _ = profile_run(run_dir, batch_sizes=[batch], repeats=5 if quick else REPEATS[batch], warmup=3,
-                                 memory=False, out=out, execution=execution)  # fmt: skip
+        profile, _ = profile_run(
+            run_dir,
+            ProfileSettings(
+                batch_sizes=(batch,),
+                repeats=5 if quick else REPEATS[batch],
+                warmup=3,
+                memory=False,
+                execution=execution,
+            ),
+            out=out,
+        )
         out.unlink()
         times[batch] = [profile.step_quantile(k, 0.5, batch) for k in range(profile.num_steps)]
         names, flops = profile.step_names, profile.step_flops

@@ -34,7 +34,7 @@ from anytime.data import make_loader
 from anytime.profile import DeviceProfile
 from anytime.scheduler import AnytimeRunner
 from anytime.tasks.calibration import calibrate_run
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv
@@ -111,8 +111,11 @@ def main() -> int:
     profiles: dict[int, DeviceProfile] = {}
     for length in LENGTHS:
         print(f"profiling {run_dir} at {length} tokens ({repeats} repeats at batch 1)...")
-        profiles[length], _ = profile_run(run_dir, batch_sizes=[1], repeats=repeats, memory=False, length=length,
-                                          threads=args.threads, out=run_dir / f"deadline-profile-T{length}.json")  # fmt: skip
+        profiles[length], _ = profile_run(
+            run_dir,
+            ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False, length=length, threads=args.threads),
+            out=run_dir / f"deadline-profile-T{length}.json",
+        )
     model = load_run(run_dir).model
     sentences, labels = _sentences(run_dir, count)
     lengths = np.array([x.shape[1] for x in sentences])

@@ -24,7 +24,7 @@ from anytime.errors import AnytimeError
 from anytime.families import FUSERS
 from anytime.plotting.ensembles import plot_ensemble_study
 from anytime.tasks.ensemble import build_ensemble
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.tasks.quantize import quantize_run
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             ensemble = out / "runs" / precision
             progress.say(f"{precision} ensemble of {', '.join(r.name for r in runs)}...")
             report = build_ensemble(runs, ensemble, folds=FOLDS)
-            profile, _ = profile_run(ensemble, batch_sizes=[1], repeats=repeats, memory=False)
+            profile, _ = profile_run(ensemble, ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False))
             latency = _p99(profile)
             for kind in FUSERS:
                 for k, acc in enumerate(report.test_acc[kind]):
@@ -108,13 +108,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"kind": "sklearn stacking", "precision": precision, "step": profile.step_names[-1],
                              "p99_ms": latency[-1], "test_acc": report.stacking[1], "val_acc": report.stacking[0]})  # fmt: skip
             for member in report.members:
-                alone, _ = profile_run(member.run, batch_sizes=[1], repeats=repeats, memory=False,
-                                       out=out / "profiles" / f"{Path(member.run).name}.json")  # fmt: skip
+                alone, _ = profile_run(
+                    member.run,
+                    ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False),
+                    out=out / "profiles" / f"{Path(member.run).name}.json",
+                )
                 rows.append({"kind": "member alone", "precision": precision, "step": member.name,
                              "p99_ms": _p99(alone)[-1], "test_acc": member.test_acc, "val_acc": member.val_acc})  # fmt: skip
             progress.done()
         exits, _ = profile_run(
-            exit_run, batch_sizes=[1], repeats=repeats, memory=False, out=out / "profiles" / "exits.json"
+            exit_run,
+            ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False),
+            out=out / "profiles" / "exits.json",
         )
         for name, latency_ms, acc in zip(exits.step_names, _p99(exits), _test_acc(exit_run)):
             rows.append({"kind": "early exits", "precision": "fp32", "step": f"{exit_run.name} {name}",

@@ -136,13 +136,17 @@ def test_structured_ticket_refusals(dense_and_ticket, tmp_path):
 def test_tickets_join_the_dense_run_in_one_frontier(dense_and_ticket, tmp_path, capsys):
     import shutil
 
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     dense, ticket, _ = dense_and_ticket
     unrelated = tmp_path / "unrelated"
     shutil.copytree(dense, unrelated)
-    profile_run(dense, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=tmp_path / "dense-profile.json")
-    profile_run(ticket, batch_sizes=[1], repeats=20, warmup=2, memory=False)
+    profile_run(
+        dense,
+        ProfileSettings(batch_sizes=(1,), repeats=20, warmup=2, memory=False),
+        out=tmp_path / "dense-profile.json",
+    )
+    profile_run(ticket, ProfileSettings(batch_sizes=(1,), repeats=20, warmup=2, memory=False))
     assert main(["schedule", str(dense), "--profile", str(tmp_path / "dense-profile.json"), "--with", str(ticket),
                  "--deadline-ms", "1000", "--quantile", "0.9"]) == 0  # fmt: skip
     answer = json.loads(capsys.readouterr().out)

@@ -53,10 +53,13 @@ def test_points_from_a_saved_profile_where_the_target_device_is_elsewhere(exit_r
     from dataclasses import replace
 
     from anytime.tasks.compare import step_points
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
-    profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=0, memory=False, steady_within=None,
-                             out=tmp_path / "profile.json")  # fmt: skip
+    profile, _ = profile_run(
+        exit_run,
+        ProfileSettings(batch_sizes=(1,), repeats=3, warmup=0, memory=False, steady_within=None),
+        out=tmp_path / "profile.json",
+    )
     points = step_points(exit_run, profile, family="exits")
     steps = json.loads((exit_run / "summary.json").read_text())["exits"]
     assert [p.name for p in points] == [s["name"] for s in steps] and all(p.mean_ms > 0 for p in points)

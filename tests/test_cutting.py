@@ -164,7 +164,7 @@ def test_the_cut_study_writes_its_table_and_plots(plain_run, tmp_path, capsys, m
 def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run, tmp_path, capsys):
     from anytime.scheduler.runs import runner_for_run
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
     from anytime.tasks.sweep import sweep_run
 
     ladder = tmp_path / "ladder"
@@ -177,7 +177,7 @@ def test_a_ladder_run_goes_through_collect_sweep_profile_and_schedule(plain_run,
     cache = collect_run(ladder, "val")
     assert list(cache.step_flops) == sorted(cache.step_flops)
     sweep_run(ladder, ["confidence"], settings=20)
-    profile, _ = profile_run(ladder, batch_sizes=[1], repeats=10, warmup=1, memory=False)
+    profile, _ = profile_run(ladder, ProfileSettings(batch_sizes=(1,), repeats=10, warmup=1, memory=False))
     assert not profile.incremental and profile.step_names[0] == f"0/{PLAIN_BLOCKS} blocks"
     assert main(["plot", str(ladder)]) == 0 and (ladder / "plots" / "deadline_accuracy.png").is_file()
     runner, _ = runner_for_run(ladder, quantile=0.9)

@@ -568,9 +568,9 @@ def test_energy_refusals_are_one_line(energy_run, exit_run, cli_error, tmp_path,
         cli_error(["schedule", str(energy_run), "--deadline-ms", "10", "--energy-mj", bad], "energy budget")
     plain = tmp_path / "plain"
     shutil.copytree(exit_run, plain)
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
-    profile_run(plain, batch_sizes=[1], repeats=5, warmup=1, memory=False)
+    profile_run(plain, ProfileSettings(batch_sizes=(1,), repeats=5, warmup=1, memory=False))
     cli_error(
         ["schedule", str(plain), "--deadline-ms", "10", "--quantile", "0.5", "--energy-mj", "5"],
         "no energy figures",

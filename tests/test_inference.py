@@ -145,7 +145,7 @@ def test_an_unknown_form_is_a_clear_error(text):
 
 def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path, monkeypatch):
     from anytime.scheduler.runs import runner_for_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
     from anytime.train.runs import load_run
     from anytime.utils import memory
 
@@ -155,7 +155,9 @@ def test_the_profile_records_the_form_and_the_runtime_runs_it(exit_run, tmp_path
     assert loaded.form == "fold" and _norms(loaded.model) == 0
     assert _norms(load_run(exit_run).model) > 0
     path = tmp_path / "profile.json"
-    profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=path, form="fold")
+    profile, _ = profile_run(
+        exit_run, ProfileSettings(batch_sizes=(1,), repeats=3, warmup=1, memory=False, form="fold"), out=path
+    )
     assert profile.settings["form"] == "fold"
     assert profile.settings["allocator"] == memory.allocator_state() != unset  # held by the profiler, as by the runtime
     _, run = runner_for_run(exit_run, path, quantile=0.5)
@@ -174,16 +176,21 @@ def test_cli_form_option_refuses_an_unknown_form(capsys):
 
 def test_the_runtime_runs_with_the_profiled_thread_count(exit_run, tmp_path):
     from anytime.scheduler.runs import runner_for_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     before = torch.get_num_threads()
     try:
         path = tmp_path / "profile-auto.json"
-        profile, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=path, threads="auto")
+        profile, _ = profile_run(
+            exit_run, ProfileSettings(batch_sizes=(1,), repeats=3, warmup=1, memory=False, threads="auto"), out=path
+        )
         chosen = profile.settings["threads_chosen"]
         assert profile.settings["threads"] == chosen["threads"] >= 1 and chosen["source"]
-        one, _ = profile_run(exit_run, batch_sizes=[1], repeats=3, warmup=1, memory=False, out=tmp_path / "p1.json",
-                             threads=1)  # fmt: skip
+        one, _ = profile_run(
+            exit_run,
+            ProfileSettings(batch_sizes=(1,), repeats=3, warmup=1, memory=False, threads=1),
+            out=tmp_path / "p1.json",
+        )
         assert one.settings["threads"] == 1 and "threads_chosen" not in one.settings
         torch.set_num_threads(2)
         runner_for_run(exit_run, tmp_path / "p1.json", quantile=0.5)

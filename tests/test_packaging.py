@@ -120,13 +120,13 @@ def test_the_core_install_loads_profiles_schedules_and_runs_a_run_without_the_ex
     script = f"""
 import sys
 import torch
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.scheduler.runs import runner_for_run
 from anytime.scheduler.query import scheduler_for_run
 from anytime.train.runs import load_run
 run = {str(run)!r}
 loaded = load_run(run)
-profile_run(run, batch_sizes=[1], repeats=5, warmup=1, memory=False)
+profile_run(run, ProfileSettings(batch_sizes=(1,), repeats=5, warmup=1, memory=False))
 scheduler, _ = scheduler_for_run(run)
 choice = scheduler.select(1000.0, 0.5, 1)
 runner, _ = runner_for_run(run, quantile=0.5)

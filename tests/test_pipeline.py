@@ -20,7 +20,7 @@ from anytime.tasks.calibration import calibrate_run
 from anytime.tasks.collect import collect_run
 from anytime.tasks.evaluation import Agreement, evaluate_run
 from anytime.tasks.plots import plot_run
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.tasks.sweep import sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits
 from anytime.train.runs import load_run
@@ -364,10 +364,10 @@ def test_cli_choices_match_the_library():
 
 
 def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, capsys):
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     profile_path = tmp_path / "profile.json"
-    profile_run(collected, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=profile_path)
+    profile_run(collected, ProfileSettings(batch_sizes=(1,), repeats=20, warmup=2, memory=False), out=profile_path)
     out = tmp_path / "calibration-selected.json"
     report = calibrate_run(collected, max_drop=1.0, select=True, profile=profile_path, out=out)
     selection = report.selection
@@ -467,7 +467,7 @@ def test_a_learned_policy_from_the_cli_through_evaluation_sweeps_and_the_runtime
     assert evaluation.accuracy == pytest.approx(report["test"]["accuracy"])
     code, out, err = _run(capsys, "sweep", run, "--split", "test", "--criterion", "learned", "--json")
     assert code == 0, err
-    profile_run(run, batch_sizes=[1, 4], repeats=5, warmup=1, memory=False)
+    profile_run(run, ProfileSettings(batch_sizes=(1, 4), repeats=5, warmup=1, memory=False))
     runner, loaded = runner_for_run(run, quantile=0.5)
     assert runner.policy is not None and runner.policy.criterion == "learned"
     test = load_cache(run, "test")

@@ -379,10 +379,10 @@ def test_write_errors_name_the_users_path_never_a_temporary_one(tmp_path, monkey
 
 
 def test_plot_says_why_deadline_plots_are_missing(ok, copied_run, tmp_path, capsys, cli_error):
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     ok(["collect", str(copied_run)])
-    profile_run(copied_run, batch_sizes=[1], repeats=20, warmup=1, memory=False)
+    profile_run(copied_run, ProfileSettings(batch_sizes=(1,), repeats=20, warmup=1, memory=False))
     (copied_run / "profile-cpu-copy.json").write_bytes(next(copied_run.glob("profile-*.json")).read_bytes())
     out = ok(["plot", str(copied_run)])
     assert "not drawn: deadline plots:" in out and "several profiles" in out and "--profile" in out

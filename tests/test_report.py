@@ -88,7 +88,7 @@ def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_ru
     from anytime.tasks.collect import collect_run
     from anytime.tasks.evaluation import evaluate_run
     from anytime.tasks.plots import plot_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path / "run"
     shutil.copytree(exit_run, run)
@@ -96,7 +96,7 @@ def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_ru
         collect_run(run, split)
     calibrate_run(run, max_drop=1.0)
     evaluate_run(run, split="test", latency_samples=0)
-    profile_run(run, batch_sizes=[1], repeats=100, warmup=2, memory=False)
+    profile_run(run, ProfileSettings(batch_sizes=(1,), repeats=100, warmup=2, memory=False))
     plot_run(run)
     assert main(["report", str(run)]) == 0
     page = (run / "report.html").read_text()

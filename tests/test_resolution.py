@@ -62,7 +62,7 @@ def test_ladders_that_cannot_work_are_refused():
 
 def test_a_resolution_ladder_goes_through_the_pipeline(tmp_path, capsys):
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path / "ladder"
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
@@ -72,7 +72,7 @@ def test_a_resolution_ladder_goes_through_the_pipeline(tmp_path, capsys):
     assert all(0 <= e.test_acc <= 1 for e in summary.steps)
     cache = collect_run(run, "val")
     assert cache.num_steps == 3
-    profile, _ = profile_run(run, batch_sizes=[1], repeats=20, warmup=2, memory=False)
+    profile, _ = profile_run(run, ProfileSettings(batch_sizes=(1,), repeats=20, warmup=2, memory=False))
     assert profile.step_names == ("16px", "crop24", "32px") and not profile.incremental
     assert main(["schedule", str(run), "--deadline-ms", "1e6", "--quantile", "0.9"]) == 0
     answer = json.loads(capsys.readouterr().out)

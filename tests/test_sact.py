@@ -160,7 +160,7 @@ def test_backbones_without_residual_stages_are_refused():
 
 def test_a_sact_run_goes_through_the_pipeline(tmp_path, capsys, cli_error, exit_run):
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path / "sact"
     config = TrainConfig(model="resnet20", data="digits", epochs=2, batch_size=64, lr=0.05, limit_train=400,
@@ -171,7 +171,9 @@ def test_a_sact_run_goes_through_the_pipeline(tmp_path, capsys, cli_error, exit_
     assert flops == sorted(flops)
     cache = collect_run(run, "val")
     assert cache.num_steps == 3 and list(cache.step_flops) == flops
-    profile, _ = profile_run(run, batch_sizes=[1, 4], repeats=10, warmup=1, memory=False, execution="sparse")
+    profile, _ = profile_run(
+        run, ProfileSettings(batch_sizes=(1, 4), repeats=10, warmup=1, memory=False, execution="sparse")
+    )
     assert profile.settings["execution"] == "sparse" and "validation images" in profile.settings["inputs"]
     assert list(profile.step_flops) == flops and not profile.incremental
     assert main(["schedule", str(run), "--deadline-ms", "1e6", "--quantile", "0.9"]) == 0

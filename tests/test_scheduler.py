@@ -628,7 +628,7 @@ MEMORY = {"peak_mb": 1.0, "activations_mb": 0.5}  # measured with the first prof
 
 def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, monkeypatch, tmp_path, capsys):
     import anytime.profile
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 2.1), (2.0, 2.0)])
     calls = []
@@ -644,7 +644,7 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
         "anytime.tasks.profiling._pricing_policy", lambda *args: None
     )  # the fake has 2 steps, the run 3
     monkeypatch.setattr("anytime.tasks.profiling.price_answers", lambda model, profile, **kwargs: profile)
-    profile, _ = profile_run(profiled, batch_sizes=[1], memory=False, out=tmp_path / "a.json")
+    profile, _ = profile_run(profiled, ProfileSettings(batch_sizes=(1,), memory=False), out=tmp_path / "a.json")
     assert calls == [False, False, False] and profile.settings["steadiness"]["attempts"] == 3
     assert profile.settings["steadiness"]["spread"] == pytest.approx(0.05)  # the third, within 0.25
     spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 3.1)])  # none within 0.25: the second is kept
@@ -665,13 +665,13 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
 def profiled(exit_run, tmp_path_factory):
     from anytime.tasks.calibration import calibrate_run
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path_factory.mktemp("profiled") / "run"
     shutil.copytree(exit_run, run)
     collect_run(run, "val")
     calibrate_run(run, max_drop=1.0, criterion="confidence")
-    profile_run(run, batch_sizes=[1, 4], repeats=30, warmup=2, memory=False)
+    profile_run(run, ProfileSettings(batch_sizes=(1, 4), repeats=30, warmup=2, memory=False))
     return run
 
 

@@ -184,13 +184,13 @@ def server(exit_run, tmp_path_factory):
     from anytime.serve import ServeOptions, build_app
     from anytime.tasks.calibration import calibrate_run
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path_factory.mktemp("served") / "run"
     shutil.copytree(exit_run, run)
     collect_run(run, "val")
     calibrate_run(run, max_drop=1.0, criterion="confidence")
-    profile_run(run, batch_sizes=[1, 2], repeats=100, warmup=2, memory=False)
+    profile_run(run, ProfileSettings(batch_sizes=(1, 2), repeats=100, warmup=2, memory=False))
     app, service = build_app(ServeOptions(run=str(run), max_body_kb=64, quantile=0.9))
     with listening(app, service) as port:
         yield SimpleNamespace(port=port, run=run, service=service)

@@ -143,7 +143,7 @@ def test_the_sandwich_rule_trains_the_ends_and_one_other():
 def test_a_sliced_run_trains_and_goes_through_the_pipeline(tmp_path, capsys):
     from anytime.scheduler.runs import runner_for_run
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
     from anytime.tasks.sweep import sweep_run
 
     config = TrainConfig(model="resnet20", data="digits", epochs=1, batch_size=64, lr=0.05, limit_train=300,
@@ -157,7 +157,7 @@ def test_a_sliced_run_trains_and_goes_through_the_pipeline(tmp_path, capsys):
     cache = collect_run(run, "val")
     assert cache.num_steps == 3 and cache.step_names == ("x0.25", "x0.5", "x1")
     sweep_run(run, ["entropy"], settings=20)
-    profile, _ = profile_run(run, batch_sizes=[1], repeats=10, warmup=1, memory=False)
+    profile, _ = profile_run(run, ProfileSettings(batch_sizes=(1,), repeats=10, warmup=1, memory=False))
     assert not profile.incremental and profile.num_steps == 3
     runner, _ = runner_for_run(run, quantile=0.9)
     answer = runner.predict(torch.randn(1, 1, 8, 8), 1e4)

@@ -333,12 +333,12 @@ def test_the_device_measures_the_links_stalls_before_it_plans():
 @pytest.fixture(scope="module")
 def split_setup(exit_run, tmp_path_factory):
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     folder = tmp_path_factory.mktemp("split")
     run = shutil.copytree(exit_run, folder / "run")  # the session's run stays as trained, for the other modules
     collect_run(run, "val")
-    profile_run(run, batch_sizes=[1], repeats=20, warmup=2, memory=False, out=folder / "dev.json")
+    profile_run(run, ProfileSettings(batch_sizes=(1,), repeats=20, warmup=2, memory=False), out=folder / "dev.json")
     shutil.copy(folder / "dev.json", folder / "srv.json")  # one machine plays both; 20 repeats resolve a p90
     return run, folder / "dev.json", folder / "srv.json"
 

@@ -204,19 +204,35 @@ def run(args: argparse.Namespace) -> int:
                                "energy there (anytime profile RUN --energy on the board)")  # fmt: skip
         return _trtexec_profile(args)
     from anytime.profile.energy import EnergySettings
-    from anytime.tasks.profiling import profile_run
+    from anytime.tasks.profiling import ProfileSettings, profile_run
 
     energy = None
     if args.energy:
         energy = EnergySettings(args.energy_windows, args.energy_window_s, args.energy_max_window_s, idle_s=args.idle_s)
     for length in _lengths(args):
         profile, path = profile_run(
-            args.run, batch_sizes=_batch_sizes(args.batch_sizes), repeats=args.repeats, warmup=args.warmup,
-            device=args.device, train=args.train, memory=not args.no_memory, out=args.out, progress=sys.stderr.isatty(),
-            form=args.form, threads=args.threads, energy=energy, execution=args.execution,
-            slowdown=args.emulate_slowdown, gap_ms=args.gap_ms, suffixes=args.suffixes, length=length,
-            steady_within=args.steady_within, answer_gap_ms=args.answer_gap_ms,
-        )  # fmt: skip
+            args.run,
+            ProfileSettings(
+                batch_sizes=_batch_sizes(args.batch_sizes),
+                repeats=args.repeats,
+                warmup=args.warmup,
+                train=args.train,
+                memory=not args.no_memory,
+                form=args.form,
+                threads=args.threads,
+                energy=energy,
+                execution=args.execution,
+                slowdown=args.emulate_slowdown,
+                gap_ms=args.gap_ms,
+                suffixes=args.suffixes,
+                length=length,
+                steady_within=args.steady_within,
+                answer_gap_ms=args.answer_gap_ms,
+            ),
+            device=args.device,
+            out=args.out,
+            progress=sys.stderr.isatty(),
+        )
         if args.serve:
             from anytime.serve.overhead import measure_serving_overhead
 

@@ -24,7 +24,7 @@ from anytime.tasks.calibration import CalibrationReport, calibrate_run
 from anytime.tasks.collect import collect_run
 from anytime.tasks.evaluation import EvaluationReport, evaluate_run
 from anytime.tasks.plots import plot_run
-from anytime.tasks.profiling import profile_run
+from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.tasks.promises import PromiseCheck, check_promises
 from anytime.tasks.sweep import sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
@@ -75,7 +75,7 @@ def run_demo(
 def _deadlines(run_dir: Path) -> PromiseCheck:
     """Profile the exits here (the runtime's answer prices included), then replay test images one at a time at a
     few deadlines: the runtime's promise at each and what it delivered."""
-    profile_run(run_dir, batch_sizes=[1, 8], repeats=DEMO_TIMINGS, memory=False)
+    profile_run(run_dir, ProfileSettings(batch_sizes=(1, 8), repeats=DEMO_TIMINGS, memory=False))
     return check_promises(run_dir, deadline_count=DEMO_DEADLINES, count=DEMO_REQUESTS, quantile=DEMO_QUANTILE)
 
 
