@@ -118,14 +118,9 @@ def _ensemble_class(method: str) -> Any:
     return getattr(torchensemble, METHODS[method])
 
 
-def train_baseline(
-    method: str, config: TrainConfig, *, estimators: int, out: str | Path, shrinkage: float = 1.0,
-    overwrite: bool = False, progress: Callable[[str], None] | None = None,
-) -> BaselineReport:  # fmt: skip
-    """Train ``estimators`` copies of ``config.model`` with torchensemble's ``method`` for ``config.epochs``
-    epochs (SGD with the recipe's learning rate, momentum and weight decay; cosine schedule, except for
-    snapshot ensembles, whose cyclic schedule is torchensemble's own) and write the run ``out``."""
-    say = progress or (lambda _: None)
+def _check_baseline(method: str, config: TrainConfig, estimators: int, shrinkage: float) -> Any:
+    """One-line errors for a method or option ``train_baseline`` cannot take; returns the method's torchensemble
+    class."""
     cls = _ensemble_class(method)
     if estimators < 2:
         raise AnytimeError(f"an ensemble needs at least 2 estimators (got {estimators})")
@@ -134,6 +129,69 @@ def train_baseline(
                            f"{config.epochs} is not a multiple of --estimators {estimators}")  # fmt: skip
     if not 0 < shrinkage <= 1:
         raise AnytimeError(f"--shrinkage must be in (0, 1] (got {shrinkage})")
+    return cls
+
+
+def _make_ensemble(cls: Any, method: str, config: TrainConfig, estimators: int, shrinkage: float, info: DatasetInfo,
+                   device: torch.device) -> Any:  # fmt: skip
+    """The untrained torchensemble ensemble, with the recipe's optimizer and (but for snapshots) cosine schedule."""
+    member = {"model": config.model, "num_classes": info.num_classes, "in_channels": info.in_channels}
+    args = {"estimator": _Member, "n_estimators": estimators, "cuda": device.type == "cuda", "estimator_args": member}
+    if method in ("voting", "bagging"):
+        args["n_jobs"] = 1  # members one after another: parallel workers would fight over the cores
+    if method == "gradient-boosting":
+        args["shrinkage_rate"] = shrinkage
+    ensemble = cls(**args)
+    ensemble.set_optimizer("SGD", lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if method != "snapshot":
+        ensemble.set_scheduler("CosineAnnealingLR", T_max=config.epochs)
+    return ensemble
+
+
+def _fit_ensemble(ensemble: Any, loader: DataLoader, method: str, config: TrainConfig) -> tuple[dict[str, Any], float]:
+    """Train ``ensemble`` quietly; returns the arguments it was fit with and the training time (s)."""
+    fit: dict[str, Any] = {"epochs": config.epochs, "save_model": False, "log_interval": 10**9}
+    if method == "gradient-boosting":  # its default sums the residual loss over the batch: divergent at usual lrs
+        fit["use_reduction_sum"] = False
+    start = monotonic()
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per estimator and epoch; a library is quiet
+        ensemble.fit(loader, **fit)
+    train_time = monotonic() - start
+    if not all(torch.isfinite(p).all() for p in ensemble.parameters()):
+        raise AnytimeError(f"the {method} ensemble diverged (its weights hold NaN or infinity) at learning rate "
+                           f"{config.lr}; train it again with a lower --lr")  # fmt: skip
+    return fit, train_time
+
+
+def _write_baseline(work: Path, report: BaselineReport, config: TrainConfig, info: DatasetInfo,
+                    record: dict[str, Any], model: EnsembleModel, device: torch.device, now: str) -> None:  # fmt: skip
+    """Write the baseline run's config, weights and summary into the staged folder ``work``."""
+    method, members = report.method, report.estimators
+    val_accs, test_accs = report.step_val_acc, report.step_test_acc
+    write_json(work / "config.json", {
+        "train": config.to_dict(), "dataset": info.to_dict(), "baseline": record, "device": str(device),
+        "machine": describe_machine(), "git_sha": git_sha(), "created": now,
+    })  # fmt: skip
+    save_weights(model, work / WEIGHTS)
+    write_json(work / "summary.json", {
+        "run_dir": str(report.out), "model": f"{method}({members} x {config.model})", "data": config.data,
+        "baseline": record,
+        "dataset": {k: info.to_dict().get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1]},
+        "exits": [{**e.to_dict(), "val_acc": val_accs[e.index], "test_acc": test_accs[e.index]} for e in model.exit_info],
+        "backbone_flops": model.backbone_flops, "device": device_label(device), "created": now,
+    })  # fmt: skip
+
+
+def train_baseline(
+    method: str, config: TrainConfig, *, estimators: int, out: str | Path, shrinkage: float = 1.0,
+    overwrite: bool = False, progress: Callable[[str], None] | None = None,
+) -> BaselineReport:  # fmt: skip
+    """Train ``estimators`` copies of ``config.model`` with torchensemble's ``method`` for ``config.epochs``
+    epochs (SGD with the recipe's learning rate, momentum and weight decay; cosine schedule, except for
+    snapshot ensembles, whose cyclic schedule is torchensemble's own) and write the run ``out``."""
+    say = progress or (lambda _: None)
+    cls = _check_baseline(method, config, estimators, shrinkage)
     target = Path(out)
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=False)
     device = resolve_device(config.device)
@@ -145,30 +203,12 @@ def train_baseline(
                         collate_fn=_Collate(info, True, config.seed))  # fmt: skip
     test_loader = DataLoader(_Images(splits.test, info), batch_size=config.eval_batch_size,
                              collate_fn=_Collate(info, False, config.seed))  # fmt: skip
-    member = {"model": config.model, "num_classes": info.num_classes, "in_channels": info.in_channels}
-    args = {"estimator": _Member, "n_estimators": estimators, "cuda": device.type == "cuda", "estimator_args": member}
-    if method in ("voting", "bagging"):
-        args["n_jobs"] = 1  # members one after another: parallel workers would fight over the cores
-    if method == "gradient-boosting":
-        args["shrinkage_rate"] = shrinkage
-    ensemble = cls(**args)
-    ensemble.set_optimizer("SGD", lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    if method != "snapshot":
-        ensemble.set_scheduler("CosineAnnealingLR", T_max=config.epochs)
+    ensemble = _make_ensemble(cls, method, config, estimators, shrinkage, info, device)
     say(
         f"training {estimators} x {config.model} by torchensemble {METHODS[method]} for {config.epochs} epochs "
         f"on {device}..."
     )
-    fit: dict[str, Any] = {"epochs": config.epochs, "save_model": False, "log_interval": 10**9}
-    if method == "gradient-boosting":  # its default sums the residual loss over the batch: divergent at usual lrs
-        fit["use_reduction_sum"] = False
-    start = monotonic()
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per estimator and epoch; a library is quiet
-        ensemble.fit(loader, **fit)
-    train_time = monotonic() - start
-    if not all(torch.isfinite(p).all() for p in ensemble.parameters()):
-        raise AnytimeError(f"the {method} ensemble diverged (its weights hold NaN or infinity) at learning rate "
-                           f"{config.lr}; train it again with a lower --lr")  # fmt: skip
+    fit, train_time = _fit_ensemble(ensemble, loader, method, config)
     start = monotonic()
     with torch.no_grad():
         test_acc = float(ensemble.evaluate(test_loader)) / 100
@@ -194,17 +234,5 @@ def train_baseline(
               "eval_time_s": eval_time, "eval_images": len(splits.test), "member_flops": flops,
               "member_params": params}  # fmt: skip
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as work:
-        write_json(work / "config.json", {
-            "train": config.to_dict(), "dataset": info.to_dict(), "baseline": record, "device": str(device),
-            "machine": describe_machine(), "git_sha": git_sha(), "created": now,
-        })  # fmt: skip
-        save_weights(model, work / WEIGHTS)
-        write_json(work / "summary.json", {
-            "run_dir": str(target), "model": f"{method}({len(members)} x {config.model})", "data": config.data,
-            "baseline": record,
-            "dataset": {k: info.to_dict().get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
-            "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1]},
-            "exits": [{**e.to_dict(), "val_acc": val_accs[e.index], "test_acc": test_accs[e.index]} for e in model.exit_info],
-            "backbone_flops": model.backbone_flops, "device": device_label(device), "created": now,
-        })  # fmt: skip
+        _write_baseline(work, report, config, info, record, model, device, now)
     return report

@@ -121,6 +121,94 @@ def cut_configurations(num_blocks: int, kinds: Sequence[str]) -> list[tuple[str,
     return configs
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What the study measures each configuration on and how: the scored images and labels, the training loaders
+    for recomputing batch norm (plain) and fine-tuning (augmented), and the study's settings."""
+
+    x_eval: Tensor
+    y_eval: Tensor
+    plain_train: Any
+    augmented: Any
+    recalibrate_bn: bool
+    recalibration_batches: int
+    finetune_epochs: int
+    finetune_lr: float
+    latency_repeats: int
+
+
+def _check_study_options(kinds: Sequence[str], finetune_epochs: int, recalibration_batches: int,
+                         latency_repeats: int, split: str) -> None:  # fmt: skip
+    """One-line errors for options ``cut_study`` cannot take, before any work."""
+    for kind in kinds:
+        if kind not in CUT_KINDS:
+            raise AnytimeError(f"unknown cut '{kind}'; choose one of {', '.join(CUT_KINDS)}")
+    if finetune_epochs < 0 or recalibration_batches < 1 or latency_repeats < 1:
+        raise AnytimeError("fine-tune epochs must be >= 0, recalibration batches and latency repeats >= 1")
+    if split not in ("val", "test"):
+        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+
+
+def _study_data(run: LoadedRun, split: str, images: int | None,
+                recalibration_batches: int) -> tuple[Tensor, Tensor, Any, Any]:  # fmt: skip
+    """The scored images and labels of ``split`` and the plain and augmented training loaders."""
+    splits = run_splits(run)
+    info = splits.info
+    seed = run.config.seed
+    scored = getattr(splits, split).sample(images, seed)
+    x_eval, y_eval = _tensors(make_loader(scored, info, batch_size=500, train=False, seed=seed))
+    # A random sample: the training split is stored class by class, and statistics of one class are wrong.
+    plain_train = make_loader(splits.train.sample(128 * recalibration_batches, seed), info, batch_size=128,
+                              train=False, seed=seed)  # fmt: skip
+    augmented = make_loader(splits.train, info, batch_size=128, train=True, seed=seed)
+    return x_eval, y_eval, plain_train, augmented
+
+
+def _measure_configs(model: nn.Module, kinds: Sequence[str], setup: _Setup, device: torch.device, *,
+                     progress: Callable[[str], None] | None, bar: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """The study's rows: every configuration's accuracy (and after recomputing batch norm or fine-tuning, when
+    asked), FLOPs and batch-1 latency. Leaves the last configuration's cuts in ``model``."""
+    x_eval, y_eval = setup.x_eval, setup.y_eval
+    sample = x_eval[:1].to(device)
+    num_blocks = len(residual_blocks(model))
+    shape = tuple(sample.shape[1:])
+    base_flops = count_flops(model, model, shape)
+    rows: list[dict[str, Any]] = []
+    configs = cut_configurations(num_blocks, kinds)
+    base_latency = None
+    shown = progress_bar(len(configs), "cut", enabled=bar, unit="config")
+    try:
+        for index, (name, scope, cuts) in enumerate(configs):
+            apply_cuts(model, cuts)
+            flops = count_flops(model, model, shape)  # first: a configuration that does not run fails here, clearly
+            p50, p90 = _latency(model, sample, setup.latency_repeats)
+            base_latency = base_latency or p50
+            row: dict[str, Any] = {
+                "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
+                "blocks": " ".join(str(i) for i in sorted(cuts)), "blocks_cut": len(cuts),
+                "flops": flops, "latency_p50_ms": p50, "latency_p90_ms": p90,
+                "accuracy": _accuracy(model, x_eval, y_eval), "accuracy_recalibrated": None, "accuracy_finetuned": None,
+            }  # fmt: skip
+            row["flops_ratio"] = row["flops"] / base_flops
+            row["latency_ratio"] = p50 / base_latency
+            if setup.recalibrate_bn and cuts:
+                tuned = copy.deepcopy(model)
+                recompute_bn_statistics(tuned, setup.plain_train, max_batches=setup.recalibration_batches)
+                row["accuracy_recalibrated"] = _accuracy(tuned, x_eval, y_eval)
+            if setup.finetune_epochs and cuts:
+                tuned = copy.deepcopy(model)
+                _finetune(tuned, setup.augmented, setup.finetune_epochs, setup.finetune_lr, device)
+                row["accuracy_finetuned"] = _accuracy(tuned, x_eval, y_eval)
+            rows.append(row)
+            if progress is not None:
+                progress(f"[{index + 1}/{len(configs)}] {name:<16} acc {100 * row['accuracy']:5.1f}%  "
+                         f"latency {p50:.2f} ms  FLOPs {100 * row['flops_ratio']:.0f}%")  # fmt: skip
+            shown.update()
+    finally:
+        shown.close()
+    return rows
+
+
 def cut_study(
     run_dir: str | Path, *, kinds: Sequence[str] = CUT_KINDS, recalibrate_bn: bool = False, finetune_epochs: int = 0,
     finetune_lr: float = 0.01, split: str = "test", images: int | None = None, recalibration_batches: int = 20,
@@ -138,63 +226,15 @@ def cut_study(
     earlier study there is replaced only with ``overwrite``. ``progress`` gets a line per configuration; ``bar``
     shows a bar of the configurations on stderr.
     """
-    for kind in kinds:
-        if kind not in CUT_KINDS:
-            raise AnytimeError(f"unknown cut '{kind}'; choose one of {', '.join(CUT_KINDS)}")
-    if finetune_epochs < 0 or recalibration_batches < 1 or latency_repeats < 1:
-        raise AnytimeError("fine-tune epochs must be >= 0, recalibration batches and latency repeats >= 1")
-    if split not in ("val", "test"):
-        raise AnytimeError(f"unknown split '{split}'; choose val or test")
+    _check_study_options(kinds, finetune_epochs, recalibration_batches, latency_repeats, split)
     folder = Path(out) if out is not None else Path(run_dir) / "cut"
     run = _plain_run(run_dir, device)
     check_replaceable(folder, CUT_STUDY, overwrite=overwrite, create_parents=out is None)
-    splits = run_splits(run)
-    info = splits.info
-    seed = run.config.seed
-    scored = getattr(splits, split).sample(images, seed)
-    x_eval, y_eval = _tensors(make_loader(scored, info, batch_size=500, train=False, seed=seed))
-    # A random sample: the training split is stored class by class, and statistics of one class are wrong.
-    plain_train = make_loader(splits.train.sample(128 * recalibration_batches, seed), info, batch_size=128,
-                              train=False, seed=seed)  # fmt: skip
-    augmented = make_loader(splits.train, info, batch_size=128, train=True, seed=seed)
-    sample = x_eval[:1].to(run.device)
+    x_eval, y_eval, plain_train, augmented = _study_data(run, split, images, recalibration_batches)
+    setup = _Setup(x_eval, y_eval, plain_train, augmented, recalibrate_bn, recalibration_batches, finetune_epochs,
+                   finetune_lr, latency_repeats)  # fmt: skip
     model = run.model
-    num_blocks = len(residual_blocks(model))
-    shape = tuple(sample.shape[1:])
-    base_flops = count_flops(model, model, shape)
-    rows: list[dict[str, Any]] = []
-    configs = cut_configurations(num_blocks, kinds)
-    base_latency = None
-    shown = progress_bar(len(configs), "cut", enabled=bar, unit="config")
-    try:
-        for index, (name, scope, cuts) in enumerate(configs):
-            apply_cuts(model, cuts)
-            flops = count_flops(model, model, shape)  # first: a configuration that does not run fails here, clearly
-            p50, p90 = _latency(model, sample, latency_repeats)
-            base_latency = base_latency or p50
-            row: dict[str, Any] = {
-                "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
-                "blocks": " ".join(str(i) for i in sorted(cuts)), "blocks_cut": len(cuts),
-                "flops": flops, "latency_p50_ms": p50, "latency_p90_ms": p90,
-                "accuracy": _accuracy(model, x_eval, y_eval), "accuracy_recalibrated": None, "accuracy_finetuned": None,
-            }  # fmt: skip
-            row["flops_ratio"] = row["flops"] / base_flops
-            row["latency_ratio"] = p50 / base_latency
-            if recalibrate_bn and cuts:
-                tuned = copy.deepcopy(model)
-                recompute_bn_statistics(tuned, plain_train, max_batches=recalibration_batches)
-                row["accuracy_recalibrated"] = _accuracy(tuned, x_eval, y_eval)
-            if finetune_epochs and cuts:
-                tuned = copy.deepcopy(model)
-                _finetune(tuned, augmented, finetune_epochs, finetune_lr, run.device)
-                row["accuracy_finetuned"] = _accuracy(tuned, x_eval, y_eval)
-            rows.append(row)
-            if progress is not None:
-                progress(f"[{index + 1}/{len(configs)}] {name:<16} acc {100 * row['accuracy']:5.1f}%  "
-                         f"latency {p50:.2f} ms  FLOPs {100 * row['flops_ratio']:.0f}%")  # fmt: skip
-            shown.update()
-    finally:
-        shown.close()
+    rows = _measure_configs(model, kinds, setup, run.device, progress=progress, bar=bar)
     apply_cuts(model, {})
     report = {
         "run": str(run_dir), "model": run.config.model, "split": split, "images": len(y_eval),

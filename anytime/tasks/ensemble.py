@@ -29,6 +29,7 @@ from anytime.data.base import DatasetSplits
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
 from anytime.families import FUSERS, EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, member_log_probs
+from anytime.families.fusers import CrossFit
 from anytime.outputs.cache import OutputCache, cache_path
 from anytime.precision.model import float_flops
 from anytime.tasks.profiling import default_profile_path
@@ -243,18 +244,21 @@ def greedy_order(logps: Tensor, labels: Tensor, costs: Sequence[float]) -> list[
     return chosen
 
 
-def build_ensemble(
-    members: Sequence[str | Path], out: str | Path, *, order: str = "cost", fuser: str = "mlp", folds: int = 5,
-    fit_split: str = "val", settings: FitSettings = FitSettings(), device: str = "cpu", batch_size: int = 256,
-    overwrite: bool = False, progress: Callable[[str], None] | None = None,
-) -> EnsembleReport:  # fmt: skip
-    """Write ``out``, an ensemble run of ``members`` (trained runs), and report every fuser's accuracy.
+@dataclass(frozen=True)
+class _Fits:
+    """Every fuser cross-fitted on the validation split, its accuracy per step (validation cross-fitted, test) and
+    its answers on the test split."""
 
-    ``order``: ``cost`` (batch-1 latency, cheapest first), ``greedy`` (most validation accuracy gained per
-    millisecond first) or ``given``. ``fuser`` is the one the run deploys (``mlp``, ``mean``, ``vote`` or
-    ``weighted``); all four are fit and reported. Fitting uses the validation split only, in ``folds`` folds.
-    """
-    say = progress or (lambda _: None)
+    fits: dict[str, CrossFit]
+    val_acc: dict[str, tuple[float, ...]]
+    test_acc: dict[str, tuple[float, ...]]
+    test_fused: dict[str, Tensor]
+
+
+def _check_members(members: Sequence[str | Path], out: str | Path, *, order: str, fuser: str, fit_split: str,
+                   folds: int, overwrite: bool) -> tuple[list[Path], Path]:  # fmt: skip
+    """One-line errors for choices, members or an output ``build_ensemble`` cannot take, before any work; returns
+    the members' folders and the output folder."""
     _check_choices(order, fuser, fit_split, folds)
     paths = [Path(m) for m in members]
     if len(paths) < 2:
@@ -269,6 +273,55 @@ def build_ensemble(
         if ensemble_record(path) is not None or baseline_record(path) is not None:
             raise AnytimeError(f"{path} is itself an ensemble; give its members instead")
     _check_compatible(paths)
+    return paths, target
+
+
+def _fit_fusers(val_logps: Tensor, val_labels: Tensor, test_logps: Tensor, test_labels: Tensor, *, folds: int,
+                settings: FitSettings) -> _Fits:  # fmt: skip
+    """Every fuser cross-fitted on the validation answers and scored, step by step, on both splits."""
+    steps = val_logps.shape[0]
+    fits = {kind: cross_fit(kind, val_logps, val_labels, folds=folds, settings=settings) for kind in FUSERS}
+    val_acc: dict[str, tuple[float, ...]] = {}
+    test_acc: dict[str, tuple[float, ...]] = {}
+    test_fused: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for kind, fit in fits.items():
+            test_fused[kind] = torch.stack([f(test_logps[: k + 1]) for k, f in enumerate(fit.fusers)])
+            val_acc[kind] = tuple(_accuracy(fit.heldout[k], val_labels) for k in range(steps))
+            test_acc[kind] = tuple(_accuracy(test_fused[kind][k], test_labels) for k in range(steps))
+    return _Fits(fits, val_acc, test_acc, test_fused)
+
+
+def _ensemble_record(report: EnsembleReport, runs: Sequence[LoadedRun], described: Sequence[tuple[MemberInfo, str]],
+                     *, folds: int, heldout: int, settings: FitSettings, fit_split: str) -> dict[str, Any]:  # fmt: skip
+    """The ensemble record the run's config holds: how the fuser was fit and every member, in ladder order."""
+    target = report.out
+    return {
+        "fuser": report.fuser, "order": report.order, "folds": folds, "heldout": heldout, "hidden": settings.hidden,
+        "fit_split": fit_split, "fit": {"epochs": settings.epochs, "lr": settings.lr,
+                                        "weight_decay": settings.weight_decay, "seed": settings.seed},
+        "cost_source": report.cost_source,
+        "members": [{"run": str(r.run_dir.resolve()), "relative": os.path.relpath(r.run_dir.resolve(), target.resolve()),
+                     "fingerprint": r.fingerprint, "name": info.name,
+                     "precision": precision, "step": info.step, "flops": info.flops, "params": info.params,
+                     "cost_ms": rep.cost_ms} for r, (info, precision), rep in zip(runs, described, report.members)],
+    }  # fmt: skip
+
+
+def build_ensemble(
+    members: Sequence[str | Path], out: str | Path, *, order: str = "cost", fuser: str = "mlp", folds: int = 5,
+    fit_split: str = "val", settings: FitSettings = FitSettings(), device: str = "cpu", batch_size: int = 256,
+    overwrite: bool = False, progress: Callable[[str], None] | None = None,
+) -> EnsembleReport:  # fmt: skip
+    """Write ``out``, an ensemble run of ``members`` (trained runs), and report every fuser's accuracy.
+
+    ``order``: ``cost`` (batch-1 latency, cheapest first), ``greedy`` (most validation accuracy gained per
+    millisecond first) or ``given``. ``fuser`` is the one the run deploys (``mlp``, ``mean``, ``vote`` or
+    ``weighted``); all four are fit and reported. Fitting uses the validation split only, in ``folds`` folds.
+    """
+    say = progress or (lambda _: None)
+    paths, target = _check_members(members, out, order=order, fuser=fuser, fit_split=fit_split, folds=folds,
+                                   overwrite=overwrite)  # fmt: skip
     target_device = resolve_device(device)
     runs = [load_run(p, target_device) for p in paths]
     shape = dataset_input_shape(runs[0].dataset)
@@ -291,35 +344,19 @@ def build_ensemble(
     costs = [costs[i] for i in ranked]
     val_logps, test_logps = val_logps[ranked], test_logps[ranked]
     say(f"fitting fusers on {val_labels.numel()} validation images in {folds} folds...")
-    fits = {kind: cross_fit(kind, val_logps, val_labels, folds=folds, settings=settings) for kind in FUSERS}
-    val_acc: dict[str, tuple[float, ...]] = {}
-    test_acc: dict[str, tuple[float, ...]] = {}
-    test_fused: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for kind, fit in fits.items():
-            test_fused[kind] = torch.stack([f(test_logps[: k + 1]) for k, f in enumerate(fit.fusers)])
-            val_acc[kind] = tuple(_accuracy(fit.heldout[k], val_labels) for k in range(len(runs)))
-            test_acc[kind] = tuple(_accuracy(test_fused[kind][k], test_labels) for k in range(len(runs)))
+    fitted = _fit_fusers(val_logps, val_labels, test_logps, test_labels, folds=folds, settings=settings)
     reports = tuple(
         MemberReport(str(r.run_dir), info.name, precision, _accuracy(val_logps[i], val_labels),
                      _accuracy(test_logps[i], test_labels), None if np.isnan(costs[i]) else costs[i])
         for i, (r, (info, precision)) in enumerate(zip(runs, described))
     )  # fmt: skip
-    chosen = fits[fuser]
+    chosen = fitted.fits[fuser]
     bank = FuserBank.of(chosen.fusers, chosen.fold_fusers, torch.from_numpy(chosen.folds))
     model = EnsembleModel([r.model for r in runs], infos, bank)
-    record = {
-        "fuser": fuser, "order": order, "folds": folds, "heldout": int(val_labels.numel()), "hidden": settings.hidden,
-        "fit_split": fit_split, "fit": {"epochs": settings.epochs, "lr": settings.lr,
-                                        "weight_decay": settings.weight_decay, "seed": settings.seed},
-        "cost_source": cost_source,
-        "members": [{"run": str(r.run_dir.resolve()), "relative": os.path.relpath(r.run_dir.resolve(), target.resolve()),
-                     "fingerprint": r.fingerprint, "name": info.name,
-                     "precision": precision, "step": info.step, "flops": info.flops, "params": info.params,
-                     "cost_ms": rep.cost_ms} for r, (info, precision), rep in zip(runs, described, reports)],
-    }  # fmt: skip
     stacking = stacking_check(val_logps, val_labels, test_logps, test_labels, folds=folds, seed=settings.seed)
-    report = EnsembleReport(target, fuser, order, reports, val_acc, test_acc, cost_source, stacking)
+    report = EnsembleReport(target, fuser, order, reports, fitted.val_acc, fitted.test_acc, cost_source, stacking)
+    record = _ensemble_record(report, runs, described, folds=folds, heldout=int(val_labels.numel()), settings=settings,
+                              fit_split=fit_split)  # fmt: skip
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as work:
         write_json(work / "config.json", {
@@ -331,7 +368,7 @@ def build_ensemble(
             with atomic_path(work / TOKENIZER_FILE) as tmp:
                 shutil.copyfile(paths[0] / TOKENIZER_FILE, tmp)
         fingerprint = run_weights_fingerprint(work)
-        _write_caches(work, model, fingerprint, torch.from_numpy(chosen.heldout), val_labels, test_fused[fuser],
+        _write_caches(work, model, fingerprint, torch.from_numpy(chosen.heldout), val_labels, fitted.test_fused[fuser],
                       test_labels, splits.info.fingerprint)  # fmt: skip
         write_json(work / "summary.json", _summary(report, model, target, runs[0], target_device, now))
     return report

@@ -125,6 +125,94 @@ def parity_table(
     return rows
 
 
+@dataclass(frozen=True)
+class _Calibration:
+    """What int8 export calibrates from: a quantized run's own statistics (``state``) or training batches, and how
+    many images either saw."""
+
+    state: dict[str, Tensor] | None = None
+    batches: list[Tensor] | None = None
+    images: int | None = None
+
+
+def _export_precision(source: Path, fmt: str, precision: str | None, record: dict[str, Any] | None,
+                      calibration_images: int, parity_images: int) -> tuple[str, bool]:  # fmt: skip
+    """One-line errors for a precision, format or count ``export_run`` cannot take; returns the precision to export
+    at and whether the run was fine-tuned for int8 (QAT)."""
+    own = record["precision"] if record is not None else "fp32"
+    precision = precision or own
+    check_exportable(fmt, precision)
+    if record is not None and precision != own:
+        raise AnytimeError(
+            f"{source} is a {own} run; export it at {own}, or export the float run it came from at {precision}"
+        )
+    if precision == "int8" and fmt == "pt2":
+        backend_for("int8", torch.device("cpu"))
+    if calibration_images < 1 or parity_images < 0:
+        raise AnytimeError("--calibration-images must be at least 1 and --parity-images at least 0")
+    qat = bool(record and record.get("qat_epochs"))
+    if qat and fmt == "onnx":
+        raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
+                           "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
+    return precision, qat
+
+
+def _int8_calibration(run: LoadedRun, source: Path, record: dict[str, Any] | None, fmt: str, precision: str,
+                      calibration_images: int) -> _Calibration:  # fmt: skip
+    """The statistics int8 export calibrates from (none for another precision)."""
+    if precision == "int8" and record is not None and fmt == "pt2":  # the quantized run's own statistics
+        from anytime.train.checkpoint import read_weights
+
+        return _Calibration(state=read_weights(source / QUANT_STATE), images=record.get("calibration_images"))
+    if precision == "int8":
+        calibration = list(calibration_batches(run, calibration_images))
+        return _Calibration(batches=calibration, images=sum(int(x.shape[0]) for x in calibration))
+    return _Calibration()
+
+
+def _search_layers(
+    write: Callable[[Path, Sequence[str]], ExportManifest], float_model: nn.Module, run: LoadedRun, fmt: str,
+    shape: tuple[int, ...], calibration: list[Tensor], *, min_agreement: float, max_float_layers: int,
+    agreement_images: int, min_size_ratio: float | None, progress: Callable[[str], None] | None,
+) -> Int8Tuning:  # fmt: skip
+    """The search for the layers int8 keeps in float: each choice exported by ``write`` and compared with the
+    float model on validation images."""
+    agreement_on = tuning_images(run, agreement_images)
+    budget = None
+    if min_size_ratio is not None:
+        budget = float_weight_budget(float_model, fmt, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
+                                     name=run.config.model, calibration=calibration,
+                                     min_size_ratio=min_size_ratio)  # fmt: skip
+
+    def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], None]:
+        with tempfile.TemporaryDirectory() as trial:
+            manifest = write(Path(trial), layers)
+            exported = load_export(trial)
+            return tuple(_compare(float_model, exported, agreement_on, k)[1] for k in range(manifest.num_steps)), None
+
+    _, tuning = search_float_layers(
+        float_model, measure, calibration=calibration, images=agreement_on, min_agreement=min_agreement,
+        max_float_layers=max_float_layers, max_float_weights=budget, activation_levels=_activation_levels(fmt),
+        progress=progress)  # fmt: skip
+    return tuning
+
+
+def _write_export(work: Path, manifest: ExportManifest, tuning: Int8Tuning | None, float_model: nn.Module,
+                  images: Tensor | None, latency_images: int) -> list[ParityRow]:  # fmt: skip
+    """Write the search and (with ``images``) the parity table beside the artifacts in ``work``; returns the
+    table's rows."""
+    if tuning is not None:
+        write_json(work / TUNING, tuning.to_dict())
+    rows: list[ParityRow] = []
+    if images is not None:
+        exported = load_export(work)
+        rows = parity_table(float_model, exported, images, latency_images=latency_images)
+        write_csv(work / "parity.csv", [r.to_dict() for r in rows], PARITY_COLUMNS)
+        write_json(work / "parity.json", {"export": manifest.to_dict(), "backend": exported.backend,
+                                          "threads": torch.get_num_threads(), "rows": [r.to_dict() for r in rows]})  # fmt: skip
+    return rows
+
+
 def export_run(
     run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
     calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
@@ -143,21 +231,7 @@ def export_run(
     source = Path(run_dir)
     run_config(source)  # a clear error for a folder that is not a run
     record = precision_record(source)
-    own = record["precision"] if record is not None else "fp32"
-    precision = precision or own
-    check_exportable(fmt, precision)
-    if record is not None and precision != own:
-        raise AnytimeError(
-            f"{source} is a {own} run; export it at {own}, or export the float run it came from at {precision}"
-        )
-    if precision == "int8" and fmt == "pt2":
-        backend_for("int8", torch.device("cpu"))
-    if calibration_images < 1 or parity_images < 0:
-        raise AnytimeError("--calibration-images must be at least 1 and --parity-images at least 0")
-    qat = bool(record and record.get("qat_epochs"))
-    if qat and fmt == "onnx":
-        raise AnytimeError(f"{source} was fine-tuned for int8 (QAT); export it as pt2 (ONNX int8 artifacts are "
-                           "quantized by ONNX Runtime from float weights, which would drop the fine-tuning)")  # fmt: skip
+    precision, qat = _export_precision(source, fmt, precision, record, calibration_images, parity_images)
     if (float_layers or min_agreement is not None) and (precision != "int8" or record is not None):
         raise AnytimeError("--float-layers and --min-agreement are for int8 from a float run; a quantized run exports "
                            "with the layers it kept in float")  # fmt: skip
@@ -169,14 +243,7 @@ def export_run(
     run = load_run(source, "cpu", converted=False)
     require_images(run, "anytime export")
     shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
-    state, calibration, calibrated = None, None, None
-    if precision == "int8" and record is not None and fmt == "pt2":  # the quantized run's own statistics
-        from anytime.train.checkpoint import read_weights
-
-        state, calibrated = read_weights(source / QUANT_STATE), record.get("calibration_images")
-    elif precision == "int8":
-        calibration = list(calibration_batches(run, calibration_images))
-        calibrated = sum(int(x.shape[0]) for x in calibration)
+    calibrated = _int8_calibration(run, source, record, fmt, precision, calibration_images)
     float_model = run.model.eval()
     images = _test_images(run, parity_images) if parity_images else None
     fingerprint = run_weights_fingerprint(source)
@@ -184,8 +251,8 @@ def export_run(
     def write(folder: Path, layers: Sequence[str]) -> ExportManifest:
         return export_model(
             float_model, fmt, precision, folder, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
-            name=run.config.model, calibration=calibration, state=state, qat=qat, parent_run=str(source),
-            parent_fingerprint=fingerprint, calibration_images=calibrated,
+            name=run.config.model, calibration=calibrated.batches, state=calibrated.state, qat=qat,
+            parent_run=str(source), parent_fingerprint=fingerprint, calibration_images=calibrated.images,
             backend=record.get("backend") if record is not None and precision == "int8" else None,
             float_layers=layers,
         )  # fmt: skip
@@ -193,38 +260,16 @@ def export_run(
     tuning = None
     if min_agreement is not None:
         check_replaceable(Path(out), EXPORT, overwrite=overwrite, create_parents=False)  # before minutes of search
-        agreement_on = tuning_images(run, agreement_images)
-        budget = None
-        if min_size_ratio is not None:
-            budget = float_weight_budget(float_model, fmt, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
-                                         name=run.config.model, calibration=calibration or [],
-                                         min_size_ratio=min_size_ratio)  # fmt: skip
-
-        def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], None]:
-            with tempfile.TemporaryDirectory() as trial:
-                manifest = write(Path(trial), layers)
-                exported = load_export(trial)
-                return tuple(
-                    _compare(float_model, exported, agreement_on, k)[1] for k in range(manifest.num_steps)
-                ), None
-
-        _, tuning = search_float_layers(
-            float_model, measure, calibration=calibration or [], images=agreement_on, min_agreement=min_agreement,
-            max_float_layers=max_float_layers, max_float_weights=budget, activation_levels=_activation_levels(fmt),
-            progress=progress)  # fmt: skip
+        tuning = _search_layers(
+            write, float_model, run, fmt, shape, calibrated.batches or [], min_agreement=min_agreement,
+            max_float_layers=max_float_layers, agreement_images=agreement_images, min_size_ratio=min_size_ratio,
+            progress=progress,
+        )  # fmt: skip
         float_layers = tuning.float_layers
     entries = (MANIFEST, "parity.csv", "parity.json", TUNING, f"*.{fmt}", "profile-*.json", "evaluation-*.json")
     with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
         manifest = write(work, float_layers)
-        if tuning is not None:
-            write_json(work / TUNING, tuning.to_dict())
-        rows: list[ParityRow] = []
-        if images is not None:
-            exported = load_export(work)
-            rows = parity_table(float_model, exported, images, latency_images=latency_images)
-            write_csv(work / "parity.csv", [r.to_dict() for r in rows], PARITY_COLUMNS)
-            write_json(work / "parity.json", {"export": manifest.to_dict(), "backend": exported.backend,
-                                              "threads": torch.get_num_threads(), "rows": [r.to_dict() for r in rows]})  # fmt: skip
+        rows = _write_export(work, manifest, tuning, float_model, images, latency_images)
     return ExportReport(Path(out), manifest, tuple(rows), tuning)
 
 

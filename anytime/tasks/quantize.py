@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from anytime.data import make_loader
+from anytime.data.base import DatasetSplits
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
-from anytime.precision import backend_for, convert
+from anytime.precision import PrecisionModel, backend_for, convert
 from anytime.precision.int8 import graph_state, prepare_qat
 from anytime.precision.parts import layout_of, run_parts
-from anytime.precision.tuning import tune_int8
+from anytime.precision.tuning import Int8Tuning, tune_int8
 from anytime.train.evaluation import evaluate_exits
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
@@ -150,6 +151,124 @@ def fine_tune_int8(
     return graph_state(prepared)
 
 
+def _check_quantize_options(parent: Path, precision: str, device: str, calibration_images: int, qat_epochs: int,
+                            qat_lr: float) -> torch.device:  # fmt: skip
+    """One-line errors for a run or an option ``quantize_run`` cannot take, before any work; returns the device the
+    converted run runs on."""
+    run_config(parent)  # a clear error for a folder that is not a run
+    if precision_record(parent) is not None:
+        raise AnytimeError(f"{parent} is already a converted run; quantize the float run it came from")
+    if ensemble_record(parent) is not None or baseline_record(parent) is not None:
+        raise AnytimeError(f"{parent} is an ensemble; quantize its members (anytime quantize MEMBER) and build an "
+                           "ensemble of the quantized runs")  # fmt: skip
+    # static int8 (PT2E, x86) runs on the CPU only: there "auto" can only mean the CPU
+    target_device = resolve_device("cpu" if device == "auto" and precision == "int8" else device)
+    backend_for(precision, target_device)  # refuses a precision this device cannot run, before any work
+    if calibration_images < 1:
+        raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")
+    if qat_epochs < 0 or (qat_epochs and precision != "int8"):
+        raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
+    if not (math.isfinite(qat_lr) and qat_lr > 0):
+        raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
+    return target_device
+
+
+def _check_quantizable(parent: Path, run: LoadedRun, precision: str, text: bool) -> None:
+    """One-line errors for a loaded run static int8 cannot convert (a text run, or one that halts by position)."""
+    if text and precision == "int8":
+        raise AnytimeError(f"{parent} is a text run: static int8 (PT2E) quantizes convolutional image networks; "
+                           "quantize a text encoder with --precision int8-dynamic (int8 Linear layers, the usual form "
+                           "for transformers), bf16 or fp16")  # fmt: skip
+    if precision == "int8" and getattr(run.model, "data_dependent_cost", False):
+        raise AnytimeError(f"{parent} halts position by position (SACT), which torch.export cannot trace into an int8 "
+                           "graph; quantize it with --precision int8-dynamic, bf16 or fp16")  # fmt: skip
+
+
+def _tune_model(
+    run: LoadedRun, shape: tuple[int, ...], calibration: list[Tensor], *, min_agreement: float,
+    max_float_layers: int, agreement_images: int, min_size_ratio: float | None, compile: bool,
+    progress: Callable[[str], None] | None,
+) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
+    """The int8 model whose float layers :func:`tune_int8` chose for ``min_agreement``, its state and the search."""
+    budget = None
+    if min_size_ratio is not None:
+        from anytime.deploy.export import float_weight_budget
+
+        budget = float_weight_budget(run.model.eval(), "pt2", input_shape=shape, name=run.config.model,
+                                     num_classes=int(run.dataset["num_classes"]), calibration=calibration,
+                                     min_size_ratio=min_size_ratio)  # fmt: skip
+    return tune_int8(run.model, input_shape=shape, calibration=calibration,
+                     images=tuning_images(run, agreement_images), min_agreement=min_agreement,
+                     max_float_layers=max_float_layers, max_float_weights=budget, compile=compile,
+                     progress=progress)  # fmt: skip
+
+
+def _accuracies(model: nn.Module, splits: DatasetSplits, seed: int,
+                device: torch.device) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Every step's validation and test accuracy of ``model``."""
+    loader_kw = {"batch_size": 256, "train": False, "seed": seed}
+    _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), device)
+    _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), device)
+    return val_accs, test_accs
+
+
+def _precision_entry(model: PrecisionModel, parent: Path, run: LoadedRun, precision: str, calibration_images: int,
+                     train_images: int, qat_epochs: int, qat_lr: float,
+                     tuning: Int8Tuning | None) -> dict[str, Any]:  # fmt: skip
+    """The precision record the converted run's config and summary hold."""
+    return {
+        **model.spec.to_dict(), "parent_run": str(parent), "parent_fingerprint": run.fingerprint,
+        "calibration_images": min(calibration_images, train_images) if precision == "int8" else None,
+        "calibration_split": "train" if precision == "int8" else None,
+        "qat_epochs": qat_epochs or None, "qat_lr": qat_lr if qat_epochs else None,
+        "agreement_tuning": tuning.to_dict() if tuning is not None else None,
+        "torch": torch.__version__, "torchao": _version("torchao"),
+    }  # fmt: skip
+
+
+def _quantized_summary(
+    target: Path, run: LoadedRun, model: PrecisionModel, record: dict[str, Any], accs: tuple[list[float], list[float]],
+    ptq: tuple[list[float], list[float]] | None, parent_acc: tuple[list[dict[str, Any]], dict[str, Any]],
+    device: torch.device, now: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The converted run's summary: every step's accuracy beside the parent's (and after PTQ alone, with QAT)."""
+    (val_accs, test_accs), (parent_steps, parent_final) = accs, parent_acc
+    qat = {"ptq_val_acc": ptq[0][-1], "ptq_test_acc": ptq[1][-1]} if ptq is not None else {}
+    steps = [{**e, "val_acc": val_accs[k], "test_acc": test_accs[k], "parent_val_acc": e.get("val_acc"),
+              "parent_test_acc": e.get("test_acc"),
+              **({"ptq_val_acc": ptq[0][k], "ptq_test_acc": ptq[1][k]} if ptq is not None else {})}
+             for k, e in enumerate(parent_steps)]  # fmt: skip
+    summary: dict[str, Any] = {
+        "run_dir": str(target), "model": run.config.model, "data": run.config.data, "precision": record,
+        "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
+        "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1], "parent_val_acc": parent_final.get("val_acc"),
+                  "parent_test_acc": parent_final.get("test_acc"), **qat},
+        "step_flops": list(model.step_flops), "device": device_label(device), "created": now,
+    }  # fmt: skip
+    if steps:
+        summary["exits"] = steps
+        summary["backbone_flops"] = int(model.backbone_flops)
+    return summary
+
+
+def _write_quantized(work: Path, parent: Path, run: LoadedRun, record: dict[str, Any], device: torch.device,
+                     now: str, text: bool, state: dict[str, Tensor], summary: dict[str, Any]) -> None:  # fmt: skip
+    """Write the converted run's files into the staged folder ``work``."""
+    write_json(work / "config.json", {
+        "train": run.config.to_dict(), "dataset": run.dataset, "precision": record, "device": str(device),
+        "machine": describe_machine(), "git_sha": git_sha(), "created": now,
+    })  # fmt: skip
+    for name in (WEIGHTS, TOKENIZER_FILE) if text else (WEIGHTS,):  # a text run's token ids need its tokenizer
+        with atomic_path(work / name) as tmp:
+            shutil.copyfile(parent / name, tmp)
+    if state:
+        from safetensors.torch import save_file
+
+        with atomic_path(work / QUANT_STATE) as tmp:
+            save_file(state, str(tmp))
+    write_json(work / "summary.json", summary)
+
+
 def quantize_run(
     run_dir: str | Path, precision: str, *, calibration_images: int = DEFAULT_CALIBRATION_IMAGES,
     out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
@@ -167,21 +286,7 @@ def quantize_run(
     validation images, keeping no more weights in float than leave the run's .pt2 int8 artifact
     ``min_size_ratio`` times smaller than the fp32 one (when given)."""
     parent = Path(run_dir)
-    run_config(parent)  # a clear error for a folder that is not a run
-    if precision_record(parent) is not None:
-        raise AnytimeError(f"{parent} is already a converted run; quantize the float run it came from")
-    if ensemble_record(parent) is not None or baseline_record(parent) is not None:
-        raise AnytimeError(f"{parent} is an ensemble; quantize its members (anytime quantize MEMBER) and build an "
-                           "ensemble of the quantized runs")  # fmt: skip
-    # static int8 (PT2E, x86) runs on the CPU only: there "auto" can only mean the CPU
-    target_device = resolve_device("cpu" if device == "auto" and precision == "int8" else device)
-    backend_for(precision, target_device)  # refuses a precision this device cannot run, before any work
-    if calibration_images < 1:
-        raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")
-    if qat_epochs < 0 or (qat_epochs and precision != "int8"):
-        raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
-    if not (math.isfinite(qat_lr) and qat_lr > 0):
-        raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
+    target_device = _check_quantize_options(parent, precision, device, calibration_images, qat_epochs, qat_lr)
     check_float_layer_options(
         precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio
     )
@@ -189,83 +294,35 @@ def quantize_run(
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
     text = run.dataset.get("modality") == "text"
-    if text and precision == "int8":
-        raise AnytimeError(f"{parent} is a text run: static int8 (PT2E) quantizes convolutional image networks; "
-                           "quantize a text encoder with --precision int8-dynamic (int8 Linear layers, the usual form "
-                           "for transformers), bf16 or fp16")  # fmt: skip
-    if precision == "int8" and getattr(run.model, "data_dependent_cost", False):
-        raise AnytimeError(f"{parent} halts position by position (SACT), which torch.export cannot trace into an int8 "
-                           "graph; quantize it with --precision int8-dynamic, bf16 or fp16")  # fmt: skip
+    _check_quantizable(parent, run, precision, text)
     shape = dataset_input_shape(run.dataset)
-    parent_steps, parent_final = _parent_accuracy(parent, run.num_steps)
+    parent_acc = _parent_accuracy(parent, run.num_steps)
     splits = run_splits(run)
     seed = run.config.seed
     calibration = list(calibration_batches(run, calibration_images)) if precision == "int8" else None
     tuning = None
     if min_agreement is not None:
-        budget = None
-        if min_size_ratio is not None:
-            from anytime.deploy.export import float_weight_budget
-
-            budget = float_weight_budget(run.model.eval(), "pt2", input_shape=shape, name=run.config.model,
-                                         num_classes=int(run.dataset["num_classes"]), calibration=calibration or [],
-                                         min_size_ratio=min_size_ratio)  # fmt: skip
-        model, state, tuning = tune_int8(run.model, input_shape=shape, calibration=calibration or [],
-                                         images=tuning_images(run, agreement_images), min_agreement=min_agreement,
-                                         max_float_layers=max_float_layers, max_float_weights=budget, compile=compile,
-                                         progress=progress)  # fmt: skip
+        model, state, tuning = _tune_model(
+            run, shape, calibration or [], min_agreement=min_agreement, max_float_layers=max_float_layers,
+            agreement_images=agreement_images, min_size_ratio=min_size_ratio, compile=compile, progress=progress,
+        )  # fmt: skip
     else:
         model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
                                device=target_device, float_layers=float_layers)  # fmt: skip
     model = model.to(target_device)
-    loader_kw = {"batch_size": 256, "train": False, "seed": seed}
-    _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
-    _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
-    ptq_val, ptq_test = val_accs, test_accs
+    accs = _accuracies(model, splits, seed, target_device)
+    ptq = None
     if qat_epochs:
-        layers = model.spec.float_layers
+        ptq, layers = accs, model.spec.float_layers
         state = fine_tune_int8(run, shape, epochs=qat_epochs, lr=qat_lr, calibration_images=calibration_images,
                                progress=progress, float_layers=layers)  # fmt: skip
         model, _ = convert(run.model, "int8", input_shape=shape, state=state, compile=compile, qat=True,
                            float_layers=layers)  # fmt: skip
-        _, val_accs = evaluate_exits(model, make_loader(splits.val, splits.info, **loader_kw), target_device)
-        _, test_accs = evaluate_exits(model, make_loader(splits.test, splits.info, **loader_kw), target_device)
+        accs = _accuracies(model, splits, seed, target_device)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record = {
-        **model.spec.to_dict(), "parent_run": str(parent), "parent_fingerprint": run.fingerprint,
-        "calibration_images": min(calibration_images, len(splits.train)) if precision == "int8" else None,
-        "calibration_split": "train" if precision == "int8" else None,
-        "qat_epochs": qat_epochs or None, "qat_lr": qat_lr if qat_epochs else None,
-        "agreement_tuning": tuning.to_dict() if tuning is not None else None,
-        "torch": torch.__version__, "torchao": _version("torchao"),
-    }  # fmt: skip
-    qat = {"ptq_val_acc": ptq_val[-1], "ptq_test_acc": ptq_test[-1]} if qat_epochs else {}
-    steps = [{**e, "val_acc": val_accs[k], "test_acc": test_accs[k], "parent_val_acc": e.get("val_acc"),
-              "parent_test_acc": e.get("test_acc"),
-              **({"ptq_val_acc": ptq_val[k], "ptq_test_acc": ptq_test[k]} if qat_epochs else {})}
-             for k, e in enumerate(parent_steps)]  # fmt: skip
-    summary: dict[str, Any] = {
-        "run_dir": str(target), "model": run.config.model, "data": run.config.data, "precision": record,
-        "dataset": {k: run.dataset.get(k) for k in ("name", "num_classes", "in_channels", "image_size", "source")},
-        "final": {"val_acc": val_accs[-1], "test_acc": test_accs[-1], "parent_val_acc": parent_final.get("val_acc"),
-                  "parent_test_acc": parent_final.get("test_acc"), **qat},
-        "step_flops": list(model.step_flops), "device": device_label(target_device), "created": now,
-    }  # fmt: skip
-    if steps:
-        summary["exits"] = steps
-        summary["backbone_flops"] = int(model.backbone_flops)
+    record = _precision_entry(model, parent, run, precision, calibration_images, len(splits.train), qat_epochs,
+                              qat_lr, tuning)  # fmt: skip
+    summary = _quantized_summary(target, run, model, record, accs, ptq, parent_acc, target_device, now)
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=out is None, entries=RUN_ENTRIES) as work:
-        write_json(work / "config.json", {
-            "train": run.config.to_dict(), "dataset": run.dataset, "precision": record, "device": str(target_device),
-            "machine": describe_machine(), "git_sha": git_sha(), "created": now,
-        })  # fmt: skip
-        for name in (WEIGHTS, TOKENIZER_FILE) if text else (WEIGHTS,):  # a text run's token ids need its tokenizer
-            with atomic_path(work / name) as tmp:
-                shutil.copyfile(parent / name, tmp)
-        if state:
-            from safetensors.torch import save_file
-
-            with atomic_path(work / QUANT_STATE) as tmp:
-                save_file(state, str(tmp))
-        write_json(work / "summary.json", summary)
+        _write_quantized(work, parent, run, record, target_device, now, text, state, summary)
     return RunSummary.from_dict(summary)
