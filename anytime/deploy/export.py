@@ -1,6 +1,7 @@
 """Deployable artifacts of a model's steps: ``torch.export`` programs (``.pt2``) or ONNX graphs, one per step
 (one per segment and per exit head of a multi-exit model, so a deployed early exit still skips the rest),
-a manifest that names, sizes and checksums them, and a loader that never executes pickled code.
+a manifest that names, sizes and checksums them (:mod:`anytime.deploy.manifest`), and a loader that never executes
+pickled code (:mod:`anytime.deploy.loader`); the ONNX graphs are written by :mod:`anytime.deploy.onnx_export`.
 
 int8 ``.pt2`` artifacts hold the PT2E graph (int8 weights, quantize/dequantize around each kernel) and are
 lowered to oneDNN's int8 kernels when loaded on an x86 CPU; int8 ONNX artifacts are quantized by ONNX
