@@ -108,9 +108,9 @@ def test_a_structured_ticket_is_a_smaller_run_that_loads_and_resumes(dense_and_t
     from anytime.train.runs import load_run
 
     dense, ticket, summary = dense_and_ticket
-    info = summary["ticket"]
+    info = summary.record["ticket"]
     assert info["unit"] == "channels" and info["sparsity"] == pytest.approx(0.5, abs=0.02)
-    assert info["parameters"] < 0.8 * info["dense_parameters"] and summary["epochs"] == 2
+    assert info["parameters"] < 0.8 * info["dense_parameters"] and summary.epochs == 2
     loaded = load_run(ticket, "cpu")
     assert _params(loaded.model) == info["parameters"] and (ticket / CHANNELS_FILE).is_file()
     assert loaded.model(torch.randn(2, 1, 8, 8)).shape[-1] == 10
