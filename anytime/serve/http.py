@@ -17,7 +17,7 @@ import math
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,13 +107,48 @@ def create_app(service: Service, spec: Inputs,
     """The FastAPI application over a started ``service``; ``schedule(deadline_ms, quantile, batch, energy_mj,
     length)`` answers ``GET /schedule`` (as ``anytime schedule``)."""
     from fastapi import FastAPI
-    from fastapi import Request as HttpRequest
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="anytime", description=f"Anytime inference under deadlines for {info.get('run')}",
                   version=str(info.get("version")), docs_url=None, redoc_url=None)  # fmt: skip
+    _add_refusals(app, service)
+    _add_predict(app, service, spec, _body_reader(max_body_bytes))
+
+    @app.get("/schedule")
+    async def schedule_route(deadline_ms: str | None = None, quantile: float | None = None, batch_size: int = 1,
+                             energy_mj: str | None = None, length: int | None = None) -> JSONResponse:  # fmt: skip
+        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule`` (by default
+        at the server's ``--quantile``; a text run's ``length``: the request's tokens, default its longest)."""
+        if quantile is None:
+            quantile = float(info.get("quantile", 0.99))
+        if not (math.isfinite(quantile) and 0 < quantile <= 1):
+            raise BadRequest(f"quantile {quantile} must be in (0, 1]")
+        if length is not None and (spec.field != "text" or length < 1):
+            raise BadRequest("length is a text run's number of tokens (a whole number, at least 1)")
+        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size, parse_energy_budget(energy_mj),
+                                     length))  # fmt: skip
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """Liveness, with what is served."""
+        return JSONResponse({"status": "ok", **info, "queue_depth": service.queue_depth})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text: requests, misses, bad requests, latency per step, drift, queue depth."""
+        return PlainTextResponse(service.metrics.render(service.queue_depth),
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+
+    return ArrivalStamp(app, service.clock)
+
+
+def _add_refusals(app: Any, service: Service) -> None:
+    """Every refusal as a one-line JSON error with its 4xx status (counted in the metrics); anything else as a 500
+    that says what failed."""
+    from fastapi import Request as HttpRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     def refuse(status: int, message: str) -> JSONResponse:
         service.metrics.bad_request(status)
@@ -146,6 +181,12 @@ def create_app(service: Service, spec: Inputs,
         service.metrics.bad_request(500)  # counted with the refusals, by its status code
         return JSONResponse({"error": f"the server failed to answer ({type(exc).__name__}: {str(exc)[:200]})"},
                             status_code=500)  # fmt: skip
+
+
+def _body_reader(max_body_bytes: int) -> Callable[[Any], Awaitable[bytes]]:
+    """What reads a request's body: at most ``max_body_bytes`` (413 beyond, the rest drained so the client reads
+    it), within :data:`BODY_TIMEOUT_S` (408 after)."""
+    from fastapi import Request as HttpRequest
 
     async def drain(stream: Any, read: int) -> None:
         """Read and drop what is left of an oversized body, up to a bound, so that a client still sending it
@@ -181,6 +222,14 @@ def create_app(service: Service, spec: Inputs,
         except asyncio.TimeoutError:
             raise BadRequest(f"the body did not arrive within {BODY_TIMEOUT_S:g} s", 408) from None
 
+    return read_body
+
+
+def _add_predict(app: Any, service: Service, spec: Inputs, read_body: Callable[[Any], Awaitable[bytes]]) -> None:
+    """``POST /predict``: one input answered within its deadline."""
+    from fastapi import Request as HttpRequest
+    from fastapi.responses import JSONResponse
+
     @app.post("/predict")
     async def predict(request: HttpRequest) -> JSONResponse:
         """Answer one input (an image or array, or a sentence) within its deadline (queue time counted)."""
@@ -214,33 +263,6 @@ def create_app(service: Service, spec: Inputs,
         decoded = spec.decode(body)
         answer = await asyncio.wrap_future(service.submit(Request(decoded, deadline, arrived, cheapest, energy)))
         return JSONResponse(answer.to_dict())
-
-    @app.get("/schedule")
-    async def schedule_route(deadline_ms: str | None = None, quantile: float | None = None, batch_size: int = 1,
-                             energy_mj: str | None = None, length: int | None = None) -> JSONResponse:  # fmt: skip
-        """The step or policy that meets the deadline on the profiled device, as ``anytime schedule`` (by default
-        at the server's ``--quantile``; a text run's ``length``: the request's tokens, default its longest)."""
-        if quantile is None:
-            quantile = float(info.get("quantile", 0.99))
-        if not (math.isfinite(quantile) and 0 < quantile <= 1):
-            raise BadRequest(f"quantile {quantile} must be in (0, 1]")
-        if length is not None and (spec.field != "text" or length < 1):
-            raise BadRequest("length is a text run's number of tokens (a whole number, at least 1)")
-        return JSONResponse(schedule(parse_deadline(deadline_ms), quantile, batch_size, parse_energy_budget(energy_mj),
-                                     length))  # fmt: skip
-
-    @app.get("/healthz")
-    async def healthz() -> JSONResponse:
-        """Liveness, with what is served."""
-        return JSONResponse({"status": "ok", **info, "queue_depth": service.queue_depth})
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        """Prometheus text: requests, misses, bad requests, latency per step, drift, queue depth."""
-        return PlainTextResponse(service.metrics.render(service.queue_depth),
-                                 media_type="text/plain; version=0.0.4")  # fmt: skip
-
-    return ArrivalStamp(app, service.clock)
 
 
 ARRIVED = "anytime.arrived"  # the ASGI scope key holding when a request reached the application (service clock, s)
