@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +48,12 @@ class LatencyFigures:
         """The figures of a sample of latencies in seconds."""
         from anytime.profile import latency_summary
 
-        d = latency_summary(seconds)
-        lo50, hi50 = d["p50_ci95_ms"]  # type: ignore[misc]
-        lo99, hi99 = d["p99_ci95_ms"]  # type: ignore[misc]
-        return cls(float(d["mean_ms"]), float(d["std_ms"]), float(d["p50_ms"]), float(d["p90_ms"]),  # type: ignore[arg-type]
-                   float(d["p99_ms"]), int(d["count"]), (lo50, hi50), (lo99, hi99))  # type: ignore[arg-type]  # fmt: skip
+        d: dict[str, Any] = latency_summary(seconds)
+        return cls(**{**d, "p50_ci95_ms": tuple(d["p50_ci95_ms"]), "p99_ci95_ms": tuple(d["p99_ci95_ms"])})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, as ``latency_summary`` writes it."""
-        return {"mean_ms": self.mean_ms, "std_ms": self.std_ms, "p50_ms": self.p50_ms, "p90_ms": self.p90_ms,
-                "p99_ms": self.p99_ms, "count": self.count, "p50_ci95_ms": list(self.p50_ci95_ms),
-                "p99_ci95_ms": list(self.p99_ci95_ms)}  # fmt: skip
+        return {**asdict(self), "p50_ci95_ms": list(self.p50_ci95_ms), "p99_ci95_ms": list(self.p99_ci95_ms)}
 
 
 @dataclass(frozen=True)

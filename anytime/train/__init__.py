@@ -11,6 +11,7 @@ _EXPORTS = {
         "anytime.train.checkpoint": ("load_checkpoint", "load_weights", "save_checkpoint", "save_weights"),
         "anytime.train.config": ("SCHEDULES", "TrainConfig"),
         "anytime.train.splits": ("load_splits", "run_splits"),
+        "anytime.train.summary": ("RunSummary",),
         "anytime.train.evaluation": ("evaluate",),
         "anytime.train.logbook": ("read_metrics",),
         "anytime.train.recipe": ("lr_factor",),
