@@ -24,12 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan, and print the chosen option (and the frontier, if asked)."""
     from anytime.split.codec import parse_codecs
-    from anytime.split.plan import Link
+    from anytime.split.plan import Link, PlanSettings
     from anytime.split.runs import plan_run
 
     link = Link(args.bandwidth_mbps, args.rtt_ms, args.overhead_ms)
-    plan = plan_run(args.run, args.device_profile, args.server_profile, link, args.deadline_ms, quantile=args.quantile,
-                    codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions)  # fmt: skip
+    settings = PlanSettings(quantile=args.quantile, codecs=parse_codecs(args.codecs), criterion=args.criterion,
+                            partitions=args.partitions)  # fmt: skip
+    plan = plan_run(args.run, args.device_profile, args.server_profile, link, args.deadline_ms, settings)
     doc = plan.to_dict()
     if not args.frontier and not args.json:
         doc.pop("frontier")

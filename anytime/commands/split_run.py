@@ -77,22 +77,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the session against the server and print what it measured."""
     from anytime.split.codec import parse_codecs
-    from anytime.split.plan import Link
-    from anytime.split.session import parse_bandwidth_schedule, run_split_session
+    from anytime.split.plan import Link, PlanSettings
+    from anytime.split.session import SessionSettings, parse_bandwidth_schedule, run_split_session
 
     schedule = parse_bandwidth_schedule(args.shape_bandwidth, args.bandwidth_mbps, args.requests)
     host, _, port = args.server.rpartition(":")
     if not host or not port.isdigit():
         raise AnytimeError(f"--server {args.server!r} is not HOST:PORT (e.g. 127.0.0.1:9000)")
     delay_ms = args.rtt_ms if args.shape_delay_ms is None else args.shape_delay_ms
-    result = run_split_session(
-        args.run, host=host, port=int(port), device_profile=args.device_profile, server_profile=args.server_profile,
-        link=Link(args.bandwidth_mbps, args.rtt_ms, args.overhead_ms), deadline_ms=args.deadline_ms,
-        quantile=args.quantile, codecs=parse_codecs(args.codecs), criterion=args.criterion, partitions=args.partitions,
-        split=args.data_split, requests=args.requests, schedule=schedule, delay_ms=delay_ms,
-        slowdown=args.emulate_slowdown, adapt=not args.fixed, timeout_ms=args.timeout_ms, threads=args.threads,
-        link_samples=args.link_samples, out=args.out,
+    link = Link(args.bandwidth_mbps, args.rtt_ms, args.overhead_ms)  # refused before the settings below are checked
+    plan = PlanSettings(quantile=args.quantile, codecs=parse_codecs(args.codecs), criterion=args.criterion,
+                        partitions=args.partitions)  # fmt: skip
+    session = SessionSettings(
+        host, int(port), args.deadline_ms, split=args.data_split, requests=args.requests, schedule=tuple(schedule),
+        delay_ms=delay_ms, slowdown=args.emulate_slowdown, adapt=not args.fixed, timeout_ms=args.timeout_ms,
+        threads=args.threads, link_samples=args.link_samples,
     )  # fmt: skip
+    result = run_split_session(args.run, session, plan, device_profile=args.device_profile,
+                               server_profile=args.server_profile, link=link, out=args.out)  # fmt: skip
     summary = result.summary()
     if args.json:
         return print_json(summary)

@@ -69,6 +69,20 @@ class Link:
 
 
 @dataclass(frozen=True)
+class PlanSettings:
+    """What a split plan considers (:func:`anytime.split.runs.plan_run`, ``anytime split-run``): ``quantile``, the
+    share of requests whose latency must fit the deadline (0.99: the p99); ``codecs``, how an activation may travel
+    (fp32, fp16, int8); ``criterion``, the exit criterion its thresholds are set on; ``partitions``, the partition
+    points it may choose, as :func:`anytime.split.runs.parse_partitions` reads them (``server,1,device``; None:
+    every one)."""
+
+    quantile: float = 0.99
+    codecs: tuple[str, ...] = ("fp32", "fp16", "int8")
+    criterion: str = "entropy"
+    partitions: str | None = None
+
+
+@dataclass(frozen=True)
 class SplitOption:
     """One way to answer: partition, codec, exit thresholds (criterion's units; None: nobody leaves there),
     expected validation accuracy, latency at the quantile, the share answered on the device and bytes per request."""

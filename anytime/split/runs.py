@@ -7,7 +7,7 @@ from typing import Any
 
 from anytime.errors import AnytimeError
 from anytime.profile.store import DeviceProfile
-from anytime.split.plan import Link, SplitPlan, SplitPlanner
+from anytime.split.plan import Link, PlanSettings, SplitPlan, SplitPlanner
 from anytime.split.tables import SplitTables, compute_tables, load_tables, tables_path
 
 
@@ -98,13 +98,14 @@ def parse_partitions(text: str | None, num_steps: int) -> list[int] | None:
     return out
 
 
-def planner_for_run(run_dir: str | Path, device_profile: str | Path, server_profile: str | Path, *,
-                    codecs: tuple[str, ...] = ("fp32", "fp16", "int8"), criterion: str = "entropy",
-                    partitions: str | None = None, device: str = "cpu") -> SplitPlanner:  # fmt: skip
+def planner_for_run(run_dir: str | Path, device_profile: str | Path, server_profile: str | Path,
+                    settings: PlanSettings | None = None, *, device: str = "cpu") -> SplitPlanner:  # fmt: skip
     """A planner over the run's validation tables and the two machines' profiles (refused when either profile
-    is of another model, or they are of different models); ``partitions`` as :func:`parse_partitions` reads."""
+    is of another model, or they are of different models), for the codecs, criterion and partitions of
+    ``settings`` (default :class:`PlanSettings`; partitions as :func:`parse_partitions` reads)."""
     from anytime.scheduler.query import run_fingerprint
 
+    settings = settings or PlanSettings()
     fingerprint = run_fingerprint(run_dir)
     dev, srv = load_profile_pair(device_profile, server_profile)
     for profile, path in ((dev, device_profile), (srv, server_profile)):
@@ -112,15 +113,14 @@ def planner_for_run(run_dir: str | Path, device_profile: str | Path, server_prof
     if dev.model_fingerprint != srv.model_fingerprint:
         raise AnytimeError(f"{device_profile} and {server_profile} were measured on different models; profile "
                            f"{run_dir} on both machines")  # fmt: skip
-    tables = split_tables(run_dir, codecs, device=device)
-    chosen = parse_partitions(partitions, tables.num_steps)
-    return SplitPlanner(tables, dev, srv, criterion=criterion, codecs=codecs, partitions=chosen)
+    tables = split_tables(run_dir, settings.codecs, device=device)
+    chosen = parse_partitions(settings.partitions, tables.num_steps)
+    return SplitPlanner(tables, dev, srv, criterion=settings.criterion, codecs=settings.codecs, partitions=chosen)
 
 
 def plan_run(run_dir: str | Path, device_profile: str | Path, server_profile: str | Path, link: Link,
-             deadline_ms: float, *, quantile: float = 0.99, codecs: tuple[str, ...] = ("fp32", "fp16", "int8"),
-             criterion: str = "entropy", partitions: str | None = None) -> SplitPlan:  # fmt: skip
-    """``anytime split``: the plan for one link and deadline."""
-    planner = planner_for_run(run_dir, device_profile, server_profile, codecs=codecs, criterion=criterion,
-                              partitions=partitions)  # fmt: skip
-    return planner.plan(link, deadline_ms, quantile)
+             deadline_ms: float, settings: PlanSettings | None = None) -> SplitPlan:  # fmt: skip
+    """``anytime split``: the plan for one link and deadline, as ``settings`` say (default :class:`PlanSettings`)."""
+    settings = settings or PlanSettings()
+    planner = planner_for_run(run_dir, device_profile, server_profile, settings)
+    return planner.plan(link, deadline_ms, settings.quantile)

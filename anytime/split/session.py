@@ -5,7 +5,7 @@ link and reports what it measured beside what was planned."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,9 +15,10 @@ import numpy as np
 from anytime.errors import AnytimeError
 from anytime.profile.slowed import slowed_model
 from anytime.profile.stats import quantile_of
+from anytime.scheduler.deadline import check_deadline
 from anytime.split.device import SplitAnswer, SplitDevice
 from anytime.split.link import LinkError, LinkShaper, SplitClient
-from anytime.split.plan import Link, SplitPlan
+from anytime.split.plan import Link, PlanSettings, SplitPlan
 from anytime.utils.collector import collect_due, serving_gc
 
 WARMUP = 5  # answers before the timed ones, on images not counted
@@ -173,89 +174,147 @@ class SessionResult:
                 "answers": [a.to_dict() | {"label": y} for a, y in zip(self.answers, self.labels)]}  # fmt: skip
 
 
-def run_split_session(
-    run_dir: str | Path, *, host: str, port: int, device_profile: str | Path, server_profile: str | Path, link: Link,
-    deadline_ms: float, quantile: float = 0.99, codecs: tuple[str, ...] = ("fp32", "fp16", "int8"),
-    criterion: str = "entropy", partitions: str | None = None, split: str = "test", requests: int = 200, schedule: list[tuple[float, int]] | None = None,
-    delay_ms: float | None = None, slowdown: float = 1.0, adapt: bool = True, timeout_ms: float = 2000.0,
-    threads: int | str | None = 1, link_samples: int = LINK_SAMPLES, out: str | Path | None = None,
-) -> SessionResult:  # fmt: skip
-    """Answer ``requests`` images of ``split`` as the device: ping the server, measure the link with
-    ``link_samples`` exchanges (none: plan with ``link`` as given, overhead included), plan, then answer one image at
-    a time (after :data:`WARMUP` untimed ones), the link shaped per ``schedule``; the result holds every answer."""
-    import torch
+@dataclass(frozen=True)
+class SessionSettings:
+    """How a split-computing session runs (:func:`run_split_session`).
 
-    from anytime.data.augment import normalize
-    from anytime.profile.store import DeviceProfile
-    from anytime.scheduler.deadline import check_deadline
+    The device talks to the ``anytime serve --role server`` at ``host``:``port`` and answers every request within
+    ``deadline_ms`` (ms; a slower answer is a miss). It answers ``requests`` images of the ``split`` (val or test),
+    the link paced per ``schedule`` ((Mbit/s, requests) phases as :func:`parse_bandwidth_schedule` reads them; None:
+    the planned link's bandwidth for every request) with ``delay_ms`` of round trip added (None: the planned link's
+    ``rtt_ms``). ``slowdown`` > 1 emulates a board that many times slower (its profile must be measured with the same
+    factor); ``adapt`` re-plans as the bandwidth the device measures moves (False: the first plan is kept). A server
+    that has not answered within ``timeout_ms`` (ms) is given up on and the device answers itself. ``threads`` are
+    the device's torch CPU threads (a number, ``auto``, or None: as they are); ``link_samples`` exchanges measure the
+    link before the first plan (0: plan with the link as given, overhead included)."""
+
+    host: str
+    port: int
+    deadline_ms: float
+    split: str = "test"
+    requests: int = 200
+    schedule: tuple[tuple[float, int], ...] | None = None
+    delay_ms: float | None = None
+    slowdown: float = 1.0
+    adapt: bool = True
+    timeout_ms: float = 2000.0
+    threads: int | str | None = 1
+    link_samples: int = LINK_SAMPLES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deadline_ms", check_deadline(self.deadline_ms))  # kept as the float it checks to
+        link_samples = self.link_samples
+        if isinstance(link_samples, bool) or not isinstance(link_samples, int) or link_samples < 0:
+            raise AnytimeError(f"--link-samples is a number of exchanges >= 0 (got {link_samples!r})")
+        if not (math.isfinite(self.timeout_ms) and self.timeout_ms > 0):
+            raise AnytimeError(f"--timeout-ms must be a positive number (got {self.timeout_ms})")
+
+
+def run_split_session(
+    run_dir: str | Path, session: SessionSettings, plan: PlanSettings | None = None, *, device_profile: str | Path,
+    server_profile: str | Path, link: Link, out: str | Path | None = None,
+) -> SessionResult:  # fmt: skip
+    """Answer ``session.requests`` images of its split as the device: ping the server, measure the link with
+    ``session.link_samples`` exchanges (none: plan with ``link`` as given, overhead included), plan as ``plan`` says
+    (default :class:`PlanSettings`), then answer one image at a time (after :data:`WARMUP` untimed ones), the link
+    shaped per ``session.schedule``; the result holds every answer."""
     from anytime.split.runs import planner_for_run
-    from anytime.train.runs import load_run
-    from anytime.train.splits import run_splits
     from anytime.utils.io import write_json
     from anytime.utils.outputs import check_output_file
     from anytime.utils.threads import set_threads
 
-    deadline_ms = check_deadline(deadline_ms)
-    if isinstance(link_samples, bool) or not isinstance(link_samples, int) or link_samples < 0:
-        raise AnytimeError(f"--link-samples is a number of exchanges >= 0 (got {link_samples!r})")
-    if not (math.isfinite(timeout_ms) and timeout_ms > 0):
-        raise AnytimeError(f"--timeout-ms must be a positive number (got {timeout_ms})")
+    plan = plan or PlanSettings()
     target = None if out is None else check_output_file(out, what="split-run result", format_tag=SESSION_FORMAT,
                                                         example="split.json")  # fmt: skip
-    phases = schedule or [(link.bandwidth_mbps, requests)]
+    phases = session.schedule or ((link.bandwidth_mbps, session.requests),)
+    _check_slowdown(device_profile, session.slowdown)
+    set_threads(session.threads)
+    planner = planner_for_run(run_dir, device_profile, server_profile, plan)
+    model, images, labels = _session_images(run_dir, session)
+    shaper = LinkShaper(phases[0][0], link.rtt_ms if session.delay_ms is None else session.delay_ms)
+    client = SplitClient(session.host, session.port, timeout_s=session.timeout_ms / 1000, shaper=shaper)
+    device = SplitDevice(model, planner, client, deadline_ms=session.deadline_ms, quantile=plan.quantile, link=link,
+                         adapt=session.adapt)  # fmt: skip
+    start_note = _measure_link(device, images, session.link_samples)
+    try:
+        answers, plans = _answer_all(device, shaper, images, phases, session.requests)
+    finally:
+        client.close()
+    result = SessionResult(tuple(answers), tuple(labels), tuple(plans), session.deadline_ms, tuple(phases), start_note)
+    if target is not None:
+        write_json(target, result.to_dict())
+    return result
+
+
+def _check_slowdown(device_profile: str | Path, slowdown: float) -> None:
+    """Refuse a device profile measured at another emulated slowdown than the one this device runs at."""
+    from anytime.profile.store import DeviceProfile
+
     measured_at = float(DeviceProfile.load(device_profile).settings.get("emulated_slowdown", 1.0))
     if abs(measured_at - slowdown) > 1e-9:
         raise AnytimeError(f"{device_profile} was measured with --emulate-slowdown {measured_at:g} but this device runs at "
                            f"{slowdown:g}; profile it again with --emulate-slowdown {slowdown:g}")  # fmt: skip
-    set_threads(threads)
-    planner = planner_for_run(run_dir, device_profile, server_profile, codecs=codecs, criterion=criterion,
-                              partitions=partitions)  # fmt: skip
+
+
+def _session_images(run_dir: str | Path, session: SessionSettings) -> tuple[Any, Any, list[int]]:
+    """The run's model (slowed as the session says), the warm-up and timed images of its split (normalized) and
+    the timed ones' labels."""
+    import torch
+
+    from anytime.data.augment import normalize
+    from anytime.train.runs import load_run
+    from anytime.train.splits import run_splits
+
     run = load_run(run_dir, "cpu")
-    model = slowed_model(run.model, slowdown)
+    model = slowed_model(run.model, session.slowdown)
     model.eval()
     splits = run_splits(run)
-    data = getattr(splits, split)
+    data = getattr(splits, session.split)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))  # splits are stored class by class
-    if requests + WARMUP > len(order):
+    if session.requests + WARMUP > len(order):
         raise AnytimeError(
-            f"the {split} split has {len(order)} images; ask for at most {len(order) - WARMUP} --requests"
+            f"the {session.split} split has {len(order)} images; ask for at most {len(order) - WARMUP} --requests"
         )
-    chosen = order[: requests + WARMUP]
+    chosen = order[: session.requests + WARMUP]
     images = normalize(data.images[chosen], splits.info.mean, splits.info.std)
     labels = [int(v) for v in data.labels[chosen][WARMUP:]]
-    shaper = LinkShaper(phases[0][0], link.rtt_ms if delay_ms is None else delay_ms)
-    client = SplitClient(host, port, timeout_s=timeout_ms / 1000, shaper=shaper)
-    device = SplitDevice(model, planner, client, deadline_ms=deadline_ms, quantile=quantile, link=link, adapt=adapt)
-    start_note = None
+    return model, images, labels
+
+
+def _measure_link(device: SplitDevice, images: Any, link_samples: int) -> str | None:
+    """Ping the server and measure the link before the first plan; a server that does not answer is noted (the
+    device answers on its own until it is back)."""
     try:
         device.ping()
         if link_samples:
             device.measure_link(images[:1], link_samples)
         device.replans.clear()
     except LinkError as exc:
-        start_note = f"{exc}: answering on the device until it is back"
-    try:
-        for i in range(WARMUP):
-            device.answer(images[i : i + 1])
-        device.replans.clear()
-        plans: list[tuple[int, SplitPlan]] = [(0, device.plan)]
-        device.answered = 0
-        answers: list[SplitAnswer] = []
-        boundary, phase = phases[0][1], 0
-        with serving_gc():
-            for i in range(requests):
-                if i == boundary and phase + 1 < len(phases):
-                    phase += 1
-                    shaper.set_bandwidth(phases[phase][0])
-                    boundary += phases[phase][1]
-                x = images[WARMUP + i : WARMUP + i + 1]
-                answers.append(device.answer(x))
-                device.maybe_probe()
-                collect_due()
-        plans += [(i, p) for i, p in device.replans]
-    finally:
-        client.close()
-    result = SessionResult(tuple(answers), tuple(labels), tuple(plans), deadline_ms, tuple(phases), start_note)
-    if target is not None:
-        write_json(target, result.to_dict())
-    return result
+        return f"{exc}: answering on the device until it is back"
+    return None
+
+
+def _answer_all(
+    device: SplitDevice, shaper: LinkShaper, images: Any, phases: Sequence[tuple[float, int]], requests: int
+) -> tuple[list[SplitAnswer], list[tuple[int, SplitPlan]]]:
+    """The warm-up answers, then every timed one with the link paced per phase; the answers and the plans in force
+    (answer index, plan)."""
+    for i in range(WARMUP):
+        device.answer(images[i : i + 1])
+    device.replans.clear()
+    plans: list[tuple[int, SplitPlan]] = [(0, device.plan)]
+    device.answered = 0
+    answers: list[SplitAnswer] = []
+    boundary, phase = phases[0][1], 0
+    with serving_gc():
+        for i in range(requests):
+            if i == boundary and phase + 1 < len(phases):
+                phase += 1
+                shaper.set_bandwidth(phases[phase][0])
+                boundary += phases[phase][1]
+            x = images[WARMUP + i : WARMUP + i + 1]
+            answers.append(device.answer(x))
+            device.maybe_probe()
+            collect_due()
+    plans += [(i, p) for i, p in device.replans]
+    return answers, plans
