@@ -200,13 +200,14 @@ def onnx_programs(
     import torch
 
     from anytime.calibrate import ExitPolicy
-    from anytime.deploy.export import export_model
+    from anytime.deploy.export import ManifestLabels, export_model
     from anytime.deploy.loader import load_export
 
     exports = []
     for name, part in (("exits", model), ("plain", model.backbone)):
         (folder / name).mkdir()
-        export_model(part, "onnx", "fp32", folder / name, input_shape=input_shape, num_classes=num_classes, name=name)
+        export_model(part, "onnx", "fp32", folder / name, input_shape=input_shape,
+                     labels=ManifestLabels(name, num_classes))  # fmt: skip
         exports.append(load_export(folder / name, threads=torch.get_num_threads()))
     program, plain = exports[0].exit_program(policy), exports[1].exit_program(ExitPolicy(policy.criterion, ()))
     if program is None or plain is None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from common import REPO, parser, report, run
 
-from anytime.tasks.export import export_run
+from anytime.precision.tuning import Int8Settings
+from anytime.tasks.export import ParitySettings, export_run
 from anytime.tasks.quantize import quantize_run
 
 # Hyper-parameters
@@ -42,6 +42,10 @@ MIN_AGREEMENT = 0.992  # accuracy-aware int8: the share of validation images eve
 AGREEMENT_IMAGES = 5000  # the whole CIFAR-10 validation split: 1,000 images left a 0.35-point standard error
 MAX_FLOAT_LAYERS = 8
 TARGETS = {"fp32": 0.999, "int8": 0.99, "size": 3.5}
+
+
+def _indented(line: str) -> None:
+    print(f"  {line}", flush=True)
 
 
 def main() -> int:
@@ -63,29 +67,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for run_dir in runs:
             size_of = {}
-            exports: list[tuple[str, str, Path, dict[str, Any]]] = [(f, p, run_dir, {}) for f, p in EXPORTS]
+            plain = Int8Settings(calibration_images=CALIBRATION_IMAGES)
+            exports: list[tuple[str, str, Path, Int8Settings]] = [(f, p, run_dir, plain) for f, p in EXPORTS]
             if args.min_agreement > 0:
                 tuned_run = Path(scratch) / f"{run_dir.name}-int8-tuned"
                 print(f"accuracy-aware int8 of {run_dir} (every step >= {100 * args.min_agreement:.1f}% on "
                       f"validation images)...", flush=True)  # fmt: skip
-                summary = quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=tuned_run,
-                                       min_agreement=args.min_agreement, max_float_layers=MAX_FLOAT_LAYERS,
-                                       agreement_images=AGREEMENT_IMAGES, min_size_ratio=TARGETS["size"],
-                                       progress=lambda line: print(f"  {line}", flush=True))  # fmt: skip
+                tuned = Int8Settings(calibration_images=CALIBRATION_IMAGES, min_agreement=args.min_agreement,
+                                     max_float_layers=MAX_FLOAT_LAYERS, agreement_images=AGREEMENT_IMAGES,
+                                     min_size_ratio=TARGETS["size"])  # fmt: skip
+                summary = quantize_run(run_dir, "int8", int8=tuned, out=tuned_run, progress=_indented)
                 tunings.append(
                     {"run": run_dir.name, "format": "pt2", **summary.record["precision"]["agreement_tuning"]}
                 )
                 # ONNX Runtime quantizes more of the graph than PT2E does: its artifact searches on its own
-                exports += [("pt2", "int8-tuned", tuned_run, {}), ("onnx", "int8-tuned", run_dir, {
-                    "min_agreement": args.min_agreement, "max_float_layers": MAX_FLOAT_LAYERS,
-                    "agreement_images": AGREEMENT_IMAGES, "min_size_ratio": TARGETS["size"],
-                    "progress": lambda line: print(f"  {line}", flush=True)})]  # fmt: skip
-            for fmt, precision, source, options in exports:
+                exports += [("pt2", "int8-tuned", tuned_run, plain), ("onnx", "int8-tuned", run_dir, tuned)]
+            for fmt, precision, source, int8 in exports:
                 out = Path(scratch) / f"{run_dir.name}-{fmt}-{precision}"
                 print(f"exporting {source} as {fmt} {precision}...", flush=True)
-                result = export_run(source, fmt, out=out, precision=precision.split("-")[0],
-                                    calibration_images=CALIBRATION_IMAGES, parity_images=images,
-                                    latency_images=20 if args.quick else LATENCY_IMAGES, **options)  # fmt: skip
+                parity = ParitySettings(images=images, latency_images=20 if args.quick else LATENCY_IMAGES)
+                result = export_run(source, fmt, parity, int8, out=out, precision=precision.split("-")[0],
+                                    progress=_indented if int8.min_agreement is not None else None)  # fmt: skip
                 if result.tuning is not None:
                     tunings.append({"run": run_dir.name, "format": fmt, **result.tuning.to_dict()})
                 size_of[(fmt, precision)] = result.manifest.bytes

@@ -42,7 +42,8 @@ with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / str(i)
         folder.mkdir()
         start = time.perf_counter()
-        manifest = export.export_model(model, "onnx", "fp32", folder, input_shape=(3, 32, 32), num_classes=10, name="m")
+        manifest = export.export_model(model, "onnx", "fp32", folder, input_shape=(3, 32, 32),
+                                       labels=export.ManifestLabels("m", 10))
         seconds.append(time.perf_counter() - start)
         graphs = len(manifest.parts)
 print(json.dumps({"seconds": seconds, "graphs": graphs}))

@@ -43,6 +43,7 @@ def _ensure_run(run_dir: Path, quick: bool) -> None:
 
 
 def _quantized(run_dir: Path) -> Path:
+    from anytime.precision.tuning import Int8Settings
     from anytime.tasks.quantize import quantize_run
     from anytime.train.records import precision_record, run_weights_fingerprint
 
@@ -50,7 +51,8 @@ def _quantized(run_dir: Path) -> Path:
     record = precision_record(target) if target.is_dir() else None
     if record is None or record.get("parent_fingerprint") != run_weights_fingerprint(run_dir) or not record["compile"]:
         print(f"quantizing {run_dir} -> {target}...", flush=True)
-        quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=target, overwrite=target.exists())
+        quantize_run(run_dir, "int8", int8=Int8Settings(calibration_images=CALIBRATION_IMAGES), out=target,
+                     overwrite=target.exists())  # fmt: skip
     return target
 
 
@@ -92,11 +94,11 @@ def main() -> int:
             + "  ".join(f"{n} {ms:.3f} ms" for n, ms in medians.items())
             + f"  eager/int8 {ratios[batch]['eager/int8']:.2f}x  compiled/int8 {ratios[batch]['compiled/int8']:.2f}x"
         )
-    from anytime.precision import convert
+    from anytime.precision import Int8Recipe, convert
 
     # the same graphs before lowering (lowered weights are prepacked and opaque): int8 tensors at one byte each
     reference, _ = convert(
-        fp32, "int8", input_shape=(3, 32, 32), calibration=[torch.randn(8, 3, 32, 32)], compile=False
+        fp32, "int8", input_shape=(3, 32, 32), int8=Int8Recipe(calibration=[torch.randn(8, 3, 32, 32)]), compile=False
     )
     int8_bytes, fp32_bytes = _weight_bytes(reference)
     summary = json.loads((qrun / "summary.json").read_text())["final"]

@@ -34,13 +34,14 @@ from torch import Tensor, nn
 
 from anytime.backbones import create_model
 from anytime.data import make_loader
-from anytime.deploy.export import export_model
+from anytime.deploy.export import ManifestLabels, export_model
 from anytime.deploy.loader import load_export, onnxruntime_providers
 from anytime.plotting.precision import plot_precision
-from anytime.precision import convert
+from anytime.precision import Int8Recipe, convert
+from anytime.precision.tuning import Int8Settings
 from anytime.profile import per_sample_latency
 from anytime.profile.stats import quantile_of
-from anytime.tasks.quantize import calibration_batches, quantize_run
+from anytime.tasks.quantize import QuantizeSettings, calibration_batches, quantize_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
 from anytime.utils.io import write_csv, write_json
@@ -103,8 +104,8 @@ def _exported_sizes(model: nn.Module, shape: tuple[int, ...], calibration: list[
     for fmt, precision in artifacts:
         folder = scratch / f"{fmt}-{precision}"
         folder.mkdir()
-        manifest = export_model(model, fmt, precision, folder, input_shape=shape, num_classes=10, name="study",
-                                calibration=calibration)  # fmt: skip
+        manifest = export_model(model, fmt, precision, folder, input_shape=shape, labels=ManifestLabels("study", 10),
+                                int8=Int8Recipe(calibration=calibration))  # fmt: skip
         sizes[f"{fmt}-{precision}"] = manifest.bytes
     return sizes
 
@@ -142,7 +143,7 @@ def _variants(model: nn.Module, shape: tuple[int, ...], calibration: list[Tensor
         scratch,
         (("pt2", "fp32"), ("pt2", "int8"), ("pt2", "bf16"), ("onnx", "fp32"), ("onnx", "int8")),
     )
-    int8, _ = convert(model, "int8", input_shape=shape, calibration=calibration, compile=True)
+    int8, _ = convert(model, "int8", input_shape=shape, int8=Int8Recipe(calibration=calibration), compile=True)
     bf16, _ = convert(model, "bf16", input_shape=shape, compile=False)
     variants: dict[str, Callable[[Tensor], Tensor]] = {
         "fp32 eager": _LastStep(model), "fp32 compiled": torch.compile(_LastStep(copy.deepcopy(model))),
@@ -262,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                     if qat_epochs:
                         progress.say(f"{run_dir}: {qat_epochs} epochs of quantization-aware training...")
                         copy_dir = Path(scratch) / "qat"
-                        quantize_run(run_dir, "int8", calibration_images=CALIBRATION_IMAGES, out=copy_dir,
-                                     qat_epochs=qat_epochs, qat_lr=QAT_LR, progress=progress.say)  # fmt: skip
+                        quantize_run(run_dir, "int8", QuantizeSettings(qat_epochs=qat_epochs, qat_lr=QAT_LR),
+                                     Int8Settings(calibration_images=CALIBRATION_IMAGES), out=copy_dir,
+                                     progress=progress.say)  # fmt: skip
                         qat = load_run(copy_dir).model
                     variants, sizes = _variants(run.model, shape, calibration, Path(scratch), qat)
                 rows += _measure(

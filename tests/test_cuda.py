@@ -26,12 +26,12 @@ def _input_shape(run) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def half_runs(exit_run, tmp_path_factory) -> tuple[Path, Path, Path]:
     """The trained multi-exit digits run and its fp16 (compiled) and bf16 (eager) forms, converted on the GPU."""
-    from anytime.tasks.quantize import quantize_run
+    from anytime.tasks.quantize import QuantizeSettings, quantize_run
 
     parent = tmp_path_factory.mktemp("half") / "run"
     shutil.copytree(exit_run, parent)
     quantize_run(parent, "fp16", device="cuda")  # compiled, as deployed
-    quantize_run(parent, "bf16", device="cuda", compile=False)
+    quantize_run(parent, "bf16", QuantizeSettings(compile=False), device="cuda")
     return parent, parent.with_name("run-fp16"), parent.with_name("run-bf16")
 
 

@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from anytime.cli import main
-from anytime.deploy.export import export_model
+from anytime.deploy.export import ManifestLabels, export_model
 from anytime.deploy.loader import ExportedModel, load_export
 from anytime.deploy.manifest import MANIFEST, read_manifest
 from anytime.deploy.runtimes import sha256_of
 from anytime.errors import AnytimeError
-from anytime.tasks.export import export_run
+from anytime.precision import Int8Recipe
+from anytime.precision.tuning import Int8Settings
+from anytime.tasks.export import ParitySettings, export_run
 from tests.test_precision import SHAPE, _families
 
 pytest.importorskip("onnxruntime")
@@ -29,8 +31,8 @@ def _export(model: nn.Module, fmt: str, folder: Path, shape: tuple[int, ...] = S
             calibration: list[torch.Tensor] | None = None) -> ExportedModel:  # fmt: skip
     """Export a model (no run needed) and load it back."""
     folder.mkdir(parents=True)
-    export_model(model, fmt, precision, folder, input_shape=shape, num_classes=10, name=type(model).__name__,
-                 calibration=calibration)  # fmt: skip
+    export_model(model, fmt, precision, folder, input_shape=shape, labels=ManifestLabels(type(model).__name__, 10),
+                 int8=Int8Recipe(calibration=calibration))  # fmt: skip
     return load_export(folder)
 
 
@@ -339,8 +341,8 @@ def test_pt2_archives_deflate_their_graph_and_hold_no_example_inputs(tmp_path):
 def exported_run(exit_run, tmp_path_factory):
     """The trained multi-exit digits run exported as ONNX int8 (quantized by ONNX Runtime), with its parity table."""
     out = tmp_path_factory.mktemp("exported") / "onnx-int8"
-    return exit_run, export_run(exit_run, "onnx", precision="int8", out=out, calibration_images=128, parity_images=200,
-                                latency_images=5)  # fmt: skip
+    return exit_run, export_run(exit_run, "onnx", ParitySettings(images=200, latency_images=5),
+                                Int8Settings(calibration_images=128), precision="int8", out=out)  # fmt: skip
 
 
 def test_export_of_a_run_writes_manifest_and_parity_table(exported_run):
@@ -454,14 +456,14 @@ def test_export_refuses_bad_requests_in_one_line(exit_run, exported_run, tmp_pat
 
 
 def test_a_converted_run_exports_at_its_own_precision(exit_run, tmp_path, cli_error):
-    from anytime.tasks.quantize import quantize_run
+    from anytime.tasks.quantize import QuantizeSettings, quantize_run
 
     parent = tmp_path / "run"
     shutil.copytree(exit_run, parent)
-    quantize_run(parent, "int8", calibration_images=64, compile=False)
+    quantize_run(parent, "int8", QuantizeSettings(compile=False), Int8Settings(calibration_images=64))
     qrun = tmp_path / "run-int8"
     cli_error(["export", str(qrun), "--format", "pt2", "--precision", "fp32", "--out", str(tmp_path / "e")], "int8 run")
-    report = export_run(qrun, "pt2", out=tmp_path / "e", parity_images=64, latency_images=3)
+    report = export_run(qrun, "pt2", ParitySettings(images=64, latency_images=3), out=tmp_path / "e")
     assert report.manifest.precision == "int8" and report.manifest.calibration_images == 64
     from anytime.train.runs import load_run
 
@@ -524,8 +526,8 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
     for name, layers in (("all", ()), ("kept", (first,))):
         folder = tmp_path / name
         folder.mkdir()
-        manifest = export_model(model, "onnx", "int8", folder, input_shape=SHAPE, num_classes=10, name="resnet20",
-                                calibration=calibration, float_layers=layers)  # fmt: skip
+        manifest = export_model(model, "onnx", "int8", folder, input_shape=SHAPE, labels=ManifestLabels("resnet20", 10),
+                                int8=Int8Recipe(calibration=calibration, float_layers=layers))  # fmt: skip
         assert manifest.float_layers == layers and read_manifest(folder).float_layers == layers
         graph = onnx.load(str(folder / manifest.parts[0].file)).graph
         made_by = {output: node for node in graph.node for output in node.output}
@@ -536,8 +538,8 @@ def test_int8_onnx_artifacts_leave_the_layers_named_in_float(tmp_path):
         after = [node.op_type for node in graph.node if first_conv.output[0] in node.input]
         assert after == (["QuantizeLinear"] if name == "all" else ["Relu"])
     with pytest.raises(AnytimeError, match="no convolution or linear layer named"):
-        export_model(model, "onnx", "int8", tmp_path / "all", input_shape=SHAPE, num_classes=10, name="resnet20",
-                     calibration=calibration, float_layers=("nope",))  # fmt: skip
+        export_model(model, "onnx", "int8", tmp_path / "all", input_shape=SHAPE, labels=ManifestLabels("resnet20", 10),
+                     int8=Int8Recipe(calibration=calibration, float_layers=("nope",)))  # fmt: skip
 
 
 def test_int8_pt2_artifacts_leave_the_layers_named_in_float(tmp_path):
@@ -556,8 +558,8 @@ def test_int8_pt2_artifacts_leave_the_layers_named_in_float(tmp_path):
     for name, layers in (("all", ()), ("kept", (first,))):
         folder = tmp_path / name
         folder.mkdir()
-        manifest = export_model(model, "pt2", "int8", folder, input_shape=SHAPE, num_classes=10, name="resnet20",
-                                calibration=calibration, float_layers=layers)  # fmt: skip
+        manifest = export_model(model, "pt2", "int8", folder, input_shape=SHAPE, labels=ManifestLabels("resnet20", 10),
+                                int8=Int8Recipe(calibration=calibration, float_layers=layers))  # fmt: skip
         assert read_manifest(folder).float_layers == layers
         counts[name] = int8_weights(folder, manifest)
     assert counts["all"] == len(quantizable_layers(model)) and counts["kept"] == counts["all"] - 1
@@ -573,8 +575,8 @@ def test_the_pooling_that_only_a_float_layer_reads_stays_float_in_int8_onnx(tmp_
     for layers in ((), ("4",)):
         folder = tmp_path / ("kept" if layers else "all")
         folder.mkdir()
-        manifest = export_model(model, "onnx", "int8", folder, input_shape=SHAPE, num_classes=10, name="head",
-                                calibration=calibration, float_layers=layers)  # fmt: skip
+        manifest = export_model(model, "onnx", "int8", folder, input_shape=SHAPE, labels=ManifestLabels("head", 10),
+                                int8=Int8Recipe(calibration=calibration, float_layers=layers))  # fmt: skip
         graph = onnx.load(str(folder / manifest.parts[0].file)).graph
         made_by = {output: node.op_type for node in graph.node for output in node.output}
         pool = next(n for n in graph.node if n.op_type in ("AveragePool", "GlobalAveragePool", "ReduceMean"))

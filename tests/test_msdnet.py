@@ -116,8 +116,9 @@ def test_width_slicing_is_refused_in_one_line():
 )
 def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, precision, tmp_path):
     pytest.importorskip("onnxruntime")
-    from anytime.deploy.export import export_model
+    from anytime.deploy.export import ManifestLabels, export_model
     from anytime.deploy.loader import load_export
+    from anytime.precision import Int8Recipe
 
     torch.manual_seed(0)
     # one exit, where all three scales cross into the next graph: each graph costs seconds to export
@@ -129,8 +130,8 @@ def test_exported_exits_answer_as_eager_at_a_batch_size_not_seen_at_export(fmt, 
     folder.mkdir()
     generator = torch.Generator().manual_seed(1)
     calibration = [torch.randn(16, 3, 16, 16, generator=generator) for _ in range(2)] if precision == "int8" else None
-    export_model(model, fmt, precision, folder, input_shape=(3, 16, 16), num_classes=10, name="msdnet",
-                 calibration=calibration)  # fmt: skip
+    export_model(model, fmt, precision, folder, input_shape=(3, 16, 16), labels=ManifestLabels("msdnet", 10),
+                 int8=Int8Recipe(calibration=calibration))  # fmt: skip
     exported = load_export(folder)
     x = torch.randn(64, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

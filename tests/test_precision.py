@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from anytime.backbones import create_model
 from anytime.cli import main
 from anytime.errors import AnytimeError
 from anytime.families import BlockDropLadder, attach_exits, slice_model
-from anytime.precision import PrecisionModel, backend_for, convert
+from anytime.precision import Int8Recipe, PrecisionModel, backend_for, convert
 
 SHAPE = (3, 32, 32)
 
@@ -42,7 +43,9 @@ def test_converted_steps_keep_the_step_contract(family, precision, calibration):
     model = _families()[family].eval()
     # int8's deployed form (oneDNN kernels) on two families; the others as reference graphs, to keep the suite short
     lowered = precision == "int8" and family in ("exits", "plain")
-    converted, _ = convert(model, precision, input_shape=SHAPE, calibration=calibration, compile=lowered)
+    converted, _ = convert(
+        model, precision, input_shape=SHAPE, int8=Int8Recipe(calibration=calibration), compile=lowered
+    )
     assert isinstance(converted, PrecisionModel)
     x = torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -94,7 +97,7 @@ def test_early_exit_of_a_half_precision_run_answers_in_float32(criterion, monkey
 
 def test_int8_early_exit_does_not_run_later_stages(calibration):
     model = _families()["exits"].eval()
-    converted, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=True)
+    converted, _ = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration), compile=True)
     called: list[int] = []
     for i, part in enumerate(converted.parts):
         part.register_forward_hook(lambda *args, i=i: called.append(i))
@@ -112,8 +115,9 @@ def test_lowered_int8_kernels_compute_what_the_reference_graphs_compute(calibrat
     arithmetic on 82-85% of test images). The backend of such a CPU quantizes activations to 7 bits."""
     model = _families()["exits"].eval()
     x = torch.randn(64, *SHAPE, generator=torch.Generator().manual_seed(4)) * 3  # large activations
-    lowered, state = convert(model, "int8", input_shape=SHAPE, calibration=calibration + [x[:32]], compile=True)
-    reference, _ = convert(model, "int8", input_shape=SHAPE, state=state, compile=False)
+    lowered, state = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration + [x[:32]]),
+                             compile=True)  # fmt: skip
+    reference, _ = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(state=state), compile=False)
     with torch.no_grad():
         fast, slow = lowered(x), reference(x)
     scale = float(slow.abs().max())
@@ -125,16 +129,17 @@ def test_a_full_range_int8_run_is_refused_on_a_cpu_without_vnni(calibration, mon
 
     model = _families()["plain"].eval()
     monkeypatch.setattr(precision_model, "x86_without_vnni", lambda: True)
-    _, state = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False,
-                       backend=precision_model.X86_FULL)  # fmt: skip
+    _, state = convert(model, "int8", input_shape=SHAPE, compile=False,
+                       int8=Int8Recipe(calibration=calibration, backend=precision_model.X86_FULL))  # fmt: skip
     with pytest.raises(AnytimeError, match="VNNI.*quantize the float run again"):
-        convert(model, "int8", input_shape=SHAPE, state=state, compile=True, backend=precision_model.X86_FULL)
+        convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(state=state, backend=precision_model.X86_FULL),
+                compile=True)  # fmt: skip
 
 
 def test_int8_rebuilds_exactly_from_its_statistics(calibration):
     model = _families()["exits"].eval()
-    first, state = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
-    again, _ = convert(model, "int8", input_shape=SHAPE, state=state, compile=False)
+    first, state = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration), compile=False)
+    again, _ = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(state=state), compile=False)
     x = torch.randn(4, *SHAPE)
     with torch.no_grad():
         assert torch.equal(first(x), again(x))
@@ -142,7 +147,7 @@ def test_int8_rebuilds_exactly_from_its_statistics(calibration):
         convert(model, "int8", input_shape=SHAPE)
     other = _families()["plain"].eval()
     with pytest.raises(AnytimeError, match="do not fit its model"):
-        convert(other, "int8", input_shape=SHAPE, state=state, compile=False)
+        convert(other, "int8", input_shape=SHAPE, int8=Int8Recipe(state=state), compile=False)
 
 
 def test_a_precision_the_device_cannot_run_is_refused():
@@ -154,11 +159,12 @@ def test_a_precision_the_device_cannot_run_is_refused():
 
 
 def _quantized(exit_run, folder, *, compile: bool):
-    from anytime.tasks.quantize import quantize_run
+    from anytime.precision.tuning import Int8Settings
+    from anytime.tasks.quantize import QuantizeSettings, quantize_run
 
     parent = folder / "run"
     shutil.copytree(exit_run, parent)
-    quantize_run(parent, "int8", calibration_images=128, compile=compile)
+    quantize_run(parent, "int8", QuantizeSettings(compile=compile), Int8Settings(calibration_images=128))
     return parent, folder / "run-int8"
 
 
@@ -185,6 +191,7 @@ def test_a_quantized_run_reports_every_step_beside_its_parent(quantized):
 
 def test_int8_calibration_reads_training_images_only(exit_run, tmp_path, monkeypatch):
     import anytime.tasks.quantize as quantize
+    from anytime.precision.tuning import Int8Settings
 
     parent = tmp_path / "run"
     shutil.copytree(exit_run, parent)
@@ -195,14 +202,14 @@ def test_int8_calibration_reads_training_images_only(exit_run, tmp_path, monkeyp
         seen.append(split.name)
         return real_loader(split, *args, **kwargs)
 
-    def converting(*args, calibration=None, **kwargs):
-        batches = list(calibration)  # everything the calibration reads is read now
+    def converting(*args, int8=None, **kwargs):
+        batches = list(int8.calibration)  # everything the calibration reads is read now
         assert seen == ["train"], f"calibration read {seen}"
-        return real_convert(*args, calibration=batches, **kwargs)
+        return real_convert(*args, int8=replace(int8, calibration=batches), **kwargs)
 
     monkeypatch.setattr(quantize, "make_loader", loader)
     monkeypatch.setattr(quantize, "convert", converting)
-    quantize.quantize_run(parent, "int8", calibration_images=64, compile=False)
+    quantize.quantize_run(parent, "int8", quantize.QuantizeSettings(compile=False), Int8Settings(calibration_images=64))
     assert seen[1:] == ["val", "test"]  # after calibration: only the report
 
 
@@ -291,7 +298,7 @@ def test_torchvision_resnets_quantize_to_int8():
     # the non-strict export of torchvision's residual adds is refused by X86InductorQuantizer's fusion patterns
     model = create_model("tv:resnet18", num_classes=10).eval()
     calibration = [torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(4))]
-    converted, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    converted, _ = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration), compile=False)
     with torch.no_grad():
         assert converted(torch.randn(3, *SHAPE)).shape == (3, 10)
 
@@ -336,19 +343,22 @@ def test_layers_kept_in_float_are_left_out_of_the_int8_graphs(calibration):
 
     model = _families()["exits"].eval()
     first = quantizable_layers(model)[0]
-    plain, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    plain, _ = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration), compile=False)
     kept, state = convert(
-        model, "int8", input_shape=SHAPE, calibration=calibration, compile=False, float_layers=[first]
+        model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration, float_layers=(first,)), compile=False
     )
     assert _weights_quantized(kept) == _weights_quantized(plain) - 1 and kept.spec.float_layers == (first,)
-    again, _ = convert(model, "int8", input_shape=SHAPE, state=state, compile=False, float_layers=[first])
+    again, _ = convert(
+        model, "int8", input_shape=SHAPE, int8=Int8Recipe(state=state, float_layers=(first,)), compile=False
+    )
     x = torch.randn(4, *SHAPE)
     with torch.no_grad():
         assert torch.equal(kept(x), again(x)) and not torch.equal(kept(x), plain(x))
     with pytest.raises(AnytimeError, match="no convolution or linear layer named 'stem'"):
-        convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False, float_layers=["stem"])
+        convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration, float_layers=("stem",)),
+                compile=False)  # fmt: skip
     with pytest.raises(AnytimeError, match="int8 option"):
-        convert(model, "bf16", input_shape=SHAPE, float_layers=[first])
+        convert(model, "bf16", input_shape=SHAPE, int8=Int8Recipe(float_layers=(first,)))
 
 
 class _Outliers(torch.nn.Module):
@@ -369,7 +379,7 @@ class _Outliers(torch.nn.Module):
 
 
 def test_accuracy_aware_int8_keeps_the_layer_int8_hurts_most_in_float():
-    from anytime.precision.tuning import layer_sensitivity, step_agreement, tune_int8
+    from anytime.precision.tuning import Int8Settings, layer_sensitivity, step_agreement, tune_int8
 
     torch.manual_seed(0)
     model = _Outliers().eval()
@@ -379,15 +389,15 @@ def test_accuracy_aware_int8_keeps_the_layer_int8_hurts_most_in_float():
     images = torch.randn(200, *SHAPE, generator=generator)
     ranking = layer_sensitivity(model, calibration, images)
     assert [r.name for r in ranking][0] == "first" and ranking[0].agreement < 0.9 <= ranking[1].agreement
-    plain, _ = convert(model, "int8", input_shape=SHAPE, calibration=calibration, compile=False)
+    plain, _ = convert(model, "int8", input_shape=SHAPE, int8=Int8Recipe(calibration=calibration), compile=False)
     assert min(step_agreement(model, plain, images)) < 0.9  # all int8: the ordinary pixels are gone
-    converted, _, tuning = tune_int8(model, input_shape=SHAPE, calibration=calibration, images=images,
-                                     min_agreement=0.9, compile=False)  # fmt: skip
+    converted, _, tuning = tune_int8(model, Int8Settings(min_agreement=0.9), input_shape=SHAPE,
+                                     calibration=calibration, images=images, compile=False)  # fmt: skip
     assert tuning.float_layers == ("first",) and tuning.met and converted.spec.float_layers == ("first",)
     assert [layers for layers, _ in tuning.tried] == [("first",)]  # the simulation said where to start
     assert min(tuning.agreement) >= 0.9 and tuning.to_dict()["met"]
-    _, _, missed = tune_int8(model, input_shape=SHAPE, calibration=calibration, images=images, min_agreement=1.0,
-                             max_float_layers=0, compile=False)  # fmt: skip
+    _, _, missed = tune_int8(model, Int8Settings(min_agreement=1.0, max_float_layers=0), input_shape=SHAPE,
+                             calibration=calibration, images=images, compile=False)  # fmt: skip
     assert not missed.met and missed.float_layers == () and len(missed.tried) == 1
 
 

@@ -48,13 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Export, then print the manifest's artifacts and the parity table."""
-    from anytime.tasks.export import export_run
+    from anytime.precision.tuning import Int8Settings
+    from anytime.tasks.export import ParitySettings, export_run
 
-    report = export_run(args.run, args.format, out=args.out, precision=args.precision, overwrite=args.overwrite,
-                        calibration_images=args.calibration_images, parity_images=args.parity_images,
-                        float_layers=args.float_layers, min_agreement=args.min_agreement,
-                        max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
-                        min_size_ratio=args.min_size_ratio, progress=progress_printer(args))  # fmt: skip
+    int8 = Int8Settings(calibration_images=args.calibration_images, float_layers=args.float_layers,
+                        min_agreement=args.min_agreement, max_float_layers=args.max_float_layers,
+                        agreement_images=args.agreement_images, min_size_ratio=args.min_size_ratio)  # fmt: skip
+    parity = ParitySettings(images=args.parity_images)
+    report = export_run(args.run, args.format, parity, int8, out=args.out, precision=args.precision,
+                        overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
     if args.json:
         return print_json(report)
     manifest = report.manifest

@@ -62,14 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Quantize, then print the new run's steps beside the float run's."""
-    from anytime.tasks.quantize import quantize_run
+    from anytime.precision.tuning import Int8Settings
+    from anytime.tasks.quantize import QuantizeSettings, quantize_run
 
-    summary = quantize_run(args.run, args.precision, calibration_images=args.calibration_images, out=args.out,
-                           compile=not args.no_compile, overwrite=args.overwrite, device=args.device,
-                           qat_epochs=args.qat_epochs, qat_lr=args.qat_lr, progress=progress_printer(args),
-                           float_layers=args.float_layers, min_agreement=args.min_agreement,
-                           max_float_layers=args.max_float_layers, agreement_images=args.agreement_images,
-                           min_size_ratio=args.min_size_ratio)  # fmt: skip
+    settings = QuantizeSettings(compile=not args.no_compile, qat_epochs=args.qat_epochs, qat_lr=args.qat_lr)
+    int8 = Int8Settings(calibration_images=args.calibration_images, float_layers=args.float_layers,
+                        min_agreement=args.min_agreement, max_float_layers=args.max_float_layers,
+                        agreement_images=args.agreement_images, min_size_ratio=args.min_size_ratio)  # fmt: skip
+    summary = quantize_run(args.run, args.precision, settings, int8, device=args.device, out=args.out,
+                           overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
     if args.json:
         return print_json(summary.to_dict())
     record = summary.record["precision"]

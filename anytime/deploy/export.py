@@ -17,6 +17,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from anytime.deploy.onnx_export import export_onnx, normalised_by, quantize_onnx
 from anytime.deploy.runtimes import first_line, sha256_of
 from anytime.errors import AnytimeError
 from anytime.precision.int8 import x86_without_vnni
-from anytime.precision.model import X86_7BIT
+from anytime.precision.model import X86_7BIT, Int8Recipe
 
 
 def _roles(layout: str, count: int) -> list[tuple[str, int]]:
@@ -139,20 +140,33 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+@dataclass(frozen=True)
+class ManifestLabels:
+    """What an export's manifest records of the model beside its artifacts: its ``name`` and ``num_classes``, the
+    run it came from (``parent_run``, its folder, and ``parent_fingerprint``, its weights' fingerprint; empty for a
+    model exported without a run) and, int8 only, how many training images calibrated it
+    (``calibration_images``)."""
+
+    name: str
+    num_classes: int
+    parent_run: str = ""
+    parent_fingerprint: str = ""
+    calibration_images: int | None = None
+
+
 def export_model(
-    model: nn.Module, fmt: str, precision: str, folder: Path, *, input_shape: tuple[int, ...], num_classes: int,
-    name: str, calibration: Sequence[Tensor] | None = None, state: dict[str, Tensor] | None = None,
-    qat: bool = False, parent_run: str = "", parent_fingerprint: str = "", calibration_images: int | None = None,
-    backend: str | None = None, float_layers: Sequence[str] = (),
+    model: nn.Module, fmt: str, precision: str, folder: Path, *, input_shape: tuple[int, ...],
+    labels: ManifestLabels, int8: Int8Recipe | None = None,
 ) -> ExportManifest:  # fmt: skip
     """Write a float model's steps (eval mode, on the CPU) as ``fmt`` artifacts at ``precision`` into the existing
-    ``folder``, with the manifest; return it. int8 needs ``calibration`` batches (training images) or, for
-    ``.pt2``, the ``state`` of an earlier conversion (``qat``: of quantization-aware training); it keeps
-    ``float_layers`` (names in ``model``) in float."""
+    ``folder``, with the manifest (``labels`` name the model and where it came from); return it. int8 is built from
+    ``int8``: ``calibration`` batches (training images) or, for ``.pt2``, the ``state`` of an earlier conversion
+    (``qat``: of quantization-aware training); it keeps ``float_layers`` (names in ``model``) in float."""
     from anytime.precision.int8 import layers_per_part
     from anytime.precision.model import convert, float_flops
     from anytime.precision.parts import float_parts, layout_of, part_inputs
 
+    recipe = int8 or Int8Recipe()
     check_exportable(fmt, precision)
     model = model.eval()
     layout = layout_of(model)
@@ -162,25 +176,25 @@ def export_model(
         examples = [x.to(dtype) for x in part_inputs(layout, floats, torch.zeros(2, *input_shape))]
     parts: list[nn.Module] = floats
     per_part: list[list[Tensor]] | None = None
+    backend = recipe.backend
     if precision in ("bf16", "fp16"):  # a cast: exporting traces it, so fp16 exports on a CPU too
         parts = [copy.deepcopy(part).to(dtype) for part in floats]
     elif precision == "int8" and fmt == "pt2":
-        converted, _ = convert(model, "int8", input_shape=input_shape, calibration=calibration, state=state,
-                               compile=False, qat=qat, backend=backend, float_layers=float_layers)  # fmt: skip
+        converted, _ = convert(model, "int8", input_shape=input_shape, int8=recipe, compile=False)
         parts = list(converted.parts)
         backend = converted.spec.backend
     elif precision == "int8":
-        if qat:
+        if recipe.qat:
             raise AnytimeError("a model fine-tuned for int8 (QAT) exports as pt2: ONNX int8 artifacts are quantized by "
                                "ONNX Runtime from float weights, which would drop the fine-tuning")  # fmt: skip
         per_part = [[] for _ in floats]
         with torch.no_grad():
-            for x in calibration or ():
+            for x in recipe.calibration or ():
                 for i, inputs in enumerate(part_inputs(layout, floats, x)):
                     per_part[i].append(inputs)
         if not per_part[0]:
             raise AnytimeError("int8 ONNX artifacts need calibration images from the training split")
-    float_names = layers_per_part(model, floats, float_layers) if precision == "int8" else []
+    float_names = layers_per_part(model, floats, recipe.float_layers) if precision == "int8" else []
     written = _write_artifacts(parts, examples, layout=layout, fmt=fmt, folder=folder, calibration=per_part,
                                float_names=float_names)  # fmt: skip
     quantizer = None
@@ -193,11 +207,11 @@ def export_model(
     from datetime import datetime, timezone
 
     manifest = ExportManifest(
-        fmt, precision, layout, name, num_classes, tuple(input_shape),
-        float_flops(model, tuple(input_shape), step_count(model)), tuple(written), parent_run,
-        parent_fingerprint, datetime.now(timezone.utc).isoformat(timespec="seconds"), quantizer,
-        calibration_images if precision == "int8" else None, _versions(),
-        tuple(float_layers) if precision == "int8" else (),
+        fmt, precision, layout, labels.name, labels.num_classes, tuple(input_shape),
+        float_flops(model, tuple(input_shape), step_count(model)), tuple(written), labels.parent_run,
+        labels.parent_fingerprint, datetime.now(timezone.utc).isoformat(timespec="seconds"), quantizer,
+        labels.calibration_images if precision == "int8" else None, _versions(),
+        tuple(recipe.float_layers) if precision == "int8" else (),
     )  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2))
     return manifest
@@ -217,8 +231,9 @@ def float_weight_budget(
         for precision in ("fp32", "int8"):
             folder = Path(scratch) / precision
             folder.mkdir()
-            sizes.append(export_model(model, fmt, precision, folder, input_shape=input_shape, num_classes=num_classes,
-                                      name=name, calibration=calibration).bytes)  # fmt: skip
+            sizes.append(export_model(model, fmt, precision, folder, input_shape=input_shape,
+                                      labels=ManifestLabels(name, num_classes),
+                                      int8=Int8Recipe(calibration=calibration)).bytes)  # fmt: skip
     fp32, int8 = sizes
     if fp32 / int8 < min_size_ratio:
         raise AnytimeError(f"with every layer in int8 the {fmt} artifact is {fp32 / int8:.2f}x smaller than fp32, "

@@ -134,7 +134,7 @@ def prepare_qat(model: nn.Module, input_shape: tuple[int, ...], *, reduce_range:
     """Quantization-aware training graphs of a float model's parts (a copy: the model is left as it was), in
     training mode, with fake quantization of weights and activations (7-bit activations with ``reduce_range``,
     by default where this CPU has no VNNI; ``float_layers`` left in float); train them, then pass
-    :func:`graph_state` of them to :func:`convert` with ``qat=True``."""
+    :func:`graph_state` of them to :func:`convert` as the ``state`` of an ``Int8Recipe`` with ``qat=True``."""
     if reduce_range is None:
         reduce_range = x86_without_vnni()
     copied = copy.deepcopy(model).eval()

@@ -155,87 +155,113 @@ def float_flops(model: nn.Module, shape: tuple[int, ...], num_steps: int) -> tup
     return tuple(flops)
 
 
+@dataclass(frozen=True)
+class Int8Recipe:
+    """What a conversion to int8 is built from (the other precisions need none of it).
+
+    The activation ranges come from ``calibration`` batches (training images: never validation or test) or from
+    the ``state`` an earlier conversion of the same weights recorded; with ``qat`` that state is
+    :func:`~anytime.precision.int8.graph_state` of graphs from :func:`~anytime.precision.int8.prepare_qat` after
+    training. ``backend``: the one the recorded conversion used (full or 7-bit activations), default the one this
+    device runs. ``float_layers``: layers (names in the float model, see
+    :func:`~anytime.precision.int8.quantizable_layers`) kept in float inside the int8 graphs."""
+
+    calibration: Iterable[Tensor] | None = None
+    state: dict[str, Tensor] | None = None
+    qat: bool = False
+    backend: str | None = None
+    float_layers: tuple[str, ...] = ()
+
+
 def convert(
-    model: nn.Module, precision: str, *, input_shape: tuple[int, ...], calibration: Iterable[Tensor] | None = None,
-    state: dict[str, Tensor] | None = None, compile: bool = True, device: torch.device | None = None,
-    qat: bool = False, step_flops: Sequence[int] | None = None, backend: str | None = None,
-    float_layers: Sequence[str] = (),
+    model: nn.Module, precision: str, *, input_shape: tuple[int, ...], int8: Int8Recipe | None = None,
+    compile: bool = True, device: torch.device | None = None, step_flops: Sequence[int] | None = None,
 ) -> tuple[PrecisionModel, dict[str, Tensor]]:  # fmt: skip
     """Convert a float model (on the CPU, eval mode) to ``precision``; return it and the state that rebuilds it.
 
-    int8 needs either ``calibration`` batches (training images: never validation or test) or the ``state``
-    recorded by an earlier conversion of the same weights; with ``qat`` the state is :func:`graph_state` of
-    graphs from :func:`prepare_qat` after training. The other precisions need neither. ``step_flops``: the
-    float model's FLOPs per step as counted when the run was made (counted here when not given). ``backend``:
-    the one a recorded conversion used (int8: full or 7-bit activations), default the one this device runs.
-    ``float_layers``: int8 only, layers (names in ``model``, see :func:`quantizable_layers`) kept in float.
+    int8 is built from ``int8`` (:class:`Int8Recipe`: calibration batches or the state of an earlier conversion,
+    the layers kept in float); the other precisions need none of it. ``step_flops``: the float model's FLOPs per
+    step as counted when the run was made (counted here when not given).
     """
+    recipe = int8 or Int8Recipe()
     target = device or torch.device("cpu")
     here = backend_for(precision, target)
-    if float_layers and precision != "int8":
+    if recipe.float_layers and precision != "int8":
         raise AnytimeError(
             f"layers kept in float are an int8 option; a {precision} model has every layer at {precision}"
         )
-    spec = PrecisionSpec(precision, backend or here, compile, tuple(float_layers))
+    spec = PrecisionSpec(precision, recipe.backend or here, compile, tuple(recipe.float_layers))
     reduce_range = spec.backend == X86_7BIT
     if precision == "int8" and compile and here == X86_7BIT and not reduce_range:
         raise AnytimeError("this int8 run was quantized for a CPU with VNNI (8-bit activations); this CPU has none, so "
                            "its int8 kernels would overflow: quantize the float run again on this machine")  # fmt: skip
     model = model.eval()
     num_steps = step_count(model)
-    layout = layout_of(model)
     known = step_flops is not None and len(step_flops) == num_steps
     flops = tuple(int(f) for f in step_flops) if known else float_flops(model, input_shape, num_steps)  # type: ignore[union-attr]
     if precision == "int8" and takes_tokens(model):
         raise AnytimeError("static int8 (PT2E) quantizes convolutional image networks; quantize a text encoder with "
                            "--precision int8-dynamic (int8 Linear layers, the usual form for transformers), bf16 or fp16")  # fmt: skip
+    state: dict[str, Tensor] = {}
     if precision == "int8":
-        with torch.no_grad():
-            inputs = part_inputs(layout, float_parts(model), example_for(model, input_shape, 2))
-    if precision == "int8" and qat:
+        converted, state = _int8_graphs(model, input_shape, recipe, reduce_range, compile)
+    elif precision == "int8-dynamic":
+        converted, spec = _dynamic_graphs(model, here, compile)
+    else:
+        converted = float_parts(copy.deepcopy(model).to(target, _DTYPES[precision]))
+    if spec.compile and precision != "int8":
+        room_for_compiled_parts(len(converted))
+        converted = [torch.compile(p) for p in converted]  # type: ignore[misc]  # a compiled module is one
+    return PrecisionModel(model, converted, spec, flops), state
+
+
+def _int8_graphs(model: nn.Module, input_shape: tuple[int, ...], recipe: Int8Recipe, reduce_range: bool,
+                 compile: bool) -> tuple[list[nn.Module], dict[str, Tensor]]:  # fmt: skip
+    """A float model's parts as PT2E int8 graphs (lowered to oneDNN's kernels when ``compile``), their ranges
+    calibrated or loaded as ``recipe`` says, and the state that rebuilds them."""
+    layout = layout_of(model)
+    with torch.no_grad():
+        inputs = part_inputs(layout, float_parts(model), example_for(model, input_shape, 2))
+    state = recipe.state
+    if recipe.qat:
         if state is None:
             raise AnytimeError("a quantization-aware int8 model is rebuilt from its trained graphs' state")
-        prepared = prepare_qat(model, input_shape, reduce_range=reduce_range, float_layers=float_layers)
+        prepared = prepare_qat(model, input_shape, reduce_range=reduce_range, float_layers=recipe.float_layers)
         load_observers(prepared, state, everything=True)
         with quiet_torchao():
             from torchao.quantization.pt2e import move_exported_model_to_eval
         for part in prepared:
             move_exported_model_to_eval(part)
-    elif precision == "int8":
+    else:
         parts = float_parts(model)
         prepared = prepare_int8(parts, inputs, reduce_range=reduce_range,
-                                float_names=layers_per_part(model, parts, float_layers))  # fmt: skip
+                                float_names=layers_per_part(model, parts, recipe.float_layers))  # fmt: skip
         if state is None:
-            if calibration is None or calibrate_prepared(layout, prepared, calibration) == 0:
+            if recipe.calibration is None or calibrate_prepared(layout, prepared, recipe.calibration) == 0:
                 raise AnytimeError("int8 static quantization needs calibration images from the training split")
             state = observer_state(prepared)
         else:
             load_observers(prepared, state)
-    if precision == "int8":
-        with quiet_torchao():
-            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+    with quiet_torchao():
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-            converted: list[nn.Module] = [convert_pt2e(p) for p in prepared]
-        if compile:
-            converted = [lower_int8(p, example[:2]) for p, example in zip(converted, inputs)]
-    elif precision == "int8-dynamic" and here == FBGEMM_DYNAMIC:
+        converted: list[nn.Module] = [convert_pt2e(p) for p in prepared]
+    if compile:
+        converted = [lower_int8(p, example[:2]) for p, example in zip(converted, inputs)]
+    return converted, state
+
+
+def _dynamic_graphs(model: nn.Module, backend: str, compile: bool) -> tuple[list[nn.Module], PrecisionSpec]:
+    """int8-dynamic: the parts of a copy of ``model`` whose Linear layers run ``backend``'s int8 kernels, and the
+    spec they run under."""
+    if backend == FBGEMM_DYNAMIC:
         with warnings.catch_warnings():  # torch.ao's deprecation notice: the choice is ours, not the user's
             warnings.simplefilter("ignore")
             copied = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
-        compile = False  # compiled, these kernels ran slower at batch 1 (1.28 against 1.04 ms, SST-2 encoder)
-        spec = PrecisionSpec(precision, FBGEMM_DYNAMIC, compile)
-        converted, state = float_parts(copied), {}
-    elif precision == "int8-dynamic":
-        with quiet_torchao():
-            from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-        copied = copy.deepcopy(model)
-        quantize_(copied, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
-        spec = PrecisionSpec(precision, TORCHAO_DYNAMIC, compile)
-        converted, state = float_parts(copied), {}
-    else:
-        copied = copy.deepcopy(model).to(target, _DTYPES[precision])
-        converted, state = float_parts(copied), {}
-    if compile and precision != "int8":
-        room_for_compiled_parts(len(converted))
-        converted = [torch.compile(p) for p in converted]  # type: ignore[misc]  # a compiled module is one
-    return PrecisionModel(model, converted, spec, flops), state or {}
+        # compiled, these kernels ran slower at batch 1 (1.28 against 1.04 ms, SST-2 encoder)
+        return float_parts(copied), PrecisionSpec("int8-dynamic", FBGEMM_DYNAMIC, False)
+    with quiet_torchao():
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    copied = copy.deepcopy(model)
+    quantize_(copied, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
+    return float_parts(copied), PrecisionSpec("int8-dynamic", TORCHAO_DYNAMIC, compile)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from anytime.errors import AnytimeError
 from anytime.precision.int8 import quantizable_layers
-from anytime.precision.model import X86_7BIT, PrecisionModel, backend_for, convert
+from anytime.precision.model import X86_7BIT, Int8Recipe, PrecisionModel, backend_for, convert
 from anytime.precision.parts import float_parts, layout_of, run_parts
 
 _BATCH = 256
@@ -33,6 +33,51 @@ _BATCH = 256
 # the order, while every real conversion is measured on all the images the caller gives.
 _SIMULATION_IMAGES = 1000
 T = TypeVar("T")
+DEFAULT_CALIBRATION_IMAGES = 512
+DEFAULT_AGREEMENT_IMAGES = 1000  # validation images accuracy-aware int8 measures agreement on
+
+
+@dataclass(frozen=True)
+class Int8Settings:
+    """The int8 options of ``anytime quantize`` and ``anytime export``: what calibrates int8 and which of its layers
+    stay in float.
+
+    ``calibration_images``: how many training images calibrate the activations (never validation or test).
+    ``float_layers``: convolutions and linear layers (module names in the float model) kept in float. Or
+    ``min_agreement`` (a fraction of images in (0, 1]) chooses them: the layers int8 hurts most go back to float,
+    at most ``max_float_layers`` of them, until every step agrees top-1 with the float model on at least that
+    share of ``agreement_images`` validation images (labels unread), keeping no more weights in float than leave
+    the int8 artifact ``min_size_ratio`` times smaller than the fp32 one (None: no bound)."""
+
+    calibration_images: int = DEFAULT_CALIBRATION_IMAGES
+    float_layers: tuple[str, ...] = ()
+    min_agreement: float | None = None
+    max_float_layers: int = 8
+    agreement_images: int = DEFAULT_AGREEMENT_IMAGES
+    min_size_ratio: float | None = None
+
+    def check(self, precision: str) -> None:
+        """One-line errors for the options that keep int8 layers in float, before any work: an option
+        ``precision`` does not take, two that exclude each other, or a value out of range."""
+        agreement, ratio = self.min_agreement, self.min_size_ratio
+        if (self.float_layers or agreement is not None) and precision != "int8":
+            raise AnytimeError(f"--float-layers and --min-agreement are int8 options (got --precision {precision})")
+        if self.float_layers and agreement is not None:
+            raise AnytimeError(
+                "--float-layers names the layers kept in float and --min-agreement chooses them; give one"
+            )
+        if agreement is not None and not (math.isfinite(agreement) and 0.0 < agreement <= 1.0):
+            raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1], e.g. 0.99 (got {agreement})")
+        if ratio is not None and agreement is None:
+            raise AnytimeError(
+                "--min-size-ratio bounds the layers --min-agreement keeps in float; give --min-agreement too"
+            )
+        if ratio is not None and not (math.isfinite(ratio) and ratio > 1.0):
+            raise AnytimeError(f"--min-size-ratio is how many times smaller than fp32 the int8 artifact must stay, "
+                               f"above 1 (e.g. 3.5; got {ratio})")  # fmt: skip
+        if self.max_float_layers < 0 or self.agreement_images < 1:
+            raise AnytimeError(f"--max-float-layers must be at least 0 and --agreement-images at least 1 "
+                               f"(got {self.max_float_layers} and {self.agreement_images})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -203,24 +248,26 @@ def _cheapest_order(model: nn.Module, ranges: dict[str, tuple[float, float]], le
 
 
 def search_float_layers(
-    model: nn.Module, measure: Callable[[tuple[str, ...]], tuple[tuple[float, ...], T]], *,
-    calibration: Sequence[Tensor], images: Tensor, min_agreement: float, max_float_layers: int = 8,
-    max_float_weights: int | None = None, activation_levels: int = 256, progress: Callable[[str], None] | None = None,
+    model: nn.Module, measure: Callable[[tuple[str, ...]], tuple[tuple[float, ...], T]], settings: Int8Settings, *,
+    calibration: Sequence[Tensor], images: Tensor, max_float_weights: int | None = None,
+    activation_levels: int = 256, progress: Callable[[str], None] | None = None,
 ) -> tuple[T, Int8Tuning]:  # fmt: skip
     """Keep as few layers of a float model in float as it takes for every step of its int8 form to agree with it
-    on at least ``min_agreement`` of ``images`` (not calibration, not test).
+    on at least ``settings.min_agreement`` of ``images`` (not calibration, not test).
 
     The layers are ranked by :func:`layer_sensitivity` on the first 1,000 of the images (inputs fake-quantized to
     ``activation_levels`` levels), then put in the order that buys the most simulated agreement per weight kept
     in float, so that the int8 artifact stays small. The search starts at the fewest layers of that order whose
     simulation meets the target, and keeps one more in float at a time until the target is met,
-    ``max_float_layers`` are float, or no layer left fits in ``max_float_weights`` (the size budget: see
-    :func:`anytime.deploy.export.float_weight_budget`).
+    ``settings.max_float_layers`` are float, or no layer left fits in ``max_float_weights`` (the size budget: see
+    :func:`anytime.deploy.export.float_weight_budget`). The other ``settings`` are the tasks' (they choose the
+    calibration batches, the images and the budget).
 
     ``measure(layers)`` builds the real int8 form with ``layers`` in float and returns each step's agreement on
     all the images and whatever the caller keeps of it; the best one's comes back with the :class:`Int8Tuning`.
     The target not met is not an error (the tuning says so), since a user may accept the closest."""
-    if not 0.0 < min_agreement <= 1.0:
+    min_agreement, max_float_layers = settings.min_agreement, settings.max_float_layers
+    if min_agreement is None or not 0.0 < min_agreement <= 1.0:
         raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1] (got {min_agreement})")
     if max_float_layers < 0 or (max_float_weights is not None and max_float_weights < 0):
         raise AnytimeError(f"--max-float-layers and the float weight budget must be at least 0 "
@@ -263,24 +310,23 @@ def search_float_layers(
 
 
 def tune_int8(
-    model: nn.Module, *, input_shape: tuple[int, ...], calibration: Sequence[Tensor], images: Tensor,
-    min_agreement: float, max_float_layers: int = 8, max_float_weights: int | None = None, compile: bool = True,
+    model: nn.Module, settings: Int8Settings, *, input_shape: tuple[int, ...], calibration: Sequence[Tensor],
+    images: Tensor, max_float_weights: int | None = None, compile: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
     """int8 of a float model (PT2E, calibrated on ``calibration``, training images) whose every step agrees with
-    the float model on at least ``min_agreement`` of ``images``, keeping as few layers in float as it takes
-    (:func:`search_float_layers`, each choice converted and measured). Returns the converted model, its state and
-    the :class:`Int8Tuning`."""
+    the float model on at least ``settings.min_agreement`` of ``images``, keeping as few layers in float as it
+    takes (:func:`search_float_layers`, each choice converted and measured). Returns the converted model, its state
+    and the :class:`Int8Tuning`."""
     levels = 128 if backend_for("int8", torch.device("cpu")) == X86_7BIT else 256
     model = model.eval()
 
     def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], tuple[PrecisionModel, dict[str, Tensor]]]:
-        converted, state = convert(model, "int8", input_shape=input_shape, calibration=calibration, compile=compile,
-                                   float_layers=layers)  # fmt: skip
+        converted, state = convert(model, "int8", input_shape=input_shape, compile=compile,
+                                   int8=Int8Recipe(calibration=calibration, float_layers=layers))  # fmt: skip
         return step_agreement(model, converted, images), (converted, state)
 
     (converted, state), tuning = search_float_layers(
-        model, measure, calibration=calibration, images=images, min_agreement=min_agreement,
-        max_float_layers=max_float_layers, max_float_weights=max_float_weights, activation_levels=levels,
-        progress=progress)  # fmt: skip
+        model, measure, settings, calibration=calibration, images=images, max_float_weights=max_float_weights,
+        activation_levels=levels, progress=progress)  # fmt: skip
     return converted, state, tuning

@@ -20,21 +20,15 @@ import torch
 from torch import Tensor, nn
 
 from anytime.contract import step_count
-from anytime.deploy.export import export_model, float_weight_budget
+from anytime.deploy.export import ManifestLabels, export_model, float_weight_budget
 from anytime.deploy.loader import ExportedModel, load_export
 from anytime.deploy.manifest import EXPORT, MANIFEST, ExportManifest, check_exportable
 from anytime.errors import AnytimeError
-from anytime.precision import backend_for
-from anytime.precision.tuning import Int8Tuning, search_float_layers
+from anytime.precision import Int8Recipe, backend_for
+from anytime.precision.tuning import Int8Settings, Int8Tuning, search_float_layers
 from anytime.profile.latency import per_sample_latency
 from anytime.profile.stats import quantile_of
-from anytime.tasks.quantize import (
-    DEFAULT_AGREEMENT_IMAGES,
-    DEFAULT_CALIBRATION_IMAGES,
-    calibration_batches,
-    check_float_layer_options,
-    tuning_images,
-)
+from anytime.tasks.quantize import calibration_batches, tuning_images
 from anytime.train.records import QUANT_STATE, precision_record, run_weights_fingerprint
 from anytime.train.runs import LoadedRun, load_run, require_images, run_config
 from anytime.train.splits import run_splits
@@ -68,6 +62,15 @@ class ParityRow:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record, in the table's column order."""
         return {name: getattr(self, name) for name in PARITY_COLUMNS}
+
+
+@dataclass(frozen=True)
+class ParitySettings:
+    """How :func:`export_run` measures the parity table: on ``images`` test images (0: no table), the batch-1
+    latency the p50 over ``latency_images`` of them."""
+
+    images: int = 1000
+    latency_images: int = 50
 
 
 @dataclass(frozen=True)
@@ -172,17 +175,16 @@ def _int8_calibration(run: LoadedRun, source: Path, record: dict[str, Any] | Non
 
 def _search_layers(
     write: Callable[[Path, Sequence[str]], ExportManifest], float_model: nn.Module, run: LoadedRun, fmt: str,
-    shape: tuple[int, ...], calibration: list[Tensor], *, min_agreement: float, max_float_layers: int,
-    agreement_images: int, min_size_ratio: float | None, progress: Callable[[str], None] | None,
+    shape: tuple[int, ...], calibration: list[Tensor], int8: Int8Settings, progress: Callable[[str], None] | None,
 ) -> Int8Tuning:  # fmt: skip
     """The search for the layers int8 keeps in float: each choice exported by ``write`` and compared with the
     float model on validation images."""
-    agreement_on = tuning_images(run, agreement_images)
+    agreement_on = tuning_images(run, int8.agreement_images)
     budget = None
-    if min_size_ratio is not None:
+    if int8.min_size_ratio is not None:
         budget = float_weight_budget(float_model, fmt, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
                                      name=run.config.model, calibration=calibration,
-                                     min_size_ratio=min_size_ratio)  # fmt: skip
+                                     min_size_ratio=int8.min_size_ratio)  # fmt: skip
 
     def measure(layers: tuple[str, ...]) -> tuple[tuple[float, ...], None]:
         with tempfile.TemporaryDirectory() as trial:
@@ -191,9 +193,8 @@ def _search_layers(
             return tuple(_compare(float_model, exported, agreement_on, k)[1] for k in range(manifest.num_steps)), None
 
     _, tuning = search_float_layers(
-        float_model, measure, calibration=calibration, images=agreement_on, min_agreement=min_agreement,
-        max_float_layers=max_float_layers, max_float_weights=budget, activation_levels=_activation_levels(fmt),
-        progress=progress)  # fmt: skip
+        float_model, measure, int8, calibration=calibration, images=agreement_on, max_float_weights=budget,
+        activation_levels=_activation_levels(fmt), progress=progress)  # fmt: skip
     return tuning
 
 
@@ -214,62 +215,57 @@ def _write_export(work: Path, manifest: ExportManifest, tuning: Int8Tuning | Non
 
 
 def export_run(
-    run_dir: str | Path, fmt: str, *, out: str | Path, precision: str | None = None, overwrite: bool = False,
-    calibration_images: int = DEFAULT_CALIBRATION_IMAGES, parity_images: int = 1000, latency_images: int = 50,
-    float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
-    agreement_images: int = DEFAULT_AGREEMENT_IMAGES, min_size_ratio: float | None = None,
+    run_dir: str | Path, fmt: str, parity: ParitySettings | None = None, int8: Int8Settings | None = None, *,
+    out: str | Path, precision: str | None = None, overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> ExportReport:  # fmt: skip
-    """Export a run's steps as ``fmt`` artifacts into ``out`` with a manifest and (unless ``parity_images`` is
-    0) the parity table, written as ``parity.csv`` and ``parity.json``. int8 keeps ``float_layers`` in float;
-    a run quantized by ``anytime quantize`` keeps the layers it kept. int8 from a float run with
-    ``min_agreement`` chooses the layers instead, for this format's own quantizer: each choice is exported and
+    """Export a run's steps as ``fmt`` artifacts into ``out`` with a manifest and (unless ``parity.images`` is 0)
+    the parity table (default :class:`ParitySettings`), written as ``parity.csv`` and ``parity.json``. int8 from a
+    float run is calibrated on ``int8.calibration_images`` training images and keeps ``int8.float_layers`` in
+    float; a run quantized by ``anytime quantize`` keeps its own statistics and layers. int8 from a float run with
+    ``int8.min_agreement`` chooses the layers instead, for this format's own quantizer: each choice is exported and
     its every step compared with the float model on ``agreement_images`` validation images (labels unread),
     keeping as few layers in float as reach the target (at most ``max_float_layers``, and no more weights than
     leave the artifact ``min_size_ratio`` times smaller than the fp32 one, when given); the search is written as
     ``tuning.json``."""
+    parity = parity or ParitySettings()
+    int8 = int8 or Int8Settings()
     source = Path(run_dir)
     run_config(source)  # a clear error for a folder that is not a run
     record = precision_record(source)
-    precision, qat = _export_precision(source, fmt, precision, record, calibration_images, parity_images)
-    if (float_layers or min_agreement is not None) and (precision != "int8" or record is not None):
+    precision, qat = _export_precision(source, fmt, precision, record, int8.calibration_images, parity.images)
+    if (int8.float_layers or int8.min_agreement is not None) and (precision != "int8" or record is not None):
         raise AnytimeError("--float-layers and --min-agreement are for int8 from a float run; a quantized run exports "
                            "with the layers it kept in float")  # fmt: skip
-    check_float_layer_options(
-        precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio
-    )
+    int8.check(precision)
+    float_layers: Sequence[str] = int8.float_layers
     if record is not None and precision == "int8":
         float_layers = tuple(record.get("float_layers") or ())
     run = load_run(source, "cpu", converted=False)
     require_images(run, "anytime export")
     shape = (int(run.dataset["in_channels"]), *(int(v) for v in (run.dataset.get("image_size") or [32, 32])))
-    calibrated = _int8_calibration(run, source, record, fmt, precision, calibration_images)
+    calibrated = _int8_calibration(run, source, record, fmt, precision, int8.calibration_images)
     float_model = run.model.eval()
-    images = _test_images(run, parity_images) if parity_images else None
+    images = _test_images(run, parity.images) if parity.images else None
     fingerprint = run_weights_fingerprint(source)
 
     def write(folder: Path, layers: Sequence[str]) -> ExportManifest:
-        return export_model(
-            float_model, fmt, precision, folder, input_shape=shape, num_classes=int(run.dataset["num_classes"]),
-            name=run.config.model, calibration=calibrated.batches, state=calibrated.state, qat=qat,
-            parent_run=str(source), parent_fingerprint=fingerprint, calibration_images=calibrated.images,
-            backend=record.get("backend") if record is not None and precision == "int8" else None,
-            float_layers=layers,
-        )  # fmt: skip
+        labels = ManifestLabels(run.config.model, int(run.dataset["num_classes"]), parent_run=str(source),
+                                parent_fingerprint=fingerprint, calibration_images=calibrated.images)  # fmt: skip
+        backend = record.get("backend") if record is not None and precision == "int8" else None
+        recipe = Int8Recipe(calibration=calibrated.batches, state=calibrated.state, qat=qat, backend=backend,
+                            float_layers=tuple(layers))  # fmt: skip
+        return export_model(float_model, fmt, precision, folder, input_shape=shape, labels=labels, int8=recipe)
 
     tuning = None
-    if min_agreement is not None:
+    if int8.min_agreement is not None:
         check_replaceable(Path(out), EXPORT, overwrite=overwrite, create_parents=False)  # before minutes of search
-        tuning = _search_layers(
-            write, float_model, run, fmt, shape, calibrated.batches or [], min_agreement=min_agreement,
-            max_float_layers=max_float_layers, agreement_images=agreement_images, min_size_ratio=min_size_ratio,
-            progress=progress,
-        )  # fmt: skip
+        tuning = _search_layers(write, float_model, run, fmt, shape, calibrated.batches or [], int8, progress)
         float_layers = tuning.float_layers
     entries = (MANIFEST, "parity.csv", "parity.json", TUNING, f"*.{fmt}", "profile-*.json", "evaluation-*.json")
     with staged_dir(out, EXPORT, overwrite=overwrite, create_parents=False, entries=entries) as work:
         manifest = write(work, float_layers)
-        rows = _write_export(work, manifest, tuning, float_model, images, latency_images)
+        rows = _write_export(work, manifest, tuning, float_model, images, parity.latency_images)
     return ExportReport(Path(out), manifest, tuple(rows), tuning)
 
 

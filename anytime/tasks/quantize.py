@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -24,10 +25,10 @@ from anytime.data import make_loader
 from anytime.data.base import DatasetSplits
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
-from anytime.precision import PrecisionModel, backend_for, convert
+from anytime.precision import Int8Recipe, PrecisionModel, backend_for, convert
 from anytime.precision.int8 import graph_state, prepare_qat
 from anytime.precision.parts import layout_of, run_parts
-from anytime.precision.tuning import Int8Tuning, tune_int8
+from anytime.precision.tuning import Int8Settings, Int8Tuning, tune_int8
 from anytime.train.evaluation import evaluate_exits
 from anytime.train.records import QUANT_STATE, WEIGHTS, baseline_record, ensemble_record, precision_record
 from anytime.train.runs import LoadedRun, dataset_input_shape, load_run, run_config
@@ -38,30 +39,19 @@ from anytime.utils.machine import describe_machine, device_label, git_sha, resol
 from anytime.utils.outputs import RUN, RUN_ENTRIES, check_replaceable, staged_dir
 from anytime.utils.quiet import quiet_torchao
 
-DEFAULT_CALIBRATION_IMAGES = 512
-DEFAULT_AGREEMENT_IMAGES = 1000  # validation images accuracy-aware int8 measures agreement on
 
+@dataclass(frozen=True)
+class QuantizeSettings:
+    """How :func:`quantize_run` builds the converted run's graphs beyond int8's calibration (:class:`Int8Settings`).
 
-def check_float_layer_options(precision: str, float_layers: Sequence[str], min_agreement: float | None,
-                              max_float_layers: int, agreement_images: int,
-                              min_size_ratio: float | None = None) -> None:  # fmt: skip
-    """One-line errors for the options that keep int8 layers in float, before any work."""
-    if (float_layers or min_agreement is not None) and precision != "int8":
-        raise AnytimeError(f"--float-layers and --min-agreement are int8 options (got --precision {precision})")
-    if float_layers and min_agreement is not None:
-        raise AnytimeError("--float-layers names the layers kept in float and --min-agreement chooses them; give one")
-    if min_agreement is not None and not (math.isfinite(min_agreement) and 0.0 < min_agreement <= 1.0):
-        raise AnytimeError(f"--min-agreement is a fraction of images in (0, 1], e.g. 0.99 (got {min_agreement})")
-    if min_size_ratio is not None and min_agreement is None:
-        raise AnytimeError(
-            "--min-size-ratio bounds the layers --min-agreement keeps in float; give --min-agreement too"
-        )
-    if min_size_ratio is not None and not (math.isfinite(min_size_ratio) and min_size_ratio > 1.0):
-        raise AnytimeError(f"--min-size-ratio is how many times smaller than fp32 the int8 artifact must stay, above 1 "
-                           f"(e.g. 3.5; got {min_size_ratio})")  # fmt: skip
-    if max_float_layers < 0 or agreement_images < 1:
-        raise AnytimeError(f"--max-float-layers must be at least 0 and --agreement-images at least 1 "
-                           f"(got {max_float_layers} and {agreement_images})")  # fmt: skip
+    ``compile``: ``torch.compile`` the graphs (what makes int8 run as int8 kernels on a CPU); False keeps them
+    eager, reference arithmetic: the same values, not int8 speed. ``qat_epochs``: int8 only, epochs of
+    quantization-aware training after calibration (0: post-training quantization alone), from the initial
+    learning rate ``qat_lr`` (SGD, cosine)."""
+
+    compile: bool = True
+    qat_epochs: int = 0
+    qat_lr: float = 1e-3
 
 
 _BATCH = 64
@@ -112,8 +102,8 @@ def fine_tune_int8(
     batch norm folded into the convolutions), their ranges first set on ``calibration_images`` training images,
     then ``epochs`` epochs of SGD (momentum 0.9, the run's weight decay, cosine from ``lr``) on the training
     split with the run's augmentation, the mean cross-entropy of every step as the loss; observers are frozen
-    for the second half of the epochs. Returns the trained graphs' state (what ``convert(..., qat=True)``
-    rebuilds the int8 model from)."""
+    for the second half of the epochs. Returns the trained graphs' state (what ``convert`` rebuilds the int8
+    model from, as the ``state`` of an ``Int8Recipe`` with ``qat=True``)."""
     import torch.nn.functional as F
 
     with quiet_torchao():
@@ -151,8 +141,8 @@ def fine_tune_int8(
     return graph_state(prepared)
 
 
-def _check_quantize_options(parent: Path, precision: str, device: str, calibration_images: int, qat_epochs: int,
-                            qat_lr: float) -> torch.device:  # fmt: skip
+def _check_quantize_options(parent: Path, precision: str, device: str, calibration_images: int,
+                            settings: QuantizeSettings) -> torch.device:  # fmt: skip
     """One-line errors for a run or an option ``quantize_run`` cannot take, before any work; returns the device the
     converted run runs on."""
     run_config(parent)  # a clear error for a folder that is not a run
@@ -166,10 +156,11 @@ def _check_quantize_options(parent: Path, precision: str, device: str, calibrati
     backend_for(precision, target_device)  # refuses a precision this device cannot run, before any work
     if calibration_images < 1:
         raise AnytimeError(f"--calibration-images must be at least 1 (got {calibration_images})")
-    if qat_epochs < 0 or (qat_epochs and precision != "int8"):
-        raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {qat_epochs} for {precision})")
-    if not (math.isfinite(qat_lr) and qat_lr > 0):
-        raise AnytimeError(f"--qat-lr must be a positive learning rate (got {qat_lr})")
+    epochs, lr = settings.qat_epochs, settings.qat_lr
+    if epochs < 0 or (epochs and precision != "int8"):
+        raise AnytimeError(f"--qat-epochs fine-tunes int8 (a whole number of epochs, got {epochs} for {precision})")
+    if not (math.isfinite(lr) and lr > 0):
+        raise AnytimeError(f"--qat-lr must be a positive learning rate (got {lr})")
     return target_device
 
 
@@ -185,21 +176,20 @@ def _check_quantizable(parent: Path, run: LoadedRun, precision: str, text: bool)
 
 
 def _tune_model(
-    run: LoadedRun, shape: tuple[int, ...], calibration: list[Tensor], *, min_agreement: float,
-    max_float_layers: int, agreement_images: int, min_size_ratio: float | None, compile: bool,
+    run: LoadedRun, shape: tuple[int, ...], calibration: list[Tensor], int8: Int8Settings, *, compile: bool,
     progress: Callable[[str], None] | None,
 ) -> tuple[PrecisionModel, dict[str, Tensor], Int8Tuning]:  # fmt: skip
-    """The int8 model whose float layers :func:`tune_int8` chose for ``min_agreement``, its state and the search."""
+    """The int8 model whose float layers :func:`tune_int8` chose for ``int8.min_agreement``, its state and the
+    search."""
     budget = None
-    if min_size_ratio is not None:
+    if int8.min_size_ratio is not None:
         from anytime.deploy.export import float_weight_budget
 
         budget = float_weight_budget(run.model.eval(), "pt2", input_shape=shape, name=run.config.model,
                                      num_classes=int(run.dataset["num_classes"]), calibration=calibration,
-                                     min_size_ratio=min_size_ratio)  # fmt: skip
-    return tune_int8(run.model, input_shape=shape, calibration=calibration,
-                     images=tuning_images(run, agreement_images), min_agreement=min_agreement,
-                     max_float_layers=max_float_layers, max_float_weights=budget, compile=compile,
+                                     min_size_ratio=int8.min_size_ratio)  # fmt: skip
+    return tune_int8(run.model, int8, input_shape=shape, calibration=calibration,
+                     images=tuning_images(run, int8.agreement_images), max_float_weights=budget, compile=compile,
                      progress=progress)  # fmt: skip
 
 
@@ -213,9 +203,10 @@ def _accuracies(model: nn.Module, splits: DatasetSplits, seed: int,
 
 
 def _precision_entry(model: PrecisionModel, parent: Path, run: LoadedRun, precision: str, calibration_images: int,
-                     train_images: int, qat_epochs: int, qat_lr: float,
+                     train_images: int, settings: QuantizeSettings,
                      tuning: Int8Tuning | None) -> dict[str, Any]:  # fmt: skip
     """The precision record the converted run's config and summary hold."""
+    qat_epochs, qat_lr = settings.qat_epochs, settings.qat_lr
     return {
         **model.spec.to_dict(), "parent_run": str(parent), "parent_fingerprint": run.fingerprint,
         "calibration_images": min(calibration_images, train_images) if precision == "int8" else None,
@@ -270,26 +261,25 @@ def _write_quantized(work: Path, parent: Path, run: LoadedRun, record: dict[str,
 
 
 def quantize_run(
-    run_dir: str | Path, precision: str, *, calibration_images: int = DEFAULT_CALIBRATION_IMAGES,
-    out: str | Path | None = None, compile: bool = True, overwrite: bool = False, device: str = "cpu",
-    qat_epochs: int = 0, qat_lr: float = 1e-3, progress: Callable[[str], None] | None = None,
-    float_layers: Sequence[str] = (), min_agreement: float | None = None, max_float_layers: int = 8,
-    agreement_images: int = DEFAULT_AGREEMENT_IMAGES, min_size_ratio: float | None = None,
+    run_dir: str | Path, precision: str, settings: QuantizeSettings | None = None, int8: Int8Settings | None = None,
+    *, device: str = "cpu", out: str | Path | None = None, overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> RunSummary:  # fmt: skip
-    """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, and return
-    its summary. int8 is calibrated on ``calibration_images`` training images (never validation or test);
-    with ``qat_epochs`` it is then fine-tuned by quantization-aware training (:func:`fine_tune_int8`), and
-    the summary reports every step after post-training quantization (``ptq_*``) and after QAT.
+    """Write ``out`` (default ``RUN-PRECISION`` beside the run): the run's steps at ``precision``, built as
+    ``settings`` say (default :class:`QuantizeSettings`), and return its summary. int8 is calibrated on
+    ``int8.calibration_images`` training images (never validation or test); with ``settings.qat_epochs`` it is
+    then fine-tuned by quantization-aware training (:func:`fine_tune_int8`), and the summary reports every step
+    after post-training quantization (``ptq_*``) and after QAT.
 
-    int8 keeps ``float_layers`` in float; or, with ``min_agreement``, chooses them (:func:`tune_int8`: at most
-    ``max_float_layers``) so that every step agrees with the float run on that share of ``agreement_images``
+    int8 keeps ``int8.float_layers`` in float; or, with ``int8.min_agreement``, chooses them (:func:`tune_int8`: at
+    most ``max_float_layers``) so that every step agrees with the float run on that share of ``agreement_images``
     validation images, keeping no more weights in float than leave the run's .pt2 int8 artifact
     ``min_size_ratio`` times smaller than the fp32 one (when given)."""
+    settings = settings or QuantizeSettings()
+    int8 = int8 or Int8Settings()
     parent = Path(run_dir)
-    target_device = _check_quantize_options(parent, precision, device, calibration_images, qat_epochs, qat_lr)
-    check_float_layer_options(
-        precision, float_layers, min_agreement, max_float_layers, agreement_images, min_size_ratio
-    )
+    target_device = _check_quantize_options(parent, precision, device, int8.calibration_images, settings)
+    int8.check(precision)
     target = Path(out) if out is not None else parent.with_name(f"{parent.name}-{precision}")
     check_replaceable(target, RUN, overwrite=overwrite, create_parents=out is None)
     run = load_run(parent, "cpu")
@@ -299,29 +289,28 @@ def quantize_run(
     parent_acc = _parent_accuracy(parent, run.num_steps)
     splits = run_splits(run)
     seed = run.config.seed
-    calibration = list(calibration_batches(run, calibration_images)) if precision == "int8" else None
+    calibration = list(calibration_batches(run, int8.calibration_images)) if precision == "int8" else None
     tuning = None
-    if min_agreement is not None:
-        model, state, tuning = _tune_model(
-            run, shape, calibration or [], min_agreement=min_agreement, max_float_layers=max_float_layers,
-            agreement_images=agreement_images, min_size_ratio=min_size_ratio, compile=compile, progress=progress,
-        )  # fmt: skip
+    if int8.min_agreement is not None:
+        model, state, tuning = _tune_model(run, shape, calibration or [], int8, compile=settings.compile,
+                                           progress=progress)  # fmt: skip
     else:
-        model, state = convert(run.model, precision, input_shape=shape, calibration=calibration, compile=compile,
-                               device=target_device, float_layers=float_layers)  # fmt: skip
+        model, state = convert(run.model, precision, input_shape=shape, compile=settings.compile, device=target_device,
+                               int8=Int8Recipe(calibration=calibration, float_layers=int8.float_layers))  # fmt: skip
     model = model.to(target_device)
     accs = _accuracies(model, splits, seed, target_device)
     ptq = None
-    if qat_epochs:
+    if settings.qat_epochs:
         ptq, layers = accs, model.spec.float_layers
-        state = fine_tune_int8(run, shape, epochs=qat_epochs, lr=qat_lr, calibration_images=calibration_images,
-                               progress=progress, float_layers=layers)  # fmt: skip
-        model, _ = convert(run.model, "int8", input_shape=shape, state=state, compile=compile, qat=True,
-                           float_layers=layers)  # fmt: skip
+        state = fine_tune_int8(run, shape, epochs=settings.qat_epochs, lr=settings.qat_lr,
+                               calibration_images=int8.calibration_images, progress=progress,
+                               float_layers=layers)  # fmt: skip
+        model, _ = convert(run.model, "int8", input_shape=shape, compile=settings.compile,
+                           int8=Int8Recipe(state=state, qat=True, float_layers=layers))  # fmt: skip
         accs = _accuracies(model, splits, seed, target_device)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record = _precision_entry(model, parent, run, precision, calibration_images, len(splits.train), qat_epochs,
-                              qat_lr, tuning)  # fmt: skip
+    record = _precision_entry(model, parent, run, precision, int8.calibration_images, len(splits.train), settings,
+                              tuning)  # fmt: skip
     summary = _quantized_summary(target, run, model, record, accs, ptq, parent_acc, target_device, now)
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=out is None, entries=RUN_ENTRIES) as work:
         _write_quantized(work, parent, run, record, target_device, now, text, state, summary)

@@ -154,7 +154,7 @@ def _recorded_flops(run: Path) -> list[int] | None:
 def _converted(
     run: Path, model: nn.Module, record: dict[str, Any], shape: tuple[int, ...], device: torch.device
 ) -> nn.Module:
-    from anytime.precision import PrecisionSpec, convert
+    from anytime.precision import Int8Recipe, PrecisionSpec, convert
 
     spec = PrecisionSpec.from_dict(record, where=str(run / "config.json"))
     state = None
@@ -164,10 +164,11 @@ def _converted(
         if not (run / QUANT_STATE).is_file():
             raise AnytimeError(f"{run} has no {QUANT_STATE} (its int8 statistics); quantize the parent run again")
         state = read_weights(run / QUANT_STATE)
-    converted, _ = convert(model, spec.precision, input_shape=shape, state=state, compile=spec.compile, device=device,
-                           qat=bool(record.get("qat_epochs")), step_flops=_recorded_flops(run),
-                           backend=spec.backend if spec.precision == "int8" else None,
-                           float_layers=spec.float_layers)  # fmt: skip
+    recipe = Int8Recipe(state=state, qat=bool(record.get("qat_epochs")),
+                        backend=spec.backend if spec.precision == "int8" else None,
+                        float_layers=spec.float_layers)  # fmt: skip
+    converted, _ = convert(model, spec.precision, input_shape=shape, int8=recipe, compile=spec.compile, device=device,
+                           step_flops=_recorded_flops(run))  # fmt: skip
     return converted
 
 
