@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common import median, parser, report, run
 
-from anytime.data import load_dataset, make_loader
+from anytime.data import Delivery, load_dataset, make_loader
 from anytime.data.torchvision_pipeline import torchvision_loader
 from anytime.errors import AnytimeError
 
@@ -48,7 +48,8 @@ def main() -> int:
 
     ours, theirs = [], []
     for r in range(rounds):
-        loader = make_loader(splits.train, splits.info, batch_size=BATCH_SIZE, train=True, seed=r, workers=0)
+        loader = make_loader(splits.train, splits.info, batch_size=BATCH_SIZE, train=True, seed=r,
+                             delivery=Delivery(workers=0))  # fmt: skip
         loader.set_epoch(0)
         ours.append(_images_per_s(loader, batches, warmup=2))
         tv = torchvision_loader(DATA_ROOT / "train", batch_size=BATCH_SIZE, workers=4, prefetch_factor=2, seed=r)

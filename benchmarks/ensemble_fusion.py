@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from common import REPO, fuser_share, member_runs, parser, report, run
 
-from anytime.tasks.ensemble import build_ensemble
+from anytime.tasks.ensemble import EnsembleSettings, build_ensemble
 
 # Hyper-parameters
 # in runs/: trained on a lent H200 (docs/benchmarks-archive.md, 2026-11-27), four architectures of comparable accuracy
@@ -45,7 +45,10 @@ def main() -> int:
         for name, runs in (("fp32", members), ("int8", quantized)):
             print(f"building the {name} ensemble of {', '.join(r.name for r in runs)}...", flush=True)
             built = build_ensemble(
-                runs, Path(scratch) / name, folds=FOLDS, progress=lambda line: print("  " + line, flush=True)
+                runs,
+                Path(scratch) / name,
+                EnsembleSettings(folds=FOLDS),
+                progress=lambda line: print("  " + line, flush=True),
             )
             rows[name] = built
             best = built.best_member

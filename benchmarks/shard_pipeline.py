@@ -158,12 +158,13 @@ def measure(kind: str, root: Path, batch_size: int, workers: int, batches: int |
         if kind.startswith("shards"):
             import torch
 
-            from anytime.data import load_dataset, make_loader
+            from anytime.data import Delivery, load_dataset, make_loader
 
             torch.set_num_threads(threads)
             splits = load_dataset("shards", root, val_fraction=0.0)
+            shard_workers = SHARD_WORKERS if kind == "shards-workers" else 0
             loader: Any = make_loader(splits.train, splits.info, batch_size=batch_size, train=True, seed=0,
-                                      workers=SHARD_WORKERS if kind == "shards-workers" else 0)  # fmt: skip
+                                      delivery=Delivery(workers=shard_workers))  # fmt: skip
             dataset_images = len(splits.train)
         else:
             from anytime.data.torchvision_pipeline import torchvision_loader

@@ -23,7 +23,8 @@ import numpy as np
 from anytime.errors import AnytimeError
 from anytime.families import FUSERS
 from anytime.plotting.ensembles import plot_ensemble_study
-from anytime.tasks.ensemble import build_ensemble
+from anytime.precision.tuning import Int8Settings
+from anytime.tasks.ensemble import EnsembleSettings, build_ensemble
 from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.tasks.quantize import quantize_run
 from anytime.train import TrainConfig, Trainer
@@ -92,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                     raise AnytimeError(
                         f"{quantized} is missing; make it with `anytime quantize {member} --precision int8`"
                     )
-                quantize_run(member, "int8", calibration_images=128)
+                quantize_run(member, "int8", int8=Int8Settings(calibration_images=128))
         for precision in ("fp32", "int8"):
             runs = members if precision == "fp32" else [m.with_name(f"{m.name}-int8") for m in members]
             ensemble = out / "runs" / precision
             progress.say(f"{precision} ensemble of {', '.join(r.name for r in runs)}...")
-            report = build_ensemble(runs, ensemble, folds=FOLDS)
+            report = build_ensemble(runs, ensemble, EnsembleSettings(folds=FOLDS))
             profile, _ = profile_run(ensemble, ProfileSettings(batch_sizes=(1,), repeats=repeats, memory=False))
             latency = _p99(profile)
             for kind in FUSERS:

@@ -34,7 +34,7 @@ from anytime.data import load_dataset
 from anytime.errors import AnytimeError
 from anytime.plotting.cut import plot_cut_study, plot_step_families
 from anytime.tasks.compare import StepPoint, matched_table, measured_side_by_side
-from anytime.tasks.cut import cut_study, make_ladder_run
+from anytime.tasks.cut import CutSettings, cut_study, make_ladder_run
 from anytime.train import TrainConfig, Trainer
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.machine import bf16_emulated, device_label, resolve_device
@@ -144,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         # 2. The cutting study on the plain and the stochastic-depth nets.
         studies: dict[str, list[dict[str, Any]]] = {}
         (out / "cut").mkdir()
+        settings = CutSettings(recalibrate_bn=RECALIBRATE_BN, images=hyper["EVAL_IMAGES"],
+                               recalibration_batches=RECALIBRATION_BATCHES,
+                               latency_repeats=hyper["CUT_LATENCY_REPEATS"])  # fmt: skip
         for model, design in CUT_MODELS.items():
             for name in (model, f"{model}-sd"):
-                study = cut_study(runs / name, recalibrate_bn=RECALIBRATE_BN, images=hyper["EVAL_IMAGES"],
-                                  recalibration_batches=RECALIBRATION_BATCHES,
-                                  latency_repeats=hyper["CUT_LATENCY_REPEATS"], out=out / "cut" / name,
+                study = cut_study(runs / name, settings, out=out / "cut" / name,
                                   progress=lambda line, name=name: progress.say(f"  {name}: {line}"),
                                   bar=sys.stderr.isatty())  # fmt: skip
                 studies[name] = study.rows

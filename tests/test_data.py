@@ -16,6 +16,7 @@ from anytime.data import (
     DATASETS,
     Augment,
     DatasetInfo,
+    Delivery,
     cache_path_for,
     default_augment,
     load_dataset,
@@ -198,8 +199,8 @@ def test_loader_epochs_are_reproducible(digits) -> None:
 def test_loader_workers_match_in_process() -> None:
     splits = load_dataset("synthetic", seed=0)
     kw = {"batch_size": 48, "train": True, "seed": 2}
-    serial = make_loader(splits.train, splits.info, workers=0, **kw)
-    parallel = make_loader(splits.train, splits.info, workers=2, prefetch_factor=2, **kw)
+    serial = make_loader(splits.train, splits.info, delivery=Delivery(workers=0), **kw)
+    parallel = make_loader(splits.train, splits.info, delivery=Delivery(workers=2, prefetch_factor=2), **kw)
     serial.set_epoch(3)
     parallel.set_epoch(3)
     a, b = _collect(serial), _collect(parallel)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from anytime.commands.train import without_option as _without_option
-from anytime.data import Augment, load_dataset, make_loader
+from anytime.data import Augment, Delivery, load_dataset, make_loader
 from anytime.data.augment import random_crop_flip
 from anytime.data.loader import share
 from anytime.errors import AnytimeError
@@ -83,7 +83,8 @@ def test_the_processes_shares_make_up_the_single_process_batches(world):
     splits = load_dataset("digits", seed=0)
     kw = {"batch_size": 100, "seed": 3, "augment": Augment("crop+flip", 2)}
     alone = make_loader(splits.train, splits.info, train=True, **kw)
-    shared = [make_loader(splits.train, splits.info, train=True, part=(r, world), **kw) for r in range(world)]
+    shared = [make_loader(splits.train, splits.info, train=True, delivery=Delivery(part=(r, world)), **kw)
+              for r in range(world)]  # fmt: skip
     for loader in (alone, *shared):
         loader.set_epoch(4)
     assert all(len(loader) == len(alone) for loader in shared)
@@ -96,7 +97,8 @@ def test_the_processes_shares_make_up_the_single_process_batches(world):
 def test_evaluation_splits_are_shared_out_whole():
     splits = load_dataset("digits", seed=0)
     alone = make_loader(splits.val, splits.info, batch_size=32, train=False)
-    pieces = [make_loader(splits.val, splits.info, batch_size=32, train=False, part=(r, 2)) for r in range(2)]
+    pieces = [make_loader(splits.val, splits.info, batch_size=32, train=False, delivery=Delivery(part=(r, 2)))
+              for r in range(2)]  # fmt: skip
     labels = torch.cat([labels for piece in pieces for _, labels in piece])
     assert torch.equal(labels, torch.cat([labels for _, labels in alone]))
 
@@ -105,7 +107,7 @@ def test_a_last_batch_smaller_than_the_processes_is_dropped():
     splits = load_dataset("digits", seed=0)
     n = len(splits.train)
     batch = n - 1  # two batches: the second holds one image
-    one = make_loader(splits.train, splits.info, batch_size=batch, train=True, part=(0, 2))
+    one = make_loader(splits.train, splits.info, batch_size=batch, train=True, delivery=Delivery(part=(0, 2)))
     assert len(one) == 1
     assert len(make_loader(splits.train, splits.info, batch_size=batch, train=True)) == 2
 

@@ -19,7 +19,7 @@ from anytime.errors import AnytimeError
 from anytime.families import EnsembleModel, FitSettings, FuserBank, MemberInfo, cross_fit, fit_fuser, make_fuser
 from anytime.families.fusers import fold_assignment
 from anytime.outputs.cache import OutputCache, cache_path
-from anytime.tasks.ensemble import build_ensemble
+from anytime.tasks.ensemble import EnsembleSettings, build_ensemble
 from anytime.train import TrainConfig, Trainer
 from anytime.train.runs import load_run
 
@@ -234,7 +234,7 @@ def members(exit_run, tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def ensemble_run(members, tmp_path_factory) -> tuple[Path, object]:
     out = tmp_path_factory.mktemp("ensemble") / "E"
-    return out, build_ensemble(members, out, order="cost", fuser="mlp", folds=3, settings=FAST)
+    return out, build_ensemble(members, out, EnsembleSettings(order="cost", fuser="mlp", folds=3, fit=FAST))
 
 
 def test_an_ensemble_run_records_members_fusers_and_caches(ensemble_run, members):
@@ -268,7 +268,7 @@ def test_fusers_are_fit_on_validation_labels_only(members, tmp_path, monkeypatch
         return real(kind, logps, labels, **kw)
 
     monkeypatch.setattr(ensemble_module, "cross_fit", spy)
-    build_ensemble(members[:2], tmp_path / "E", fuser="weighted", folds=2, settings=FAST, order="given")
+    build_ensemble(members[:2], tmp_path / "E", EnsembleSettings(fuser="weighted", folds=2, fit=FAST, order="given"))
     splits = run_splits(load_run(members[0]))
     assert fitted_on and all(len(f) == len(splits.val) != len(splits.test) for f in fitted_on)
 
@@ -312,9 +312,9 @@ def test_ensemble_refuses_bad_requests_in_one_line(members, ensemble_run, tmp_pa
         cli_error(["ensemble", "--members", f"{a},{other}", "--out", str(tmp_path / "E")], words, str(other))
     assert not (tmp_path / "E").exists()
     with pytest.raises(AnytimeError, match="unknown fuser"):
-        build_ensemble([a, b], tmp_path / "E", fuser="stacking")
+        build_ensemble([a, b], tmp_path / "E", EnsembleSettings(fuser="stacking"))
     with pytest.raises(AnytimeError, match="unknown order"):
-        build_ensemble([a, b], tmp_path / "E", order="random")
+        build_ensemble([a, b], tmp_path / "E", EnsembleSettings(order="random"))
     cli_error(["quantize", str(out), "--precision", "int8", "--out", str(tmp_path / "Q")], "ensemble")
 
 
@@ -325,7 +325,7 @@ def test_a_member_changed_after_the_build_is_refused(members, tmp_path, cli_erro
 
     lenet = tmp_path / "lenet"
     shutil.copytree(members[1], lenet)
-    build_ensemble([members[0], lenet], tmp_path / "E", fuser="mean", folds=2, order="given")
+    build_ensemble([members[0], lenet], tmp_path / "E", EnsembleSettings(fuser="mean", folds=2, order="given"))
     weights = read_weights(lenet / "model.safetensors")
     name = next(iter(weights))
     weights[name] = weights[name] + 1
@@ -376,7 +376,8 @@ def test_an_ensemble_moved_with_its_members_still_loads(members, tmp_path):
     tree = tmp_path / "tree"
     for member in members[:2]:
         shutil.copytree(member, tree / "members" / member.name)
-    build_ensemble([tree / "members" / m.name for m in members[:2]], tree / "E", fuser="mean", folds=2, order="given")
+    build_ensemble([tree / "members" / m.name for m in members[:2]], tree / "E",
+                   EnsembleSettings(fuser="mean", folds=2, order="given"))  # fmt: skip
     moved = shutil.move(str(tree), str(tmp_path / "moved"))
     run = load_run(Path(moved) / "E")
     assert run.num_steps == 2

@@ -16,7 +16,7 @@ from PIL import Image
 
 import anytime.data.shard_writer as writer_module
 from anytime.cli import main
-from anytime.data import DATASETS, load_dataset, make_loader
+from anytime.data import DATASETS, Delivery, load_dataset, make_loader
 from anytime.data.base import Split, channel_stats
 from anytime.data.shard_reader import ShardImages
 from anytime.data.shard_writer import prepare_shards
@@ -152,7 +152,8 @@ def test_loader_batches_equal_the_same_data_in_memory(tree, packed, tmp_path) ->
 def test_dataloader_workers_read_the_shards(packed, tmp_path) -> None:
     splits = load_dataset("shards", packed, val_fraction=0.0)
     serial = list(make_loader(splits.train, splits.info, batch_size=8, train=True, seed=2))
-    parallel = list(make_loader(splits.train, splits.info, batch_size=8, train=True, seed=2, workers=2))
+    parallel = list(make_loader(splits.train, splits.info, batch_size=8, train=True, seed=2,
+                                delivery=Delivery(workers=2)))  # fmt: skip
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(serial, parallel, strict=True))
 
     # A shard that disappears under a running job: one line, also from a worker process.
@@ -164,7 +165,7 @@ def test_dataloader_workers_read_the_shards(packed, tmp_path) -> None:
     (copy / "train-00002.bin").unlink()
     for workers in (0, 1):
         with pytest.raises(AnytimeError, match=r"^shard .*train-00002.bin is missing; run the same") as caught:
-            list(make_loader(broken.train, broken.info, batch_size=8, train=True, workers=workers))
+            list(make_loader(broken.train, broken.info, batch_size=8, train=True, delivery=Delivery(workers=workers)))
         assert "\n" not in str(caught.value)
 
 

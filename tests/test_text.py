@@ -13,7 +13,7 @@ import torch
 
 from anytime.backbones import create_model
 from anytime.calibrate import ExitPolicy
-from anytime.data import load_dataset, make_loader
+from anytime.data import TextOptions, load_dataset, make_loader
 from anytime.data.text import TOKENIZER_FILE, read_table
 from anytime.errors import AnytimeError
 from anytime.families import attach_exits
@@ -66,7 +66,7 @@ def text_run(text_root, tmp_path_factory) -> Path:
 
 
 def test_a_text_folder_loads_as_token_ids(text_root):
-    splits = load_dataset("textfolder", text_root, max_length=12, vocab_size=200)
+    splits = load_dataset("textfolder", text_root, text=TextOptions(max_length=12, vocab_size=200))
     info = splits.info
     assert info.modality == "text" and info.num_classes == 2 and info.max_length == 12
     assert info.input_shape == (12,)
@@ -78,12 +78,12 @@ def test_a_text_folder_loads_as_token_ids(text_root):
     longest = max(len(t.split()) for _, t in _sentences(400, 0))
     assert cut["train"] > 0 and longest + 1 > 12  # some sentences were longer than 12 tokens, and were counted
     assert splits.tokenizer is not None and json.loads(splits.tokenizer)["model"]["type"] == "WordPiece"
-    again = load_dataset("textfolder", text_root, max_length=12, tokenizer=splits.tokenizer)
+    again = load_dataset("textfolder", text_root, text=TextOptions(max_length=12, tokenizer=splits.tokenizer))
     assert torch.equal(again.test.images, splits.test.images) and again.info.tokenizer == info.tokenizer
 
 
 def test_text_batches_are_trimmed_and_bucketed(text_root):
-    splits = load_dataset("textfolder", text_root, max_length=16, vocab_size=200)
+    splits = load_dataset("textfolder", text_root, text=TextOptions(max_length=16, vocab_size=200))
     loader = make_loader(splits.train, splits.info, batch_size=16, train=True, seed=3)
     seen, spreads = [], []
     for ids, labels in loader:
@@ -132,7 +132,7 @@ def test_text_models_and_data_must_match(text_root, tmp_path):
         Trainer(TrainConfig(model="mobilebert_tiny", data="textfolder", data_root=str(text_root), epochs=1,
                             tta=True), tmp_path / "d").fit()  # fmt: skip
     with pytest.raises(AnytimeError, match="text data"):
-        load_dataset("digits", max_length=32)
+        load_dataset("digits", text=TextOptions(max_length=32))
 
 
 @pytest.mark.parametrize(
@@ -349,7 +349,7 @@ def test_a_tokenizer_from_another_run_is_refused(text_run, tmp_path, cli_error):
 def test_sst2_loads_with_its_columns():
     if not (SST2 / "train.tsv").is_file():
         pytest.skip(f"SST-2 not found at {SST2}")
-    splits = load_dataset("sst2", SST2, max_length=64)
+    splits = load_dataset("sst2", SST2, text=TextOptions(max_length=64))
     assert len(splits.train) + len(splits.val) == 67_349 and len(splits.dev) == 872 and len(splits.test) == 1_821
     assert splits.info.classes == ("0", "1")
 

@@ -64,16 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the study and print its files, or write the ladder run and print its steps."""
-    from anytime.tasks.cut import cut_study
+    from anytime.tasks.cut import CutSettings, cut_study
 
     if args.ladder:
         return _ladder(args)
-    kinds = ["shortcut", "branch"] if args.kind in (None, "both") else [args.kind]
-    study = cut_study(
-        args.run, kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
-        split=args.split or "test", images=args.images, latency_repeats=args.repeats or 30, device=args.device,
-        out=args.out, overwrite=args.overwrite, progress=progress_printer(args), bar=sys.stderr.isatty(),
-    )  # fmt: skip
+    kinds = ("shortcut", "branch") if args.kind in (None, "both") else (args.kind,)
+    settings = CutSettings(kinds=kinds, recalibrate_bn=args.recalibrate_bn, finetune_epochs=args.finetune_epochs,
+                           split=args.split or "test", images=args.images,
+                           latency_repeats=args.repeats or 30)  # fmt: skip
+    study = cut_study(args.run, settings, device=args.device, out=args.out, overwrite=args.overwrite,
+                      progress=progress_printer(args), bar=sys.stderr.isatty())  # fmt: skip
     if args.json:
         return print_json(study)
     print(f"table  {study.csv}")

@@ -58,12 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build the ensemble run; print its members and every fuser's accuracy after each of them."""
     from anytime.families import FUSERS, FitSettings
-    from anytime.tasks.ensemble import build_ensemble
+    from anytime.tasks.ensemble import EnsembleSettings, build_ensemble
 
     members = [m for m in args.members.split(",") if m.strip()]
-    report = build_ensemble(members, args.out, order=args.order, fuser=args.fuser, folds=args.folds,
-                            fit_split=args.fit_split, settings=FitSettings(hidden=args.hidden), device=args.device,
-                            overwrite=args.overwrite, progress=progress_printer(args))  # fmt: skip
+    settings = EnsembleSettings(order=args.order, fuser=args.fuser, folds=args.folds, fit_split=args.fit_split,
+                                fit=FitSettings(hidden=args.hidden))  # fmt: skip
+    report = build_ensemble(members, args.out, settings, device=args.device, overwrite=args.overwrite,
+                            progress=progress_printer(args))  # fmt: skip
     if args.json:
         return print_json(report)
     print(f"run    {report.out}: {len(report.members)} members in {report.order} order, deploys the {report.fuser} "

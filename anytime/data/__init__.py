@@ -9,6 +9,7 @@ folder decoded per batch) read only each batch's images.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,9 @@ from anytime.data.base import (
 from anytime.data.cifar10 import load_cifar10, load_cifar100
 from anytime.data.digits import load_digits_raw
 from anytime.data.imagefolder import cache_path_for, load_folder, scan_folder, stream_folder
-from anytime.data.loader import BatchLoader, make_loader
+from anytime.data.loader import BatchLoader, Delivery, make_loader
 from anytime.data.synthetic import SYNTHETIC_TEST, SYNTHETIC_TRAIN, load_synthetic_raw
-from anytime.data.text import TEXT_DATASETS, load_text_dataset
+from anytime.data.text import TEXT_DATASETS, TextOptions, load_text_dataset
 from anytime.errors import AnytimeError
 from anytime.utils.resources import check_memory
 from anytime.utils.seed import derive_seed
@@ -62,8 +63,10 @@ __all__ = [
     "BatchLoader",
     "DatasetInfo",
     "DatasetSplits",
+    "Delivery",
     "ImageStore",
     "Split",
+    "TextOptions",
     "cache_path_for",
     "default_augment",
     "default_cache_dir",
@@ -146,35 +149,8 @@ def _load_raw(
     return load_folder(root, name="folder", image_size=image_size, cache_dir=cache_dir)
 
 
-def load_dataset(
-    name: str,
-    root: str | os.PathLike[str] | None = None,
-    *,
-    val_fraction: float = 0.1,
-    seed: int = 0,
-    cache_dir: str | os.PathLike[str] | None = None,
-    image_size: int | None = None,
-    limit_train: int | None = None,
-    vocab_size: int | None = None,
-    max_length: int | None = None,
-    tokenizer: str | None = None,
-) -> DatasetSplits:
-    """Load dataset ``name`` into train/val/test splits of uint8 tensors.
-
-    The validation split is carved from the training data (stratified, drawn with ``seed``) and
-    is disjoint from train. ``limit_train`` keeps a seeded, stratified subset of that many
-    training samples (after the carve). For digits, which has no official test split, a fixed
-    stratified 20% test split is carved first; it does not depend on ``seed``, so every run is
-    tested on the same images. ``cache_dir`` (cifar10 and folder) defaults to ``$ANYTIME_CACHE``
-    or ``~/.cache/anytime``.
-
-    ``shards`` and ``folder-stream`` splits hold an :class:`ImageStore` that reads each batch's images when
-    asked; their splits are carved by index, nothing is read, and their mean and std come from preparation
-    (shards: every training image) or a seeded sample of training images (folder-stream).
-
-    ``sst2`` and ``textfolder`` are text (:func:`anytime.data.text.load_text_dataset`): ``vocab_size`` and
-    ``max_length`` size the tokenizer and the token ids, ``tokenizer`` (its JSON) is used instead of training one.
-    """
+def _check_request(name: str, val_fraction: float, image_size: int | None, limit_train: int | None) -> None:
+    """One-line errors for a dataset name or split options :func:`load_dataset` cannot take, before any reading."""
     if name not in DATASETS:
         raise AnytimeError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if not 0.0 <= val_fraction < 1.0:
@@ -183,27 +159,36 @@ def load_dataset(
         raise AnytimeError(f"image_size must be a positive number of pixels, got {image_size}")
     if limit_train is not None and limit_train < 1:
         raise AnytimeError(f"limit_train must be >= 1, got {limit_train}")
-    if name in TEXT_DATASETS:
-        if image_size is not None:
-            raise AnytimeError(f"{name} is text: it takes --max-length (tokens), not --image-size")
-        return load_text_dataset(name, root, val_fraction=val_fraction, seed=seed, cache_dir=cache_dir,
-                                 limit_train=limit_train, vocab_size=vocab_size, max_length=max_length,
-                                 tokenizer=tokenizer)  # fmt: skip
-    if vocab_size is not None or max_length is not None or tokenizer is not None:
-        raise AnytimeError(f"--vocab-size, --max-length and --tokenizer are for text data; {name} holds images")
+
+
+def _sized_images(
+    name: str, root: str | os.PathLike[str] | None, *, seed: int, cache_dir: str | os.PathLike[str] | None,
+    image_size: int | None,
+) -> RawDataset:  # fmt: skip
+    """The raw dataset, its images resized to ``image_size`` where they are another size (refused for shards,
+    which are read as prepared)."""
     if image_size is not None:
         _check_image_memory(name, root, image_size)
     raw = _load_raw(name, root, seed=seed, cache_dir=cache_dir, image_size=image_size)
+    train_x = raw.train_images
+    if image_size is None or tuple(train_x.shape[2:]) == (image_size, image_size):
+        return raw
+    if isinstance(train_x, ImageStore):
+        size = "x".join(str(v) for v in train_x.shape[2:])
+        raise AnytimeError(f"the shards in {root} hold {size} images, not {image_size}x{image_size}; leave "
+                           f"--image-size out, or prepare shards at {image_size} into another folder")  # fmt: skip
+    test_x = raw.test_images
+    return replace(raw, train_images=_resize(train_x, image_size),
+                   test_images=None if test_x is None else _resize(test_x, image_size))  # fmt: skip
+
+
+def _carve(
+    name: str, raw: RawDataset, *, val_fraction: float, seed: int, limit_train: int | None
+) -> tuple[Split, Split, Split]:
+    """The train, validation and test splits of ``raw``: its test split (for digits, a fixed stratified share of
+    the training data), a seeded stratified validation carve of the rest, and ``limit_train`` of what is left."""
     train_x, train_y = raw.train_images, raw.train_labels
     test_x, test_y = raw.test_images, raw.test_labels
-    if image_size is not None and tuple(train_x.shape[2:]) != (image_size, image_size):
-        if isinstance(train_x, ImageStore):
-            size = "x".join(str(v) for v in train_x.shape[2:])
-            raise AnytimeError(f"the shards in {root} hold {size} images, not {image_size}x{image_size}; leave "
-                               f"--image-size out, or prepare shards at {image_size} into another folder")  # fmt: skip
-        train_x = _resize(train_x, image_size)
-        test_x = None if test_x is None else _resize(test_x, image_size)
-
     if test_x is None or test_y is None:
         count = round(DIGITS_TEST_FRACTION * len(train_y))
         test_idx, pool_idx = stratified_pick(train_y, count, derive_seed("test", name))
@@ -219,12 +204,18 @@ def load_dataset(
         train_idx = train_idx[keep_rel]
     train = make_split("train", _pick(train_x, train_idx), train_y[train_idx], train_idx)
     val = make_split("val", _pick(train_x, val_idx), train_y[val_idx], val_idx)
+    return train, val, test
 
+
+def _image_info(raw: RawDataset, train: Split) -> DatasetInfo:
+    """What an image dataset is: its classes, input shape, and the mean and std that normalise it (from
+    preparation where the raw dataset has them, else from the training split)."""
     if raw.mean is not None and raw.std is not None:
         mean, std = raw.mean, raw.std
     else:
         mean, std = channel_stats(train.images.numpy())
-    info = DatasetInfo(
+    train_x = raw.train_images
+    return DatasetInfo(
         name=raw.name,
         num_classes=len(raw.classes),
         in_channels=int(train_x.shape[1]),
@@ -236,4 +227,45 @@ def load_dataset(
         source=raw.source,
         fingerprint=raw.fingerprint,
     )
-    return DatasetSplits(info=info, train=train, val=val, test=test)
+
+
+def load_dataset(
+    name: str,
+    root: str | os.PathLike[str] | None = None,
+    *,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    cache_dir: str | os.PathLike[str] | None = None,
+    image_size: int | None = None,
+    limit_train: int | None = None,
+    text: TextOptions | None = None,
+) -> DatasetSplits:
+    """Load dataset ``name`` into train/val/test splits of uint8 tensors.
+
+    The validation split is carved from the training data (stratified, drawn with ``seed``) and
+    is disjoint from train. ``limit_train`` keeps a seeded, stratified subset of that many
+    training samples (after the carve). For digits, which has no official test split, a fixed
+    stratified 20% test split is carved first; it does not depend on ``seed``, so every run is
+    tested on the same images. ``cache_dir`` (cifar10 and folder) defaults to ``$ANYTIME_CACHE``
+    or ``~/.cache/anytime``.
+
+    ``shards`` and ``folder-stream`` splits hold an :class:`ImageStore` that reads each batch's images when
+    asked; their splits are carved by index, nothing is read, and their mean and std come from preparation
+    (shards: every training image) or a seeded sample of training images (folder-stream).
+
+    ``sst2`` and ``textfolder`` are text (:func:`anytime.data.text.load_text_dataset`), encoded as ``text`` says
+    (:class:`TextOptions`: the tokenizer's size or the tokenizer itself, and the length of the token ids); image
+    datasets take no ``text`` options.
+    """
+    _check_request(name, val_fraction, image_size, limit_train)
+    text = text or TextOptions()
+    if name in TEXT_DATASETS:
+        if image_size is not None:
+            raise AnytimeError(f"{name} is text: it takes --max-length (tokens), not --image-size")
+        return load_text_dataset(name, root, val_fraction=val_fraction, seed=seed, cache_dir=cache_dir,
+                                 limit_train=limit_train, text=text)  # fmt: skip
+    if text != TextOptions():
+        raise AnytimeError(f"--vocab-size, --max-length and --tokenizer are for text data; {name} holds images")
+    raw = _sized_images(name, root, seed=seed, cache_dir=cache_dir, image_size=image_size)
+    train, val, test = _carve(name, raw, val_fraction=val_fraction, seed=seed, limit_train=limit_train)
+    return DatasetSplits(info=_image_info(raw, train), train=train, val=val, test=test)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -20,6 +21,29 @@ def share(count: int, part: tuple[int, int]) -> tuple[int, int]:
     sizes differing by at most one."""
     rank, world = part
     return rank * count // world, (rank + 1) * count // world
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How and where a loader's batches are delivered (:func:`make_loader`), never what they hold.
+
+    ``workers`` DataLoader processes build the batches (0: this process builds them), each keeping
+    ``prefetch_factor`` batches ready ahead; ``pin_memory`` puts them in page-locked memory (where CUDA is
+    available) so that the copy to the GPU can overlap; ``device`` is where the batches are moved (None: they stay
+    on the CPU). ``part=(rank, world)`` is this process's share when ``world`` processes train together
+    (data-parallel): see :class:`BatchLoader`."""
+
+    workers: int = 0
+    prefetch_factor: int = 2
+    pin_memory: bool = False
+    device: torch.device | str | None = None
+    part: tuple[int, int] = (0, 1)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.part[0] < self.part[1]:
+            raise ValueError(f"part must be (rank, world) with 0 <= rank < world, got {self.part}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
 
 
 class _BatchMaker:
@@ -137,33 +161,28 @@ class BatchLoader:
     ``(seed, epoch)`` (set with :meth:`set_epoch`), never on the number of workers or on
     earlier iteration, so a resumed run sees the same batches.
 
-    ``part=(rank, world)``: this process's share when ``world`` processes train together (data-parallel). Each
-    training batch is a global batch of ``batch_size`` whose rows are shared out (the epoch's last batch is
-    dropped when it holds fewer images than processes); an evaluation split is shared out as whole pieces.
+    ``delivery`` (default :class:`Delivery`) says how and where the batches are delivered. Its ``part=(rank,
+    world)`` is this process's share when ``world`` processes train together (data-parallel): each training
+    batch is a global batch of ``batch_size`` whose rows are shared out (the epoch's last batch is dropped when it
+    holds fewer images than processes); an evaluation split is shared out as whole pieces.
     """
 
     def __init__(
-        self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
-        prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, augment: Augment | None = None,
-        device: torch.device | str | None = None, part: tuple[int, int] = (0, 1),
+        self, split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, drop_last: bool = False,
+        augment: Augment | None = None, delivery: Delivery | None = None,
     ) -> None:  # fmt: skip
-        if not 0 <= part[0] < part[1]:
-            raise ValueError(f"part must be (rank, world) with 0 <= rank < world, got {part}")
+        delivery = delivery or Delivery()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if workers < 0:
-            raise ValueError(f"workers must be >= 0, got {workers}")
         self.augment = augment if augment is not None else default_augment(info.hflip)
         self._maker = _BatchMaker(split, info, batch_size=batch_size, train=train, seed=seed, augment=self.augment,
-                                  drop_last=drop_last, part=part)  # fmt: skip
+                                  drop_last=drop_last, part=delivery.part)  # fmt: skip
         self.num_samples: int = len(split)
         self.batch_size: int = batch_size
         self.train = train
         self.seed = seed
-        self.workers = workers
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = pin_memory
-        self.device = torch.device(device) if device is not None else None
+        self.delivery = delivery
+        self.device = torch.device(delivery.device) if delivery.device is not None else None
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -180,16 +199,17 @@ class BatchLoader:
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch = self.epoch
         order = self._maker.order(epoch)
-        if self.workers == 0:
+        delivery = self.delivery
+        if delivery.workers == 0:
             for index in range(len(self)):
                 images, labels = self._maker.batch(order, epoch, index)
-                if self.pin_memory and torch.cuda.is_available():
+                if delivery.pin_memory and torch.cuda.is_available():
                     images, labels = images.pin_memory(), labels.pin_memory()
                 yield images, labels
             return
         loader = DataLoader(
-            _EpochBatches(self._maker, order, epoch), batch_size=None, shuffle=False, num_workers=self.workers,
-            prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory and torch.cuda.is_available(),
+            _EpochBatches(self._maker, order, epoch), batch_size=None, shuffle=False, num_workers=delivery.workers,
+            prefetch_factor=delivery.prefetch_factor, pin_memory=delivery.pin_memory and torch.cuda.is_available(),
         )  # fmt: skip
         try:
             yield from loader
@@ -200,20 +220,17 @@ class BatchLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels in self._batches():
             if self.device is not None:
-                non_blocking = self.pin_memory and images.is_pinned()
+                non_blocking = self.delivery.pin_memory and images.is_pinned()
                 images = images.to(self.device, non_blocking=non_blocking)
                 labels = labels.to(self.device, non_blocking=non_blocking)
             yield images, labels
 
 
 def make_loader(
-    split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, workers: int = 0,
-    prefetch_factor: int = 2, pin_memory: bool = False, drop_last: bool = False, augment: Augment | None = None,
-    device: torch.device | str | None = None, part: tuple[int, int] = (0, 1),
+    split: Split, info: DatasetInfo, *, batch_size: int, train: bool, seed: int = 0, drop_last: bool = False,
+    augment: Augment | None = None, delivery: Delivery | None = None,
 ) -> BatchLoader:  # fmt: skip
-    """A :class:`BatchLoader` over ``split``; see its docstring for what the batches are."""
-    return BatchLoader(
-        split, info, batch_size=batch_size, train=train, seed=seed, workers=workers,
-        prefetch_factor=prefetch_factor, pin_memory=pin_memory, drop_last=drop_last, augment=augment, device=device,
-        part=part,
-    )  # fmt: skip
+    """A :class:`BatchLoader` over ``split``, its batches delivered as ``delivery`` says (default
+    :class:`Delivery`: built in this process, left on the CPU); see its docstring for what the batches are."""
+    return BatchLoader(split, info, batch_size=batch_size, train=train, seed=seed, drop_last=drop_last,
+                       augment=augment, delivery=delivery)  # fmt: skip

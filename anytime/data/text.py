@@ -213,26 +213,47 @@ def _fingerprint(tables: dict[str, TextTable]) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a text dataset's sentences become token ids (:func:`load_text_dataset`).
+
+    ``vocab_size`` is the number of entries (tokens) of the WordPiece tokenizer trained on the training split (None:
+    ``DEFAULT_VOCAB_SIZE``); ``max_length`` the length in tokens every sentence is padded or cut to (None:
+    ``DEFAULT_MAX_LENGTH``); ``tokenizer`` the JSON of a tokenizer that encodes the sentences instead of a trained
+    one (None: one is trained). All None for image data."""
+
+    vocab_size: int | None = None
+    max_length: int | None = None
+    tokenizer: str | None = None
+
+    def sizes(self) -> tuple[int, int]:
+        """``(vocab_size, max_length)``, defaults filled in; refused when too small to encode a sentence."""
+        vocab_size = DEFAULT_VOCAB_SIZE if self.vocab_size is None else self.vocab_size
+        max_length = DEFAULT_MAX_LENGTH if self.max_length is None else self.max_length
+        if vocab_size < 100:
+            raise AnytimeError(f"--vocab-size must be at least 100 tokens (got {vocab_size})")
+        if max_length < 2:
+            raise AnytimeError(f"--max-length must be at least 2 tokens, [CLS] and one word (got {max_length})")
+        return vocab_size, max_length
+
+
 def load_text_dataset(
     name: str, root: str | os.PathLike[str] | None, *, val_fraction: float, seed: int,
-    cache_dir: str | os.PathLike[str] | None, limit_train: int | None, vocab_size: int | None = None,
-    max_length: int | None = None, tokenizer: str | None = None,
+    cache_dir: str | os.PathLike[str] | None, limit_train: int | None, text: TextOptions | None = None,
 ) -> DatasetSplits:  # fmt: skip
-    """Train / validation / test (and dev, where the folder has one) splits of token ids.
+    """Train / validation / test (and dev, where the folder has one) splits of token ids, encoded as ``text`` says
+    (default :class:`TextOptions`).
 
     The validation split is carved from ``train`` (stratified, seeded, as for images); ``dev`` stays a split of
-    its own, never trained on. ``tokenizer`` (its JSON) encodes the sentences; without one, a WordPiece tokenizer
-    of ``vocab_size`` entries is trained on the training split (after the carve) and returned in
+    its own, never trained on. ``text.tokenizer`` (its JSON) encodes the sentences; without one, a WordPiece
+    tokenizer of ``text.vocab_size`` entries is trained on the training split (after the carve) and returned in
     :attr:`DatasetSplits.tokenizer` for the run to keep.
     """
     if name not in TEXT_DATASETS:
         raise AnytimeError(f"unknown text dataset {name!r}; choose one of {', '.join(TEXT_DATASETS)}")
-    vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
-    max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length
-    if vocab_size < 100:
-        raise AnytimeError(f"--vocab-size must be at least 100 tokens (got {vocab_size})")
-    if max_length < 2:
-        raise AnytimeError(f"--max-length must be at least 2 tokens, [CLS] and one word (got {max_length})")
+    text = text or TextOptions()
+    vocab_size, max_length = text.sizes()
+    tokenizer = text.tokenizer
     folder = find_text_root(name, root)
     tables = {split: read_table(path) for split in ("train", "dev", "test")
               if (path := _split_file(folder, split)) is not None}  # fmt: skip

@@ -60,13 +60,14 @@ def loader_memory(
     ``pipeline`` is ``anytime`` (the uint8 tensor cache with batched augmentation) or ``torchvision``
     (ImageFolder with per-image PIL transforms). ``root`` is an image-folder tree with ``train/``.
     """
-    from anytime.data import load_dataset, make_loader
+    from anytime.data import Delivery, load_dataset, make_loader
     from anytime.data.torchvision_pipeline import torchvision_loader
 
     baseline = current_rss_bytes()
     if pipeline == "anytime":
         splits = load_dataset("folder", root, cache_dir=cache_dir)
-        loader: Any = make_loader(splits.train, splits.info, batch_size=batch_size, train=True, workers=workers)
+        loader: Any = make_loader(splits.train, splits.info, batch_size=batch_size, train=True,
+                                  delivery=Delivery(workers=workers))  # fmt: skip
     elif pipeline == "torchvision":
         loader = torchvision_loader(os.path.join(root, "train"), batch_size=batch_size, workers=workers)
     else:

@@ -122,6 +122,35 @@ def cut_configurations(num_blocks: int, kinds: Sequence[str]) -> list[tuple[str,
 
 
 @dataclass(frozen=True)
+class CutSettings:
+    """What a cut study (:func:`cut_study`) cuts, where it scores each configuration and how.
+
+    ``kinds`` are the cuts studied (``shortcut``, ``branch``). Each configuration is scored on ``split`` (``val``
+    or ``test``), or on ``images`` of it drawn at random (seeded; None: all of it). ``recalibrate_bn`` adds the
+    accuracy after recomputing every batch-norm statistic on ``recalibration_batches`` training batches (no
+    augmentation); ``finetune_epochs`` adds the accuracy after that many epochs of fine-tuning (learning rate
+    ``finetune_lr``; 0: none). ``latency_repeats`` batch-1 forwards are timed per configuration."""
+
+    kinds: tuple[str, ...] = CUT_KINDS
+    recalibrate_bn: bool = False
+    finetune_epochs: int = 0
+    finetune_lr: float = 0.01
+    split: str = "test"
+    images: int | None = None
+    recalibration_batches: int = 20
+    latency_repeats: int = 30
+
+    def __post_init__(self) -> None:
+        for kind in self.kinds:
+            if kind not in CUT_KINDS:
+                raise AnytimeError(f"unknown cut '{kind}'; choose one of {', '.join(CUT_KINDS)}")
+        if self.finetune_epochs < 0 or self.recalibration_batches < 1 or self.latency_repeats < 1:
+            raise AnytimeError("fine-tune epochs must be >= 0, recalibration batches and latency repeats >= 1")
+        if self.split not in ("val", "test"):
+            raise AnytimeError(f"unknown split '{self.split}'; choose val or test")
+
+
+@dataclass(frozen=True)
 class _Setup:
     """What the study measures each configuration on and how: the scored images and labels, the training loaders
     for recomputing batch norm (plain) and fine-tuning (augmented), and the study's settings."""
@@ -130,58 +159,41 @@ class _Setup:
     y_eval: Tensor
     plain_train: Any
     augmented: Any
-    recalibrate_bn: bool
-    recalibration_batches: int
-    finetune_epochs: int
-    finetune_lr: float
-    latency_repeats: int
+    settings: CutSettings
 
 
-def _check_study_options(kinds: Sequence[str], finetune_epochs: int, recalibration_batches: int,
-                         latency_repeats: int, split: str) -> None:  # fmt: skip
-    """One-line errors for options ``cut_study`` cannot take, before any work."""
-    for kind in kinds:
-        if kind not in CUT_KINDS:
-            raise AnytimeError(f"unknown cut '{kind}'; choose one of {', '.join(CUT_KINDS)}")
-    if finetune_epochs < 0 or recalibration_batches < 1 or latency_repeats < 1:
-        raise AnytimeError("fine-tune epochs must be >= 0, recalibration batches and latency repeats >= 1")
-    if split not in ("val", "test"):
-        raise AnytimeError(f"unknown split '{split}'; choose val or test")
-
-
-def _study_data(run: LoadedRun, split: str, images: int | None,
-                recalibration_batches: int) -> tuple[Tensor, Tensor, Any, Any]:  # fmt: skip
-    """The scored images and labels of ``split`` and the plain and augmented training loaders."""
+def _study_data(run: LoadedRun, settings: CutSettings) -> _Setup:
+    """The scored images and labels of the settings' split and the plain and augmented training loaders."""
     splits = run_splits(run)
     info = splits.info
     seed = run.config.seed
-    scored = getattr(splits, split).sample(images, seed)
+    scored = getattr(splits, settings.split).sample(settings.images, seed)
     x_eval, y_eval = _tensors(make_loader(scored, info, batch_size=500, train=False, seed=seed))
     # A random sample: the training split is stored class by class, and statistics of one class are wrong.
-    plain_train = make_loader(splits.train.sample(128 * recalibration_batches, seed), info, batch_size=128,
+    plain_train = make_loader(splits.train.sample(128 * settings.recalibration_batches, seed), info, batch_size=128,
                               train=False, seed=seed)  # fmt: skip
     augmented = make_loader(splits.train, info, batch_size=128, train=True, seed=seed)
-    return x_eval, y_eval, plain_train, augmented
+    return _Setup(x_eval, y_eval, plain_train, augmented, settings)
 
 
-def _measure_configs(model: nn.Module, kinds: Sequence[str], setup: _Setup, device: torch.device, *,
+def _measure_configs(model: nn.Module, setup: _Setup, device: torch.device, *,
                      progress: Callable[[str], None] | None, bar: bool) -> list[dict[str, Any]]:  # fmt: skip
     """The study's rows: every configuration's accuracy (and after recomputing batch norm or fine-tuning, when
     asked), FLOPs and batch-1 latency. Leaves the last configuration's cuts in ``model``."""
-    x_eval, y_eval = setup.x_eval, setup.y_eval
+    x_eval, y_eval, settings = setup.x_eval, setup.y_eval, setup.settings
     sample = x_eval[:1].to(device)
     num_blocks = len(residual_blocks(model))
     shape = tuple(sample.shape[1:])
     base_flops = count_flops(model, model, shape)
     rows: list[dict[str, Any]] = []
-    configs = cut_configurations(num_blocks, kinds)
+    configs = cut_configurations(num_blocks, settings.kinds)
     base_latency = None
     shown = progress_bar(len(configs), "cut", enabled=bar, unit="config")
     try:
         for index, (name, scope, cuts) in enumerate(configs):
             apply_cuts(model, cuts)
             flops = count_flops(model, model, shape)  # first: a configuration that does not run fails here, clearly
-            p50, p90 = _latency(model, sample, setup.latency_repeats)
+            p50, p90 = _latency(model, sample, settings.latency_repeats)
             base_latency = base_latency or p50
             row: dict[str, Any] = {
                 "config": name, "kind": next(iter(cuts.values()), "none"), "scope": scope,
@@ -191,13 +203,13 @@ def _measure_configs(model: nn.Module, kinds: Sequence[str], setup: _Setup, devi
             }  # fmt: skip
             row["flops_ratio"] = row["flops"] / base_flops
             row["latency_ratio"] = p50 / base_latency
-            if setup.recalibrate_bn and cuts:
+            if settings.recalibrate_bn and cuts:
                 tuned = copy.deepcopy(model)
-                recompute_bn_statistics(tuned, setup.plain_train, max_batches=setup.recalibration_batches)
+                recompute_bn_statistics(tuned, setup.plain_train, max_batches=settings.recalibration_batches)
                 row["accuracy_recalibrated"] = _accuracy(tuned, x_eval, y_eval)
-            if setup.finetune_epochs and cuts:
+            if settings.finetune_epochs and cuts:
                 tuned = copy.deepcopy(model)
-                _finetune(tuned, setup.augmented, setup.finetune_epochs, setup.finetune_lr, device)
+                _finetune(tuned, setup.augmented, settings.finetune_epochs, settings.finetune_lr, device)
                 row["accuracy_finetuned"] = _accuracy(tuned, x_eval, y_eval)
             rows.append(row)
             if progress is not None:
@@ -210,14 +222,12 @@ def _measure_configs(model: nn.Module, kinds: Sequence[str], setup: _Setup, devi
 
 
 def cut_study(
-    run_dir: str | Path, *, kinds: Sequence[str] = CUT_KINDS, recalibrate_bn: bool = False, finetune_epochs: int = 0,
-    finetune_lr: float = 0.01, split: str = "test", images: int | None = None, recalibration_batches: int = 20,
-    latency_repeats: int = 30, device: str = "cpu", out: str | Path | None = None, overwrite: bool = False,
-    progress: Callable[[str], None] | None = None, bar: bool = False,
+    run_dir: str | Path, settings: CutSettings | None = None, *, device: str = "cpu", out: str | Path | None = None,
+    overwrite: bool = False, progress: Callable[[str], None] | None = None, bar: bool = False,
 ) -> CutStudy:  # fmt: skip
-    """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind; measure each
-    configuration's accuracy on ``split`` (or on ``images`` of it drawn at random, seeded), FLOPs and batch-1
-    latency.
+    """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind of ``settings``
+    (default :class:`CutSettings`); measure each configuration's accuracy on the settings' split (or on ``images``
+    of it drawn at random, seeded), FLOPs and batch-1 latency.
 
     ``recalibrate_bn`` adds the accuracy after recomputing every batch-norm statistic on
     ``recalibration_batches`` training batches (no augmentation) with the cut in place; ``finetune_epochs``
@@ -226,23 +236,24 @@ def cut_study(
     earlier study there is replaced only with ``overwrite``. ``progress`` gets a line per configuration; ``bar``
     shows a bar of the configurations on stderr.
     """
-    _check_study_options(kinds, finetune_epochs, recalibration_batches, latency_repeats, split)
+    settings = settings or CutSettings()
+    split = settings.split
     folder = Path(out) if out is not None else Path(run_dir) / "cut"
     run = _plain_run(run_dir, device)
     check_replaceable(folder, CUT_STUDY, overwrite=overwrite, create_parents=out is None)
-    x_eval, y_eval, plain_train, augmented = _study_data(run, split, images, recalibration_batches)
-    setup = _Setup(x_eval, y_eval, plain_train, augmented, recalibrate_bn, recalibration_batches, finetune_epochs,
-                   finetune_lr, latency_repeats)  # fmt: skip
+    setup = _study_data(run, settings)
     model = run.model
-    rows = _measure_configs(model, kinds, setup, run.device, progress=progress, bar=bar)
+    rows = _measure_configs(model, setup, run.device, progress=progress, bar=bar)
     apply_cuts(model, {})
+    recalibrate_bn, finetune_epochs = settings.recalibrate_bn, settings.finetune_epochs
     report = {
-        "run": str(run_dir), "model": run.config.model, "split": split, "images": len(y_eval),
-        "blocks": [name for name, _ in residual_blocks(model)], "kinds": list(kinds),
+        "run": str(run_dir), "model": run.config.model, "split": split, "images": len(setup.y_eval),
+        "blocks": [name for name, _ in residual_blocks(model)], "kinds": list(settings.kinds),
         "stochastic_depth": run.config.stochastic_depth, "recalibrate_bn": recalibrate_bn,
-        "recalibration_batches": recalibration_batches if recalibrate_bn else None,
-        "finetune_epochs": finetune_epochs, "finetune_lr": finetune_lr if finetune_epochs else None,
-        "latency_repeats": latency_repeats, "device": device_label(run.device), "torch_threads": torch.get_num_threads(),
+        "recalibration_batches": settings.recalibration_batches if recalibrate_bn else None,
+        "finetune_epochs": finetune_epochs, "finetune_lr": settings.finetune_lr if finetune_epochs else None,
+        "latency_repeats": settings.latency_repeats, "device": device_label(run.device),
+        "torch_threads": torch.get_num_threads(),
         "machine": describe_machine(), "git_sha": git_sha(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows,
     }  # fmt: skip

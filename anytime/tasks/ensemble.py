@@ -80,18 +80,33 @@ class EnsembleReport:
         return max(self.members, key=lambda m: m.val_acc)
 
 
-def _check_choices(order: str, fuser: str, fit_split: str, folds: int) -> None:
-    if order not in ORDERS:
-        raise AnytimeError(f"unknown order '{order}'; choose one of {', '.join(ORDERS)}")
-    if fuser not in FUSERS:
-        raise AnytimeError(f"unknown fuser '{fuser}'; choose one of {', '.join(FUSERS)}")
-    if fit_split == "test":
-        raise AnytimeError("fusers are never fit on the test split (it is only reported); fit them on val")
-    if fit_split not in FIT_SPLITS:
-        raise AnytimeError(f"fusers are fit on the validation split, held out of every member's training (got "
-                           f"'{fit_split}'); use --fit-split val")  # fmt: skip
-    if folds < 2:
-        raise AnytimeError(f"--folds must be at least 2 for cross-fitting (got {folds})")
+@dataclass(frozen=True)
+class EnsembleSettings:
+    """How an ensemble's members are put in order and fused (:func:`build_ensemble`).
+
+    ``order``: ``cost`` (batch-1 latency, cheapest first), ``greedy`` (most validation accuracy gained per
+    millisecond first) or ``given``. ``fuser`` is the one the run deploys (``mlp``, ``mean``, ``vote`` or
+    ``weighted``); all four are fit and reported. Fusers are fit on ``fit_split`` (only ``val``, held out of every
+    member's training), cross-fitted over ``folds`` folds (at least 2), the learned ones as ``fit`` says."""
+
+    order: str = "cost"
+    fuser: str = "mlp"
+    folds: int = 5
+    fit_split: str = "val"
+    fit: FitSettings = FitSettings()
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise AnytimeError(f"unknown order '{self.order}'; choose one of {', '.join(ORDERS)}")
+        if self.fuser not in FUSERS:
+            raise AnytimeError(f"unknown fuser '{self.fuser}'; choose one of {', '.join(FUSERS)}")
+        if self.fit_split == "test":
+            raise AnytimeError("fusers are never fit on the test split (it is only reported); fit them on val")
+        if self.fit_split not in FIT_SPLITS:
+            raise AnytimeError(f"fusers are fit on the validation split, held out of every member's training (got "
+                               f"'{self.fit_split}'); use --fit-split val")  # fmt: skip
+        if self.folds < 2:
+            raise AnytimeError(f"--folds must be at least 2 for cross-fitting (got {self.folds})")
 
 
 def _check_compatible(paths: Sequence[Path]) -> None:
@@ -255,11 +270,10 @@ class _Fits:
     test_fused: dict[str, Tensor]
 
 
-def _check_members(members: Sequence[str | Path], out: str | Path, *, order: str, fuser: str, fit_split: str,
-                   folds: int, overwrite: bool) -> tuple[list[Path], Path]:  # fmt: skip
-    """One-line errors for choices, members or an output ``build_ensemble`` cannot take, before any work; returns
-    the members' folders and the output folder."""
-    _check_choices(order, fuser, fit_split, folds)
+def _check_members(members: Sequence[str | Path], out: str | Path, *,
+                   overwrite: bool) -> tuple[list[Path], Path]:  # fmt: skip
+    """One-line errors for members or an output ``build_ensemble`` cannot take, before any work; returns the
+    members' folders and the output folder."""
     paths = [Path(m) for m in members]
     if len(paths) < 2:
         raise AnytimeError("an ensemble needs at least two member runs, e.g. --members runs/a,runs/b")
@@ -293,13 +307,14 @@ def _fit_fusers(val_logps: Tensor, val_labels: Tensor, test_logps: Tensor, test_
 
 
 def _ensemble_record(report: EnsembleReport, runs: Sequence[LoadedRun], described: Sequence[tuple[MemberInfo, str]],
-                     *, folds: int, heldout: int, settings: FitSettings, fit_split: str) -> dict[str, Any]:  # fmt: skip
+                     *, heldout: int, settings: EnsembleSettings) -> dict[str, Any]:  # fmt: skip
     """The ensemble record the run's config holds: how the fuser was fit and every member, in ladder order."""
     target = report.out
+    fit = settings.fit
     return {
-        "fuser": report.fuser, "order": report.order, "folds": folds, "heldout": heldout, "hidden": settings.hidden,
-        "fit_split": fit_split, "fit": {"epochs": settings.epochs, "lr": settings.lr,
-                                        "weight_decay": settings.weight_decay, "seed": settings.seed},
+        "fuser": report.fuser, "order": report.order, "folds": settings.folds, "heldout": heldout, "hidden": fit.hidden,
+        "fit_split": settings.fit_split, "fit": {"epochs": fit.epochs, "lr": fit.lr,
+                                                 "weight_decay": fit.weight_decay, "seed": fit.seed},
         "cost_source": report.cost_source,
         "members": [{"run": str(r.run_dir.resolve()), "relative": os.path.relpath(r.run_dir.resolve(), target.resolve()),
                      "fingerprint": r.fingerprint, "name": info.name,
@@ -309,19 +324,20 @@ def _ensemble_record(report: EnsembleReport, runs: Sequence[LoadedRun], describe
 
 
 def build_ensemble(
-    members: Sequence[str | Path], out: str | Path, *, order: str = "cost", fuser: str = "mlp", folds: int = 5,
-    fit_split: str = "val", settings: FitSettings = FitSettings(), device: str = "cpu", batch_size: int = 256,
-    overwrite: bool = False, progress: Callable[[str], None] | None = None,
+    members: Sequence[str | Path], out: str | Path, settings: EnsembleSettings | None = None, *, device: str = "cpu",
+    batch_size: int = 256, overwrite: bool = False, progress: Callable[[str], None] | None = None,
 ) -> EnsembleReport:  # fmt: skip
-    """Write ``out``, an ensemble run of ``members`` (trained runs), and report every fuser's accuracy.
+    """Write ``out``, an ensemble run of ``members`` (trained runs), ordered and fused as ``settings`` say (default
+    :class:`EnsembleSettings`), and report every fuser's accuracy.
 
     ``order``: ``cost`` (batch-1 latency, cheapest first), ``greedy`` (most validation accuracy gained per
     millisecond first) or ``given``. ``fuser`` is the one the run deploys (``mlp``, ``mean``, ``vote`` or
     ``weighted``); all four are fit and reported. Fitting uses the validation split only, in ``folds`` folds.
     """
+    settings = settings or EnsembleSettings()
+    order, fuser, folds = settings.order, settings.fuser, settings.folds
     say = progress or (lambda _: None)
-    paths, target = _check_members(members, out, order=order, fuser=fuser, fit_split=fit_split, folds=folds,
-                                   overwrite=overwrite)  # fmt: skip
+    paths, target = _check_members(members, out, overwrite=overwrite)
     target_device = resolve_device(device)
     runs = [load_run(p, target_device) for p in paths]
     shape = dataset_input_shape(runs[0].dataset)
@@ -344,7 +360,7 @@ def build_ensemble(
     costs = [costs[i] for i in ranked]
     val_logps, test_logps = val_logps[ranked], test_logps[ranked]
     say(f"fitting fusers on {val_labels.numel()} validation images in {folds} folds...")
-    fitted = _fit_fusers(val_logps, val_labels, test_logps, test_labels, folds=folds, settings=settings)
+    fitted = _fit_fusers(val_logps, val_labels, test_logps, test_labels, folds=folds, settings=settings.fit)
     reports = tuple(
         MemberReport(str(r.run_dir), info.name, precision, _accuracy(val_logps[i], val_labels),
                      _accuracy(test_logps[i], test_labels), None if np.isnan(costs[i]) else costs[i])
@@ -353,10 +369,9 @@ def build_ensemble(
     chosen = fitted.fits[fuser]
     bank = FuserBank.of(chosen.fusers, chosen.fold_fusers, torch.from_numpy(chosen.folds))
     model = EnsembleModel([r.model for r in runs], infos, bank)
-    stacking = stacking_check(val_logps, val_labels, test_logps, test_labels, folds=folds, seed=settings.seed)
+    stacking = stacking_check(val_logps, val_labels, test_logps, test_labels, folds=folds, seed=settings.fit.seed)
     report = EnsembleReport(target, fuser, order, reports, fitted.val_acc, fitted.test_acc, cost_source, stacking)
-    record = _ensemble_record(report, runs, described, folds=folds, heldout=int(val_labels.numel()), settings=settings,
-                              fit_split=fit_split)  # fmt: skip
+    record = _ensemble_record(report, runs, described, heldout=int(val_labels.numel()), settings=settings)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with staged_dir(target, RUN, overwrite=overwrite, create_parents=False, entries=RUN_ENTRIES) as work:
         write_json(work / "config.json", {

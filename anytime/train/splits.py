@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from anytime.data import DatasetSplits, load_dataset
-from anytime.data.text import TEXT_DATASETS, TOKENIZER_FILE
+from anytime.data.text import TEXT_DATASETS, TOKENIZER_FILE, TextOptions
 from anytime.errors import AnytimeError
 from anytime.train.config import TrainConfig
 from anytime.train.runs import LoadedRun, run_config
@@ -19,8 +19,8 @@ def load_splits(config: TrainConfig, run_dir: str | Path | None = None) -> Datas
         tokenizer = read_tokenizer(config, run_dir)
     return load_dataset(
         config.data, config.data_root, val_fraction=config.val_fraction, seed=config.seed,
-        image_size=config.image_size, limit_train=config.limit_train, vocab_size=config.vocab_size,
-        max_length=config.max_length, tokenizer=tokenizer,
+        image_size=config.image_size, limit_train=config.limit_train,
+        text=TextOptions(vocab_size=config.vocab_size, max_length=config.max_length, tokenizer=tokenizer),
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from anytime.backbones.footprint import check_forward_memory, model_bytes
-from anytime.data import Augment, BatchLoader, DatasetSplits, make_loader
+from anytime.data import Augment, BatchLoader, DatasetSplits, Delivery, make_loader
 from anytime.data.base import DatasetInfo
 from anytime.data.text import TOKENIZER_FILE
 from anytime.errors import AnytimeError
@@ -259,8 +259,10 @@ class Trainer:
         if ctx is not None:
             # the sandwich rule leaves the slices it did not pick (their norms and heads) without a gradient
             forward = ctx.wrap(forward, device, find_unused=cfg.sandwich or cfg.ladder is not None)
-        loader_kw = {"seed": cfg.seed, "workers": cfg.workers, "prefetch_factor": cfg.prefetch_factor,
-                     "pin_memory": cfg.pin_memory and device.type == "cuda", "part": (0, 1) if ctx is None else ctx.part}  # fmt: skip
+        delivery = Delivery(workers=cfg.workers, prefetch_factor=cfg.prefetch_factor,
+                            pin_memory=cfg.pin_memory and device.type == "cuda",
+                            part=(0, 1) if ctx is None else ctx.part)  # fmt: skip
+        loader_kw = {"seed": cfg.seed, "delivery": delivery}
         job = EpochJob(config=cfg, model=training.model, forward=forward, optimizer=training.optimizer,
                        train_loader=make_loader(splits.train, info, batch_size=cfg.batch_size, train=True,
                                                 augment=augment, **loader_kw),
