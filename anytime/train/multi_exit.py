@@ -89,8 +89,26 @@ def build_model(
     encoder, and takes exits only. A ``transformers`` model (``hf_bert``, ``hf_mobilebert``) is built from
     ``hf_config`` (the one its run recorded), else from a Hugging Face checkpoint directory given as ``config.init``,
     else from its small default."""
+    from anytime.families import set_stochastic_depth
+
+    backbone = _backbone(config, num_classes, in_channels, load_init, text, hf_config)
+    if config.stochastic_depth > 0:
+        set_stochastic_depth(backbone, config.stochastic_depth)
+    input_shape = (in_channels, *image_size)
+    family = _image_family(config, backbone, input_shape, image_size)
+    if family is not None:
+        return family
+    if config.exits is None:
+        return backbone
+    return _with_exits(config, backbone, num_classes, (text[1],) if text is not None else input_shape)
+
+
+def _backbone(
+    config: TrainConfig, num_classes: int, in_channels: int, load_init: bool, text: tuple[int, int] | None,
+    hf_config: dict[str, Any] | None,
+) -> nn.Module:  # fmt: skip
+    """The recipe's backbone for its data's modality, with its initial weights loaded when ``load_init``."""
     from anytime.backbones import model_modality
-    from anytime.families import BlockDropLadder, attach_exits, set_stochastic_depth, slice_model
 
     modality = model_modality(config.model)
     if (text is not None) != (modality == "text"):
@@ -119,15 +137,21 @@ def build_model(
             load_checkpoint_weights(backbone, config.init)  # type: ignore[arg-type]
         else:
             load_backbone_weights(backbone, config.init)
-    if config.stochastic_depth > 0:
-        set_stochastic_depth(backbone, config.stochastic_depth)
+    return backbone
+
+
+def _image_family(
+    config: TrainConfig, backbone: nn.Module, input_shape: tuple[int, ...], image_size: tuple[int, int]
+) -> nn.Module | None:
+    """The block-drop ladder, resolution ladder, SACT network or slices the recipe asks for (None: none of them)."""
+    from anytime.families import BlockDropLadder, slice_model
+
     if config.ladder is not None:
-        return BlockDropLadder(backbone, input_shape=(in_channels, *image_size))
+        return BlockDropLadder(backbone, input_shape=input_shape)
     if config.resolutions is not None:
         from anytime.families.resolution import ResolutionLadder, parse_resolutions
 
-        ladder = ResolutionLadder(backbone, parse_resolutions(config.resolutions, image_size),
-                                  input_shape=(in_channels, *image_size))  # fmt: skip
+        ladder = ResolutionLadder(backbone, parse_resolutions(config.resolutions, image_size), input_shape=input_shape)
         if config.exit_weights is not None and len(config.exit_weights) != ladder.num_steps:
             raise AnytimeError(
                 f"{len(config.exit_weights)} loss weights given for {ladder.num_steps} resolutions; give one per resolution"
@@ -136,22 +160,26 @@ def build_model(
     if config.sact is not None:
         from anytime.families.sact import SACTResNet, parse_thresholds
 
-        return SACTResNet(backbone, parse_thresholds(config.sact), input_shape=(in_channels, *image_size),
+        return SACTResNet(backbone, parse_thresholds(config.sact), input_shape=input_shape,
                           ponder_cost=config.ponder_cost, mode=config.sact_mode)  # fmt: skip
     if config.slices is not None:
         sliced = slice_model(backbone, config.slices, kind=config.slice_kind, sandwich=config.sandwich,
-                             input_shape=(in_channels, *image_size))  # fmt: skip
+                             input_shape=input_shape)  # fmt: skip
         if config.exit_weights is not None and len(config.exit_weights) != sliced.num_steps:
             raise AnytimeError(
                 f"{len(config.exit_weights)} loss weights given for {sliced.num_steps} slices; give one per slice"
             )
         return sliced
-    if config.exits is None:
-        return backbone
-    model = attach_exits(
-        backbone, config.exits, head=config.exit_head, num_classes=num_classes,
-        input_shape=(text[1],) if text is not None else (in_channels, *image_size),
-    )  # fmt: skip
+    return None
+
+
+def _with_exits(config: TrainConfig, backbone: nn.Module, num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """``backbone`` with the recipe's exits attached (its trunk frozen for heads-only training)."""
+    from anytime.families import attach_exits
+
+    assert config.exits is not None
+    model = attach_exits(backbone, config.exits, head=config.exit_head, num_classes=num_classes,
+                         input_shape=input_shape)  # fmt: skip
     if config.exit_weights is not None and len(config.exit_weights) != model.num_steps:
         raise AnytimeError(
             f"{len(config.exit_weights)} exit weights given for {model.num_steps} exits "
