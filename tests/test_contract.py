@@ -11,7 +11,7 @@ from anytime.contract import is_anytime, is_incremental, is_segmented, run_step,
 from anytime.errors import AnytimeError
 from anytime.families.registry import Family, get_family, list_families
 from anytime.precision import convert
-from anytime.profile import profile_model
+from anytime.profile import StepTiming, profile_model
 
 PRECISION_FORMS = {  # family: precision (eager: compiling takes 30 s per batch size here; the compiled form is test_precision's)
     "exits-bf16": ("exits", "bf16"),
@@ -47,7 +47,7 @@ def test_every_family_keeps_the_step_contract(case):
         policy = ExitPolicy("confidence", (None,) * (k_steps - 1))
         out = policy.run(model, x)
         assert torch.equal(out.predictions, everything[-1].argmax(dim=1)) and bool((out.exits == k_steps - 1).all())
-    profile = profile_model(model, tuple(x.shape[1:]), batch_sizes=(1,), repeats=2, warmup=0)
+    profile = profile_model(model, tuple(x.shape[1:]), StepTiming(batch_sizes=(1,), repeats=2, warmup=0))
     assert profile.num_steps == k_steps and profile.incremental == family.incremental
 
 

@@ -574,14 +574,18 @@ def test_an_ensemble_splits_between_its_members():
 
 
 def test_a_profile_can_idle_between_repetitions():
-    from anytime.profile import profile_model
+    from anytime.profile import Instruments, StepTiming, profile_model
 
     clock = FakeClock()
-    profile = profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=5, warmup=1, gap_s=0.02,
-                            sleep=clock.sleep)  # fmt: skip
+    profile = profile_model(
+        torch.nn.Linear(4, 2),
+        (4,),
+        StepTiming(batch_sizes=(1,), repeats=5, warmup=1, gap_s=0.02),
+        instruments=Instruments(sleep=clock.sleep),
+    )
     assert clock.slept == [0.02] * 5 and profile.settings["gap_ms"] == 20
     with pytest.raises(AnytimeError, match="gap"):
-        profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=1, gap_s=-1.0)
+        profile_model(torch.nn.Linear(4, 2), (4,), StepTiming(batch_sizes=(1,), repeats=1, gap_s=-1.0))
 
 
 def test_the_planner_prices_the_server_from_its_suffixes_where_it_has_them():
@@ -602,14 +606,18 @@ def test_the_planner_prices_the_server_from_its_suffixes_where_it_has_them():
 
 
 def test_a_profile_times_what_the_server_runs_after_each_partition(exit_run):
-    from anytime.profile import profile_model
+    from anytime.profile import Instruments, StepTiming, profile_model
     from anytime.train.runs import load_run
 
     clock = FakeClock()
     model = load_run(exit_run).model
     k = model.num_steps
-    profile = profile_model(model, (1, 32, 32), batch_sizes=[1], repeats=4, warmup=1, gap_s=0.01, sleep=clock.sleep,
-                            clock=clock, suffixes=True)  # fmt: skip
+    profile = profile_model(
+        model,
+        (1, 32, 32),
+        StepTiming(batch_sizes=(1,), repeats=4, warmup=1, gap_s=0.01, suffixes=True),
+        instruments=Instruments(sleep=clock.sleep, clock=clock),
+    )
     suffixes = profile.at(1).suffixes
     assert [len(part) for part in suffixes] == list(range(k - 1, 0, -1))
     assert all(s.size == 4 and not s.any() for part in suffixes for s in part)  # the idle gap is never timed
@@ -618,7 +626,7 @@ def test_a_profile_times_what_the_server_runs_after_each_partition(exit_run):
     assert np.array_equal(again.at(1).suffix_paths(0), profile.at(1).suffix_paths(0))
     assert again.at(1).suffix_paths(0).shape == (k - 1, 4) and again.settings["suffixes"] is True
     with pytest.raises(AnytimeError, match="suffixes"):
-        profile_model(torch.nn.Linear(4, 2), (4,), batch_sizes=[1], repeats=1, suffixes=True)
+        profile_model(torch.nn.Linear(4, 2), (4,), StepTiming(batch_sizes=(1,), repeats=1, suffixes=True))
     broken = profile.to_dict()
     broken["batches"][0]["suffixes"] = broken["batches"][0]["suffixes"][:1]
     with pytest.raises(AnytimeError, match="malformed"):

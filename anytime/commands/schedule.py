@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from anytime.scheduler.deadline import check_deadline
-    from anytime.tasks.promises import check_promises, promise_lines
+    from anytime.tasks.promises import PromiseSettings, check_promises, promise_lines
 
     for flag in ("deadline_ms", "variants", "energy_mj", "length", "profile"):
         if getattr(args, flag) is not None:
@@ -122,19 +122,19 @@ def _check(args: argparse.Namespace) -> int:
                                f"--{flag.replace('_', '-')} (give the deadlines with --deadlines)")  # fmt: skip
     if args.batch_size != 1:
         raise AnytimeError("--check replays requests one at a time; drop --batch-size")
-    deadlines = None
+    deadlines: tuple[float, ...] | None = None
     if args.deadlines:
         try:
-            deadlines = [check_deadline(float(v)) for v in args.deadlines.split(",") if v.strip()]
+            deadlines = tuple(check_deadline(float(v)) for v in args.deadlines.split(",") if v.strip())
         except ValueError:
             raise AnytimeError(
                 f"--deadlines '{args.deadlines}' is not a comma-separated list of milliseconds"
             ) from None
         if not deadlines or not all(math.isfinite(d) for d in deadlines):
             raise AnytimeError(f"--deadlines '{args.deadlines}' holds no finite positive deadline")
-    check = check_promises(args.run, deadlines=deadlines, count=args.requests, split=args.split,
-                           quantile=args.quantile, gap_ms=args.gap_ms,
-                           accuracy_tolerance=args.accuracy_tolerance / 100)  # fmt: skip
+    check = check_promises(args.run, PromiseSettings(deadlines=deadlines, count=args.requests, split=args.split,
+                                                     quantile=args.quantile, gap_ms=args.gap_ms,
+                                                     accuracy_tolerance=args.accuracy_tolerance / 100))  # fmt: skip
     if args.json:
         print_json(check.to_dict())
     else:

@@ -9,7 +9,14 @@ _EXPORTS = {
     for module, names in {
         "anytime.profile.latency": ("per_sample_latency",),
         "anytime.profile.stats": ("latency_summary", "quantile_of"),
-        "anytime.profile.steps": ("DEFAULT_BATCH_SIZES", "profile_model"),
+        "anytime.profile.steps": (
+            "DEFAULT_BATCH_SIZES",
+            "Instruments",
+            "ModelIdentity",
+            "ProfileInputs",
+            "StepTiming",
+            "profile_model",
+        ),
         "anytime.profile.store": ("PROFILE_FORMAT", "BatchLatency", "DeviceProfile", "Steadiness", "device_slug"),
         "anytime.profile.training": ("TrainStepTiming", "measure_train_step", "run_isolated"),
     }.items()

@@ -10,7 +10,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -29,6 +29,7 @@ from anytime.profile.store import BatchLatency, DeviceProfile
 from anytime.profile.training import measure_train_step
 from anytime.utils.machine import describe_machine, device_label
 from anytime.utils.memory import allocator_state
+from anytime.utils.progress import Bar, progress_bar
 from anytime.utils.timer import Clock, monotonic
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 8, 16, 32)
@@ -251,126 +252,223 @@ def _real_batches(images: Tensor, size: int, count: int, device: torch.device) -
     return [images[(torch.arange(size) + i * size) % n].to(device) for i in range(count)]
 
 
-def profile_model(
-    model: nn.Module, input_shape: Sequence[int], *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-    repeats: int = 200, warmup: int = 10, device: str | torch.device = "cpu", model_name: str = "model",
-    fingerprint: str | None = None, num_classes: int | None = None, train: bool = False, train_repeats: int = 10,
-    memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None, seed: int = 0,
-    clock: Clock = monotonic, progress: bool = False, energy: EnergyReader | None = None,
-    energy_settings: EnergySettings = EnergySettings(), sleep: Callable[[float], None] | None = None,
-    inputs: Tensor | None = None, inputs_label: str = "images given", gap_s: float = 0.0, suffixes: bool = False,
-) -> DeviceProfile:  # fmt: skip
-    """Measure every step (and, for incremental models, every stage) at each batch size.
+@dataclass(frozen=True)
+class StepTiming:
+    """How :func:`profile_model` times the steps.
 
-    ``input_shape`` is one sample's shape (``(3, 32, 32)``); inputs are random, since latency does not depend
-    on the pixel values, unless ``inputs`` (real images ``[N, *input_shape]``, named ``inputs_label`` in the
-    profile) are given for a model whose cost does (SACT): each repetition then takes the next images in turn.
-    ``repeats`` timed repetitions follow ``warmup`` untimed ones; on CUDA every timing is synchronised. Peak memory comes from the CUDA allocator on a GPU, or from ``memory`` (a probe that
-    measures it elsewhere, e.g. in a fresh process) on a CPU. ``train`` adds a training mini-batch's forward,
-    backward and optimiser times at each batch size (on a copy of the model). ``clock`` (seconds, monotonic) times
-    the steps: tests inject a fake one. ``progress``: a bar on stderr. ``energy`` (a reader from
-    :func:`anytime.profile.energy_readers.open_energy_reader`) adds joules per inference of every step (and exit path) at
-    every batch size, measured as ``energy_settings`` says after the machine's idle power (``sleep`` waits for it).
-    ``gap_s`` idles that long before every timed repetition, as a lightly loaded server idles between requests
-    (a core that has idled runs the next request slower than one timed back to back). ``suffixes`` (a model with
-    ``segments`` and ``heads``: exits, ensembles) also times, in every repetition, the stages after each partition
-    point started from a stored activation after the same gap, as a split-computing server runs them
-    (:attr:`BatchLatency.suffixes`).
+    At each of ``batch_sizes`` (samples per batch, each at least 1), ``repeats`` (at least 1) timed repetitions
+    follow ``warmup`` (at least 0) untimed ones.
+    ``gap_s`` idles that long (seconds, 0 to 60) before every timed repetition, as a lightly loaded server idles
+    between requests (a core that has idled runs the next request slower than one timed back to back).
+    ``suffixes`` (a model with ``segments`` and ``heads``: exits, ensembles) also times, in every repetition, the
+    stages after each partition point started from a stored activation after the same gap, as a split-computing
+    server runs them (:attr:`BatchLatency.suffixes`). ``train`` adds a training mini-batch's forward, backward and
+    optimiser times at each batch size (on a copy of the model), from ``train_repeats`` timed training steps.
     """
-    from anytime.utils.progress import progress_bar
 
-    if repeats < 1 or warmup < 0:
-        raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {repeats}, {warmup})")
-    if not (0 <= gap_s < 60):
-        raise AnytimeError(f"the gap between repetitions must be between 0 and 60 s (got {gap_s})")
-    wait = sleep or time.sleep
-    if train and getattr(model, "spec", None) is not None:
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    repeats: int = 200
+    warmup: int = 10
+    gap_s: float = 0.0
+    suffixes: bool = False
+    train: bool = False
+    train_repeats: int = 10
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.warmup < 0:
+            raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {self.repeats}, {self.warmup})")
+        if not (0 <= self.gap_s < 60):
+            raise AnytimeError(f"the gap between repetitions must be between 0 and 60 s (got {self.gap_s})")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a profile records the model as: its ``name``, the ``fingerprint`` of its weights (None: none) and the
+    ``num_classes`` it answers (the labels of a timed training step; None: read off its output)."""
+
+    name: str = "model"
+    fingerprint: str | None = None
+    num_classes: int | None = None
+
+
+@dataclass(frozen=True)
+class ProfileInputs:
+    """What the model is fed: random inputs drawn from ``seed``, since latency does not depend on the pixel values,
+    unless ``images`` (real ones, ``[N, *input_shape]``, named ``label`` in the profile) are given for a model whose
+    cost does (SACT): each repetition then takes the next images in turn."""
+
+    images: Tensor | None = None
+    label: str = "images given"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Instruments:
+    """What a profile reads and waits with: its clock, its sleep, and the probes of memory and energy.
+
+    ``clock`` (seconds, monotonic) times the steps and ``sleep`` (seconds; None: :func:`time.sleep`) waits out the
+    idle gaps and the idle power: tests inject fake ones. ``memory`` is a probe that measures the peak memory of
+    each batch size elsewhere (e.g. in a fresh process) on a CPU; on a GPU it comes from the CUDA allocator.
+    ``energy`` (a reader from :func:`anytime.profile.energy_readers.open_energy_reader`) adds joules per inference
+    of every step (and exit path) at every batch size, measured as ``energy_settings`` says after the machine's
+    idle power.
+    """
+
+    clock: Clock = monotonic
+    sleep: Callable[[float], None] | None = None
+    memory: Callable[[Sequence[int]], dict[int, dict[str, Any]]] | None = None
+    energy: EnergyReader | None = None
+    energy_settings: EnergySettings = EnergySettings()
+
+
+@dataclass(frozen=True)
+class _Bench:
+    """What every batch size is measured with: the model, how its steps run, and how they are timed and waited."""
+
+    model: nn.Module
+    target: torch.device
+    num_steps: int
+    incremental: bool
+    sync: Callable[[], None]
+    clock: Clock
+    wait: Callable[[float], None]
+    parts: tuple[Sequence[nn.Module], Sequence[nn.Module]] | None
+
+
+def profile_model(
+    model: nn.Module, input_shape: Sequence[int], timing: StepTiming | None = None, *,
+    device: str | torch.device = "cpu", identity: ModelIdentity | None = None, inputs: ProfileInputs | None = None,
+    instruments: Instruments | None = None, progress: bool = False,
+) -> DeviceProfile:  # fmt: skip
+    """Measure every step (and, for incremental models, every stage) at each batch size, as ``timing`` says
+    (default :class:`StepTiming`).
+
+    ``input_shape`` is one sample's shape (``(3, 32, 32)``); the model is fed as ``inputs`` say (default
+    :class:`ProfileInputs`: random ones) and recorded as ``identity`` says (default :class:`ModelIdentity`). On
+    CUDA every timing is synchronised; peak memory comes from the CUDA allocator on a GPU, or from the memory probe
+    of ``instruments`` (default :class:`Instruments`, which also holds the clock, the sleep and the energy reader)
+    on a CPU. ``progress``: a bar on stderr.
+    """
+    timing = timing or StepTiming()
+    identity = identity or ModelIdentity()
+    inputs = inputs or ProfileInputs()
+    tools = instruments or Instruments()
+    wait = tools.sleep or time.sleep
+    if timing.train and getattr(model, "spec", None) is not None:
         raise AnytimeError(
             "a converted (quantized or cast) model has no training step to time; profile its float run with --train"
         )
-    parts = None
-    if suffixes:
-        segments, heads = getattr(model, "segments", None), getattr(model, "heads", None)
-        if not isinstance(segments, (tuple, list)) or heads is None or len(segments) < 2:
-            raise AnytimeError("--suffixes times what a split-computing server runs after each partition point: it "
-                               "needs a run with exits or an ensemble")  # fmt: skip
-        parts = (tuple(segments), list(heads))  # fetched once: an ensemble's segments share one pass's state
-    sizes = sorted({int(b) for b in batch_sizes})
+    parts = _suffix_parts(model) if timing.suffixes else None
+    sizes = sorted({int(b) for b in timing.batch_sizes})
     if not sizes or sizes[0] < 1:
-        raise AnytimeError(f"batch sizes must be positive whole numbers (got {list(batch_sizes)})")
+        raise AnytimeError(f"batch sizes must be positive whole numbers (got {list(timing.batch_sizes)})")
+    target = _profiled_device(model, device)
+    was_training = model.training
+    model.eval()
+    num_steps = step_count(model)
+    incremental = is_incremental(model) and num_steps > 1
+    bench = _Bench(model, target, num_steps, incremental, _sync(target), tools.clock, wait, parts)
+    generator = torch.Generator().manual_seed(inputs.seed)
+    latency: dict[int, BatchLatency] = {}
+    meter = None
+    if tools.energy is not None:
+        idle = idle_power(tools.energy, tools.energy_settings.idle_s, clock=tools.clock, sleep=tools.sleep)
+        meter = EnergyMeter(tools.energy.source, tools.energy_settings, idle)
+    bar = progress_bar(len(sizes) * (timing.warmup + timing.repeats), "profile", enabled=progress, unit="rep")
+    try:
+        with torch.inference_mode():
+            tokens = takes_tokens(model)
+            sample = example_input(input_shape, 1, tokens=tokens, generator=generator).to(target)
+            flops = _step_flops(model, sample, num_steps, tokens)
+            classes = identity.num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
+            for b in sizes:
+                x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
+                images, count = inputs.images, timing.warmup + timing.repeats
+                batches = [x] if images is None else _real_batches(images, b, count, target)
+                latency[b] = _batch_latency(bench, b, x, batches, timing, tools, bar)
+        if timing.train:
+            for b in sizes:
+                x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
+                latency[b] = replace(latency[b], training=_training(model, x, classes, timing.train_repeats))
+    finally:
+        bar.close()
+        model.train(was_training)
+    if tools.memory is not None and target.type != "cuda":
+        for b, figures in tools.memory(sizes).items():
+            latency[b] = replace(latency[b], memory=figures)
+    return _device_profile(bench, input_shape, timing, identity, inputs, flops, latency, meter)
+
+
+def _suffix_parts(model: nn.Module) -> tuple[Sequence[nn.Module], Sequence[nn.Module]]:
+    """The segments and heads a split-computing server runs after each partition point (refused for a model
+    without)."""
+    segments, heads = getattr(model, "segments", None), getattr(model, "heads", None)
+    if not isinstance(segments, (tuple, list)) or heads is None or len(segments) < 2:
+        raise AnytimeError("--suffixes times what a split-computing server runs after each partition point: it "
+                           "needs a run with exits or an ensemble")  # fmt: skip
+    return (tuple(segments), list(heads))  # fetched once: an ensemble's segments share one pass's state
+
+
+def _profiled_device(model: nn.Module, device: str | torch.device) -> torch.device:
+    """The device the profile is asked for, refused where the model is on another kind of device."""
     target = torch.device(device)
     where = next((t.device for t in list(model.parameters()) + list(model.buffers())), target)
     if where.type != target.type:
         raise AnytimeError(
             f"the model is on {where} but the profile is asked for {target}; move it first (model.to('{target}'))"
         )
-    was_training = model.training
-    model.eval()
-    num_steps = step_count(model)
-    incremental = is_incremental(model) and num_steps > 1
-    sync = _sync(target)
-    generator = torch.Generator().manual_seed(seed)
-    latency: dict[int, BatchLatency] = {}
-    meter = None
-    if energy is not None:
-        idle = idle_power(energy, energy_settings.idle_s, clock=clock, sleep=sleep)
-        meter = EnergyMeter(energy.source, energy_settings, idle)
-    bar = progress_bar(len(sizes) * (warmup + repeats), "profile", enabled=progress, unit="rep")
-    try:
-        with torch.inference_mode():
-            tokens = takes_tokens(model)
-            sample = example_input(input_shape, 1, tokens=tokens, generator=generator).to(target)
-            flops = _step_flops(model, sample, num_steps, tokens)
-            classes = num_classes or int(run_step(model, sample, num_steps - 1).shape[-1])
-            for b in sizes:
-                x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
-                batches = [x] if inputs is None else _real_batches(inputs, b, warmup + repeats, target)
-                for i in range(warmup):
-                    _time_batch(model, batches[i % len(batches)], num_steps, incremental, i % 2 == 1, sync, clock)
-                    bar.update(1)
-                alone: list[list[float]] = []
-                stages: list[list[float]] = []
-                after: list[list[list[float]]] = []
-                with paused_gc():
-                    for i in range(repeats):
-                        if gap_s:
-                            wait(gap_s)
-                        batch = batches[(warmup + i) % len(batches)]
-                        a, s = _time_batch(model, batch, num_steps, incremental, i % 2 == 1, sync, clock)
-                        alone.append(a)
-                        if s is not None:
-                            stages.append(s)
-                        if parts is not None:
-                            after.append(_time_suffixes(parts, batch, sync, clock, wait, gap_s))
-                        bar.update(1)
-                mem = _cuda_memory(model, x, num_steps) if target.type == "cuda" else None
-                joules = None if energy is None else _energy(model, x, num_steps, incremental, sync, energy,
-                                                             energy_settings, clock)  # fmt: skip
-                latency[b] = BatchLatency(
-                    b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
-                    memory=mem, energy=joules,
-                    suffixes=None if parts is None else tuple(
-                        tuple(np.asarray([rep[k] for rep in after]).T.copy()) for k in range(num_steps - 1)),
-                )  # fmt: skip
-        if train:
-            for b in sizes:
-                x = example_input(input_shape, b, tokens=tokens, generator=generator).to(target)
-                latency[b] = replace(latency[b], training=_training(model, x, classes, train_repeats))
-    finally:
-        bar.close()
-        model.train(was_training)
-    if memory is not None and target.type != "cuda":
-        for b, figures in memory(sizes).items():
-            latency[b] = replace(latency[b], memory=figures)
+    return target
+
+
+def _batch_latency(bench: _Bench, b: int, x: Tensor, batches: list[Tensor], timing: StepTiming, tools: Instruments,
+                   bar: Bar) -> BatchLatency:  # fmt: skip
+    """One batch size: the untimed warmup, the timed repetitions (each after the idle gap, the suffixes timed too
+    where asked), then the peak memory on CUDA and the energy where a reader is given."""
+    model, sync, clock = bench.model, bench.sync, bench.clock
+    num_steps, incremental = bench.num_steps, bench.incremental
+    for i in range(timing.warmup):
+        _time_batch(model, batches[i % len(batches)], num_steps, incremental, i % 2 == 1, sync, clock)
+        bar.update(1)
+    alone: list[list[float]] = []
+    stages: list[list[float]] = []
+    after: list[list[list[float]]] = []
+    with paused_gc():
+        for i in range(timing.repeats):
+            if timing.gap_s:
+                bench.wait(timing.gap_s)
+            batch = batches[(timing.warmup + i) % len(batches)]
+            a, s = _time_batch(model, batch, num_steps, incremental, i % 2 == 1, sync, clock)
+            alone.append(a)
+            if s is not None:
+                stages.append(s)
+            if bench.parts is not None:
+                after.append(_time_suffixes(bench.parts, batch, sync, clock, bench.wait, timing.gap_s))
+            bar.update(1)
+    mem = _cuda_memory(model, x, num_steps) if bench.target.type == "cuda" else None
+    joules = None if tools.energy is None else _energy(model, x, num_steps, incremental, sync, tools.energy,
+                                                       tools.energy_settings, clock)  # fmt: skip
+    return BatchLatency(
+        b, tuple(np.asarray(alone).T.copy()), tuple(np.asarray(stages).T.copy()) if incremental else None,
+        memory=mem, energy=joules,
+        suffixes=None if bench.parts is None else tuple(
+            tuple(np.asarray([rep[k] for rep in after]).T.copy()) for k in range(num_steps - 1)),
+    )  # fmt: skip
+
+
+def _device_profile(bench: _Bench, input_shape: Sequence[int], timing: StepTiming, identity: ModelIdentity,
+                    inputs: ProfileInputs, flops: tuple[int, ...], latency: dict[int, BatchLatency],
+                    meter: EnergyMeter | None) -> DeviceProfile:  # fmt: skip
+    """The profile of what was measured, with the machine and the settings it was measured under."""
+    model, num_steps, target = bench.model, bench.num_steps, bench.target
     return DeviceProfile(
-        model_fingerprint=fingerprint, model=model_name, input_shape=tuple(int(v) for v in input_shape),
-        incremental=incremental, step_names=step_names(model, num_steps), step_flops=flops,
+        model_fingerprint=identity.fingerprint, model=identity.name, input_shape=tuple(int(v) for v in input_shape),
+        incremental=bench.incremental, step_names=step_names(model, num_steps), step_flops=flops,
         step_params=_step_params(model, num_steps), model_bytes=getattr(model, "artifact_bytes", None) or weights_bytes(model), latency=latency,
         device={**describe_machine(), "type": target.type, "index": target.index, "label": device_label(target)},
-        settings={"repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "seed": seed,
-                  "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
-                  "inputs": "random normal" if inputs is None else inputs_label, "gap_ms": 1000 * gap_s,
-                  "suffixes": suffixes, "allocator": allocator_state(),
+        settings={"repeats": timing.repeats, "warmup": timing.warmup, "threads": torch.get_num_threads(),
+                  "seed": inputs.seed, "precision": _precision(model), "form": getattr(model, "inference_form", "eager"),
+                  "inputs": "random normal" if inputs.images is None else inputs.label, "gap_ms": 1000 * timing.gap_s,
+                  "suffixes": timing.suffixes, "allocator": allocator_state(),
                   **({"execution": model.execution} if hasattr(model, "execution") else {}),
                   "timer": "perf_counter" + (", CUDA synchronised" if target.type == "cuda" else "")},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), energy=meter,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -37,23 +37,39 @@ def never_leaving(num_steps: int, criterion: str = "entropy") -> ExitPolicy:
     return ExitPolicy(criterion, (-1.0,) * (num_steps - 1))
 
 
-def price_answers(
-    model: nn.Module, profile: DeviceProfile, *, policy: ExitPolicy | None = None, repeats: int | None = None,
-    warmup: int = 5, gap_ms: float = DEFAULT_GAP_MS, seed: int = 0, clock: Clock = monotonic,
-    sleep: Callable[[float], None] | None = None, inputs: Tensor | None = None,
-) -> DeviceProfile:  # fmt: skip
-    """``profile`` with the runtime's answer prices added at every batch size it measured.
+@dataclass(frozen=True)
+class AnswerPricing:
+    """How :func:`price_answers` times the answers: ``repeats`` timed repetitions (None: the profile's) after
+    ``warmup`` untimed ones, each request after an idle gap drawn from an exponential distribution of mean
+    ``gap_ms`` (milliseconds, 0 to 60000; 0: back to back); ``seed`` draws the gaps and the random inputs."""
 
-    For each repetition (``repeats``, default the profile's) and each step k, in an order that flips every other
-    repetition: an idle gap drawn from an exponential distribution of mean ``gap_ms`` (0: back to back), then one
+    repeats: int | None = None
+    warmup: int = 5
+    gap_ms: float = DEFAULT_GAP_MS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gap_ms < 60_000:
+            raise AnytimeError(f"the gap between priced requests must be between 0 and 60000 ms (got {self.gap_ms})")
+
+
+def price_answers(
+    model: nn.Module, profile: DeviceProfile, *, pricing: AnswerPricing | None = None,
+    policy: ExitPolicy | None = None, clock: Clock = monotonic, sleep: Callable[[float], None] | None = None,
+    inputs: Tensor | None = None,
+) -> DeviceProfile:  # fmt: skip
+    """``profile`` with the runtime's answer prices added at every batch size it measured, timed as ``pricing``
+    says (default :class:`AnswerPricing`).
+
+    For each repetition and each step k, in an order that flips every other repetition: an idle gap, then one
     answer at step k chosen up front and, for an incremental model, one through every earlier head with ``policy``
     consulted at each (default: :func:`never_leaving` on entropy; give the run's calibrated policy where there is
     one), each timed by ``clock`` from the call to the answer. ``sleep`` waits out the gaps (tests inject one).
     Inputs are random, as the profile's are, unless ``inputs`` (``[N, *input_shape]``, for a model whose cost
     depends on them) are given.
     """
-    if not 0 <= gap_ms < 60_000:
-        raise AnytimeError(f"the gap between priced requests must be between 0 and 60000 ms (got {gap_ms})")
+    pricing = pricing or AnswerPricing()
+    repeats, warmup, gap_ms = pricing.repeats, pricing.warmup, pricing.gap_ms
     count = int(profile.settings.get("repeats", 200)) if repeats is None else repeats
     if count < 1 or warmup < 0:
         raise AnytimeError(f"repeats must be at least 1 and warmup at least 0 (got {count}, {warmup})")
@@ -63,8 +79,8 @@ def price_answers(
         policy = never_leaving(profile.num_steps)
     runner = AnytimeRunner(model, profile, policy if incremental else None, quantile=0.5, adapt=False, clock=clock)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    rng = np.random.default_rng(seed)
-    generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(pricing.seed)
+    generator = torch.Generator().manual_seed(pricing.seed)
     was_training = model.training
     model.eval()
     latency = {}
