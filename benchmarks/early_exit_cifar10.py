@@ -29,8 +29,8 @@ from common import add_exit_run_options, exit_run_dir, onnx_programs, parser, pr
 from anytime.calibrate import ExitPolicy
 from anytime.data import make_loader
 from anytime.profile import latency_summary, per_sample_latency
-from anytime.tasks.calibration import calibrate_run
-from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.calibration import CalibrationSettings, calibrate_run
+from anytime.tasks.evaluation import EvaluationSettings, evaluate_run
 from anytime.tasks.plots import plot_run
 from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train import load_splits
@@ -97,13 +97,16 @@ def main() -> int:
             ProfileSettings(batch_sizes=(1,), repeats=50 if args.quick else 500, memory=False, form=args.form),
             out=profile_path,
         )
-        chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best, select=True, profile=profile_path,
-                               combine=args.combine_exits)  # fmt: skip
+        chosen = calibrate_run(
+            run_dir,
+            CalibrationSettings(max_drop=MAX_DROP, criterion=best, select=True, combine=args.combine_exits),
+            profile=profile_path,
+        )
         selection = chosen.selection
         assert selection is not None and selection.test_speedup is not None  # selected, and the test split collected
         print(f"exit selection ({best}, costed by {profile_path.name}): kept exits {list(selection.exits)}, "
               f"predicted {selection.test_speedup:.2f}x on test from the profile's times")  # fmt: skip
-    evaluation = evaluate_run(run_dir, latency_samples=latency_samples, form=args.form)
+    evaluation = evaluate_run(run_dir, EvaluationSettings(latency_samples=latency_samples, form=args.form))
     plot_run(run_dir)
     val, test, oracle = chosen.validation.to_dict(), chosen.to_dict()["test"], chosen.oracle["test"]
     assert test is not None and oracle is not None  # the test split is collected

@@ -21,9 +21,9 @@ from anytime.calibrate import CRITERIA
 from anytime.errors import AnytimeError
 from anytime.outputs import load_cache
 from anytime.scheduler.query import run_fingerprint
-from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.calibration import CalibrationSettings, calibrate_run
 from anytime.tasks.collect import collect_run
-from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.evaluation import EvaluationSettings, evaluate_run
 
 CARD = REPO / "models" / "sst2-mobilebert-exits.toml"
 TARGET = 1.5  # mean latency speed-up at batch 1
@@ -49,12 +49,15 @@ def main() -> int:
             caches[split] = load_cache(run_dir, split, fingerprint=fingerprint)
         except AnytimeError:  # missing, or from other weights
             caches[split] = collect_run(run_dir, split)
-    candidates = {c: calibrate_run(run_dir, max_drop=MAX_DROP, criterion=c, out=run_dir / f"calibration-{c}.json")
+    candidates = {c: calibrate_run(run_dir, CalibrationSettings(max_drop=MAX_DROP, criterion=c), out=run_dir / f"calibration-{c}.json")
                   for c in CRITERIA}  # fmt: skip
     best = min(candidates, key=lambda c: candidates[c].validation.result.mean_flops)
-    chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion=best)
+    chosen = calibrate_run(run_dir, CalibrationSettings(max_drop=MAX_DROP, criterion=best))
     samples = 50 if args.quick else 100_000
-    evaluations = {split: evaluate_run(run_dir, split=split, latency_samples=samples) for split in ("dev", "test")}
+    evaluations = {
+        split: evaluate_run(run_dir, EvaluationSettings(split=split, latency_samples=samples))
+        for split in ("dev", "test")
+    }
     exits = {split: [float(a) for a in cache.step_accuracy()] for split, cache in caches.items()}
     last_dev = exits["dev"][-1]
     print(f"trained {summary['epochs']} epochs in {summary['train_time_s'] / 60:.1f} min "

@@ -37,7 +37,7 @@ from common import REPO, calibrate_criteria, parser, report, run
 from anytime.data.base import stratified_pick
 from anytime.data.digits import _digits_arrays
 from anytime.errors import AnytimeError
-from anytime.tasks.evaluation import evaluate_run
+from anytime.tasks.evaluation import EvaluationSettings, evaluate_run
 
 MAX_DROP = 0.5  # accuracy points below the last exit, on validation
 SPEEDUP_TARGET = 2.0  # information per row: early exit's mean batch-1 latency against the backbone's
@@ -154,7 +154,9 @@ def measure(data: DataSet, run_dir: Path, quick: bool) -> Row:
     if baseline is None:
         raise AnytimeError(f"{run_dir} has no baseline in its summary; train it again with this version")
     _, best, _ = calibrate_criteria(run_dir, max_drop=MAX_DROP)
-    evaluation = evaluate_run(run_dir, split="test", latency_samples=50 if quick else LATENCY_SAMPLES)
+    evaluation = evaluate_run(
+        run_dir, EvaluationSettings(split="test", latency_samples=50 if quick else LATENCY_SAMPLES)
+    )
     latency = evaluation.latency
     assert latency is not None  # test samples were timed
     return Row(

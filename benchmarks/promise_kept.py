@@ -47,7 +47,7 @@ def _spin() -> None:
 def _prepare(run: Path, quick: bool) -> None:
     from anytime.outputs import cache_path
     from anytime.scheduler.query import CALIBRATION
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
     from anytime.tasks.collect import collect_run
     from anytime.tasks.profiling import ProfileSettings, profile_run
 
@@ -55,7 +55,7 @@ def _prepare(run: Path, quick: bool) -> None:
         if not cache_path(run, split).is_file():
             collect_run(run, split)
     if not (run / CALIBRATION).is_file():
-        calibrate_run(run, max_drop=1.0)
+        calibrate_run(run, CalibrationSettings(max_drop=1.0))
     profile_run(
         run,
         ProfileSettings(
@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--runs", required=True, help="comma-separated finished multi-exit runs")
     p.add_argument("--no-busy", action="store_true", help="skip the one-core-busy replay")
     args = p.parse_args()
-    from anytime.tasks.promises import check_promises, promise_lines
+    from anytime.tasks.promises import PromiseSettings, check_promises, promise_lines
 
     requests, deadlines, busy_deadlines = (60, 6, 4) if args.quick else (REQUESTS, DEADLINES, BUSY_DEADLINES)
     figures: dict[str, Any] = {"requests": requests, "gap_ms": GAP_MS, "quantile": QUANTILE, "runs": {}}
@@ -93,7 +93,9 @@ def main() -> int:
     for name in args.runs.split(","):
         run = Path(name)
         _prepare(run, args.quick)
-        quiet = check_promises(run, deadline_count=deadlines, count=requests, quantile=QUANTILE, gap_ms=GAP_MS)
+        quiet = check_promises(
+            run, PromiseSettings(deadline_count=deadlines, count=requests, quantile=QUANTILE, gap_ms=GAP_MS)
+        )
         print(f"{run} (quiet):")
         for line in promise_lines(quiet):
             print(f"  {line}")
@@ -103,8 +105,8 @@ def main() -> int:
             spinner = multiprocessing.Process(target=_spin, daemon=True)
             spinner.start()
             try:
-                busy = check_promises(run, deadline_count=busy_deadlines, count=requests, quantile=QUANTILE,
-                                      gap_ms=GAP_MS)  # fmt: skip
+                busy = check_promises(run, PromiseSettings(deadline_count=busy_deadlines, count=requests,
+                                                           quantile=QUANTILE, gap_ms=GAP_MS))  # fmt: skip
             finally:
                 spinner.terminate()
                 spinner.join()

@@ -33,7 +33,7 @@ from common import REPO, parser, report, run
 from anytime.data import make_loader
 from anytime.profile import DeviceProfile
 from anytime.scheduler import AnytimeRunner
-from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.calibration import CalibrationSettings, calibrate_run
 from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.train import load_splits
 from anytime.train.runs import load_run
@@ -106,7 +106,9 @@ def main() -> int:
     run_dir = args.run
     torch.set_num_threads(args.threads)
     repeats, count, deadlines_n = (200, 100, 3) if args.quick else (PROFILE_REPEATS, args.sentences, DEADLINES)
-    chosen = calibrate_run(run_dir, max_drop=MAX_DROP, criterion="entropy", out=run_dir / "calibration-entropy.json")
+    chosen = calibrate_run(
+        run_dir, CalibrationSettings(max_drop=MAX_DROP, criterion="entropy"), out=run_dir / "calibration-entropy.json"
+    )
     policies = {"no policy": None, "entropy": chosen.policy}
     profiles: dict[int, DeviceProfile] = {}
     for length in LENGTHS:

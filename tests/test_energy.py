@@ -21,7 +21,7 @@ from test_scheduler import FakeClock, TimedLadder, make_profile
 from anytime import AnytimeRunner
 from anytime.calibrate import ExitPolicy
 from anytime.errors import AnytimeError
-from anytime.profile import DeviceProfile, profile_model
+from anytime.profile import DeviceProfile, Instruments, StepTiming, profile_model
 from anytime.profile import energy_readers as readers_module
 from anytime.profile.energy import EnergySettings, idle_power, measure_energy
 from anytime.profile.energy_readers import (
@@ -331,9 +331,17 @@ class LadderMeter:
 def energetic():
     model = TimedLadder([4.0, 8.0, 16.0]).eval()
     settings = EnergySettings(windows=4, min_window_s=0.05, idle_s=0.5)
-    profile = profile_model(model, (3,), batch_sizes=(1, 2), repeats=20, warmup=1, clock=model.clock,
-                            energy=LadderMeter(model.clock, 10.0), energy_settings=settings,
-                            sleep=lambda s: model.clock.advance(1000 * s))  # fmt: skip
+    profile = profile_model(
+        model,
+        (3,),
+        StepTiming(batch_sizes=(1, 2), repeats=20, warmup=1),
+        instruments=Instruments(
+            clock=model.clock,
+            energy=LadderMeter(model.clock, 10.0),
+            energy_settings=settings,
+            sleep=lambda s: model.clock.advance(1000 * s),
+        ),
+    )
     return model, profile
 
 
@@ -492,13 +500,13 @@ def test_a_chosen_step_fits_the_energy_budget(energetic):
 
 @pytest.fixture(scope="module")
 def energy_run(exit_run, tmp_path_factory):
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
     from anytime.tasks.collect import collect_run
 
     run = tmp_path_factory.mktemp("energy") / "run"
     shutil.copytree(exit_run, run)
     collect_run(run, "val")
-    calibrate_run(run, max_drop=1.0, criterion="confidence")
+    calibrate_run(run, CalibrationSettings(max_drop=1.0, criterion="confidence"))
     return run
 
 

@@ -16,9 +16,9 @@ from anytime.cli import build_parser, main
 from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.outputs import OutputCache, cache_path, load_cache
-from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.calibration import CalibrationSettings, calibrate_run
 from anytime.tasks.collect import collect_run
-from anytime.tasks.evaluation import Agreement, evaluate_run
+from anytime.tasks.evaluation import Agreement, EvaluationSettings, evaluate_run
 from anytime.tasks.plots import plot_run
 from anytime.tasks.profiling import ProfileSettings, profile_run
 from anytime.tasks.sweep import sweep_run
@@ -122,7 +122,7 @@ def test_early_exit_skips_the_rest_of_the_network(collected):
 
 
 def test_calibration_never_reads_the_test_split(collected, tmp_path):
-    first = calibrate_run(collected, max_drop=1.0, out=tmp_path / "a.json")
+    first = calibrate_run(collected, CalibrationSettings(max_drop=1.0), out=tmp_path / "a.json")
     test = load_cache(collected, "test")
     rng = np.random.default_rng(0)
     scrambled = OutputCache(rng.normal(size=test.logits.shape).astype(np.float32), test.labels, test.step_names,
@@ -130,9 +130,9 @@ def test_calibration_never_reads_the_test_split(collected, tmp_path):
     saved = cache_path(collected, "test").read_bytes()
     try:
         scrambled.save(cache_path(collected, "test"))
-        second = calibrate_run(collected, max_drop=1.0, out=tmp_path / "b.json")
+        second = calibrate_run(collected, CalibrationSettings(max_drop=1.0), out=tmp_path / "b.json")
         cache_path(collected, "test").unlink()
-        third = calibrate_run(collected, max_drop=1.0, out=tmp_path / "c.json")
+        third = calibrate_run(collected, CalibrationSettings(max_drop=1.0), out=tmp_path / "c.json")
     finally:
         cache_path(collected, "test").write_bytes(saved)
     assert first.policy.to_dict() == second.policy.to_dict() == third.policy.to_dict()
@@ -157,8 +157,9 @@ def test_a_cache_from_another_model_or_split_is_refused(collected, tmp_path):
 
 
 def test_evaluate_reports_accuracy_agreement_and_latency(collected, capsys):
-    calibrate_run(collected, max_drop=1.0)
-    report = evaluate_run(collected, latency_samples=230, progress=True)  # latency timed in chunks of 100
+    calibrate_run(collected, CalibrationSettings(max_drop=1.0))
+    # latency timed in chunks of 100
+    report = evaluate_run(collected, EvaluationSettings(latency_samples=230), progress=True)
     assert "evaluate test" in capsys.readouterr().err  # the progress bar, on stderr
     assert report.agreement_with_cache == Agreement(exits=1.0, predictions=1.0)
     assert report.samples == 359 and sum(report.exit_share) == pytest.approx(1)
@@ -172,12 +173,12 @@ def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collec
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from anytime.deploy.manifest import EXPORT
-    from anytime.tasks.export import export_run
+    from anytime.tasks.export import ParitySettings, export_run
     from anytime.utils.outputs import DirState, check_replaceable
 
-    calibrate_run(collected, max_drop=1.0)
+    calibrate_run(collected, CalibrationSettings(max_drop=1.0))
     export = tmp_path / "onnx"
-    export_run(collected, "onnx", out=export, parity_images=100, latency_images=5)
+    export_run(collected, "onnx", ParitySettings(images=100, latency_images=5), out=export)
     code, out, err = _run(capsys, "evaluate", collected, "--export", export, "--latency-samples", 60)
     assert code == 0, err
     assert "the policy compiled into its graphs" in out and "segments" in out and str(export) in out.splitlines()[-1]
@@ -185,7 +186,9 @@ def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collec
     assert report["compiled_policy"] and report["form"].startswith("export: onnx fp32 (onnxruntime")
     # ONNX Runtime's logits differ from PyTorch's in the last bits: a sample on a threshold may tip
     assert report["agreement_with_cache"]["exits"] >= 0.99 and report["samples"] == 359
-    assert report["accuracy"] == pytest.approx(evaluate_run(collected, latency_samples=0).accuracy, abs=0.01)
+    assert report["accuracy"] == pytest.approx(
+        evaluate_run(collected, EvaluationSettings(latency_samples=0)).accuracy, abs=0.01
+    )
     assert report["latency"]["turn"] == 50 and report["latency"]["early_exit"]["count"] == 60
     # the export keeps counting the evaluation as its own: replacing the export is not refused over it
     assert check_replaceable(export, EXPORT, overwrite=True) is DirState.OURS
@@ -200,7 +203,7 @@ def test_evaluate_an_onnx_export_runs_the_policy_compiled_into_its_graphs(collec
 
 
 def test_plots(collected):
-    calibrate_run(collected, max_drop=1.0)
+    calibrate_run(collected, CalibrationSettings(max_drop=1.0))
     report = plot_run(collected)
     names = {p.name for p in report.paths}
     assert {"pareto.png", "pareto.svg", "threshold.png", "exit_histogram.png", "exit_accuracy.png"} <= names
@@ -217,7 +220,7 @@ def test_plots_at_a_papers_column_width_go_beside_the_screen_ones(collected, tmp
 
     run = tmp_path / "run"
     shutil.copytree(collected, run)
-    calibrate_run(run, max_drop=1.0)
+    calibrate_run(run, CalibrationSettings(max_drop=1.0))
     screen = {p.name for p in plot_run(run).paths}
     code, out, _ = _run(capsys, "plot", run, "--figure-size", "column", "--json")
     assert code == 0
@@ -318,13 +321,13 @@ def test_pipeline_errors_are_one_line(capsys, tmp_path, exit_run, collected):
     code, _, err = _run(capsys, "evaluate", fresh)
     _one_line_error(code, err, "no calibration")
     other = tmp_path / "other.json"
-    calibrate_run(collected, max_drop=1.0, out=other)
+    calibrate_run(collected, CalibrationSettings(max_drop=1.0), out=other)
     report = json.loads(other.read_text())
     report["model_fingerprint"] = "0" * 16
     other.write_text(json.dumps(report))
     code, _, err = _run(capsys, "evaluate", collected, "--calibration", other)
     _one_line_error(code, err, "fit on another model")
-    calibrate_run(collected, max_drop=1.0, out=other)
+    calibrate_run(collected, CalibrationSettings(max_drop=1.0), out=other)
     for bad, words in (
         ([float("nan"), 0.5], ["finite"]),
         ([0.5, 7.0], ["outside", "entropy"]),
@@ -369,7 +372,7 @@ def test_calibrate_selects_exits_costed_by_the_profile(collected, tmp_path, caps
     profile_path = tmp_path / "profile.json"
     profile_run(collected, ProfileSettings(batch_sizes=(1,), repeats=20, warmup=2, memory=False), out=profile_path)
     out = tmp_path / "calibration-selected.json"
-    report = calibrate_run(collected, max_drop=1.0, select=True, profile=profile_path, out=out)
+    report = calibrate_run(collected, CalibrationSettings(max_drop=1.0, select=True), profile=profile_path, out=out)
     selection = report.selection
     assert selection is not None and {s.exits for s in selection.subsets} == {(), (0,), (1,), (0, 1)}
     best = min(selection.subsets, key=lambda s: s.mean_ms)
@@ -443,7 +446,7 @@ def test_calibrate_combine_exits_from_the_cli_then_evaluate(collected, capsys, t
     report = json.loads((run / "calibration.json").read_text())
     assert report["policy"]["combine"] is not None and len(report["combined_steps"]) == 3
     assert report["validation"]["accuracy"] >= report["validation"]["last_exit_accuracy"] - 0.01 - 1e-12
-    evaluation = evaluate_run(run, latency_samples=0)
+    evaluation = evaluate_run(run, EvaluationSettings(latency_samples=0))
     assert evaluation.agreement_with_cache == Agreement(exits=1.0, predictions=1.0)
     assert evaluation.accuracy == pytest.approx(report["test"]["accuracy"])
     code, out, err = _run(capsys, "calibrate", run, "--max-drop", "1", "--combine-exits", "--temperature")
@@ -462,7 +465,7 @@ def test_a_learned_policy_from_the_cli_through_evaluation_sweeps_and_the_runtime
     assert code == 0, err
     report = json.loads((run / "calibration.json").read_text())
     assert report["policy"]["criterion"] == "learned" and report["policy"]["gates"]["features"] == list(GATE_FEATURES)
-    evaluation = evaluate_run(run, latency_samples=0)
+    evaluation = evaluate_run(run, EvaluationSettings(latency_samples=0))
     assert evaluation.agreement_with_cache == Agreement(exits=1.0, predictions=1.0)
     assert evaluation.accuracy == pytest.approx(report["test"]["accuracy"])
     code, out, err = _run(capsys, "sweep", run, "--split", "test", "--criterion", "learned", "--json")

@@ -84,9 +84,9 @@ def test_report_on_a_damaged_outputs_cache_says_so_without_a_traceback(exit_run,
 
 
 def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_run, tmp_path):
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
     from anytime.tasks.collect import collect_run
-    from anytime.tasks.evaluation import evaluate_run
+    from anytime.tasks.evaluation import EvaluationSettings, evaluate_run
     from anytime.tasks.plots import plot_run
     from anytime.tasks.profiling import ProfileSettings, profile_run
 
@@ -94,8 +94,8 @@ def test_the_page_of_a_profiled_run_opens_in_chromium_with_every_section(exit_ru
     shutil.copytree(exit_run, run)
     for split in ("val", "test"):
         collect_run(run, split)
-    calibrate_run(run, max_drop=1.0)
-    evaluate_run(run, split="test", latency_samples=0)
+    calibrate_run(run, CalibrationSettings(max_drop=1.0))
+    evaluate_run(run, EvaluationSettings(split="test", latency_samples=0))
     profile_run(run, ProfileSettings(batch_sizes=(1,), repeats=100, warmup=2, memory=False))
     plot_run(run)
     assert main(["report", str(run)]) == 0

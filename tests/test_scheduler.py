@@ -21,9 +21,9 @@ from anytime import AnytimeRunner, DeadlineScheduler
 from anytime.calibrate import ExitPolicy
 from anytime.cli import main
 from anytime.errors import AnytimeError
-from anytime.profile import BatchLatency, DeviceProfile, profile_model, quantile_of
+from anytime.profile import BatchLatency, DeviceProfile, Instruments, StepTiming, profile_model, quantile_of
 from anytime.scheduler import DriftEstimator, Option
-from anytime.scheduler.pricing import price_answers
+from anytime.scheduler.pricing import AnswerPricing, price_answers
 
 
 def make_profile(step_ms: list[float], *, stage_ms: list[float] | None = None, n: int = 100, spread: float = 0.0,
@@ -345,7 +345,9 @@ class TimedLadder(nn.Module):
 @pytest.fixture(scope="module")
 def sleepy() -> tuple[TimedLadder, DeviceProfile]:
     model = TimedLadder([4.0, 8.0, 16.0]).eval()
-    profile = profile_model(model, (3,), batch_sizes=(1, 2), repeats=20, warmup=1, clock=model.clock)
+    profile = profile_model(
+        model, (3,), StepTiming(batch_sizes=(1, 2), repeats=20, warmup=1), instruments=Instruments(clock=model.clock)
+    )
     return model, profile
 
 
@@ -393,10 +395,14 @@ def test_nothing_fits_is_said_and_the_cheapest_step_answers(sleepy):
 
 def test_pricing_times_what_the_runtime_pays():
     model = HeadedLadder([4.0, 8.0, 16.0], head_ms=2.0).eval()
-    bare = profile_model(model, (3,), batch_sizes=(1, 2), repeats=20, warmup=1, clock=model.clock)
+    bare = profile_model(
+        model, (3,), StepTiming(batch_sizes=(1, 2), repeats=20, warmup=1), instruments=Instruments(clock=model.clock)
+    )
     waited: list[float] = []
     policy = slowed_checks(ExitPolicy("confidence", (0.9, 0.9)), model.clock, 1.0)
-    priced = price_answers(model, bare, policy=policy, clock=model.clock, sleep=waited.append, gap_ms=5.0, warmup=1)
+    priced = price_answers(
+        model, bare, pricing=AnswerPricing(gap_ms=5.0, warmup=1), policy=policy, clock=model.clock, sleep=waited.append
+    )
     assert priced.priced and not bare.priced
     for b in (1, 2):
         # Straight there: the stages and exit k's own head. Through the heads: every check (1 ms) and earlier head.
@@ -411,7 +417,9 @@ def test_pricing_times_what_the_runtime_pays():
     again = DeviceProfile.from_dict(json.loads(json.dumps(priced.to_dict())))
     assert again.answer_path_samples(2, 2) == pytest.approx(priced.answer_path_samples(2, 2))
     back_to_back: list[float] = []
-    price_answers(model, bare, clock=model.clock, sleep=back_to_back.append, gap_ms=0.0, warmup=0)
+    price_answers(
+        model, bare, pricing=AnswerPricing(gap_ms=0.0, warmup=0), clock=model.clock, sleep=back_to_back.append
+    )
     assert back_to_back == []
 
 
@@ -420,9 +428,13 @@ def test_the_runtime_and_the_scheduler_read_the_same_price():
     # runtime pays 30. Priced on what the runtime pays, the scheduler's choice and the runtime's are one, and
     # nothing it says fits is late.
     model = TimedLadder([4.0, 8.0, 16.0]).eval()
-    bare = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    bare = profile_model(
+        model, (3,), StepTiming(batch_sizes=(1,), repeats=20, warmup=1), instruments=Instruments(clock=model.clock)
+    )
     policy = slowed_checks(ExitPolicy("confidence", (0.9, 0.9)), model.clock, 1.0)
-    priced = price_answers(model, bare, policy=policy, clock=model.clock, sleep=lambda s: None, warmup=0)
+    priced = price_answers(
+        model, bare, pricing=AnswerPricing(warmup=0), policy=policy, clock=model.clock, sleep=lambda s: None
+    )
     unsure = -torch.ones(1, 3)
     naive = AnytimeRunner(model, bare, policy, adapt=False, quantile=0.9, clock=model.clock)
     out = naive.predict(unsure, 29.0)
@@ -527,7 +539,9 @@ def test_adaptation_keeps_deadlines_when_the_device_slows_down(sleepy):
 
 def test_the_runtime_answers_at_a_step_it_is_told_and_observes_it():
     model = HeadedLadder([4.0, 4.0, 4.0], head_ms=3.0).eval()
-    profile = profile_model(model, (3,), batch_sizes=(1,), repeats=20, warmup=1, clock=model.clock)
+    profile = profile_model(
+        model, (3,), StepTiming(batch_sizes=(1,), repeats=20, warmup=1), instruments=Instruments(clock=model.clock)
+    )
     runner = AnytimeRunner(model, profile, ExitPolicy("confidence", (0.9, 0.9)), quantile=0.9, clock=model.clock)
     confident = torch.ones(1, 3)  # would leave at exit 0 on the way through the heads
     for k, (alone, through) in enumerate(zip([7.0, 11.0, 12.0], [4.0, 11.0, 18.0])):
@@ -566,7 +580,9 @@ def test_a_non_incremental_model_gets_one_step_chosen_up_front(sleepy):
             return torch.stack(list(self.steps(x)))
 
     ladder = Separate().eval()
-    profile = profile_model(ladder, (3,), batch_sizes=(1,), repeats=10, warmup=1, clock=model.clock)
+    profile = profile_model(
+        ladder, (3,), StepTiming(batch_sizes=(1,), repeats=10, warmup=1), instruments=Instruments(clock=model.clock)
+    )
     assert not profile.incremental
     runner = AnytimeRunner(ladder, profile, adapt=False, quantile=0.9, step_accuracy=[0.5, 0.6, 0.7], clock=model.clock)
     x = -torch.ones(1, 3)
@@ -600,7 +616,9 @@ def test_runtime_refusals(sleepy):
 
 def test_profile_a_plain_model_with_training_figures():
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 5))
-    profile = profile_model(model, (3, 2, 2), batch_sizes=(1, 4), repeats=5, warmup=1, train=True, train_repeats=2)
+    profile = profile_model(
+        model, (3, 2, 2), StepTiming(batch_sizes=(1, 4), repeats=5, warmup=1, train=True, train_repeats=2)
+    )
     assert profile.num_steps == 1 and not profile.incremental and profile.at(4).stages is None
     assert profile.step_flops == (2 * 12 * 5,) and profile.model_bytes == (12 * 5 + 5) * 4
     assert profile.at(4).training["backward_p50_s"] > 0 and model.training
@@ -633,7 +651,8 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
     spreads = iter([(2.0, 3.0), (2.0, 2.8), (2.0, 2.1), (2.0, 2.0)])
     calls = []
 
-    def fake(model, *args, memory=None, **kwargs):
+    def fake(model, *args, instruments, **kwargs):
+        memory = instruments.memory
         calls.append(memory is not None)
         first, second = next(spreads)
         taken = _halves(first, second)
@@ -663,14 +682,14 @@ def test_an_unsteady_profile_is_taken_again_and_the_steadiest_kept(profiled, mon
 
 @pytest.fixture(scope="module")
 def profiled(exit_run, tmp_path_factory):
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
     from anytime.tasks.collect import collect_run
     from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path_factory.mktemp("profiled") / "run"
     shutil.copytree(exit_run, run)
     collect_run(run, "val")
-    calibrate_run(run, max_drop=1.0, criterion="confidence")
+    calibrate_run(run, CalibrationSettings(max_drop=1.0, criterion="confidence"))
     profile_run(run, ProfileSettings(batch_sizes=(1, 4), repeats=30, warmup=2, memory=False))
     return run
 
@@ -749,9 +768,9 @@ def test_the_promise_check_sets_delivery_beside_the_promise(profiled, capsys):
 def test_the_default_deadlines_run_from_below_every_promise_to_above_every_one(profiled):
     # Spanning every option the runtime may answer with (a calibrated policy can be priced below the first exit
     # alone), the lowest deadline promises nothing and the highest promises every request.
-    from anytime.tasks.promises import check_promises
+    from anytime.tasks.promises import PromiseSettings, check_promises
 
-    check = check_promises(profiled, deadline_count=3, count=12, split="val", quantile=0.9, gap_ms=0)
+    check = check_promises(profiled, PromiseSettings(deadline_count=3, count=12, split="val", quantile=0.9, gap_ms=0))
     assert [r.promised for r in (check.rows[0], check.rows[-1])] == [0, 12] and len(check.rows) == 3
 
 
@@ -769,11 +788,11 @@ def test_a_promise_is_broken_only_beyond_what_chance_explains():
 
 def test_every_calibration_in_the_run_is_an_option(profiled, tmp_path):
     from anytime.scheduler.query import scheduler_for_run
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
 
     run = tmp_path / "run"
     shutil.copytree(profiled, run)
-    calibrate_run(run, max_drop=2.0, criterion="entropy", out=run / "calibration-entropy.json")
+    calibrate_run(run, CalibrationSettings(max_drop=2.0, criterion="entropy"), out=run / "calibration-entropy.json")
     scheduler, _ = scheduler_for_run(run)
     steps = [f"exit{k}" for k in range(scheduler.profile.num_steps)]
     assert set(scheduler.options) == {*steps, "calibration (confidence)", "calibration-entropy (entropy)"}

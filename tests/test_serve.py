@@ -182,14 +182,14 @@ def _npy_declaring(shape: tuple[int, ...]) -> bytes:
 def server(exit_run, tmp_path_factory):
     """`anytime serve` of a calibrated, profiled digits run, on a free port of 127.0.0.1."""
     from anytime.serve import ServeOptions, build_app
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
     from anytime.tasks.collect import collect_run
     from anytime.tasks.profiling import ProfileSettings, profile_run
 
     run = tmp_path_factory.mktemp("served") / "run"
     shutil.copytree(exit_run, run)
     collect_run(run, "val")
-    calibrate_run(run, max_drop=1.0, criterion="confidence")
+    calibrate_run(run, CalibrationSettings(max_drop=1.0, criterion="confidence"))
     profile_run(run, ProfileSettings(batch_sizes=(1, 2), repeats=100, warmup=2, memory=False))
     app, service = build_app(ServeOptions(run=str(run), max_body_kb=64, quantile=0.9))
     with listening(app, service) as port:

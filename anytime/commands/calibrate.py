@@ -56,15 +56,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Calibrate and print the policy with its figures on validation and test."""
     from anytime.scheduler.query import CALIBRATION
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
 
     if args.rule is not None and args.max_drop is not None:
         raise AnytimeError("--rule chooses how to meet --budget-flops; it does not apply to --max-drop")
     report = calibrate_run(
-        args.run, max_drop=args.max_drop, budget=args.budget_flops, criterion=args.criterion,
-        rule=args.rule or "search", temperature=args.temperature, out=args.out, select=args.select_exits,
-        profile=args.profile, combine=args.combine_exits,
-    )  # fmt: skip
+        args.run,
+        CalibrationSettings(
+            max_drop=args.max_drop,
+            budget=args.budget_flops,
+            criterion=args.criterion,
+            rule=args.rule or "search",
+            temperature=args.temperature,
+            select=args.select_exits,
+            combine=args.combine_exits,
+        ),
+        out=args.out,
+        profile=args.profile,
+    )
     if args.json:
         return print_json(report.to_dict())
     if report.selection is not None:

@@ -39,11 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print accuracy, exit shares and latency."""
-    from anytime.tasks.evaluation import evaluate_run
+    from anytime.tasks.evaluation import EvaluationSettings, evaluate_run
 
-    report = evaluate_run(args.run, calibration=args.calibration, split=args.split, device=args.device,
-                          latency_samples=args.latency_samples, form=args.form, progress=sys.stderr.isatty(),
-                          export=args.export)  # fmt: skip
+    report = evaluate_run(
+        args.run,
+        EvaluationSettings(split=args.split, latency_samples=args.latency_samples, form=args.form),
+        calibration=args.calibration,
+        device=args.device,
+        progress=sys.stderr.isatty(),
+        export=args.export,
+    )
     if args.json:
         return print_json(report.to_dict())
     shares = " ".join(f"{100 * s:.1f}" for s in report.exit_share)

@@ -12,20 +12,21 @@ from anytime.profile.store import DeviceProfile
 from anytime.scheduler.deadline import DeadlineScheduler, Option
 from anytime.scheduler.query import CALIBRATION, find_profile, load_calibration, profiled_lengths, run_options
 from anytime.scheduler.runtime import AnytimeRunner
-from anytime.train.records import read_record
-from anytime.train.runs import LoadedRun, load_run
+from anytime.train.folder import RunFolder, open_run
+from anytime.train.runs import LoadedRun
 from anytime.utils.memory import hold_freed_memory
 from anytime.utils.threads import set_threads
 
 
 @dataclass(frozen=True)
 class AnsweringRun:
-    """A run opened once for answering: its runtime, the loaded run, the profile files the runtime prices with (by
+    """A run opened once for answering: its runtime, the run folder and the model loaded from it, the profile files the runtime prices with (by
     length in tokens for a text run's buckets) and the options ``anytime schedule`` offers (every step and every
     calibrated policy), read once. :meth:`scheduler` builds ``anytime schedule``'s scheduler from the profiles the
     runtime holds, so the two price with the same figures and the server reads its profile once."""
 
     runner: AnytimeRunner
+    folder: RunFolder
     run: LoadedRun
     profile_path: Path
     length_paths: Mapping[int, Path]
@@ -49,17 +50,17 @@ class AnsweringRun:
 
 
 def runner_for_run(
-    run_dir: str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
+    run: RunFolder | str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
     device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True, threads: int | str | None = None,
 ) -> tuple[AnytimeRunner, LoadedRun]:  # fmt: skip
     """The anytime runtime for a run and the loaded run (:func:`open_for_answers`, which says what is loaded)."""
-    opened = open_for_answers(run_dir, profile, calibration=calibration, device=device, quantile=quantile, adapt=adapt,
+    opened = open_for_answers(run, profile, calibration=calibration, device=device, quantile=quantile, adapt=adapt,
                               policy=policy, threads=threads)  # fmt: skip
     return opened.runner, opened.run
 
 
 def open_for_answers(
-    run_dir: str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
+    run: RunFolder | str | Path, profile: str | Path | None = None, *, calibration: str | Path | None = None,
     device: str = "cpu", quantile: float = 0.99, adapt: bool = True, policy: bool = True, threads: int | str | None = None,
 ) -> AnsweringRun:  # fmt: skip
     """A run opened for answering: the anytime runtime (its model, its device profile and, if calibrated, its
@@ -69,11 +70,12 @@ def open_for_answers(
     ``threads`` says otherwise (a number, or ``auto``: chosen from the cores the machine leaves free now). A text
     run without ``profile`` takes every length profile it has (``anytime profile RUN --length T``): each request
     is priced by its length bucket."""
-    record = read_record(run_dir)  # "not a run" before "no profile"
+    folder = open_run(run)  # "not a run" before "no profile"
+    run_dir = folder.path
     buckets: dict[int, DeviceProfile] = {}
     bucket_paths: dict[int, Path] = {}
-    if profile is None and record.get("dataset", {}).get("modality") == "text":
-        lengths = profiled_lengths(sorted(Path(run_dir).glob("profile-*.json")))
+    if profile is None and folder.modality == "text":
+        lengths = profiled_lengths(folder.profiles())
         for length, paths in lengths.items():
             if len(paths) > 1:
                 raise AnytimeError(f"{run_dir} has several profiles of {length} tokens "
@@ -87,21 +89,23 @@ def open_for_answers(
         threads = profiled_threads
     set_threads(threads)
     hold_freed_memory()  # as profile_run does, so the latencies the profile holds are the ones met here
-    run = load_run(run_dir, device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
-    if "execution" in loaded.settings and hasattr(run.model, "execution"):
-        run.model.execution = str(loaded.settings["execution"])  # type: ignore[assignment]
-    loaded.check_model(run.fingerprint, run.num_steps, where=str(path))
+    answering = folder.load(device, form=str(loaded.settings.get("form", "eager")))  # run what was measured
+    if "execution" in loaded.settings and hasattr(answering.model, "execution"):
+        answering.model.execution = str(loaded.settings["execution"])  # type: ignore[assignment]
+    loaded.check_model(answering.fingerprint, answering.num_steps, where=str(path))
     for length, bucket in buckets.items():
-        bucket.check_model(run.fingerprint, run.num_steps, where=f"the profile of {length} tokens in {run_dir}")
+        where = f"the profile of {length} tokens in {run_dir}"
+        bucket.check_model(answering.fingerprint, answering.num_steps, where=where)
     exit_policy, policy_accuracy, exit_share = None, None, None
-    calibration_path = Path(calibration) if calibration else Path(run_dir) / CALIBRATION
-    if policy and run.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
-        exit_policy, report = load_calibration(calibration_path, fingerprint=run.fingerprint, num_steps=run.num_steps)
+    calibration_path = Path(calibration) if calibration else run_dir / CALIBRATION
+    if policy and answering.num_steps > 1 and (calibration is not None or calibration_path.is_file()):
+        exit_policy, report = load_calibration(calibration_path, fingerprint=answering.fingerprint,
+                                               num_steps=answering.num_steps)  # fmt: skip
         policy_accuracy = float(report["validation"]["accuracy"])
         exit_share = [float(v) for v in report["validation"]["exit_share"]]
     options = tuple(run_options(run_dir, loaded.step_names))
     accuracy = [o.accuracy for o in options if o.step is not None]
-    runner = AnytimeRunner(run.model, loaded, exit_policy, quantile=quantile, adapt=adapt, step_accuracy=accuracy,
-                           policy_accuracy=policy_accuracy, exit_share=exit_share,
+    runner = AnytimeRunner(answering.model, loaded, exit_policy, quantile=quantile, adapt=adapt,
+                           step_accuracy=accuracy, policy_accuracy=policy_accuracy, exit_share=exit_share,
                            length_profiles=buckets or None)  # fmt: skip
-    return AnsweringRun(runner, run, Path(path), bucket_paths, options)
+    return AnsweringRun(runner, folder, answering, Path(path), bucket_paths, options)

@@ -25,9 +25,9 @@ from anytime.scheduler.query import (
     CALIBRATION,
     CALIBRATION_FORMAT,
     find_profile,
-    run_fingerprint,
 )  # fmt: skip
 from anytime.tasks.sweep import oracle_dict, steps_table
+from anytime.train.folder import RunFolder, open_run
 from anytime.utils.io import write_json
 from anytime.utils.outputs import check_output_file, output_lock
 
@@ -136,40 +136,59 @@ class CalibrationReport:
         return d
 
 
-def calibrate_run(
-    run_dir: str | Path, *, max_drop: float | None = None, budget: float | None = None, criterion: str = "entropy",
-    rule: str = "search", temperature: bool = False, out: str | Path | None = None, select: bool = False,
-    profile: str | Path | None = None, combine: bool = False,
-) -> CalibrationReport:  # fmt: skip
-    """Fit thresholds on the validation cache; report validation and (if collected) test side by side.
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What a calibration aims at and how it fits its thresholds (:func:`calibrate_run`).
 
-    The test cache is opened only after the thresholds are fixed, to report them. With ``select`` (and
-    ``max_drop``), exits are also selected: every subset of the early exits is costed in the time the run's
-    device ``profile`` measured at batch 1 (:func:`~anytime.calibrate.select_exits`). With ``combine``, every
+    Exactly one target: ``max_drop`` (accuracy points below the last exit, on validation) or ``budget`` (mean
+    FLOPs as a fraction of the backbone's). ``criterion`` scores a sample's confidence at an exit; ``rule`` fits a
+    FLOP budget (``search``, or MSDNet's ``msdnet``); ``temperature`` scales each exit's logits first. ``select``
+    (with ``max_drop``) also chooses which exits to keep, costed in the time the run's device profile measured at
+    batch 1; ``combine`` has every exit answer with a weighted ensemble of itself and the earlier exits."""
+
+    max_drop: float | None = None
+    budget: float | None = None
+    criterion: str = "entropy"
+    rule: str = "search"
+    temperature: bool = False
+    select: bool = False
+    combine: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.max_drop is None) == (self.budget is None):
+            raise AnytimeError("give exactly one target: --max-drop POINTS or --budget-flops FRACTION")
+        if self.select and self.max_drop is None:
+            raise AnytimeError("--select-exits chooses exits for an accuracy target: give --max-drop POINTS")
+
+
+def calibrate_run(
+    run: RunFolder | str | Path, settings: CalibrationSettings, *, out: str | Path | None = None,
+    profile: str | Path | None = None,
+) -> CalibrationReport:  # fmt: skip
+    """Fit thresholds on the validation cache as ``settings`` say; report validation and (if collected) test side
+    by side, and write them to ``out`` (default ``RUN/calibration.json``).
+
+    The test cache is opened only after the thresholds are fixed, to report them. With ``settings.select``, exits
+    are also selected: every subset of the early exits is costed in the time the run's device ``profile`` (default:
+    its only one) measured at batch 1 (:func:`~anytime.calibrate.select_exits`). With ``settings.combine``, every
     exit answers with a weighted ensemble of itself and the earlier exits, weights fit on validation
     (:mod:`anytime.calibrate.combine`).
     """
-    if (max_drop is None) == (budget is None):
-        raise AnytimeError("give exactly one target: --max-drop POINTS or --budget-flops FRACTION")
-    if select and max_drop is None:
-        raise AnytimeError("--select-exits chooses exits for an accuracy target: give --max-drop POINTS")
-    fingerprint = run_fingerprint(run_dir)
-    target = check_output_file(Path(out) if out else Path(run_dir) / CALIBRATION, what="calibration",
+    folder = open_run(run)
+    target = check_output_file(Path(out) if out else folder.path / CALIBRATION, what="calibration",
                                format_tag=CALIBRATION_FORMAT, create_parents=out is None, example=CALIBRATION)  # fmt: skip
-    timed = _measured_costs(run_dir, profile, fingerprint) if select else None
+    timed = _measured_costs(folder, profile) if settings.select else None
     with output_lock(target):
-        report = _calibrate(run_dir, fingerprint, max_drop, budget, criterion, rule, temperature, timed, combine)
+        report = _calibrate(folder, settings, timed)
         write_json(target, report.to_dict())
     return report
 
 
-def _measured_costs(
-    run_dir: str | Path, profile: str | Path | None, fingerprint: str
-) -> tuple[Path, tuple[torch.Tensor, torch.Tensor]]:
+def _measured_costs(folder: RunFolder, profile: str | Path | None) -> tuple[Path, tuple[torch.Tensor, torch.Tensor]]:
     from anytime.calibrate import measured_costs
 
-    path = find_profile(run_dir, profile)
-    loaded = DeviceProfile.load(path, fingerprint=fingerprint)
+    path = find_profile(folder.path, profile)
+    loaded = DeviceProfile.load(path, fingerprint=folder.fingerprint)
     batch = loaded.at(1)
     if batch.stages is None:
         raise AnytimeError(f"{path} has no stage latencies (the model is not incremental): exits cannot be selected")
@@ -178,9 +197,11 @@ def _measured_costs(
 
 
 def _calibrate(
-    run_dir: str | Path, fingerprint: str, max_drop: float | None, budget: float | None, criterion: str, rule: str,
-    temperature: bool, timed: tuple[Path, tuple[torch.Tensor, torch.Tensor]] | None = None, combine: bool = False,
-) -> CalibrationReport:  # fmt: skip
+    folder: RunFolder, settings: CalibrationSettings, timed: tuple[Path, tuple[torch.Tensor, torch.Tensor]] | None
+) -> CalibrationReport:
+    run_dir, fingerprint = folder.path, folder.fingerprint
+    max_drop, budget, criterion, rule = settings.max_drop, settings.budget, settings.criterion, settings.rule
+    temperature, combine = settings.temperature, settings.combine
     val = load_cache(run_dir, "val", fingerprint=fingerprint)
     calibration: Calibration
     tried: list[SubsetChoice] = []

@@ -9,10 +9,8 @@ from anytime.data import make_loader
 from anytime.errors import AnytimeError
 from anytime.families import EnsembleModel
 from anytime.outputs import SPLITS, OutputCache, cache_path, collect, load_cache
-from anytime.scheduler.query import (
-    run_fingerprint,
-)  # fmt: skip
-from anytime.train.runs import LoadedRun, dataset_input_shape, load_run
+from anytime.train.folder import RunFolder, open_run
+from anytime.train.runs import LoadedRun, dataset_input_shape
 from anytime.train.splits import run_splits
 from anytime.utils.outputs import check_output_file, output_lock
 
@@ -24,27 +22,28 @@ def check_split(split: str) -> None:
 
 
 def collect_run(
-    run_dir: str | Path, split: str, *, device: str = "cpu", batch_size: int = 512, progress: bool = False
+    run: RunFolder | str | Path, split: str, *, device: str = "cpu", batch_size: int = 512, progress: bool = False
 ) -> OutputCache:
     """Run a trained multi-exit model once over ``split`` and save every exit's logits to ``RUN/outputs/``
     (a progress bar on stderr with ``progress``)."""
     check_split(split)
-    run = load_run(run_dir, device)
-    if run.num_steps < 2:
-        raise AnytimeError(f"{run_dir} holds a plain model; train it with --exits to collect exits' outputs")
-    target = check_output_file(cache_path(run_dir, split), what="output cache", flag="")
-    check_forward_memory(run.model, input_shape(run), batch_size, what=f"collecting at batch {batch_size}",
+    folder = open_run(run)
+    loaded = folder.load(device)
+    if loaded.num_steps < 2:
+        raise AnytimeError(f"{folder.path} holds a plain model; train it with --exits to collect exits' outputs")
+    target = check_output_file(cache_path(folder.path, split), what="output cache", flag="")
+    check_forward_memory(loaded.model, input_shape(loaded), batch_size, what=f"collecting at batch {batch_size}",
                          hint="lower --batch-size")  # fmt: skip
     with output_lock(target):
-        splits = run_splits(run)
+        splits = run_splits(loaded)
         data = splits.split(split)
-        loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)
-        model = run.model
+        loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=loaded.config.seed)
+        model = loaded.model
         if split == "val" and isinstance(model, EnsembleModel):  # its fusers were fit on this split: cross-fitted
             model = model.heldout_view()
         cache = collect(
-            model, loader, split=split, model_fingerprint=run.fingerprint, device=run.device,
-            meta={"dataset_fingerprint": splits.info.fingerprint, "model": run.name, "run": str(run.run_dir)},
+            model, loader, split=split, model_fingerprint=loaded.fingerprint, device=loaded.device,
+            meta={"dataset_fingerprint": splits.info.fingerprint, "model": loaded.name, "run": str(loaded.run_dir)},
             progress=progress,
         )  # fmt: skip
         cache.save(target)
@@ -56,6 +55,7 @@ def input_shape(run: LoadedRun) -> tuple[int, ...]:
     return dataset_input_shape(run.dataset)
 
 
-def run_cache(run_dir: str | Path, split: str) -> OutputCache:
+def run_cache(run: RunFolder | str | Path, split: str) -> OutputCache:
     """The run's cache of ``split``, refused if it was collected from other weights."""
-    return load_cache(run_dir, split, fingerprint=run_fingerprint(run_dir))
+    folder = open_run(run)
+    return load_cache(folder.path, split, fingerprint=folder.fingerprint)

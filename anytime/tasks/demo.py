@@ -20,14 +20,15 @@ from anytime.calibrate import CRITERIA
 from anytime.data import make_loader
 from anytime.plotting import plot_batch_time, plot_training_curves
 from anytime.profile import measure_train_step
-from anytime.tasks.calibration import CalibrationReport, calibrate_run
+from anytime.tasks.calibration import CalibrationReport, CalibrationSettings, calibrate_run
 from anytime.tasks.collect import collect_run
-from anytime.tasks.evaluation import EvaluationReport, evaluate_run
+from anytime.tasks.evaluation import EvaluationReport, EvaluationSettings, evaluate_run
 from anytime.tasks.plots import plot_run
 from anytime.tasks.profiling import ProfileSettings, profile_run
-from anytime.tasks.promises import PromiseCheck, check_promises
+from anytime.tasks.promises import PromiseCheck, PromiseSettings, check_promises
 from anytime.tasks.sweep import sweep_run
 from anytime.train import TrainConfig, Trainer, load_splits, read_metrics
+from anytime.train.folder import RunFolder
 from anytime.train.summary import RunSummary
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
@@ -72,11 +73,13 @@ def run_demo(
     return DemoResult(target, summary, batch_rows, calibration, evaluation, deadlines, files)
 
 
-def _deadlines(run_dir: Path) -> PromiseCheck:
+def _deadlines(run: RunFolder) -> PromiseCheck:
     """Profile the exits here (the runtime's answer prices included), then replay test images one at a time at a
     few deadlines: the runtime's promise at each and what it delivered."""
-    profile_run(run_dir, ProfileSettings(batch_sizes=(1, 8), repeats=DEMO_TIMINGS, memory=False))
-    return check_promises(run_dir, deadline_count=DEMO_DEADLINES, count=DEMO_REQUESTS, quantile=DEMO_QUANTILE)
+    profile_run(run, ProfileSettings(batch_sizes=(1, 8), repeats=DEMO_TIMINGS, memory=False))
+    return check_promises(
+        run, PromiseSettings(deadline_count=DEMO_DEADLINES, count=DEMO_REQUESTS, quantile=DEMO_QUANTILE)
+    )
 
 
 def _run(
@@ -86,14 +89,15 @@ def _run(
     splits = load_splits(config)
     summary = Trainer(config, run_dir, progress=progress).fit(splits=splits)
     plot_training_curves(read_metrics(run_dir), f"{config.model} on {config.data}", work / "training_curves")
+    run = RunFolder.open(run_dir)  # once: every stage below reads the same record and fingerprint
     for split in ("val", "test"):
-        collect_run(run_dir, split)
-    sweep_run(run_dir, list(CRITERIA))
-    calibration = calibrate_run(run_dir, max_drop=DEMO_MAX_DROP)
-    evaluation = evaluate_run(run_dir, latency_samples=DEMO_TIMINGS)
+        collect_run(run, split)
+    sweep_run(run, list(CRITERIA))
+    calibration = calibrate_run(run, CalibrationSettings(max_drop=DEMO_MAX_DROP))
+    evaluation = evaluate_run(run, EvaluationSettings(latency_samples=DEMO_TIMINGS))
     info = splits.info
-    deadlines = _deadlines(run_dir)
-    plot_run(run_dir)
+    deadlines = _deadlines(run)
+    plot_run(run)
 
     loader = make_loader(splits.train, info, batch_size=max(DEMO_BATCH_SIZES), train=True, seed=config.seed)
     images, labels = next(iter(loader))

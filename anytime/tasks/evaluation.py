@@ -21,7 +21,8 @@ from anytime.scheduler.query import (
     load_calibration,
 )  # fmt: skip
 from anytime.tasks.collect import check_split
-from anytime.train.runs import LoadedRun, load_run, require_images
+from anytime.train.folder import RunFolder, open_run
+from anytime.train.runs import LoadedRun, require_images
 from anytime.train.splits import run_splits
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
@@ -137,20 +138,33 @@ class EvaluationReport:
         return d
 
 
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """What :func:`evaluate_run` measures: the ``split`` it answers, in batches of ``batch_size`` for accuracy,
+    ``latency_samples`` of it timed one at a time (0: no timing), all in the inference ``form`` (``eager``, or e.g.
+    ``fold+channels-last``)."""
+
+    split: str = "test"
+    latency_samples: int = 1000
+    batch_size: int = 256
+    form: str = "eager"
+
+
 def evaluate_run(
-    run_dir: str | Path, *, calibration: str | Path | None = None, split: str = "test", device: str = "cpu",
-    latency_samples: int = 1000, batch_size: int = 256, form: str = "eager", progress: bool = False,
-    export: str | Path | None = None,
+    run: RunFolder | str | Path, settings: EvaluationSettings | None = None, *, calibration: str | Path | None = None,
+    device: str = "cpu", progress: bool = False, export: str | Path | None = None,
 ) -> EvaluationReport:  # fmt: skip
-    """Real early exit on ``split`` with the calibrated policy: accuracy, exit shares and FLOPs, agreement
-    with the cached sweep's prediction, and the measured latency per sample at batch 1 against the plain
-    backbone (the same samples, taking turns in runs of 50-100), both in the inference ``form``. Written to
-    ``RUN/evaluation-SPLIT.json`` (a progress bar on stderr with ``progress``).
+    """Real early exit on ``settings.split`` with the calibrated policy (``calibration``, default the run's):
+    accuracy, exit shares and FLOPs, agreement with the cached sweep's prediction, and the measured latency per
+    sample at batch 1 against the plain backbone (the same samples, taking turns in runs of 50-100), both in the
+    inference form. Written to ``RUN/evaluation-SPLIT.json`` (a progress bar on stderr with ``progress``).
 
     ``export``: a folder ``anytime export`` wrote from this run. Early exit then runs as deployed, on the CPU: an
     ONNX export with the policy compiled into its graphs (:meth:`~anytime.deploy.loader.ExportedModel.exit_program`),
     a ``.pt2`` one through its programs; the backbone it is timed against is the export's segments run in turn
     (no heads). Written to ``EXPORT/evaluation-SPLIT.json``."""
+    settings = settings or EvaluationSettings()
+    split, form = settings.split, settings.form
     check_split(split)
     hold_freed_memory()  # its latencies, as a profile's, are what the runtime meets
     if export is not None:
@@ -160,21 +174,22 @@ def evaluate_run(
         if resolve_device(device).type != "cpu":
             raise AnytimeError(f"{export} is evaluated on the CPU here (ONNX Runtime, or the .pt2 programs); "
                                "pass --device cpu")  # fmt: skip
-    run = load_run(run_dir, device, form=form)
-    if run.num_steps < 2:
-        raise AnytimeError(f"{run_dir} holds a plain model; there is no early exit to evaluate")
+    opened = open_run(run)
+    loaded = opened.load(device, form=form)
+    if loaded.num_steps < 2:
+        raise AnytimeError(f"{opened.path} holds a plain model; there is no early exit to evaluate")
     if export is not None:
-        require_images(run, "anytime evaluate --export")
+        require_images(loaded, "anytime evaluate --export")
     policy, _ = load_calibration(
-        calibration or Path(run_dir) / CALIBRATION, fingerprint=run.fingerprint, num_steps=run.num_steps
+        calibration or opened.path / CALIBRATION, fingerprint=loaded.fingerprint, num_steps=loaded.num_steps
     )
-    num_classes = int(run.dataset["num_classes"])
-    policy.check(run.num_steps, num_classes)
-    model = run.model if export is None else _export_of(run, Path(export))
-    folder = Path(run_dir) if export is None else Path(export)
+    num_classes = int(loaded.dataset["num_classes"])
+    policy.check(loaded.num_steps, num_classes)
+    model = loaded.model if export is None else _export_of(loaded, Path(export))
+    folder = opened.path if export is None else Path(export)
     target = check_output_file(folder / f"evaluation-{split}.json", what="evaluation", flag="")
     with output_lock(target):
-        report = _evaluate(run, model, policy, split, latency_samples, batch_size, progress)
+        report = _evaluate(loaded, model, policy, settings, progress)
         if export is not None:
             manifest = model.manifest  # type: ignore[union-attr]
             report = replace(report, form=f"export: {manifest.format} {manifest.precision} ({model.backend})",  # type: ignore[union-attr]
@@ -194,11 +209,12 @@ def _export_of(run: LoadedRun, folder: Path) -> torch.nn.Module:
     return exported
 
 
-def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, split: str, latency_samples: int,
-              batch_size: int, progress: bool = False) -> EvaluationReport:  # fmt: skip
+def _evaluate(run: LoadedRun, model: torch.nn.Module, policy: ExitPolicy, settings: EvaluationSettings,
+              progress: bool = False) -> EvaluationReport:  # fmt: skip
     from anytime.utils.progress import progress_bar
 
-    run_dir = run.run_dir
+    run_dir, split = run.run_dir, settings.split
+    latency_samples, batch_size = settings.latency_samples, settings.batch_size
     splits = run_splits(run)
     data = splits.split(split)
     loader = make_loader(data, splits.info, batch_size=batch_size, train=False, seed=run.config.seed)

@@ -20,6 +20,7 @@ from anytime.scheduler.query import (
     scheduler_for_run,
 )  # fmt: skip
 from anytime.tasks.collect import run_cache
+from anytime.train.folder import RunFolder, open_run
 from anytime.train.records import class_names, run_title, step_labels
 from anytime.utils.outputs import check_output_file, output_lock, staged_files
 
@@ -33,7 +34,7 @@ class PlotReport:
 
 
 def plot_run(
-    run_dir: str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None,
+    run: RunFolder | str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None,
     figure_size: str = "screen",
 ) -> PlotReport:  # fmt: skip
     """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
@@ -54,17 +55,19 @@ def plot_run(
 
     if figure_size not in FIGURE_SIZES:
         raise AnytimeError(f"unknown figure size '{figure_size}'; choose one of: {', '.join(FIGURE_SIZES)}")
-    val = run_cache(run_dir, "val")
-    folder = Path(run_dir) / "plots" / ("" if figure_size == "screen" else figure_size)
+    opened = open_run(run)
+    run_dir = opened.path
+    val = run_cache(opened, "val")
+    folder = run_dir / "plots" / ("" if figure_size == "screen" else figure_size)
     check_output_file(folder / "pareto.png", what="figure", flag="")
     skipped: list[str] = []
     report = None
-    calibration = Path(run_dir) / CALIBRATION
+    calibration = run_dir / CALIBRATION
     if calibration.is_file():
         _, report = load_calibration(calibration, fingerprint=val.model_fingerprint, num_steps=val.num_steps)
     else:
         skipped.append(f"exit histogram: no {CALIBRATION} in {run_dir}; run `anytime calibrate {run_dir} --max-drop 1`")
-    rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.csv").is_file() else []
+    rows = read_metrics(run_dir) if (run_dir / "metrics.csv").is_file() else []
     if not (rows and any(key.startswith("val_acc_exit") for key in rows[0])):
         skipped.append(f"accuracy by epoch: {run_dir} has no per-exit training metrics (a run made without training)")
         rows = []

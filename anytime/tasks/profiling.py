@@ -17,12 +17,13 @@ from anytime.errors import AnytimeError
 from anytime.profile.energy import EnergySettings
 from anytime.profile.energy_readers import open_energy_reader
 from anytime.profile.store import PROFILE_FORMAT, STEADY_WITHIN, DeviceProfile, Steadiness, device_slug
-from anytime.scheduler.pricing import DEFAULT_GAP_MS, price_answers
+from anytime.scheduler.pricing import DEFAULT_GAP_MS, AnswerPricing, price_answers
 from anytime.scheduler.query import (
     CALIBRATION,
     load_calibration,
 )  # fmt: skip
 from anytime.tasks.collect import input_shape
+from anytime.train.folder import RunFolder
 from anytime.train.runs import LoadedRun, load_run
 from anytime.train.splits import load_splits
 from anytime.utils.machine import device_label, resolve_device
@@ -102,10 +103,11 @@ def _pricing_policy(run_dir: str | Path, fingerprint: str | None, num_steps: int
 
 
 def profile_run(
-    run_dir: str | Path, settings: ProfileSettings | None = None, *, device: str = "cpu",
+    run: RunFolder | str | Path, settings: ProfileSettings | None = None, *, device: str = "cpu",
     out: str | Path | None = None, progress: bool = False,
 ) -> tuple[DeviceProfile, Path]:  # fmt: skip
-    """Profile a finished run's model, or an export's artifacts (``anytime export``), on this device as
+    """Profile a finished run's model (an open :class:`~anytime.train.folder.RunFolder`, or its path), or an
+    export's artifacts (the folder ``anytime export`` wrote), on this device as
     ``settings`` say (default :class:`ProfileSettings`; synthetic inputs, so no dataset is needed, except for
     SACT: see below) and save it. ``energy`` is measured with the device's energy source (refused before any
     measurement when none is readable). A model whose cost depends on the image (SACT) is timed on the run's
@@ -134,7 +136,9 @@ def profile_run(
     settings = settings or ProfileSettings()
     choice = set_threads(settings.threads)
     hold_freed_memory()  # the runtime holds it too (runner_for_run): both meet the same allocator
-    timed = _timed_model(run_dir, device, settings)
+    folder = run if isinstance(run, RunFolder) else None
+    run_dir = run.path if isinstance(run, RunFolder) else run
+    timed = _timed_model(run_dir, folder, device, settings)
     sizes = list(settings.batch_sizes or DEFAULT_BATCH_SIZES)
     shape = timed.shape
     default = default_profile_path(run_dir, timed.device, length=shape[0] if len(shape) == 1 else None)
@@ -154,8 +158,8 @@ def profile_run(
                 profile = replace(profile, settings={**profile.settings, "emulated_slowdown": float(settings.slowdown)})
             if settings.answer_gap_ms is not None:
                 policy = _pricing_policy(run_dir, timed.fingerprint, profile.num_steps)
-                profile = price_answers(timed.model, profile, policy=policy, repeats=settings.repeats,
-                                        gap_ms=settings.answer_gap_ms, inputs=timed.inputs)  # fmt: skip
+                pricing = AnswerPricing(repeats=settings.repeats, gap_ms=settings.answer_gap_ms)
+                profile = price_answers(timed.model, profile, pricing=pricing, policy=policy, inputs=timed.inputs)
             path = profile.save(target)
     finally:
         if reader is not None:
@@ -176,7 +180,7 @@ class _Timed:
     inputs: torch.Tensor | None  # real validation images, for a model whose cost depends on them
 
 
-def _timed_model(run_dir: str | Path, device: str, settings: ProfileSettings) -> _Timed:
+def _timed_model(run_dir: str | Path, folder: RunFolder | None, device: str, settings: ProfileSettings) -> _Timed:
     """The run's model (in the profiled form, execution and emulated slowdown) or the export's artifacts."""
     from anytime.deploy.manifest import MANIFEST
 
@@ -191,7 +195,7 @@ def _timed_model(run_dir: str | Path, device: str, settings: ProfileSettings) ->
     else:
         if train and form != "eager":
             raise AnytimeError("--train times the training graph: profile it with --form eager")
-        run = load_run(run_dir, device, form=form)
+        run = folder.load(device, form=form) if folder is not None else load_run(run_dir, device, form=form)
         model, shape, name, fingerprint = run.model, input_shape(run), run.name, run.fingerprint
         if run.dataset.get("modality") == "text":
             if length is not None and not 2 <= length <= shape[0]:
@@ -220,7 +224,7 @@ def _steadiest(run_dir: str | Path, timed: _Timed, sizes: list[int], settings: P
                reader: Any, progress: bool) -> DeviceProfile:  # fmt: skip
     """Profile up to ``settings.attempts`` times while the machine is not steady; the steadiest profile, with
     the peak memory of the first and its spread recorded."""
-    from anytime.profile import profile_model, run_isolated
+    from anytime.profile import Instruments, ModelIdentity, ProfileInputs, StepTiming, profile_model, run_isolated
     from anytime.profile.memory import inference_memory
 
     def probe(sizes: list[int]) -> dict[int, dict[str, Any]]:
@@ -231,17 +235,19 @@ def _steadiest(run_dir: str | Path, timed: _Timed, sizes: list[int], settings: P
             raise AnytimeError(f"the peak-memory measurement failed ({exc}); profile with --no-memory") from None
 
     steady_within, inputs = settings.steady_within, timed.inputs
+    timing = StepTiming(batch_sizes=tuple(sizes), repeats=settings.repeats, warmup=settings.warmup,
+                        gap_s=settings.gap_ms / 1000, suffixes=settings.suffixes, train=settings.train)  # fmt: skip
+    identity = ModelIdentity(timed.name, timed.fingerprint, timed.classes)
+    fed = ProfileInputs(inputs, f"{0 if inputs is None else inputs.shape[0]} validation images, in turn")
     tries = 1 if steady_within is None or settings.energy is not None else settings.attempts
     profile: DeviceProfile | None = None
     kept: Steadiness | None = None
     for attempt in range(1, tries + 1):
         taken = profile_model(
-            timed.model, timed.shape, batch_sizes=sizes, repeats=settings.repeats, warmup=settings.warmup,
-            device=timed.device, model_name=timed.name, fingerprint=timed.fingerprint, num_classes=timed.classes,
-            train=settings.train, memory=probe if settings.memory and attempt == 1 else None, progress=progress,
-            energy=reader, energy_settings=settings.energy or EnergySettings(), inputs=inputs,
-            inputs_label=f"{0 if inputs is None else inputs.shape[0]} validation images, in turn",
-            gap_s=settings.gap_ms / 1000, suffixes=settings.suffixes,
+            timed.model, timed.shape, timing, device=timed.device, identity=identity, inputs=fed,
+            instruments=Instruments(memory=probe if settings.memory and attempt == 1 else None, energy=reader,
+                                    energy_settings=settings.energy or EnergySettings()),
+            progress=progress,
         )  # fmt: skip
         steady = taken.steadiness()
         if profile is None:

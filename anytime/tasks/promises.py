@@ -19,13 +19,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from anytime.errors import AnytimeError
 from anytime.utils.collector import collect_due, serving_gc
 from anytime.utils.stats import wilson
+
+if TYPE_CHECKING:
+    from anytime.train.folder import RunFolder
 
 DEFAULT_DEADLINES = 20  # spaced log-uniformly from half the cheapest step's price to 1.5x the deepest
 DEFAULT_REQUESTS = 300
@@ -120,35 +123,64 @@ def judge(late: int, promised: int, correct: int, promised_accuracy: float, quan
     )
 
 
+@dataclass(frozen=True)
+class PromiseSettings:
+    """What a promise check (:func:`check_promises`) replays and how it judges.
+
+    ``deadlines`` (ms; default: ``deadline_count`` of :func:`default_deadlines` between the cheapest and the dearest
+    price of every option the runtime may answer with, so that the lowest lies below every promise and the highest
+    above) are each replayed with ``count`` inputs of ``split`` (``val`` or ``test``, sampled with ``seed``) one at a
+    time, spaced by exponential idle gaps of mean ``gap_ms`` (ms, 0 to 60000; as Poisson arrivals, drawn with
+    ``seed``), through the run's anytime runtime at ``quantile``. A deadline's promise is broken when its promised
+    requests are late more often than ``1 - quantile`` explains, or when their accuracy falls below the promised one
+    by more than ``accuracy_tolerance`` (a share below 1) beyond its 95% interval."""
+
+    deadlines: tuple[float, ...] | None = None
+    deadline_count: int = DEFAULT_DEADLINES
+    count: int = DEFAULT_REQUESTS
+    split: str = "test"
+    quantile: float = 0.99
+    gap_ms: float = DEFAULT_GAP_MS
+    accuracy_tolerance: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.split not in ("val", "test"):
+            raise AnytimeError(f"split '{self.split}' is not one of val, test")
+        if self.count < 1:
+            raise AnytimeError(f"--requests must be at least 1 (got {self.count})")
+        if not 0 <= self.gap_ms < 60_000 or not 0 <= self.accuracy_tolerance < 1:
+            raise AnytimeError(f"the gap is 0 to 60000 ms and the accuracy tolerance a share below 1 (got {self.gap_ms}, "
+                               f"{self.accuracy_tolerance})")  # fmt: skip
+
+
 def check_promises(
-    run_dir: str | Path, *, deadlines: Sequence[float] | None = None, deadline_count: int = DEFAULT_DEADLINES,
-    count: int = DEFAULT_REQUESTS,
-    split: str = "test", quantile: float = 0.99, gap_ms: float = DEFAULT_GAP_MS, accuracy_tolerance: float = 0.01,
-    seed: int = 0, sleep: Callable[[float], None] | None = None,
-) -> PromiseCheck:  # fmt: skip
-    """Replay ``count`` inputs of ``split`` one at a time at every deadline (default: ``deadline_count`` of
-    :func:`default_deadlines` between the cheapest and the dearest price of every option the runtime may answer
-    with, so that the lowest lies below every promise and the highest above), spaced by exponential idle gaps of mean ``gap_ms`` (as Poisson arrivals), through the
-    run's anytime runtime at ``quantile``, and hold each answer to its promise."""
+    run: RunFolder | str | Path,
+    settings: PromiseSettings | None = None,
+    *,
+    sleep: Callable[[float], None] | None = None,
+) -> PromiseCheck:
+    """Replay inputs one at a time at every deadline, as ``settings`` say (default :class:`PromiseSettings`),
+    through the run's anytime runtime, and hold each answer to its promise. ``sleep`` waits out the idle gaps
+    (tests inject one)."""
+    # torch comes in here, not at import: `anytime schedule` reads this module's rows without a network
     from anytime.data import make_loader
     from anytime.scheduler.runs import runner_for_run
+    from anytime.train.folder import open_run
     from anytime.train.splits import run_splits
 
-    if split not in ("val", "test"):
-        raise AnytimeError(f"split '{split}' is not one of val, test")
-    if count < 1:
-        raise AnytimeError(f"--requests must be at least 1 (got {count})")
-    if not 0 <= gap_ms < 60_000 or not 0 <= accuracy_tolerance < 1:
-        raise AnytimeError(f"the gap is 0 to 60000 ms and the accuracy tolerance a share below 1 (got {gap_ms}, "
-                           f"{accuracy_tolerance})")  # fmt: skip
-    runner, run = runner_for_run(run_dir, quantile=quantile)
-    splits = run_splits(run)
-    chosen = splits.split(split).sample(count, seed=seed)
+    settings = settings or PromiseSettings()
+    quantile, gap_ms, seed = settings.quantile, settings.gap_ms, settings.seed
+    folder = open_run(run)
+    runner, loaded = runner_for_run(folder, quantile=quantile)
+    splits = run_splits(loaded)
+    chosen = splits.split(settings.split).sample(settings.count, seed=seed)
     loader = make_loader(chosen, splits.info, batch_size=1, train=False, seed=seed)
-    inputs = [(x.to(run.device), int(y)) for x, y in loader]
+    inputs = [(x.to(loaded.device), int(y)) for x, y in loader]
+    deadlines: Sequence[float] | None = settings.deadlines
     if deadlines is None:
         prices = [runner.scheduler.latency(o, quantile) for o in runner.scheduler.options.values()]
-        deadlines = default_deadlines(min(prices), max(prices), deadline_count)
+        deadlines = default_deadlines(min(prices), max(prices), settings.deadline_count)
     wait = sleep or time.sleep
     rng = np.random.default_rng(seed)
     accuracy_of = {name: o.accuracy for name, o in runner.scheduler.options.items()}
@@ -164,8 +196,8 @@ def check_promises(
                 out = runner.predict(x, float(deadline))
                 outcomes.append((out.option, out.fits, out.missed, int(out.predictions[0]) == y, out.step,
                                  out.promised_ms))  # fmt: skip
-            rows.append(_row(float(deadline), outcomes, accuracy_of, quantile, accuracy_tolerance))
-    return PromiseCheck(str(run_dir), split, quantile, accuracy_tolerance, gap_ms, tuple(rows))
+            rows.append(_row(float(deadline), outcomes, accuracy_of, quantile, settings.accuracy_tolerance))
+    return PromiseCheck(str(folder.path), settings.split, quantile, settings.accuracy_tolerance, gap_ms, tuple(rows))
 
 
 def _row(deadline: float, outcomes: list[tuple[str, bool, bool, bool, int, float]], accuracy_of: dict[str, float],

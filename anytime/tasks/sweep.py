@@ -13,6 +13,7 @@ from anytime.calibrate import (
 )
 from anytime.outputs import OutputCache
 from anytime.tasks.collect import check_split, run_cache
+from anytime.train.folder import RunFolder, open_run
 from anytime.utils.io import write_csv, write_json
 from anytime.utils.outputs import check_output_file, output_lock
 
@@ -56,20 +57,24 @@ class SweepReport:
     json: Path
 
 
-def sweep_run(run_dir: str | Path, criteria: list[str], *, settings: int = 1000, split: str = "val") -> SweepReport:
+def sweep_run(
+    run: RunFolder | str | Path, criteria: list[str], *, settings: int = 1000, split: str = "val"
+) -> SweepReport:
     """Sweep shared thresholds for each criterion over a run's cache; write ``RUN/sweep-SPLIT.csv`` (every
     setting, with its Pareto flag) and ``RUN/sweep-SPLIT.json`` (the fronts, the oracle, the exits)."""
     check_split(split)
-    cache = run_cache(run_dir, split)
-    csv_target = check_output_file(Path(run_dir) / f"sweep-{split}.csv", what="sweep", flag="")
-    check_output_file(Path(run_dir) / f"sweep-{split}.json", what="sweep", flag="")
+    folder = open_run(run)
+    run_dir = folder.path
+    cache = run_cache(folder, split)
+    csv_target = check_output_file(run_dir / f"sweep-{split}.csv", what="sweep", flag="")
+    check_output_file(run_dir / f"sweep-{split}.json", what="sweep", flag="")
     with output_lock(csv_target):
-        return _sweep(run_dir, cache, criteria, settings, split)
+        return _sweep(folder, cache, criteria, settings, split)
 
 
-def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], settings: int, split: str) -> SweepReport:
+def _sweep(folder: RunFolder, cache: OutputCache, criteria: list[str], settings: int, split: str) -> SweepReport:
     # Learned gates are fit on validation only; on another split they score what they never saw.
-    val = run_cache(run_dir, "val") if split != "val" and "learned" in criteria else None
+    val = run_cache(folder, "val") if split != "val" and "learned" in criteria else None
     results = {name: sweep(cache, name, settings=settings, val=val) for name in criteria}
     rows = []
     fronts: dict[str, list[dict[str, float]]] = {}
@@ -82,6 +87,6 @@ def _sweep(run_dir: str | Path, cache: OutputCache, criteria: list[str], setting
     report = {"split": split, "settings": settings, "base_flops": cache.base_flops, "steps": steps,
               "oracle": oracle_dict(cache), "pareto": fronts,
               "area_under_curve": {name: result.area() for name, result in results.items()}}  # fmt: skip
-    csv_path = write_csv(Path(run_dir) / f"sweep-{split}.csv", rows)
-    json_path = write_json(Path(run_dir) / f"sweep-{split}.json", report)
+    csv_path = write_csv(folder.path / f"sweep-{split}.csv", rows)
+    json_path = write_json(folder.path / f"sweep-{split}.json", report)
     return SweepReport(split, results, report["oracle"], steps, csv_path, json_path)

@@ -10,6 +10,7 @@ _EXPORTS = {
         "anytime.train.cards": ("ModelCard", "load_card", "record_results"),
         "anytime.train.checkpoint": ("load_checkpoint", "load_weights", "save_checkpoint", "save_weights"),
         "anytime.train.config": ("SCHEDULES", "TrainConfig"),
+        "anytime.train.folder": ("RunFolder", "open_run"),
         "anytime.train.splits": ("load_splits", "run_splits"),
         "anytime.train.summary": ("RunSummary",),
         "anytime.train.evaluation": ("evaluate",),
