@@ -49,7 +49,8 @@ def main() -> int:
             caches[split] = load_cache(run_dir, split, fingerprint=fingerprint)
         except AnytimeError:  # missing, or from other weights
             caches[split] = collect_run(run_dir, split)
-    candidates = {c: calibrate_run(run_dir, CalibrationSettings(max_drop=MAX_DROP, criterion=c), out=run_dir / f"calibration-{c}.json")
+    candidates = {c: calibrate_run(run_dir, CalibrationSettings(max_drop=MAX_DROP, criterion=c),
+                                   out=run_dir / f"calibration-{c}.json")
                   for c in CRITERIA}  # fmt: skip
     best = min(candidates, key=lambda c: candidates[c].validation.result.mean_flops)
     chosen = calibrate_run(run_dir, CalibrationSettings(max_drop=MAX_DROP, criterion=best))

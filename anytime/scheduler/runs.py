@@ -20,10 +20,11 @@ from anytime.utils.threads import set_threads
 
 @dataclass(frozen=True)
 class AnsweringRun:
-    """A run opened once for answering: its runtime, the run folder and the model loaded from it, the profile files the runtime prices with (by
-    length in tokens for a text run's buckets) and the options ``anytime schedule`` offers (every step and every
-    calibrated policy), read once. :meth:`scheduler` builds ``anytime schedule``'s scheduler from the profiles the
-    runtime holds, so the two price with the same figures and the server reads its profile once."""
+    """A run opened once for answering: its runtime, the run folder and the model loaded from it, the profile files
+    the runtime prices with (by length in tokens for a text run's buckets) and the options ``anytime schedule``
+    offers (every step and every calibrated policy), read once. :meth:`scheduler` builds ``anytime schedule``'s
+    scheduler from the profiles the runtime holds, so the two price with the same figures and the server reads its
+    profile once."""
 
     runner: AnytimeRunner
     folder: RunFolder

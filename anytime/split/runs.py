@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError
 from anytime.profile.store import DeviceProfile
 from anytime.split.plan import Link, PlanSettings, SplitPlan, SplitPlanner
 from anytime.split.tables import SplitTables, compute_tables, load_tables, tables_path
+
+if TYPE_CHECKING:
+    from anytime.train.folder import RunFolder
 
 
 def _segmented(model: Any, run_dir: str | Path) -> None:
@@ -19,22 +22,23 @@ def _segmented(model: Any, run_dir: str | Path) -> None:
 
 
 def split_tables(
-    run_dir: str | Path, codecs: tuple[str, ...], *, device: str = "cpu", batch_size: int = 256
+    run_dir: RunFolder | str | Path, codecs: tuple[str, ...], *, device: str = "cpu", batch_size: int = 256
 ) -> SplitTables:
     """The run's split tables with at least ``codecs``: read from ``RUN/outputs/split-val.npz``, or computed from
     the validation split (one pass per partition point and codec) and saved there."""
     from anytime.data import make_loader
     from anytime.families import EnsembleModel
-    from anytime.scheduler.query import run_fingerprint
-    from anytime.train.runs import load_run, require_images
+    from anytime.train.folder import open_run
+    from anytime.train.runs import require_images
     from anytime.train.splits import run_splits
     from anytime.utils.outputs import check_output_file, output_lock
 
-    fingerprint = run_fingerprint(run_dir)
+    opened = open_run(run_dir)
+    run_dir, fingerprint = opened.path, opened.fingerprint
     tables = load_tables(run_dir, fingerprint)
     if tables is not None and all(c in tables.codecs for c in codecs):
         return tables
-    run = load_run(run_dir, device)
+    run = opened.load(device)
     require_images(run, "split computing")
     _segmented(run.model, run_dir)
     if isinstance(run.model, EnsembleModel) and any(c != "fp32" for c in codecs):

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from anytime.split.device import SplitAnswer, SplitDevice
 from anytime.split.link import LinkError, LinkShaper, SplitClient
 from anytime.split.plan import Link, PlanSettings, SplitPlan
 from anytime.utils.collector import collect_due, serving_gc
+
+if TYPE_CHECKING:
+    from anytime.train.folder import RunFolder
 
 WARMUP = 5  # answers before the timed ones, on images not counted
 SESSION_FORMAT = "anytime-split-session-v1"  # the tag of a session's --out file, which a later session may replace
@@ -49,17 +52,18 @@ def parse_bandwidth_schedule(text: str | None, default_mbps: float, requests: in
     return phases
 
 
-def serve_split(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 9000, threads: int | str | None = None,
-                device: str = "auto", max_payload_kb: int = 1024,
+def serve_split(run_dir: RunFolder | str | Path, *, host: str = "127.0.0.1", port: int = 9000,
+                threads: int | str | None = None, device: str = "auto", max_payload_kb: int = 1024,
                 on_ready: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Serve the run's later segments to split-computing devices until interrupted."""
     from anytime.split.server import SplitServer, SplitService
-    from anytime.train.runs import load_run, require_images
+    from anytime.train.folder import open_run
+    from anytime.train.runs import require_images
     from anytime.utils.machine import resolve_device
     from anytime.utils.threads import set_threads
 
     set_threads(threads)
-    run = load_run(run_dir, resolve_device(device))
+    run = open_run(run_dir).load(resolve_device(device))
     require_images(run, "split computing")
     size = run.dataset.get("image_size") or [32, 32]
     shape = (int(run.dataset["in_channels"]), int(size[0]), int(size[1]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from torch import Tensor, nn
 
 from anytime.contract import run_step, step_count
 from anytime.errors import AnytimeError
+
+if TYPE_CHECKING:
+    from anytime.train.folder import RunFolder
 
 _POOLS = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.AvgPool2d, nn.MaxPool2d)
 
@@ -132,15 +135,16 @@ class CamReport:
 
 
 def cam_run(
-    run_dir: str | Path, *, images: Sequence[str | Path] = (), split: str | None = None, count: int = 8,
+    run_dir: RunFolder | str | Path, *, images: Sequence[str | Path] = (), split: str | None = None, count: int = 8,
     steps: Sequence[int] | None = None, explain: str = "predicted", out: str | Path | None = None,
     device: str = "auto",
 ) -> CamReport:  # fmt: skip
     """The maps of a run's steps for image files (``images``) or ``count`` images of a split drawn at random
     (seeded), written to ``out`` (default ``RUN/cam``) together or not at all. ``explain``: ``predicted`` (each
     step's own answer) or ``label`` (the true class; images of a split only)."""
+    from anytime.train.folder import open_run
     from anytime.train.records import class_names, run_title
-    from anytime.train.runs import load_run, require_images
+    from anytime.train.runs import require_images
     from anytime.utils.outputs import check_figure_folder, output_lock, staged_files
 
     check_image_source(images, split)
@@ -148,7 +152,8 @@ def cam_run(
         raise AnytimeError(f"--explain is 'predicted' or 'label' (got {explain!r})")
     if explain == "label" and split is None:
         raise AnytimeError("--explain label needs the images' true classes: draw them from a split (--split test)")
-    run = load_run(run_dir, device)
+    opened = open_run(run_dir)
+    run_dir, run = opened.path, opened.load(device)
     require_images(run, "anytime cam")
     folder = Path(out) if out is not None else Path(run_dir) / "cam"
     check_figure_folder(folder, "cam.npz", kind="class activation maps", given=out is not None)

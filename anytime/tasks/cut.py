@@ -28,9 +28,10 @@ from anytime.families.batchnorm import recompute_bn_statistics
 from anytime.families.separate import count_flops
 from anytime.train.checkpoint import save_weights
 from anytime.train.evaluation import evaluate_exits
+from anytime.train.folder import RunFolder, open_run, run_path
 from anytime.train.multi_exit import build_model
 from anytime.train.records import WEIGHTS
-from anytime.train.runs import LoadedRun, load_run, require_images
+from anytime.train.runs import LoadedRun, require_images
 from anytime.train.splits import run_splits
 from anytime.train.summary import RunSummary
 from anytime.utils.io import write_csv, write_json
@@ -45,8 +46,8 @@ CUT_COLUMNS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def _plain_run(run_dir: str | Path, device: str) -> LoadedRun:
-    run = load_run(run_dir, device)
+def _plain_run(run_dir: RunFolder | str | Path, device: str) -> LoadedRun:
+    run = open_run(run_dir).load(device)
     require_images(run, "anytime cut")
     if run.num_steps != 1:
         raise AnytimeError(f"{run_dir} is an anytime model ({run.num_steps} steps); cut the plain ResNet it came from")
@@ -222,8 +223,9 @@ def _measure_configs(model: nn.Module, setup: _Setup, device: torch.device, *,
 
 
 def cut_study(
-    run_dir: str | Path, settings: CutSettings | None = None, *, device: str = "cpu", out: str | Path | None = None,
-    overwrite: bool = False, progress: Callable[[str], None] | None = None, bar: bool = False,
+    run_dir: RunFolder | str | Path, settings: CutSettings | None = None, *, device: str = "cpu",
+    out: str | Path | None = None, overwrite: bool = False, progress: Callable[[str], None] | None = None,
+    bar: bool = False,
 ) -> CutStudy:  # fmt: skip
     """Cut a trained ResNet's blocks one by one and cumulatively from the top, for each kind of ``settings``
     (default :class:`CutSettings`); measure each configuration's accuracy on the settings' split (or on ``images``
@@ -238,8 +240,9 @@ def cut_study(
     """
     settings = settings or CutSettings()
     split = settings.split
-    folder = Path(out) if out is not None else Path(run_dir) / "cut"
+    folder = Path(out) if out is not None else run_path(run_dir) / "cut"
     run = _plain_run(run_dir, device)
+    run_dir = run.run_dir
     check_replaceable(folder, CUT_STUDY, overwrite=overwrite, create_parents=out is None)
     setup = _study_data(run, settings)
     model = run.model

@@ -34,8 +34,8 @@ class PlotReport:
 
 
 def plot_run(
-    run: RunFolder | str | Path, *, criteria: list[str] | None = None, settings: int = 400, profile: str | Path | None = None,
-    figure_size: str = "screen",
+    run: RunFolder | str | Path, *, criteria: list[str] | None = None, settings: int = 400,
+    profile: str | Path | None = None, figure_size: str = "screen",
 ) -> PlotReport:  # fmt: skip
     """The run's figures into ``RUN/plots/``: accuracy vs mean FLOPs (Pareto per criterion, the oracle and
     every exit alone), accuracy vs threshold, each exit's reliability diagram and its accuracy per class, the

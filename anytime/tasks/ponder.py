@@ -10,11 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch.nn.functional as F
 
 from anytime.errors import AnytimeError
+
+if TYPE_CHECKING:
+    from anytime.train.folder import RunFolder
 
 
 @dataclass(frozen=True)
@@ -36,19 +40,21 @@ class PonderReport:
 
 
 def ponder_run(
-    run_dir: str | Path, *, images: Sequence[str | Path] = (), split: str | None = None, count: int = 8,
+    run_dir: RunFolder | str | Path, *, images: Sequence[str | Path] = (), split: str | None = None, count: int = 8,
     steps: Sequence[int] | None = None, out: str | Path | None = None, device: str = "auto",
 ) -> PonderReport:  # fmt: skip
     """Maps of units run per position for image files (``images``) or ``count`` images of a split drawn at random
     (seeded), at ``steps`` (default all), written to ``out`` (default ``RUN/ponder``) together or not at all."""
     from anytime.families.sact import SACTResNet
     from anytime.tasks.cam import check_image_source, chosen_images
+    from anytime.train.folder import open_run
     from anytime.train.records import run_title
-    from anytime.train.runs import load_run, require_images
+    from anytime.train.runs import require_images
     from anytime.utils.outputs import check_figure_folder, output_lock, staged_files
 
     check_image_source(images, split)
-    run = load_run(run_dir, device)
+    opened = open_run(run_dir)
+    run_dir, run = opened.path, opened.load(device)
     require_images(run, "anytime ponder")
     model = run.model
     if not isinstance(model, SACTResNet):

@@ -150,8 +150,8 @@ class PromiseSettings:
         if self.count < 1:
             raise AnytimeError(f"--requests must be at least 1 (got {self.count})")
         if not 0 <= self.gap_ms < 60_000 or not 0 <= self.accuracy_tolerance < 1:
-            raise AnytimeError(f"the gap is 0 to 60000 ms and the accuracy tolerance a share below 1 (got {self.gap_ms}, "
-                               f"{self.accuracy_tolerance})")  # fmt: skip
+            raise AnytimeError(f"the gap is 0 to 60000 ms and the accuracy tolerance a share below 1 "
+                               f"(got {self.gap_ms}, {self.accuracy_tolerance})")  # fmt: skip
 
 
 def check_promises(

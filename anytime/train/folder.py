@@ -41,8 +41,9 @@ class RunFolder:
         path = Path(run_dir)
         record = require_run(path)
         config = TrainConfig.from_dict(record["train"], where=str(path / "config.json"))
-        return cls(path=path, record=MappingProxyType(record), config=config,
-                   dataset=MappingProxyType(dict(record["dataset"])), fingerprint=run_weights_fingerprint(path))  # fmt: skip
+        dataset = MappingProxyType(dict(record["dataset"]))
+        return cls(path=path, record=MappingProxyType(record), config=config, dataset=dataset,
+                   fingerprint=run_weights_fingerprint(path))  # fmt: skip
 
     @property
     def modality(self) -> str:
@@ -73,6 +74,11 @@ class RunFolder:
             raise AnytimeError(f"{self.path}'s weights changed since it was opened (another training wrote them); "
                                "open the run again")  # fmt: skip
         return loaded
+
+
+def run_path(run: RunFolder | str | Path) -> Path:
+    """The folder of ``run``, whether it is open already or a path (not opened here)."""
+    return run.path if isinstance(run, RunFolder) else Path(run)
 
 
 def open_run(run: RunFolder | str | Path) -> RunFolder:
