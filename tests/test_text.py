@@ -65,6 +65,14 @@ def text_run(text_root, tmp_path_factory) -> Path:
     return run
 
 
+def test_without_a_dev_file_validation_is_carved_from_train(tmp_path):
+    _write(tmp_path / "train.tsv", _sentences(400, 0), column="sentence")
+    _write(tmp_path / "test.tsv", _sentences(80, 2))
+    splits = load_dataset("textfolder", tmp_path, val_fraction=0.1, text=TextOptions(max_length=12, vocab_size=200))
+    assert splits.dev is None and len(splits.train) == 360 and len(splits.val) == 40 and len(splits.test) == 80
+    assert not set(splits.train.indices.tolist()) & set(splits.val.indices.tolist())
+
+
 def test_a_text_folder_loads_as_token_ids(text_root):
     splits = load_dataset("textfolder", text_root, text=TextOptions(max_length=12, vocab_size=200))
     info = splits.info
@@ -72,8 +80,9 @@ def test_a_text_folder_loads_as_token_ids(text_root):
     assert info.input_shape == (12,)
     assert splits.train.images.dtype == torch.int64 and splits.train.images.shape[1] == 12
     assert (splits.train.images[:, 0] == 2).all()  # every sentence starts with [CLS]
-    assert len(splits.train) + len(splits.val) == 400 and len(splits.dev) == 60 and len(splits.test) == 80
-    assert not set(splits.train.indices.tolist()) & set(splits.val.indices.tolist())
+    # the dev file is the validation split (drawn like the test); the whole train file is trained on
+    assert len(splits.train) == 400 and len(splits.val) == len(splits.dev) == 60 and len(splits.test) == 80
+    assert torch.equal(splits.val.images, splits.dev.images) and torch.equal(splits.val.labels, splits.dev.labels)
     cut = dict(info.truncated)
     longest = max(len(t.split()) for _, t in _sentences(400, 0))
     assert cut["train"] > 0 and longest + 1 > 12  # some sentences were longer than 12 tokens, and were counted
@@ -350,7 +359,7 @@ def test_sst2_loads_with_its_columns():
     if not (SST2 / "train.tsv").is_file():
         pytest.skip(f"SST-2 not found at {SST2}")
     splits = load_dataset("sst2", SST2, text=TextOptions(max_length=64))
-    assert len(splits.train) + len(splits.val) == 67_349 and len(splits.dev) == 872 and len(splits.test) == 1_821
+    assert len(splits.train) == 67_349 and len(splits.val) == len(splits.dev) == 872 and len(splits.test) == 1_821
     assert splits.info.classes == ("0", "1")
 
 

@@ -210,6 +210,8 @@ def _fingerprint(tables: dict[str, TextTable]) -> str:
         digest.update(name.encode())
         digest.update("\n".join(table.texts).encode())
         digest.update(table.labels.tobytes())
+    if "dev" in tables:  # validation is the dev file (a run that carved it from train, before, is another run's data)
+        digest.update(b"validation=dev")
     return digest.hexdigest()
 
 
@@ -244,10 +246,13 @@ def load_text_dataset(
     """Train / validation / test (and dev, where the folder has one) splits of token ids, encoded as ``text`` says
     (default :class:`TextOptions`).
 
-    The validation split is carved from ``train`` (stratified, seeded, as for images); ``dev`` stays a split of
-    its own, never trained on. ``text.tokenizer`` (its JSON) encodes the sentences; without one, a WordPiece
-    tokenizer of ``text.vocab_size`` entries is trained on the training split (after the carve) and returned in
-    :attr:`DatasetSplits.tokenizer` for the run to keep.
+    Where the folder has a dev file, it is the validation split (also named ``dev``) and the whole train file is
+    trained on: a dev file is held out and drawn like the test, where a carve of train need not be (SST-2's train
+    file holds phrases of its training sentences, its dev and test files whole sentences), and what a run promises
+    is measured on validation. Without one, validation is ``val_fraction`` of ``train`` (stratified, seeded, as
+    for images). ``text.tokenizer`` (its JSON) encodes the sentences; without one, a WordPiece tokenizer of
+    ``text.vocab_size`` entries is trained on the training split and returned in :attr:`DatasetSplits.tokenizer`
+    for the run to keep.
     """
     if name not in TEXT_DATASETS:
         raise AnytimeError(f"unknown text dataset {name!r}; choose one of {', '.join(TEXT_DATASETS)}")
@@ -265,9 +270,12 @@ def load_text_dataset(
         if unknown.size:
             raise AnytimeError(f"{table.path} has label(s) {unknown.tolist()} that the training file never uses")
     train_labels = np.searchsorted(values, tables["train"].labels)
-    val_rel, train_idx = stratified_pick(
-        train_labels, round(val_fraction * len(train_labels)), derive_seed("val", seed)
-    )
+    if "dev" in tables:
+        val_rel, train_idx = None, np.arange(len(train_labels), dtype=np.int64)
+    else:
+        val_rel, train_idx = stratified_pick(
+            train_labels, round(val_fraction * len(train_labels)), derive_seed("val", seed)
+        )
     if limit_train is not None and limit_train < len(train_idx):
         keep, _ = stratified_pick(train_labels[train_idx], limit_train, derive_seed("limit", seed))
         train_idx = train_idx[keep]
@@ -287,9 +295,13 @@ def load_text_dataset(
         labels = np.searchsorted(values, table.labels)
         if split == "train":
             splits["train"] = make_split("train", ids[train_idx], labels[train_idx], train_idx)
-            splits["val"] = make_split("val", ids[val_rel], labels[val_rel], val_rel)
+            if val_rel is not None:
+                splits["val"] = make_split("val", ids[val_rel], labels[val_rel], val_rel)
         else:
-            splits[split] = make_split(split, ids, labels, np.arange(len(labels), dtype=np.int64))
+            every = np.arange(len(labels), dtype=np.int64)
+            splits[split] = make_split(split, ids, labels, every)
+            if split == "dev":
+                splits["val"] = make_split("val", ids, labels, every)
     info = DatasetInfo(
         name=name, num_classes=len(values), in_channels=1, image_size=(1, max_length),
         classes=tuple(str(int(v)) for v in values), mean=(0.0,), std=(1.0,), hflip=False, source=str(folder.resolve()),

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anytime.data import Augment
+from anytime.data import Augment, DatasetSplits
 from anytime.train.config import TrainConfig
 from anytime.train.timing import PHASES, PhaseLog
 from anytime.utils.io import read_csv, write_csv, write_json
@@ -144,3 +144,17 @@ def _exit_summary(model: nn.Module, last: dict[str, Any], test_accs: list[float]
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
     """The rows of a run's ``metrics.csv`` (one per epoch), as strings."""
     return read_csv(Path(run_dir) / "metrics.csv")
+
+
+def data_note(cfg: TrainConfig, splits: DatasetSplits, augment: Augment) -> str:
+    """How the data is used, said when training starts: a text run's validation split (what its accuracies and
+    promises are measured on); an image run's augmentation, and why it has no mirror flips when that is the
+    dataset's default."""
+    if splits.info.modality == "text":
+        if splits.dev is not None:
+            return "; validation: the dev file (held out, drawn like the test), the whole train file trained on"
+        return "; validation: carved from the train file"
+    if cfg.augment is not None or splits.info.hflip:
+        return f"; augmentation {augment.describe()}"
+    mirror = " (no mirror flips: a mirrored image may be another class here; --augment crop+flip adds them)"
+    return f"; augmentation {augment.describe()}{mirror}"

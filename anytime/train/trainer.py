@@ -25,7 +25,7 @@ from anytime.train.distributed import Distributed, sync_batch_norms
 from anytime.train.epoch import EpochJob, TrainingForward, run_epoch
 from anytime.train.evaluation import evaluate_exits
 from anytime.train.linear_baseline import fit_baseline
-from anytime.train.logbook import RunSetting, train_summary, write_run_config, write_tables
+from anytime.train.logbook import RunSetting, data_note, train_summary, write_run_config, write_tables
 from anytime.train.multi_exit import build_model
 from anytime.train.pruning import MASK_FILE, kept_checkpoint
 from anytime.train.recipe import init_from_data, lr_factor, make_optimizer, weight_average
@@ -84,13 +84,6 @@ def require_checkpoint(run_dir: str | Path, verb: str) -> Path:
             f"no run to {verb} at {run_dir} (no {CHECKPOINT}); train one with `anytime train --out {run_dir}`"
         )
     return path
-
-
-def _mirror_note(cfg: TrainConfig, info: DatasetInfo) -> str:
-    """Why the recipe's augmentation has no mirror flips, when it is the dataset's default."""
-    if cfg.augment is not None or info.hflip:
-        return ""
-    return " (no mirror flips: a mirrored image may be another class here; --augment crop+flip adds them)"
 
 
 class Trainer:
@@ -275,7 +268,7 @@ class Trainer:
                 f"({len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test "
                 f"{'sentences' if info.modality == 'text' else 'images'}) "
                 f"from epoch {training.start_epoch + 1} to {cfg.epochs} on {device} -> {self.run_dir}"
-                + ("" if info.modality == "text" else f"; augmentation {augment.describe()}{_mirror_note(cfg, info)}")
+                + data_note(cfg, splits, augment)
             )
         self._train_epochs(training, job, info, extensions)
         test_loader = make_loader(splits.test, info, batch_size=cfg.eval_batch_size, train=False, **loader_kw)
