@@ -9,12 +9,15 @@ import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError
 from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, git_sha
 from anytime.utils.memory import allocator_state, hold_freed_memory
+
+if TYPE_CHECKING:
+    from anytime.tasks.calibration import CalibrationReport
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"  # RESULTS/<machine>/<benchmark>.json: the latest full run per machine
@@ -124,7 +127,7 @@ def train_card(run_dir: Path, quick: bool, card_path: Path) -> dict[str, Any]:
 
 def prepare_exit_run(
     run_dir: Path, quick: bool, *, max_drop: float, card_path: Path = EXITS_CARD, combine: bool = False
-) -> tuple[dict[str, Any], str, dict[str, Any]]:
+) -> tuple[dict[str, CalibrationReport], str, CalibrationReport]:
     """Train the card ``card_path`` (default models/cifar10-resnet32-exits.toml) into ``run_dir`` if it is not there
     (resuming an interrupted run), then :func:`calibrate_criteria`. Quick mode trains 1 epoch on 2000 images: a smoke
     run, not figures."""
@@ -134,7 +137,7 @@ def prepare_exit_run(
 
 def calibrate_criteria(
     run_dir: Path, *, max_drop: float, combine: bool = False
-) -> tuple[dict[str, Any], str, dict[str, Any]]:
+) -> tuple[dict[str, CalibrationReport], str, CalibrationReport]:
     """Cache a trained run's exit outputs on validation and test (unless cached from these weights), and calibrate
     every criterion on validation for at most ``max_drop`` points below the last exit (with ``combine``, every
     criterion that scores combined exits); the criterion with the fewest validation FLOPs becomes
@@ -142,7 +145,7 @@ def calibrate_criteria(
     from anytime.calibrate import CRITERIA, get_criterion
     from anytime.outputs import load_cache
     from anytime.scheduler.query import run_fingerprint
-    from anytime.tasks.calibration import calibrate_run
+    from anytime.tasks.calibration import CalibrationSettings, calibrate_run
     from anytime.tasks.collect import collect_run
 
     fingerprint = run_fingerprint(run_dir)
@@ -152,10 +155,11 @@ def calibrate_criteria(
         except AnytimeError:  # missing, or from other weights
             collect_run(run_dir, split)
     criteria = [c for c in CRITERIA if not (combine and get_criterion(c).stateful)]
-    candidates = {c: calibrate_run(run_dir, max_drop=max_drop, criterion=c, out=run_dir / f"calibration-{c}.json",
-                                   combine=combine) for c in criteria}  # fmt: skip
+    candidates = {c: calibrate_run(run_dir, CalibrationSettings(max_drop=max_drop, criterion=c, combine=combine),
+                                   out=run_dir / f"calibration-{c}.json") for c in criteria}  # fmt: skip
     best = min(candidates, key=lambda c: candidates[c].validation.result.mean_flops)
-    return candidates, best, calibrate_run(run_dir, max_drop=max_drop, criterion=best, combine=combine)
+    chosen = calibrate_run(run_dir, CalibrationSettings(max_drop=max_drop, criterion=best, combine=combine))
+    return candidates, best, chosen
 
 
 def member_runs(members: str) -> tuple[list[Path], list[Path]]:

@@ -19,7 +19,7 @@ import numpy as np
 from common import add_exit_run_options, exit_run_dir, parser, prepare_exit_run, report, run
 
 from anytime.scheduler.query import precision_scheduler, scheduler_for_run
-from anytime.tasks.calibration import calibrate_run
+from anytime.tasks.calibration import CalibrationSettings, calibrate_run
 from anytime.tasks.collect import collect_run
 from anytime.tasks.profiling import ProfileSettings, profile_run
 
@@ -51,7 +51,7 @@ def main() -> int:
         quantize_run(run_dir, "int8", out=qrun, overwrite=qrun.exists())
         collect_run(qrun, "val")
         collect_run(qrun, "test")
-        calibrate_run(qrun, max_drop=MAX_DROP)
+        calibrate_run(qrun, CalibrationSettings(max_drop=MAX_DROP))
     repeats = 100 if args.quick else REPEATS
     _profiled(run_dir, repeats)
     _profiled(qrun, repeats)
