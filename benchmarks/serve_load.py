@@ -8,7 +8,8 @@ median latency of the option the scheduler picks for that deadline). Every BAD_E
 (garbage bytes, a wrong-size array, a NaN deadline, no deadline, an oversized body, an unknown route).
 Reported: throughput, p50/p99 end-to-end latency as the client sees it (HTTP included), the miss rate as the
 server counts it (from the request's arrival at the application to its answer, against the deadline) and as the
-client sees it, and whether every good request got an answer and every bad one a 4xx. Ratio: the client-seen miss
+client sees it, where the difference went (the client's own lateness in sending, and the time outside the server's
+count: the client's wall time from send to answer less the server's ``total_ms``), and whether every good request got an answer and every bad one a 4xx. Ratio: the client-seen miss
 target (1% at up to 30% load, 2% above) / the client-seen miss rate (>= 1 passes), and the run fails whatever the
 ratio if a good request failed or a bad one was not refused. Profile the run with ``anytime profile RUN --threads 1
 --serve`` first, so that the server prices its answers and keeps its HTTP overhead free at the threads it serves
@@ -43,6 +44,7 @@ REQUESTS = 3000  # good and bad together (--quick: 300)
 BAD_EVERY = 10  # one request in BAD_EVERY is malformed
 CLIENTS = 16  # client threads (keep-alive connections)
 SERVER_THREADS = 1  # torch threads of the server: on 2 cores, the other one is left to HTTP and the load generator
+YIELD_MS = 0.5  # the server's --yield-ms (its default); 0 to see what the yield points buy
 TARGET_CLIENT_MISS = (0.01, 0.02)  # client-seen deadline misses at loads up to 30%, and above
 CIFAR_TEST = REPO.parent / "shared" / "data" / "cifar10" / "test"
 
@@ -82,8 +84,8 @@ def _bad_request(kind: int) -> tuple[str, str, bytes, dict[str, str]]:
     ][kind % 6]
 
 
-def _start_server(run_dir: Path, port: int, threads: int | None) -> subprocess.Popen[bytes]:
-    extra = ["--threads", str(threads)] if threads else []
+def _start_server(run_dir: Path, port: int, threads: int | None, yield_ms: float) -> subprocess.Popen[bytes]:
+    extra = [*(["--threads", str(threads)] if threads else []), "--yield-ms", str(yield_ms)]
     server = subprocess.Popen([sys.executable, "-m", "anytime", "serve", str(run_dir), "--port", str(port), *extra],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     deadline = time.monotonic() + 120
@@ -109,6 +111,7 @@ def main() -> int:
     p.add_argument(
         "--threads", type=int, default=SERVER_THREADS, help=f"the server's torch threads (default {SERVER_THREADS})"
     )
+    p.add_argument("--yield-ms", type=float, default=YIELD_MS, help=f"the server's --yield-ms (default {YIELD_MS})")
     args = p.parse_args()
     scheduler, _ = scheduler_for_run(args.run)
     choice = scheduler.select(args.deadline_ms, 0.99, 1)
@@ -123,7 +126,7 @@ def main() -> int:
           f"{capacity:.0f}/s); sending {total} requests at {rate:.0f}/s ({args.load:.0%}), 1 in {BAD_EVERY} bad")  # fmt: skip
 
     port = _free_port()
-    server = _start_server(args.run, port, args.threads)
+    server = _start_server(args.run, port, args.threads, args.yield_ms)
     results: list[dict[str, object]] = [{} for _ in range(total)]
     next_index = iter(range(total))
     lock = threading.Lock()
@@ -145,16 +148,27 @@ def main() -> int:
             else:
                 method, path, body, headers = ("POST", f"/predict?deadline_ms={args.deadline_ms}",
                                                images[i % len(images)], {})  # fmt: skip
+            sent = time.perf_counter()
             try:
                 conn.request(method, path, body=body, headers=headers)
                 response = conn.getresponse()
-                payload = json.loads(response.read() or b"{}")
+                raw = response.read()
+                got = time.perf_counter()
+                payload = json.loads(raw or b"{}")
                 status = response.status
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
                 payload, status = {"error": repr(exc)}, 0
-            results[i] = {"bad": bad, "status": status, "e2e_ms": 1000 * (time.perf_counter() - due), **payload}
+                got = time.perf_counter()
+            results[i] = {
+                "bad": bad,
+                "status": status,
+                "e2e_ms": 1000 * (time.perf_counter() - due),
+                "late_send_ms": 1000 * (sent - due),
+                "wire_ms": 1000 * (got - sent),
+                **payload,
+            }
 
     threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
     for t in threads:
@@ -178,6 +192,8 @@ def main() -> int:
     client_miss = float((e2e > args.deadline_ms).sum() + len(good) - len(answered)) / len(good)
     queued = np.array([r["queued_ms"] for r in good if r["status"] == 200], dtype=float)
     compute = np.array([r["compute_ms"] for r in answered], dtype=float)
+    late_send = np.array([r["late_send_ms"] for r in answered], dtype=float)
+    outside = np.array([float(r["wire_ms"]) - float(r["total_ms"]) for r in answered], dtype=float)  # type: ignore[arg-type]
     steps = {}
     for r in answered:
         steps[str(r["step_name"])] = steps.get(str(r["step_name"]), 0) + 1
@@ -189,7 +205,12 @@ def main() -> int:
         "e2e_p99_ms": float(np.percentile(e2e, 99)), "server_miss_rate": server_miss, "client_miss_rate": client_miss,
         "server_queued_p50_ms": float(np.percentile(queued, 50)), "server_queued_p99_ms": float(np.percentile(queued, 99)),
         "server_compute_p50_ms": float(np.percentile(compute, 50)),
-        "server_compute_p99_ms": float(np.percentile(compute, 99)), "good_failed": failed_good, "bad_refused": refused_bad, "steps": steps, "cpu_count": os.cpu_count(),
+        "server_compute_p99_ms": float(np.percentile(compute, 99)),
+        "client_late_send_p50_ms": float(np.percentile(late_send, 50)),
+        "client_late_send_p99_ms": float(np.percentile(late_send, 99)),
+        "outside_server_p50_ms": float(np.percentile(outside, 50)),
+        "outside_server_p99_ms": float(np.percentile(outside, 99)), "yield_ms": args.yield_ms,
+        "nothing_fitted": sum(1 for r in answered if r.get("fits") is False), "good_failed": failed_good, "bad_refused": refused_bad, "steps": steps, "cpu_count": os.cpu_count(),
         "server_metrics_requests": next((ln.split()[-1] for ln in metrics.splitlines()
                                          if ln.startswith("anytime_requests_total")), None),
     }  # fmt: skip
@@ -197,7 +218,10 @@ def main() -> int:
           f"{figures['e2e_p99_ms']:.2f} ms; misses: server {100 * server_miss:.2f}%, client {100 * client_miss:.2f}%; "
           f"good failed {failed_good}/{len(good)}, bad refused {refused_bad}/{len(bad)}; steps {steps}; server queued "
           f"p50/p99 {figures['server_queued_p50_ms']:.2f}/{figures['server_queued_p99_ms']:.2f} ms, compute "
-          f"{figures['server_compute_p50_ms']:.2f}/{figures['server_compute_p99_ms']:.2f} ms")  # fmt: skip
+          f"{figures['server_compute_p50_ms']:.2f}/{figures['server_compute_p99_ms']:.2f} ms; outside the server's "
+          f"count p50/p99 {figures['outside_server_p50_ms']:.2f}/{figures['outside_server_p99_ms']:.2f} ms (client "
+          f"sent late by p50/p99 {figures['client_late_send_p50_ms']:.2f}/{figures['client_late_send_p99_ms']:.2f} "
+          f"ms); nothing fitted {figures['nothing_fitted']}")  # fmt: skip
     survived = failed_good == 0 and refused_bad == len(bad)
     target = TARGET_CLIENT_MISS[0] if args.load <= 0.3 else TARGET_CLIENT_MISS[1]
     ratio = target / max(client_miss, 1e-9)

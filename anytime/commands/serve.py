@@ -17,6 +17,7 @@ from anytime.commands.options import (
     positive_int,
 )
 from anytime.errors import AnytimeError
+from anytime.serve.cooperate import DEFAULT_EVERY_MS
 
 SUMMARY = (
     "serve a run over HTTP: POST /predict answers within each request's deadline (queue time counted); "
@@ -57,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the latency quantile a step must fit at before it starts (default 0.99)",
     )
     parser.add_argument(
+        "--yield-ms",
+        type=finite_float,
+        default=DEFAULT_EVERY_MS,
+        metavar="MS",
+        help="the answering thread offers its core to the HTTP loop at the next block boundary whenever this much time "
+        "has passed since it last did, so that a request arriving mid-answer is read and its clock started "
+        "(default 0.5; 0: never)",
+    )
+    parser.add_argument(
         "--max-body-kb",
         type=positive_int,
         default=1024,
@@ -80,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return _serve_split(args)
     options = ServeOptions(run=args.run, profile=args.profile, calibration=args.calibration, max_batch=args.max_batch,
                            max_body_kb=args.max_body_kb, quantile=args.quantile, threads=args.threads,
-                           device=args.device)  # fmt: skip
+                           device=args.device, yield_ms=args.yield_ms)  # fmt: skip
     try:
         serve(options, host=args.host, port=args.port, workers=args.workers,
               on_ready=lambda url: print(f"serving {args.run} on {url} (POST /predict, GET /schedule, /healthz, "
@@ -94,7 +104,8 @@ def _serve_split(args: argparse.Namespace) -> int:
     from anytime.split.session import serve_split
 
     http_only = [flag for flag, value in (("--profile", args.profile), ("--calibration", args.calibration),
-                                          ("--max-batch", args.max_batch), ("--workers", args.workers != 1))
+                                          ("--max-batch", args.max_batch), ("--workers", args.workers != 1),
+                                          ("--yield-ms", args.yield_ms != DEFAULT_EVERY_MS))
                  if value]  # fmt: skip
     if http_only:
         raise AnytimeError(f"{', '.join(http_only)} apply to the HTTP server; --role server takes the device's "

@@ -25,6 +25,7 @@ from typing import Any
 from anytime.data.inputs import Inputs, InputSpec, TextSpec
 from anytime.errors import AnytimeError, BadRequest
 from anytime.profile.stats import quantile_of
+from anytime.serve.cooperate import DEFAULT_EVERY_MS
 from anytime.serve.service import Request, Service, parse_deadline, parse_energy_budget
 from anytime.utils.jsonsafe import loads_bounded
 
@@ -51,6 +52,7 @@ class ServeOptions:
     quantile: float = 0.99
     threads: int | str | None = None  # a number, 'auto', or None: the profile's
     device: str = "auto"
+    yield_ms: float = DEFAULT_EVERY_MS
 
 
 def _multipart_fields(body: bytes, content_type: str, field: str) -> dict[str, bytes]:
@@ -304,7 +306,7 @@ def build_app(options: ServeOptions) -> tuple[Any, Service]:
         else InputSpec.from_dataset(run.dataset)
     )
     service = Service(runner, step_names=runner.profile.step_names, class_names=spec.class_names,
-                      max_batch=options.max_batch)  # fmt: skip
+                      max_batch=options.max_batch, yield_ms=options.yield_ms)  # fmt: skip
     # One scheduler per profile the runtime holds (a text run: per length bucket), built from the profiles it loaded.
     schedulers = {bucket: opened.scheduler(bucket) for bucket in [None, *runner.length_profiles]}
     info = {"run": str(Path(options.run)), "model": run.name, "profile": str(opened.profile_path),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from anytime.errors import AnytimeError, BadRequest
+from anytime.serve.cooperate import DEFAULT_EVERY_MS, YieldPoints
 from anytime.serve.metrics import Metrics
 from anytime.utils.collector import collect_due, serving_gc
 from anytime.utils.timer import Clock, monotonic
@@ -105,12 +106,15 @@ class Service:
     """The runtime of one run behind a queue: :meth:`submit` from any thread, one worker answers.
 
     ``max_batch`` requests at most (default: the largest profiled batch size, up to 8) are answered together (those already queued when the worker is free; it
-    never waits for more), under the tightest deadline left among them. ``clock`` is in seconds (monotonic).
+    never waits for more), under the tightest deadline left among them. ``clock`` is in seconds (monotonic). While
+    answering, the worker yields its core at the next block boundary whenever ``yield_ms`` have passed since it
+    last did (:class:`~anytime.serve.cooperate.YieldPoints`; 0 or None: never).
     """
 
     def __init__(
         self, runner: AnytimeRunner, *, step_names: Sequence[str], class_names: Sequence[str] | None = None,
         max_batch: int | None = None, max_queue: int = 1024, clock: Clock = monotonic,
+        yield_ms: float | None = DEFAULT_EVERY_MS,
     ) -> None:  # fmt: skip
         largest = max(runner.profile.batch_sizes)
         max_batch = min(8, largest) if max_batch is None else max_batch
@@ -124,6 +128,9 @@ class Service:
         self.class_names = tuple(class_names) if class_names else None
         self.max_batch = max_batch
         self.clock = clock
+        if yield_ms is not None and not (math.isfinite(yield_ms) and yield_ms >= 0):
+            raise AnytimeError(f"--yield-ms must be 0 (never) or more (got {yield_ms})")
+        self.yield_ms = yield_ms
         self.metrics = Metrics(self.step_names)
         self._queue: queue.Queue[tuple[Request, Future[Answer]] | None] = queue.Queue(maxsize=max_queue)
         self._worker: threading.Thread | None = None
@@ -250,7 +257,7 @@ class Service:
 
     def _work(self) -> None:
         # The collector is kept out of the answers and runs between them, as the profile's prices were timed.
-        with serving_gc():
+        with serving_gc(), YieldPoints(self.runner.model, self.yield_ms):
             self._serve_queue()
 
     def _serve_queue(self) -> None:
