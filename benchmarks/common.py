@@ -37,30 +37,6 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
-def paired_rounds(first: Any, second: Any, per_round: int, level: float = 0.95) -> tuple[float, float, float, int]:
-    """``second``'s time over ``first``'s, round by round: both arrays hold per-batch times in the order
-    ``per_sample_latency`` ran them (turns of ``per_round`` batches, interleaved), each round's ratio is of the two
-    turns' means. Returns the median ratio, a distribution-free ``level`` interval of that median (order statistics
-    of the rounds' ratios, from the binomial), and the number of rounds."""
-    import math
-
-    import numpy as np
-
-    a, b = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
-    rounds = min(a.size, b.size) // per_round
-    if rounds < 1:
-        raise AnytimeError(f"{min(a.size, b.size)} timings make no round of {per_round}")
-    ratios = np.sort([b[i * per_round : (i + 1) * per_round].mean() / a[i * per_round : (i + 1) * per_round].mean()
-                      for i in range(rounds)])  # fmt: skip
-    # The widest j with P(Binomial(n, 1/2) < j) <= (1 - level) / 2: [ratios[j - 1], ratios[n - j]] covers the median.
-    tail, cumulative, j = (1 - level) / 2, 0.0, 0
-    while j < rounds and cumulative + math.comb(rounds, j) / 2**rounds <= tail:
-        cumulative += math.comb(rounds, j) / 2**rounds
-        j += 1
-    low, high = (ratios[j - 1], ratios[rounds - j]) if j >= 1 else (-math.inf, math.inf)
-    return float(np.median(ratios)), float(low), float(high), rounds
-
-
 def machine_name(machine: dict[str, Any]) -> str:
     """The folder a machine's results go in: its CPU model and core count, and its GPU where it has one (a
     host name says nothing about speed and changes with every lease)."""

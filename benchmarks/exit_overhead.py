@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import onnx_programs, paired_rounds, parser, report, run
+from common import onnx_programs, parser, report, run
 
 from anytime.backbones import create_model
 from anytime.calibrate import ExitPolicy, get_criterion
@@ -40,6 +40,7 @@ from anytime.deploy.inference import InferenceForm, inference_form
 from anytime.errors import AnytimeError
 from anytime.families import attach_exits
 from anytime.profile import latency_summary, per_sample_latency
+from anytime.utils.stats import paired_ratio
 
 TARGET = 1.05
 SHAPE = (3, 32, 32)  # one CIFAR image
@@ -125,7 +126,8 @@ def overhead_at(functions: dict[str, Callable[[torch.Tensor], object]], batch_si
     inputs = torch.randn(batch_size * batches, 3, 32, 32)
     times = per_sample_latency(functions, inputs, warmup=10, batch_size=batch_size, turn=turn)
     plain, exits = latency_summary(times["backbone"]), latency_summary(times["exits"])
-    ratio, low, high, rounds = paired_rounds(times["backbone"], times["exits"], turn)
+    paired = paired_ratio(times["exits"], times["backbone"], turn)
+    ratio, low, high, rounds = paired.median, paired.low, paired.high, paired.rounds
     figures = {"threads": threads, "backbone_mean_ms": plain["mean_ms"], "exits_mean_ms": exits["mean_ms"],
                "backbone_p50_ms": plain["p50_ms"], "exits_p50_ms": exits["p50_ms"],
                "ratio_mean": exits["mean_ms"] / plain["mean_ms"], "ratio_median": ratio, "ratio_low": low,

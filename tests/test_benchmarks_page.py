@@ -67,19 +67,3 @@ def test_machine_names_are_folder_names():
     assert common.machine_name({"cpu_model": "AMD EPYC", "cpu_count": 2, "gpu": None}) == "amd-epyc-2c"
     assert common.machine_name({"cpu_model": "Intel(R) Xeon(R) 8480+", "cpu_count": 16,
                                 "gpu": "NVIDIA H100 80GB HBM3"}) == "intel-r-xeon-r-8480-16c-nvidia-h100-80gb-hbm3"  # fmt: skip
-
-
-def test_paired_rounds_give_the_median_ratio_and_an_interval_that_needs_enough_rounds():
-    import numpy as np
-
-    common = _module("common")
-    rng = np.random.default_rng(0)
-    first = rng.normal(1.0, 0.05, 1000)
-    second = first * 1.03 + rng.normal(0.0, 0.02, 1000)
-    median, low, high, rounds = common.paired_rounds(first, second, 50)
-    assert rounds == 20 and low <= median <= high and low > 1.0 and abs(median - 1.03) < 0.01
-    ratios = sorted(second[i * 50 : (i + 1) * 50].mean() / first[i * 50 : (i + 1) * 50].mean() for i in range(20))
-    assert (low, high) == (ratios[5], ratios[14])  # 20 rounds: the 6th and 15th cover the median at >= 95%
-    assert common.paired_rounds(first[:250], second[:250], 50)[1:3] == (-np.inf, np.inf)  # 5 rounds cannot
-    with pytest.raises(common.AnytimeError):
-        common.paired_rounds(first[:10], second[:10], 50)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -64,3 +66,20 @@ def test_reliability_calibration_error_and_class_accuracy_on_known_cases():
     table = class_accuracy(logits, np.array([0, 1, 2, 2]), 4)
     np.testing.assert_allclose(table[:, :3], [[1, 1, 0.5], [1, 1, 0.5]])
     assert np.isnan(table[:, 3]).all()  # a class with no sample
+
+
+def test_a_paired_ratio_is_the_rounds_median_with_an_order_statistic_interval():
+    from anytime.utils.stats import paired_ratio
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(1.0, 0.05, 1000)
+    slower = base * 1.03 + rng.normal(0.0, 0.02, 1000)
+    paired = paired_ratio(slower, base, 50)
+    assert paired.rounds == 20 and paired.low <= paired.median <= paired.high and paired.low > 1.0
+    assert abs(paired.median - 1.03) < 0.01
+    ratios = sorted(slower[i * 50 : (i + 1) * 50].mean() / base[i * 50 : (i + 1) * 50].mean() for i in range(20))
+    assert (paired.low, paired.high) == pytest.approx((ratios[5], ratios[14]))  # 20 rounds: the 6th and 15th
+    few = paired_ratio(slower[:250], base[:250], 50)
+    assert few.rounds == 5 and (few.low, few.high) == (-math.inf, math.inf)  # 5 rounds cannot give 95%
+    with pytest.raises(ValueError):
+        paired_ratio(slower[:10], base[:10], 50)

@@ -68,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  early exit {e.mean_ms:.3f} ms mean, p50 {e.p50_ms:.3f}, p99 {e.p99_ms:.3f}")
         backbone = "segments " if args.export else "backbone "  # an export's plain network is its segments in turn
         print(f"  {backbone}  {b.mean_ms:.3f} ms mean, p50 {b.p50_ms:.3f}, p99 {b.p99_ms:.3f}")
-        print(f"  speed-up   {lat.speedup:.2f}x (mean latency)")
+        paired, rounds = lat.paired, ""
+        if paired is not None:
+            interval = f", 95% interval {paired.low:.2f}x to {paired.high:.2f}x" if paired.rounds >= 6 else ""
+            rounds = f"; paired, turn by turn: median {paired.median:.2f}x{interval} over {paired.rounds} rounds"
+        print(f"  speed-up   {lat.speedup:.2f}x (mean latency){rounds}")
     print(f"saved to {Path(args.export or args.run) / f'evaluation-{args.split}.json'}")
     return 0

@@ -28,6 +28,7 @@ from anytime.utils.io import write_json
 from anytime.utils.machine import describe_machine, device_label, git_sha, resolve_device
 from anytime.utils.memory import hold_freed_memory
 from anytime.utils.outputs import check_output_file, output_lock
+from anytime.utils.stats import PairedRatio, paired_ratio
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class LatencyComparison:
     backbone: LatencyFigures
     turn: int
     batch_size: int = 1
+    paired: PairedRatio | None = None  # the backbone's time over early exit's, turn by turn (the speed-up's rounds)
 
     @property
     def mean_ratio(self) -> float:
@@ -78,8 +80,10 @@ class LatencyComparison:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, with the ratio and the speed-up."""
+        paired = None if self.paired is None else asdict(self.paired)
         return {"batch_size": self.batch_size, "turn": self.turn, "early_exit": self.early_exit.to_dict(),
-                "backbone": self.backbone.to_dict(), "mean_ratio": self.mean_ratio, "speedup": self.speedup}  # fmt: skip
+                "backbone": self.backbone.to_dict(), "mean_ratio": self.mean_ratio, "speedup": self.speedup,
+                "paired_speedup": paired}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -283,5 +287,8 @@ def _latency(model: torch.nn.Module, policy: ExitPolicy, images: torch.Tensor | 
     finally:
         bar.close()
     times = {name: np.concatenate(values) for name, values in chunks.items()}
+    paired = None
+    if len(times["backbone"]) >= _LATENCY_TURN:
+        paired = paired_ratio(times["backbone"], times["early_exit"], _LATENCY_TURN)
     return LatencyComparison(LatencyFigures.of(times["early_exit"]), LatencyFigures.of(times["backbone"]),
-                             turn=_LATENCY_TURN)  # fmt: skip
+                             turn=_LATENCY_TURN, paired=paired)  # fmt: skip

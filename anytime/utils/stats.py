@@ -1,11 +1,44 @@
 """Uncertainty and summary numbers on numpy alone: a proportion's Wilson interval, a quantile's bootstrap interval
-and distribution-free upper bound, and the area under an accuracy-vs-cost curve."""
+and distribution-free upper bound, a paired ratio's median over rounds with its interval, and the area under an
+accuracy-vs-cost curve."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """A ratio of two ways of answering timed in interleaved rounds: the rounds' median ratio, a distribution-free
+    95% interval of that median (``-inf, inf`` when there are too few rounds for one: under 6), and the rounds."""
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+
+def paired_ratio(numerator: np.ndarray, denominator: np.ndarray, per_round: int, level: float = 0.95) -> PairedRatio:
+    """``numerator``'s time over ``denominator``'s, round by round: both hold per-batch times in the order they ran
+    (turns of ``per_round`` batches taken in alternation, as ``per_sample_latency`` times them), a round's ratio is
+    of the two turns' means, and the interval of the rounds' median is read from their order statistics (the
+    binomial), so no round's noise needs a model. ``ValueError`` when there is not one round."""
+    a, b = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
+    rounds = min(a.size, b.size) // per_round if per_round >= 1 else 0
+    if rounds < 1:
+        raise ValueError(f"{min(a.size, b.size)} timings make no round of {per_round}")
+    ratios = np.sort(a[: rounds * per_round].reshape(rounds, per_round).mean(axis=1)
+                     / b[: rounds * per_round].reshape(rounds, per_round).mean(axis=1))  # fmt: skip
+    # The largest j with P(Binomial(n, 1/2) < j) <= (1 - level) / 2: ratios[j - 1] .. ratios[n - j] cover the median.
+    tail, below, j = (1 - level) / 2, 0.0, 0
+    while j < rounds and below + math.comb(rounds, j) / 2.0**rounds <= tail:
+        below += math.comb(rounds, j) / 2.0**rounds
+        j += 1
+    low, high = (float(ratios[j - 1]), float(ratios[rounds - j])) if j >= 1 else (-math.inf, math.inf)
+    return PairedRatio(float(np.median(ratios)), low, high, rounds)
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
