@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=finite_float,
         default=DEFAULT_EVERY_MS,
         metavar="MS",
-        help="the answering thread offers its core to the HTTP loop at the next block boundary whenever this much time "
-        "has passed since it last did, so that a request arriving mid-answer is read and its clock started "
+        help="the answering thread lets the HTTP loop run at the next block boundary whenever this much time has "
+        "passed since it last did, so that a request arriving mid-answer is read and its clock started "
         "(default 0.5; 0: never)",
     )
     parser.add_argument(

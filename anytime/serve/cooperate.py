@@ -1,17 +1,20 @@
-"""Yield points: the serving worker offers its core to the HTTP loop between the model's blocks.
+"""Yield points: the serving worker lets the HTTP loop run between the model's blocks.
 
-A server answers on one worker thread while its event loop reads the next requests. On a machine with few cores the
-kernel may wake the loop (a request has arrived) on the core that is computing, and leave it there until the
-computation ends: a virtual machine whose scheduler packs work onto few vCPUs does so on most wake-ups (measured on
-a 2-vCPU VM: a thread sleeping 1 ms woke 2.98 ms late at p90 beside a process computing 3 ms bursts, 0.10 ms beside
-one computing without pause, 0.32 ms beside bursts that yield every 0.5 ms). The request is then read only after
-the answer in progress, and that wait lies before the arrival stamp, outside the time the server counts. With yield
-points, the worker calls ``sched_yield`` between the model's blocks, at most once per ``every_ms`` of its compute:
-a thread queued on that core runs (reads and stamps its request), and the answer resumes. With nobody waiting, the
-call returns at once.
+A server answers on one worker thread while its event loop, in the same process, reads the next requests; the two
+share the interpreter lock. A PyTorch forward releases the lock inside every operator and takes it back as soon as
+the operator returns, and a thread that wakes up wanting the lock (the loop, for a request that has just arrived,
+or for an answer to send) often waits until the whole answer in progress is done (lowering the interpreter's switch
+interval did not change that here). Measured on the 2-core test machine beside the fast CIFAR-10 card answering one
+input every 2 ms: a thread sleeping 1 ms woke 1.99 ms late at p90 and 3.21 ms at p99 (a separate process, which has
+its own lock, woke 0.11 and 0.27 ms late beside a process busy 3 ms in every 5). For a request, that wait lies
+before its arrival stamp, outside the time the server counts. With yield points, the worker calls ``sched_yield``
+(the lock released around it) before the model's next block once ``every_ms`` has passed since its last yield: a
+waiting thread gets the lock and the core, and the answer resumes. The same thread then woke 0.69 ms late at p90
+and 1.55 ms at p99 (every 0.5 ms), or 0.49 and 1.33 ms (every 0.25 ms). With nobody waiting the call returns at
+once.
 
 A block is the outermost module of what the runtime calls whose subtree holds at most :data:`BLOCK_WEIGHTS` leaves
-with weights (a residual block, a transformer layer), so the hooks fire a few dozen times per answer, not once per
+with weights (a residual block, a transformer layer), so the hooks fire a few times per answer, not once per
 operator. Compiled and TorchScript parts are opaque: no hook is put inside them (a hook there would break the
 graph).
 """
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 BLOCK_WEIGHTS = 16  # leaves with weights in one block: a transformer layer (a MobileBERT bottleneck layer has 13)
-DEFAULT_EVERY_MS = 0.5  # the longest stretch of compute without a yield (the loop's worst extra wait, roughly)
+DEFAULT_EVERY_MS = 0.5  # at most one yield per this much of the worker's time (ms); 0.25 bought little more
 
 
 def _opaque(module: nn.Module) -> bool:

@@ -107,7 +107,7 @@ class Service:
 
     ``max_batch`` requests at most (default: the largest profiled batch size, up to 8) are answered together (those already queued when the worker is free; it
     never waits for more), under the tightest deadline left among them. ``clock`` is in seconds (monotonic). While
-    answering, the worker yields its core at the next block boundary whenever ``yield_ms`` have passed since it
+    answering, the worker lets other threads run at the next block boundary whenever ``yield_ms`` have passed since it
     last did (:class:`~anytime.serve.cooperate.YieldPoints`; 0 or None: never).
     """
 
