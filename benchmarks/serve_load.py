@@ -1,19 +1,19 @@
 """Benchmark: `anytime serve` under load, with bad requests mixed in.
 
-The server runs in its own process on 127.0.0.1 (the run's own profile and calibration, its default batching).
-A pool of client threads sends requests at Poisson arrival times (open loop: a request's latency is measured
-from the time it was due to be sent, so a late client counts against the server, not for it) with one
-deadline, at a fraction LOAD of the request rate the profile says the machine can carry (1000 / the profiled
-median latency of the option the scheduler picks for that deadline). Every BAD_EVERY-th request is a bad one
-(garbage bytes, a wrong-size array, a NaN deadline, no deadline, an oversized body, an unknown route).
-Reported: throughput, p50/p99 end-to-end latency as the client sees it (HTTP included), the miss rate as the
-server counts it (from the request's arrival at the application to its answer, against the deadline) and as the
-client sees it, where the difference went (the client's own lateness in sending, and the time outside the server's
-count: the client's wall time from send to answer less the server's ``total_ms``), and whether every good request got an answer and every bad one a 4xx. Ratio: the client-seen miss
-target (1% at up to 30% load, 2% above) / the client-seen miss rate (>= 1 passes), and the run fails whatever the
-ratio if a good request failed or a bad one was not refused. Profile the run with ``anytime profile RUN --threads 1
---serve`` first, so that the server prices its answers and keeps its HTTP overhead free at the threads it serves
-with.
+The server runs in its own process on 127.0.0.1 (the run's own profile and calibration, its default batching). A
+pool of client threads sends requests at Poisson arrival times (open loop: a request's latency is measured from the
+time it was due to be sent, so a late client counts against the server, not for it) with one deadline, at a
+fraction LOAD of the request rate the profile says the machine can carry (1000 / the profiled median latency of the
+option the scheduler picks for that deadline). Every BAD_EVERY-th request is a bad one (garbage bytes, a wrong-size
+array, a NaN deadline, no deadline, an oversized body, an unknown route). Reported: throughput, p50/p99 end-to-end
+latency as the client sees it (HTTP included), the miss rate as the server counts it (from the request's arrival at
+the application to its answer, against the deadline) and as the client sees it, where the difference went (the
+client's own lateness in sending, and the time outside the server's count: the client's wall time from send to
+answer less the server's ``total_ms``), and whether every good request got an answer and every bad one a 4xx.
+Ratio: the client-seen miss target (1% at up to 30% load, 2% above) / the client-seen miss rate (>= 1 passes), and
+the run fails whatever the ratio if a good request failed or a bad one was not refused. Profile the run with
+``anytime profile RUN --threads 1 --serve`` first, so that the server prices its answers and keeps its HTTP
+overhead free at the threads it serves with.
 """
 
 from __future__ import annotations

@@ -83,3 +83,19 @@ def test_a_paired_ratio_is_the_rounds_median_with_an_order_statistic_interval():
     assert few.rounds == 5 and (few.low, few.high) == (-math.inf, math.inf)  # 5 rounds cannot give 95%
     with pytest.raises(ValueError):
         paired_ratio(slower[:10], base[:10], 50)
+
+
+def test_an_evaluations_paired_speedup_is_written_as_standard_json():
+    import json
+
+    from anytime.tasks.evaluation import LatencyComparison, LatencyFigures
+    from anytime.utils.stats import paired_ratio
+
+    rng = np.random.default_rng(2)
+    backbone, early = rng.normal(2e-3, 1e-4, 250), rng.normal(1e-3, 1e-4, 250)
+    figures = LatencyFigures.of(early), LatencyFigures.of(backbone)
+    few = LatencyComparison(*figures, turn=50, paired=paired_ratio(backbone, early, 50)).to_dict()["paired_speedup"]
+    assert few["rounds"] == 5 and few["low"] is None and few["high"] is None and few["median"] > 1.5
+    json.dumps(few, allow_nan=False)
+    many = LatencyComparison(*figures, turn=10, paired=paired_ratio(backbone, early, 10)).to_dict()["paired_speedup"]
+    assert many["rounds"] == 25 and many["low"] <= many["median"] <= many["high"]

@@ -80,7 +80,11 @@ class LatencyComparison:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, with the ratio and the speed-up."""
-        paired = None if self.paired is None else asdict(self.paired)
+        paired = None  # a bound too few rounds cannot give is written as null, not as JSON's non-standard Infinity
+        if self.paired is not None:
+            paired = {
+                k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(self.paired).items()
+            }
         return {"batch_size": self.batch_size, "turn": self.turn, "early_exit": self.early_exit.to_dict(),
                 "backbone": self.backbone.to_dict(), "mean_ratio": self.mean_ratio, "speedup": self.speedup,
                 "paired_speedup": paired}  # fmt: skip
