@@ -133,7 +133,7 @@ def main() -> int:
     print(f"latency per image at batch 1 over {lat.early_exit.count} test images: early exit "
           f"{lat.early_exit.mean_ms:.3f} ms (p99 {lat.early_exit.p99_ms:.3f}), backbone "
           f"{lat.backbone.mean_ms:.3f} ms (p99 {lat.backbone.p99_ms:.3f}) -> {lat.speedup:.2f}x")  # fmt: skip
-    if lat.paired is not None:
+    if lat.paired is not None and lat.paired.rounds >= 6:  # fewer rounds (a smoke run) give no interval
         print(f"paired, turn by turn ({lat.paired.rounds} rounds of {lat.turn} images each way): speed-up median "
               f"{lat.paired.median:.2f}x, 95% interval {lat.paired.low:.2f}x to {lat.paired.high:.2f}x")  # fmt: skip
     figures = {
