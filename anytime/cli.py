@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib
 import os
 import signal
@@ -160,19 +159,39 @@ class _Terminated(BaseException):
         self.signum = signum
 
 
-def _terminate(owner: int, signum: int, _frame: Any) -> None:
-    if os.getpid() != owner:  # a forked worker (a decoding pool, a DataLoader) inherited this: end as it would have
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise _Terminated(signum)
+class _TerminationGuard:
+    """Turns the first SIGTERM or SIGHUP into :class:`_Terminated` while a command runs (main thread only).
 
+    One signal unwinds the command; later ones, and any that arrive once :meth:`disarm` has been called (a failure
+    is being reported), are let pass, so a launcher stopping a process that is already saying why it failed gets
+    that reason and its exit status, never a traceback raised from the middle of the report.
+    """
 
-def _catch_termination() -> dict[int, Any]:
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    handler = functools.partial(_terminate, os.getpid())
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    def __init__(self) -> None:
+        self._owner = os.getpid()
+        self._armed = True
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if os.getpid() != self._owner:  # a forked worker (a decoding pool, a DataLoader) inherited this
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._armed:
+            self._armed = False
+            raise _Terminated(signum)
+
+    def disarm(self) -> None:
+        """From now on a signal no longer interrupts: the command is already on its way out."""
+        self._armed = False
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before."""
+        self._armed = False
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _quiet_broken_pipe() -> int:
@@ -204,32 +223,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     """Run the parsed command; returns the exit status, having said why on stderr where it failed."""
-    previous = _catch_termination()
+    guard = _TerminationGuard()
     try:
-        status = _module(args.command).run(args)
-        sys.stdout.flush()
-        return status
-    except BrokenPipeError:
-        return _quiet_broken_pipe()
-    except AnytimeError as exc:
-        if not isinstance(exc, PeerStopped):  # process 0 has said why
-            where = f" (process {os.environ.get('RANK')})" if _other_process() else ""
-            print_error(args.command, str(exc), where)
-        return 2
-    except OSError as exc:  # a path the user gave that cannot be read or written
-        path = f" ({user_path(exc.filename)})" if exc.filename else ""
-        print_error(args.command, f"{exc.strerror or exc}{path}; check the path and its permissions")
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    except _Terminated as exc:
+        try:
+            status = _module(args.command).run(args)
+            sys.stdout.flush()
+            return status
+        except BrokenPipeError:
+            guard.disarm()
+            return _quiet_broken_pipe()
+        except AnytimeError as exc:
+            guard.disarm()
+            if not isinstance(exc, PeerStopped):  # process 0 has said why
+                where = f" (process {os.environ.get('RANK')})" if _other_process() else ""
+                print_error(args.command, str(exc), where)
+            return 2
+        except OSError as exc:  # a path the user gave that cannot be read or written
+            guard.disarm()
+            path = f" ({user_path(exc.filename)})" if exc.filename else ""
+            print_error(args.command, f"{exc.strerror or exc}{path}; check the path and its permissions")
+            return 2
+        except KeyboardInterrupt:
+            guard.disarm()
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+    except _Terminated as exc:  # also one that came between a failure and its handler's first line
         if not _other_process():
             print(f"\nstopped by signal {exc.signum}; nothing partial was kept", file=sys.stderr)
         return 128 + exc.signum
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        guard.restore()
 
 
 if __name__ == "__main__":

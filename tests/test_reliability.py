@@ -4,6 +4,7 @@ machine-wide side effects unless asked, and runs that can be trained longer."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from anytime.cli import main
+from anytime.cli import _run_command, main
 from anytime.errors import AnytimeError
 from anytime.utils import outputs, resources, tempnames
 from anytime.utils.outputs import MARKER, DirState, check_output_dir, output_lock, staged_dir
@@ -294,13 +295,53 @@ def test_a_terminated_training_leaves_no_temporary_file(tmp_path):
 
 def test_a_forked_worker_ends_quietly_on_sigterm():
     script = ("import multiprocessing, time\n"
-              "from anytime.cli import _catch_termination\n"
-              "_catch_termination()\n"
+              "from anytime.cli import _TerminationGuard\n"
+              "_TerminationGuard()\n"
               "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))\n"
               "worker.start(); time.sleep(0.5); worker.terminate(); worker.join()\n"
               "print(worker.exitcode)\n")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == str(-signal.SIGTERM) and done.stderr == "", done.stderr
+
+
+def _command_that(run):
+    """A stand-in for a command module whose ``run`` is ``run``."""
+    return lambda _name: type("Command", (), {"run": staticmethod(run)})
+
+
+def test_a_signal_while_a_failure_is_reported_keeps_the_failure(monkeypatch, capsys):
+    def fail(_args):
+        raise AnytimeError("the data folder is empty")
+
+    def report_while_stopped(command, message, where=""):  # the launcher stops the process mid-report
+        os.kill(os.getpid(), signal.SIGTERM)
+        print(f"anytime {command}: error: {message}{where}", file=sys.stderr)
+
+    monkeypatch.setattr("anytime.cli._module", _command_that(fail))
+    monkeypatch.setattr("anytime.cli.print_error", report_while_stopped)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert _run_command(argparse.Namespace(command="train")) == 2
+    err = capsys.readouterr().err
+    assert "the data folder is empty" in err and "stopped by signal" not in err
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_only_the_first_signal_interrupts_and_the_second_does_not_cut_the_cleanup(monkeypatch, capsys):
+    cleaned = []
+
+    def run(_args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # never reached in full: the signal unwinds it
+        finally:
+            os.kill(os.getpid(), signal.SIGHUP)  # a second signal during the clean-up
+            cleaned.append(True)
+        return 0
+
+    monkeypatch.setattr("anytime.cli._module", _command_that(run))
+    assert _run_command(argparse.Namespace(command="train")) == 128 + signal.SIGTERM
+    assert cleaned == [True]
+    assert "stopped by signal 15; nothing partial was kept" in capsys.readouterr().err
 
 
 def test_a_second_writer_of_the_same_result_is_refused(ok, copied_run, cli_error):
