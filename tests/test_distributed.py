@@ -23,6 +23,7 @@ from anytime.data.loader import share
 from anytime.errors import AnytimeError
 from anytime.train.distributed import from_environment
 from anytime.train.launch import first_failure, free_port, launch_local, rank_environment
+from anytime.train.trainer import _peer_error
 
 # 2 gloo processes and 1 process at the same global batch, LeNet (no batch norm): the same sums in another order.
 # One thread per process picks other kernels than two threads in one: after 2 epochs the weights part by 1e-7 on a
@@ -325,6 +326,16 @@ def test_a_killed_process_stops_the_run_and_resume_ends_where_an_unbroken_run_do
     assert resumed.returncode == 0, resumed.stderr
     _train(tmp_path / "unbroken", "--epochs", "8", "--nproc", "2")
     assert _max_weight_difference(run, tmp_path / "unbroken") == 0.0
+
+
+def test_a_lost_peer_is_told_in_its_first_sentence_without_the_source_place():
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:50342: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+                        "application\nmore detail")  # fmt: skip
+    assert _peer_error(gloo) == "Read error [127.0.0.1]:50342: Connection reset by peer"
+    assert _peer_error(RuntimeError("")) == "RuntimeError"
+    long = _peer_error(RuntimeError("word " * 100))
+    assert len(long) <= 164 and long.endswith("word ...")
 
 
 def test_the_slurm_template_ships_and_parses():

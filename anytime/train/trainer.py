@@ -51,6 +51,17 @@ from anytime.utils.seed import seed_everything
 
 # what gloo and NCCL say (as plain RuntimeErrors) when a peer process has gone
 _LOST_PEER = re.compile(r"gloo|nccl|connection (reset|closed|refused)|broken pipe|timed out", re.IGNORECASE)
+_SOURCE_PLACE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")  # "[.../gloo/transport/tcp/pair.cc:545] " before gloo's words
+
+
+def _peer_error(exc: BaseException, limit: int = 160) -> str:
+    """The first sentence of a communication error, without the C++ source place, cut at a word if long."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _SOURCE_PLACE.sub("", text)
+    sentence = re.split(r"(?<=\.)\s", text, maxsplit=1)[0].rstrip(".")
+    if len(sentence) > limit:
+        sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
+    return sentence
 
 
 @dataclass(frozen=True)
@@ -160,8 +171,7 @@ class Trainer:
         except RuntimeError as exc:
             if not isinstance(exc, dist.DistError) and not _LOST_PEER.search(str(exc)):
                 raise
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            raise AnytimeError(f"process {ctx.rank} lost contact with the others ({first}); the run keeps its last "
+            raise AnytimeError(f"process {ctx.rank} lost contact with the others ({_peer_error(exc)}); the run keeps its last "
                                "complete epoch: continue with --resume") from None  # fmt: skip
         finally:
             ctx.stop(together=finished)
