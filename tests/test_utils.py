@@ -98,16 +98,18 @@ def test_derive_seed_is_stable_and_distinct():
 
 def test_tree_memory_counts_child_processes():
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; x = bytearray(200 * 2**20); time.sleep(3)"],
+        [sys.executable, "-c", "import time; x = bytearray(200 * 2**20); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
-        time.sleep(1.5)
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"  # however busy the machine
         with TreeMemorySampler(interval_s=0.05) as sampler:
             time.sleep(0.2)
         alone = tree_memory(child.pid)
     finally:
         child.kill()
-        child.wait()
+        child.communicate()  # reaps it and closes the pipe
     assert alone.rss_bytes > 150 * 2**20
     assert sampler.peak_processes_ >= 2
     assert sampler.peak_rss_bytes_ > 150 * 2**20
