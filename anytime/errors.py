@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type where it has none), to quote inside a one-line error."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class AnytimeError(Exception):
     """A problem caused by the user's input (a path, a file, a value).
 

@@ -33,8 +33,8 @@ from anytime.deploy.manifest import (
     dynamic_batch,
 )
 from anytime.deploy.onnx_export import export_onnx, normalised_by, quantize_onnx
-from anytime.deploy.runtimes import first_line, sha256_of
-from anytime.errors import AnytimeError
+from anytime.deploy.runtimes import sha256_of
+from anytime.errors import AnytimeError, first_line
 from anytime.precision.int8 import x86_without_vnni
 from anytime.precision.model import X86_7BIT, Int8Recipe
 

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from anytime.deploy.manifest import ARTIFACT_DTYPES, ExportManifest, read_manifest
-from anytime.deploy.runtimes import PROVIDERS, first_line, ort_session
-from anytime.errors import AnytimeError
+from anytime.deploy.runtimes import PROVIDERS, ort_session
+from anytime.errors import AnytimeError, first_line
 from anytime.precision.int8 import lower_int8, x86_without_vnni
 from anytime.precision.parts import PartsModel
 from anytime.utils.quiet import quiet_torchao

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from anytime.deploy.manifest import dynamic_batch
-from anytime.deploy.runtimes import DEPLOY_HINT, first_line, onnx_modules
-from anytime.errors import AnytimeError
+from anytime.deploy.runtimes import DEPLOY_HINT, onnx_modules
+from anytime.errors import AnytimeError, first_line
 from anytime.precision.int8 import x86_without_vnni
 
 

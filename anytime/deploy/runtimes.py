@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from anytime.errors import AnytimeError
+from anytime.errors import AnytimeError, first_line
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 DEPLOY_HINT = "pip install 'anytime[deploy]' (onnx, onnxscript, onnxruntime)"
@@ -20,12 +20,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type where it has none)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def onnx_modules() -> tuple[Any, Any]:

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from anytime.backbones.base import StagedBackbone
-from anytime.errors import AnytimeError
+from anytime.errors import AnytimeError, first_line
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def traced_chain(backbone: nn.Module, sample: Tensor) -> Chain:
             graphs.append(_Tracer().trace(backbone.train(mode)))
     except Exception as exc:  # noqa: BLE001  fx raises many types; all mean the same to the user
         raise AnytimeError(
-            f"cannot split {type(backbone).__name__} into stages: torch.fx could not trace it ({_first_line(exc)}); "
+            f"cannot split {type(backbone).__name__} into stages: torch.fx could not trace it ({first_line(exc)}); "
             "give it a stage contract (subclass StagedBackbone) or make its forward traceable"
         ) from None
     finally:
@@ -217,11 +217,6 @@ def refresh_attributes(segment: nn.Module, source: nn.Module) -> None:
 def split_points(backbone: nn.Module, sample: Tensor) -> Chain:
     """Every point ``backbone`` can exit after: by its stage contract, else on its torch.fx graph."""
     return staged_chain(backbone, sample) if isinstance(backbone, StagedBackbone) else traced_chain(backbone, sample)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _cut_name(i: int, stacks: list[list[str]], value: fx.Node) -> str:

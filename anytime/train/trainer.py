@@ -17,7 +17,7 @@ from anytime.backbones.footprint import check_forward_memory, model_bytes
 from anytime.data import Augment, BatchLoader, DatasetSplits, Delivery, make_loader
 from anytime.data.base import DatasetInfo
 from anytime.data.text import TOKENIZER_FILE
-from anytime.errors import AnytimeError
+from anytime.errors import AnytimeError, first_line
 from anytime.train.channels import CHANNELS_FILE
 from anytime.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from anytime.train.config import TrainConfig
@@ -56,8 +56,7 @@ _SOURCE_PLACE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")  # "[.../gloo/transport/tcp/
 
 def _peer_error(exc: BaseException, limit: int = 160) -> str:
     """The first sentence of a communication error, without the C++ source place, cut at a word if long."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = _SOURCE_PLACE.sub("", text)
+    text = _SOURCE_PLACE.sub("", first_line(exc))
     sentence = re.split(r"(?<=\.)\s", text, maxsplit=1)[0].rstrip(".")
     if len(sentence) > limit:
         sentence = sentence[:limit].rsplit(" ", 1)[0] + " ..."
